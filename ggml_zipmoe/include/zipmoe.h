@@ -1,0 +1,178 @@
+/*
+ * zipmoe.h - the one public header of the zipmoe native library.
+ *
+ * Lossless compression of BF16 Mixture-of-Experts weights. A BF16 value is split into its
+ * exponent byte (low entropy, entropy coded in independently decodable chunks) and its
+ * sign+mantissa byte (stored raw). Decoding gives back the original bits, always.
+ *
+ * Conventions (as in zstd and ggml):
+ *  - every function that can fail returns an int64_t: >= 0 is a size or success, < 0 is a
+ *    zipmoe_status; zipmoe_status_str() names it;
+ *  - all sizes are explicit, in bytes unless the name says "n" (a count of BF16 values);
+ *  - the caller owns every buffer it passes; objects returned by the _create and _open functions are owned by
+ *    the caller and released with the matching _free function;
+ *  - nothing here allocates in a decode call: scratch memory lives in a zipmoe_workspace.
+ * The file layout these functions read and write is specified in docs/FORMAT.md.
+ */
+#ifndef ZIPMOE_H
+#define ZIPMOE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#    define ZIPMOE_API __declspec(dllexport)
+#else
+#    define ZIPMOE_API __attribute__((visibility("default")))
+#endif
+
+#define ZIPMOE_VERSION_MAJOR 0
+#define ZIPMOE_VERSION_MINOR 1
+#define ZIPMOE_FORMAT_VERSION 1
+
+/* ---------------------------------------------------------------- status codes */
+
+typedef enum {
+    ZIPMOE_OK               =  0,
+    ZIPMOE_ERR_ARG          = -1, /* invalid argument (NULL, zero-sized where not allowed, ...) */
+    ZIPMOE_ERR_CORRUPT      = -2, /* input violates the format: sizes, offsets, code tables      */
+    ZIPMOE_ERR_CHECKSUM     = -3, /* a chunk's bytes do not match its recorded checksum          */
+    ZIPMOE_ERR_NOMEM        = -4, /* an allocation failed (only *_create / *_open allocate)      */
+    ZIPMOE_ERR_UNSUPPORTED  = -5, /* unknown codec, format version or tensor type                */
+    ZIPMOE_ERR_DST_TOO_SMALL = -6, /* the output buffer cannot hold the result                   */
+    ZIPMOE_ERR_CODEC        = -7, /* the underlying codec (zstd) reported an error               */
+} zipmoe_status;
+
+ZIPMOE_API const char * zipmoe_status_str(int64_t status);
+
+/* ---------------------------------------------------------------- codecs */
+
+typedef enum {
+    ZIPMOE_CODEC_ZSTD = 1, /* zstd on the exponent plane, level configurable (the paper's codec) */
+    ZIPMOE_CODEC_HUFF = 2, /* canonical Huffman, per-tensor table, 4 streams per chunk, decoded
+                              several symbols per table lookup (zipmoe's fast codec) */
+} zipmoe_codec;
+
+#define ZIPMOE_HUFF_MAX_BITS 11        /* longest Huffman code; also the decode table's index width */
+#define ZIPMOE_CHUNK_MAX     (1u << 24) /* largest chunk, in values */
+
+/* Which split/merge kernel runs: 0 = portable scalar, 1 = AVX2. */
+ZIPMOE_API int zipmoe_simd_level(void);
+
+/* ---------------------------------------------------------------- split / merge */
+
+/* bf16 -> exponent plane (bits 14..7) and sign+mantissa plane (bit 15 -> bit 7, bits 6..0). */
+ZIPMOE_API void zipmoe_split_bf16(const uint16_t * src, size_t n, uint8_t * exp, uint8_t * sm);
+ZIPMOE_API void zipmoe_merge_bf16(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst);
+/* The portable reference versions the SIMD ones are tested against. */
+ZIPMOE_API void zipmoe_split_bf16_scalar(const uint16_t * src, size_t n, uint8_t * exp, uint8_t * sm);
+ZIPMOE_API void zipmoe_merge_bf16_scalar(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst);
+
+/* Histogram of the exponent bytes of n BF16 values, added to hist[256]. */
+ZIPMOE_API void zipmoe_exponent_histogram(const uint16_t * src, size_t n, uint64_t hist[256]);
+
+/* ---------------------------------------------------------------- checksums */
+
+/* XXH3-64 with a seed. Chunk checksum = zipmoe_checksum(sm, n, zipmoe_checksum(exp_code, size, 0)). */
+ZIPMOE_API uint64_t zipmoe_checksum(const void * data, size_t size, uint64_t seed);
+
+/* ---------------------------------------------------------------- Huffman tables */
+
+/* Code lengths (0 = symbol absent, else 1..ZIPMOE_HUFF_MAX_BITS) from a histogram. Returns OK or
+ * ZIPMOE_ERR_ARG for an empty histogram. A single present symbol gets length 1. */
+ZIPMOE_API int64_t zipmoe_huff_lengths(const uint64_t hist[256], uint8_t lengths[256]);
+/* Validates code lengths: every length <= ZIPMOE_HUFF_MAX_BITS and the Kraft sum exactly 1
+ * (or a single symbol of length 1). Returns OK or ZIPMOE_ERR_CORRUPT. */
+ZIPMOE_API int64_t zipmoe_huff_check_lengths(const uint8_t lengths[256]);
+
+/* ---------------------------------------------------------------- chunk codec */
+
+/* A codec instance: the codec, its level, and for HUFF the code table (encode and decode forms).
+ * Immutable after creation, so one instance can be shared by any number of threads. */
+typedef struct zipmoe_codec_ctx zipmoe_codec_ctx;
+
+/* lengths is required for HUFF and ignored for ZSTD. */
+ZIPMOE_API int64_t zipmoe_codec_create(zipmoe_codec codec, int level, const uint8_t lengths[256],
+                                       zipmoe_codec_ctx ** out);
+ZIPMOE_API void    zipmoe_codec_free(zipmoe_codec_ctx * c);
+
+/* Per-thread scratch: the exponent plane of one chunk and zstd contexts. One per thread. */
+typedef struct zipmoe_workspace zipmoe_workspace;
+
+ZIPMOE_API zipmoe_workspace * zipmoe_workspace_create(size_t chunk_n);
+ZIPMOE_API void               zipmoe_workspace_free(zipmoe_workspace * ws);
+
+/* Largest encoded size of a chunk of n values. */
+ZIPMOE_API size_t  zipmoe_chunk_bound(const zipmoe_codec_ctx * c, size_t n);
+
+/* Encodes the exponent plane of n BF16 values (src) into dst[cap]. Returns the size written. */
+ZIPMOE_API int64_t zipmoe_chunk_encode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
+                                       const uint16_t * src, size_t n, void * dst, size_t cap);
+
+/* Decodes one chunk: code[code_size] holds the exponents of n values whose sign+mantissa bytes
+ * are sm[n]; writes exactly n BF16 values to dst and nothing else. If checksum_check is non-zero
+ * the chunk's checksum is compared first (ZIPMOE_ERR_CHECKSUM on mismatch). */
+ZIPMOE_API int64_t zipmoe_chunk_decode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
+                                       const void * code, size_t code_size,
+                                       const uint8_t * sm, size_t n,
+                                       int checksum_check, uint64_t checksum, uint16_t * dst);
+
+/* ---------------------------------------------------------------- compressed expert tensors */
+
+/* An expert tensor as stored in a zipmoe GGUF: its index (the <base>.zipmoe_index companion,
+ * int64 little-endian, docs/FORMAT.md) validated against the size of its data companion. */
+typedef struct zipmoe_tensor zipmoe_tensor;
+
+typedef struct {
+    int32_t  codec;          /* zipmoe_codec */
+    int32_t  level;
+    int32_t  ggml_type;      /* type of the original tensor; 30 = GGML_TYPE_BF16 */
+    int64_t  ne[4];          /* original shape, ne[2] = number of experts */
+    int64_t  n_expert;
+    int64_t  n_per_expert;   /* values in one expert = ne[0] * ne[1] */
+    int64_t  chunk_n;        /* values per chunk (the last chunk of an expert may be shorter) */
+    int64_t  n_chunks;       /* chunks per expert */
+    uint64_t data_size;      /* size of the data companion */
+} zipmoe_tensor_info;
+
+typedef struct {
+    uint64_t offset;         /* of the expert's region, from the start of the data companion */
+    uint64_t size;           /* of the region: sm plane, padding, exponent chunks */
+    uint64_t exp_offset;     /* of the first exponent chunk, from the start of the region */
+} zipmoe_expert_span;
+
+/* Parses and validates an index (index_size bytes) for a data companion of data_size bytes.
+ * Every offset, size and count is checked before anything reads through it. */
+ZIPMOE_API int64_t zipmoe_tensor_open(const void * index, size_t index_size, uint64_t data_size,
+                                      zipmoe_tensor ** out);
+ZIPMOE_API void    zipmoe_tensor_free(zipmoe_tensor * t);
+ZIPMOE_API void    zipmoe_tensor_get_info(const zipmoe_tensor * t, zipmoe_tensor_info * info);
+ZIPMOE_API int64_t zipmoe_tensor_expert_span(const zipmoe_tensor * t, int64_t expert, zipmoe_expert_span * span);
+ZIPMOE_API const zipmoe_codec_ctx * zipmoe_tensor_codec(const zipmoe_tensor * t);
+
+/* Decodes expert `expert` from its region (region_size bytes, as read from the data companion at
+ * span.offset) into dst (n_per_expert BF16 values). Chunks are shared out among nth callers:
+ * the caller with index ith (0 <= ith < nth) decodes chunks ith, ith + nth, ...; so nth threads
+ * calling with ith = 0..nth-1 decode the whole expert, each with its own workspace. Checksums are
+ * always verified. Returns the number of chunks this call decoded, or an error. */
+ZIPMOE_API int64_t zipmoe_tensor_decode_expert(const zipmoe_tensor * t, zipmoe_workspace * ws,
+                                               int64_t expert, const void * region, size_t region_size,
+                                               uint16_t * dst, int ith, int nth);
+
+/* Encoding one expert (used by the converter): the region is laid out as docs/FORMAT.md says.
+ * chunk_ends[n_chunks] and checksums[n_chunks] receive the chunk table. Returns the region size. */
+ZIPMOE_API size_t  zipmoe_expert_region_bound(const zipmoe_codec_ctx * c, int64_t n_per_expert, int64_t chunk_n);
+ZIPMOE_API int64_t zipmoe_expert_encode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
+                                        const uint16_t * src, int64_t n_per_expert, int64_t chunk_n,
+                                        void * region, size_t cap,
+                                        uint64_t * chunk_ends, uint64_t * checksums);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* ZIPMOE_H */

@@ -1,0 +1,117 @@
+/* codec.c - codec instances, per-thread workspaces, and the chunk: checksum + exponent codec + merge. */
+#include "zipmoe-impl.h"
+
+#include <stdlib.h>
+
+int64_t zipmoe_codec_create(zipmoe_codec codec, int level, const uint8_t lengths[256], zipmoe_codec_ctx ** out) {
+    if (!out) {
+        return ZIPMOE_ERR_ARG;
+    }
+    *out = NULL;
+    if (codec != ZIPMOE_CODEC_ZSTD && codec != ZIPMOE_CODEC_HUFF) {
+        return ZIPMOE_ERR_UNSUPPORTED;
+    }
+    if (codec == ZIPMOE_CODEC_HUFF && !lengths) {
+        return ZIPMOE_ERR_ARG;
+    }
+    zipmoe_codec_ctx * c = calloc(1, sizeof *c);
+    if (!c) {
+        return ZIPMOE_ERR_NOMEM;
+    }
+    c->codec = codec;
+    c->level = codec == ZIPMOE_CODEC_ZSTD ? level : 0;
+    if (codec == ZIPMOE_CODEC_HUFF) {
+        const int64_t rc = zipmoe_huff_init(&c->huff, lengths);
+        if (rc < 0) {
+            free(c);
+            return rc;
+        }
+    }
+    *out = c;
+    return ZIPMOE_OK;
+}
+
+void zipmoe_codec_free(zipmoe_codec_ctx * c) { free(c); }
+
+zipmoe_workspace * zipmoe_workspace_create(size_t chunk_n) {
+    if (chunk_n == 0 || chunk_n > ZIPMOE_CHUNK_MAX) {
+        return NULL;
+    }
+    zipmoe_workspace * ws = calloc(1, sizeof *ws);
+    if (!ws) {
+        return NULL;
+    }
+    ws->chunk_n = chunk_n;
+    ws->exp     = malloc(chunk_n + ZIPMOE_SCRATCH_SLACK);
+    ws->sm      = malloc(chunk_n);
+    ws->zstd_d  = zipmoe_zstd_dctx_create();
+    if (!ws->exp || !ws->sm || !ws->zstd_d) {
+        zipmoe_workspace_free(ws);
+        return NULL;
+    }
+    return ws;
+}
+
+void zipmoe_workspace_free(zipmoe_workspace * ws) {
+    if (!ws) {
+        return;
+    }
+    free(ws->exp);
+    free(ws->sm);
+    if (ws->zstd_d) {
+        zipmoe_zstd_dctx_free(ws->zstd_d);
+    }
+    if (ws->zstd_c) {
+        zipmoe_zstd_cctx_free(ws->zstd_c);
+    }
+    free(ws);
+}
+
+size_t zipmoe_chunk_bound(const zipmoe_codec_ctx * c, size_t n) {
+    return c->codec == ZIPMOE_CODEC_HUFF ? zipmoe_huff_bound(n) : zipmoe_zstd_bound(n);
+}
+
+uint64_t zipmoe_chunk_checksum(const void * code, size_t code_size, const uint8_t * sm, size_t n) {
+    return zipmoe_checksum(sm, n, zipmoe_checksum(code, code_size, 0));
+}
+
+int64_t zipmoe_encode_exp(const zipmoe_codec_ctx * c, zipmoe_workspace * ws, const uint8_t * exp, size_t n, void * dst, size_t cap) {
+    if (c->codec == ZIPMOE_CODEC_HUFF) {
+        return zipmoe_huff_encode(&c->huff, exp, n, (uint8_t *) dst, cap);
+    }
+    return zipmoe_zstd_encode(ws, c->level, exp, n, (uint8_t *) dst, cap);
+}
+
+int64_t zipmoe_chunk_encode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
+                            const uint16_t * src, size_t n, void * dst, size_t cap) {
+    if (!c || !ws || (!src && n) || !dst) {
+        return ZIPMOE_ERR_ARG;
+    }
+    if (n > ws->chunk_n) {
+        return ZIPMOE_ERR_ARG;
+    }
+    zipmoe_split_bf16(src, n, ws->exp, ws->sm);
+    return zipmoe_encode_exp(c, ws, ws->exp, n, dst, cap);
+}
+
+int64_t zipmoe_chunk_decode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
+                            const void * code, size_t code_size, const uint8_t * sm, size_t n,
+                            int checksum_check, uint64_t checksum, uint16_t * dst) {
+    if (!c || !ws || !code || (!sm && n) || (!dst && n)) {
+        return ZIPMOE_ERR_ARG;
+    }
+    if (n > ws->chunk_n) {
+        return ZIPMOE_ERR_ARG;
+    }
+    if (checksum_check && zipmoe_chunk_checksum(code, code_size, sm, n) != checksum) {
+        return ZIPMOE_ERR_CHECKSUM;
+    }
+    const int64_t rc = c->codec == ZIPMOE_CODEC_HUFF
+                         ? zipmoe_huff_decode(&c->huff, (const uint8_t *) code, code_size, ws->exp, n)
+                         : zipmoe_zstd_decode(ws, (const uint8_t *) code, code_size, ws->exp, n);
+    if (rc < 0) {
+        return rc;
+    }
+    zipmoe_merge_bf16(ws->exp, sm, n, dst);
+    return (int64_t) n;
+}

@@ -1,0 +1,44 @@
+/* split_avx2.c - AVX2 split/merge; compiled with -mavx2, called only after a CPU check. */
+#include "zipmoe-impl.h"
+
+#include <immintrin.h>
+
+void zipmoe_split_bf16_avx2(const uint16_t * src, size_t n, uint8_t * exp, uint8_t * sm) {
+    const __m256i lo8  = _mm256_set1_epi16(0x00ff);
+    const __m256i m7f  = _mm256_set1_epi16(0x007f);
+    const __m256i m80  = _mm256_set1_epi16(0x0080);
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *) (src + i));
+        const __m256i b = _mm256_loadu_si256((const __m256i *) (src + i + 16));
+        const __m256i ea = _mm256_and_si256(_mm256_srli_epi16(a, 7), lo8);
+        const __m256i eb = _mm256_and_si256(_mm256_srli_epi16(b, 7), lo8);
+        const __m256i sa = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 8), m80), _mm256_and_si256(a, m7f));
+        const __m256i sb = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 8), m80), _mm256_and_si256(b, m7f));
+        /* packus works per 128-bit lane: fix the order with a 64-bit permute */
+        const __m256i e = _mm256_permute4x64_epi64(_mm256_packus_epi16(ea, eb), 0xd8);
+        const __m256i s = _mm256_permute4x64_epi64(_mm256_packus_epi16(sa, sb), 0xd8);
+        _mm256_storeu_si256((__m256i *) (exp + i), e);
+        _mm256_storeu_si256((__m256i *) (sm + i), s);
+    }
+    zipmoe_split_bf16_scalar(src + i, n - i, exp + i, sm + i);
+}
+
+void zipmoe_merge_bf16_avx2(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst) {
+    /* Byte-wise, 32 values at a time: low byte = mantissa | exponent bit 0 << 7,
+     * high byte = sign | exponent >> 1; then interleave the two bytes of each value. */
+    const __m256i m7f = _mm256_set1_epi8(0x7f);
+    const __m256i m80 = _mm256_set1_epi8((char) 0x80);
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const __m256i e  = _mm256_loadu_si256((const __m256i *) (exp + i));
+        const __m256i s  = _mm256_loadu_si256((const __m256i *) (sm + i));
+        const __m256i lo = _mm256_or_si256(_mm256_and_si256(s, m7f), _mm256_and_si256(_mm256_slli_epi16(e, 7), m80));
+        const __m256i hi = _mm256_or_si256(_mm256_and_si256(s, m80), _mm256_and_si256(_mm256_srli_epi16(e, 1), m7f));
+        const __m256i a  = _mm256_unpacklo_epi8(lo, hi); /* values 0..7 and 16..23 */
+        const __m256i b  = _mm256_unpackhi_epi8(lo, hi); /* values 8..15 and 24..31 */
+        _mm256_storeu_si256((__m256i *) (dst + i), _mm256_permute2x128_si256(a, b, 0x20));
+        _mm256_storeu_si256((__m256i *) (dst + i + 16), _mm256_permute2x128_si256(a, b, 0x31));
+    }
+    zipmoe_merge_bf16_scalar(exp + i, sm + i, n - i, dst + i);
+}

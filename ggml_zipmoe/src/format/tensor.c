@@ -1,0 +1,245 @@
+/* tensor.c - compressed expert tensors: the index of docs/FORMAT.md, parsed and validated before use
+ * (it comes from a file, so it is untrusted), expert regions encoded and decoded. */
+#include "zipmoe-impl.h"
+
+#include <stdlib.h>
+
+#define INDEX_MAGIC      0x3158444945504D5AULL /* "ZMPEIDX1" */
+#define INDEX_VERSION    1
+#define INDEX_HEADER     48
+#define REGION_ALIGN     4096
+#define SM_ALIGN         64
+#define GGML_TYPE_BF16   30
+#define MAX_EXPERTS      (1 << 20)
+
+struct zipmoe_tensor {
+    zipmoe_tensor_info info;
+    zipmoe_codec_ctx * codec;
+    uint64_t           exp_offset;  /* same for every expert: align_up(n_per_expert, 64) */
+    uint64_t *         regions;     /* [n_expert][2]: offset, size */
+    uint64_t *         chunks;      /* [n_expert][n_chunks][2]: end, checksum */
+};
+
+static int mul_overflows(uint64_t a, uint64_t b, uint64_t * out) {
+    return __builtin_mul_overflow(a, b, out);
+}
+
+int64_t zipmoe_tensor_open(const void * index, size_t index_size, uint64_t data_size, zipmoe_tensor ** out) {
+    if (!index || !out) {
+        return ZIPMOE_ERR_ARG;
+    }
+    *out = NULL;
+    if (index_size % 8 != 0 || index_size / 8 < INDEX_HEADER + 1) {
+        return ZIPMOE_ERR_CORRUPT;
+    }
+    const uint64_t   len = index_size / 8;
+    const uint8_t *  raw = (const uint8_t *) index;
+    /* copy the header out: the index may be unaligned (it is a view into a file) */
+    uint64_t h[INDEX_HEADER];
+    memcpy(h, raw, sizeof h);
+
+    if (h[0] != INDEX_MAGIC) {
+        return ZIPMOE_ERR_CORRUPT;
+    }
+    if (h[1] != INDEX_VERSION) {
+        return ZIPMOE_ERR_UNSUPPORTED;
+    }
+    if (zipmoe_checksum(raw, (len - 1) * 8, 0) != zipmoe_load64le(raw + (len - 1) * 8)) {
+        return ZIPMOE_ERR_CHECKSUM;
+    }
+    const uint64_t codec = h[2], level = h[3], type = h[4];
+    const uint64_t ne0 = h[5], ne1 = h[6], ne2 = h[7], ne3 = h[8];
+    const uint64_t n_expert = h[9], n_per = h[10], chunk_n = h[11], n_chunks = h[12];
+    if (codec != ZIPMOE_CODEC_ZSTD && codec != ZIPMOE_CODEC_HUFF) {
+        return ZIPMOE_ERR_UNSUPPORTED;
+    }
+    if (type != GGML_TYPE_BF16) {
+        return ZIPMOE_ERR_UNSUPPORTED;
+    }
+    uint64_t n_check;
+    if (ne0 == 0 || ne1 == 0 || ne3 != 1 || ne2 != n_expert || n_expert == 0 || n_expert > MAX_EXPERTS ||
+        mul_overflows(ne0, ne1, &n_check) || n_check != n_per || n_per > ((uint64_t) 1 << 48)) {
+        return ZIPMOE_ERR_CORRUPT;
+    }
+    if (chunk_n == 0 || chunk_n > ZIPMOE_CHUNK_MAX || n_chunks != (n_per + chunk_n - 1) / chunk_n) {
+        return ZIPMOE_ERR_CORRUPT;
+    }
+    if (h[13] != data_size || h[14] != REGION_ALIGN || h[15] != 0) {
+        return ZIPMOE_ERR_CORRUPT;
+    }
+    if ((int64_t) level < -(1 << 17) || (int64_t) level > 64) {
+        return ZIPMOE_ERR_CORRUPT;
+    }
+    /* index_len = 48 + 2E + 2EC + 1, computed without overflow (E <= 2^20, C <= 2^48) */
+    uint64_t ec, expect;
+    if (mul_overflows(n_expert, n_chunks, &ec) || mul_overflows(ec, 2, &ec) || ec > ((uint64_t) 1 << 40)) {
+        return ZIPMOE_ERR_CORRUPT;
+    }
+    expect = INDEX_HEADER + 2 * n_expert + ec + 1;
+    if (len != expect) {
+        return ZIPMOE_ERR_CORRUPT;
+    }
+
+    zipmoe_tensor * t = calloc(1, sizeof *t);
+    if (!t) {
+        return ZIPMOE_ERR_NOMEM;
+    }
+    t->regions = malloc(2 * n_expert * sizeof(uint64_t));
+    t->chunks  = malloc(ec * sizeof(uint64_t) + 1);
+    int64_t rc = ZIPMOE_OK;
+    if (!t->regions || !t->chunks) {
+        rc = ZIPMOE_ERR_NOMEM;
+        goto fail;
+    }
+    memcpy(t->regions, raw + INDEX_HEADER * 8, 2 * n_expert * 8);
+    memcpy(t->chunks, raw + (INDEX_HEADER + 2 * n_expert) * 8, ec * 8);
+
+    uint8_t lengths[256];
+    memcpy(lengths, &h[16], 256);
+    rc = zipmoe_codec_create((zipmoe_codec) codec, (int) (int64_t) level, codec == ZIPMOE_CODEC_HUFF ? lengths : NULL, &t->codec);
+    if (rc < 0) {
+        rc = rc == ZIPMOE_ERR_NOMEM ? rc : ZIPMOE_ERR_CORRUPT;
+        goto fail;
+    }
+
+    t->exp_offset = zipmoe_align_up(n_per, SM_ALIGN);
+    const uint64_t last_chunk_n = n_per - (n_chunks - 1) * chunk_n;
+    uint64_t       prev_end     = 0;
+    for (uint64_t e = 0; e < n_expert; e++) {
+        const uint64_t off = t->regions[2 * e], size = t->regions[2 * e + 1];
+        if (off % REGION_ALIGN || off < prev_end || off > data_size || size > data_size - off || size < t->exp_offset) {
+            rc = ZIPMOE_ERR_CORRUPT;
+            goto fail;
+        }
+        prev_end = off + size;
+        /* chunk ends: non-decreasing, each chunk within the codec's bound, the last one at the end */
+        const uint64_t * ch   = t->chunks + 2 * e * n_chunks;
+        uint64_t         prev = 0;
+        for (uint64_t c = 0; c < n_chunks; c++) {
+            const uint64_t end = ch[2 * c];
+            const uint64_t n   = c + 1 < n_chunks ? chunk_n : last_chunk_n;
+            if (end < prev || end - prev > zipmoe_chunk_bound(t->codec, n)) {
+                rc = ZIPMOE_ERR_CORRUPT;
+                goto fail;
+            }
+            prev = end;
+        }
+        if (prev != size - t->exp_offset) {
+            rc = ZIPMOE_ERR_CORRUPT;
+            goto fail;
+        }
+    }
+
+    t->info = (zipmoe_tensor_info){
+        .codec        = (int32_t) codec,
+        .level        = (int32_t) (int64_t) level,
+        .ggml_type    = (int32_t) type,
+        .ne           = { (int64_t) ne0, (int64_t) ne1, (int64_t) ne2, (int64_t) ne3 },
+        .n_expert     = (int64_t) n_expert,
+        .n_per_expert = (int64_t) n_per,
+        .chunk_n      = (int64_t) chunk_n,
+        .n_chunks     = (int64_t) n_chunks,
+        .data_size    = data_size,
+    };
+    *out = t;
+    return ZIPMOE_OK;
+
+fail:
+    zipmoe_tensor_free(t);
+    return rc;
+}
+
+void zipmoe_tensor_free(zipmoe_tensor * t) {
+    if (!t) {
+        return;
+    }
+    zipmoe_codec_free(t->codec);
+    free(t->regions);
+    free(t->chunks);
+    free(t);
+}
+
+void zipmoe_tensor_get_info(const zipmoe_tensor * t, zipmoe_tensor_info * info) { *info = t->info; }
+
+const zipmoe_codec_ctx * zipmoe_tensor_codec(const zipmoe_tensor * t) { return t->codec; }
+
+int64_t zipmoe_tensor_expert_span(const zipmoe_tensor * t, int64_t expert, zipmoe_expert_span * span) {
+    if (!t || !span || expert < 0 || expert >= t->info.n_expert) {
+        return ZIPMOE_ERR_ARG;
+    }
+    span->offset     = t->regions[2 * expert];
+    span->size       = t->regions[2 * expert + 1];
+    span->exp_offset = t->exp_offset;
+    return ZIPMOE_OK;
+}
+
+int64_t zipmoe_tensor_decode_expert(const zipmoe_tensor * t, zipmoe_workspace * ws, int64_t expert,
+                                    const void * region, size_t region_size, uint16_t * dst, int ith, int nth) {
+    if (!t || !ws || !region || !dst || expert < 0 || expert >= t->info.n_expert || nth < 1 || ith < 0 || ith >= nth) {
+        return ZIPMOE_ERR_ARG;
+    }
+    if ((uint64_t) ws->chunk_n < (uint64_t) t->info.chunk_n) {
+        return ZIPMOE_ERR_ARG;
+    }
+    if (region_size < t->regions[2 * expert + 1]) {
+        return ZIPMOE_ERR_ARG;
+    }
+    const uint8_t *  r      = (const uint8_t *) region;
+    const uint8_t *  code   = r + t->exp_offset;
+    const uint64_t * ch     = t->chunks + 2 * expert * t->info.n_chunks;
+    const int64_t    n_per  = t->info.n_per_expert;
+    const int64_t    chunk  = t->info.chunk_n;
+    int64_t          done   = 0;
+    for (int64_t c = ith; c < t->info.n_chunks; c += nth) {
+        const uint64_t begin = c ? ch[2 * (c - 1)] : 0;
+        const uint64_t end   = ch[2 * c];
+        const int64_t  first = c * chunk;
+        const int64_t  n     = n_per - first < chunk ? n_per - first : chunk;
+        const int64_t  rc    = zipmoe_chunk_decode(t->codec, ws, code + begin, end - begin, r + first, (size_t) n, 1,
+                                                   ch[2 * c + 1], dst + first);
+        if (rc < 0) {
+            return rc;
+        }
+        done++;
+    }
+    return done;
+}
+
+size_t zipmoe_expert_region_bound(const zipmoe_codec_ctx * c, int64_t n_per_expert, int64_t chunk_n) {
+    if (!c || n_per_expert < 0 || chunk_n <= 0) {
+        return 0;
+    }
+    const int64_t n_chunks = (n_per_expert + chunk_n - 1) / chunk_n;
+    return zipmoe_align_up((size_t) n_per_expert, SM_ALIGN) + (size_t) n_chunks * zipmoe_chunk_bound(c, (size_t) chunk_n);
+}
+
+int64_t zipmoe_expert_encode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
+                             const uint16_t * src, int64_t n_per_expert, int64_t chunk_n,
+                             void * region, size_t cap, uint64_t * chunk_ends, uint64_t * checksums) {
+    if (!c || !ws || !src || !region || n_per_expert <= 0 || chunk_n <= 0 || (uint64_t) chunk_n > ws->chunk_n ||
+        !chunk_ends || !checksums) {
+        return ZIPMOE_ERR_ARG;
+    }
+    if (cap < zipmoe_expert_region_bound(c, n_per_expert, chunk_n)) {
+        return ZIPMOE_ERR_DST_TOO_SMALL;
+    }
+    uint8_t *    r          = (uint8_t *) region;
+    const size_t exp_offset = zipmoe_align_up((size_t) n_per_expert, SM_ALIGN);
+    memset(r + n_per_expert, 0, exp_offset - (size_t) n_per_expert);
+    size_t         pos      = exp_offset;
+    const int64_t  n_chunks = (n_per_expert + chunk_n - 1) / chunk_n;
+    for (int64_t k = 0; k < n_chunks; k++) {
+        const int64_t first = k * chunk_n;
+        const int64_t n     = n_per_expert - first < chunk_n ? n_per_expert - first : chunk_n;
+        /* the sm bytes go straight to their place in the region; exponents through the scratch */
+        zipmoe_split_bf16(src + first, (size_t) n, ws->exp, r + first);
+        const int64_t size = zipmoe_encode_exp(c, ws, ws->exp, (size_t) n, r + pos, cap - pos);
+        if (size < 0) {
+            return size;
+        }
+        checksums[k] = zipmoe_chunk_checksum(r + pos, (size_t) size, r + first, (size_t) n);
+        pos += (size_t) size;
+        chunk_ends[k] = pos - exp_offset;
+    }
+    return (int64_t) pos;
+}
