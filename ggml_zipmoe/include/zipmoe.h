@@ -121,6 +121,11 @@ ZIPMOE_API int64_t zipmoe_chunk_decode(const zipmoe_codec_ctx * c, zipmoe_worksp
                                        const uint8_t * sm, size_t n,
                                        int checksum_check, uint64_t checksum, uint16_t * dst);
 
+/* Decodes only the exponent plane of a chunk into exp[n] (no checksum, no merge): for benchmarks
+ * that compare the entropy coders alone, and for callers that merge themselves. */
+ZIPMOE_API int64_t zipmoe_chunk_decode_exponents(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
+                                                 const void * code, size_t code_size, uint8_t * exp, size_t n);
+
 /* ---------------------------------------------------------------- compressed expert tensors */
 
 /* An expert tensor as stored in a zipmoe GGUF: its index (the <base>.zipmoe_index companion,

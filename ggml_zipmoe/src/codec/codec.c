@@ -94,6 +94,15 @@ int64_t zipmoe_chunk_encode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
     return zipmoe_encode_exp(c, ws, ws->exp, n, dst, cap);
 }
 
+int64_t zipmoe_chunk_decode_exponents(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
+                                      const void * code, size_t code_size, uint8_t * exp, size_t n) {
+    if (!c || !ws || !code || (!exp && n)) {
+        return ZIPMOE_ERR_ARG;
+    }
+    return c->codec == ZIPMOE_CODEC_HUFF ? zipmoe_huff_decode(&c->huff, (const uint8_t *) code, code_size, exp, n)
+                                         : zipmoe_zstd_decode(ws, (const uint8_t *) code, code_size, exp, n);
+}
+
 int64_t zipmoe_chunk_decode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
                             const void * code, size_t code_size, const uint8_t * sm, size_t n,
                             int checksum_check, uint64_t checksum, uint16_t * dst) {
@@ -106,9 +115,7 @@ int64_t zipmoe_chunk_decode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
     if (checksum_check && zipmoe_chunk_checksum(code, code_size, sm, n) != checksum) {
         return ZIPMOE_ERR_CHECKSUM;
     }
-    const int64_t rc = c->codec == ZIPMOE_CODEC_HUFF
-                         ? zipmoe_huff_decode(&c->huff, (const uint8_t *) code, code_size, ws->exp, n)
-                         : zipmoe_zstd_decode(ws, (const uint8_t *) code, code_size, ws->exp, n);
+    const int64_t rc = zipmoe_chunk_decode_exponents(c, ws, code, code_size, ws->exp, n);
     if (rc < 0) {
         return rc;
     }

@@ -1,0 +1,115 @@
+"""The one cffi module: declarations of ggml_zipmoe/include/zipmoe.h and the loaded library.
+
+ABI mode (dlopen) keeps the Python package free of a compile step of its own: the shared library is
+built once by CMake (tools/setup.sh) and found here. cffi releases the GIL during every call, so
+Python threads decode and encode in parallel.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import cffi
+
+from .errors import NativeLibraryError
+
+CDEF = """
+typedef enum {
+    ZIPMOE_OK = 0, ZIPMOE_ERR_ARG = -1, ZIPMOE_ERR_CORRUPT = -2, ZIPMOE_ERR_CHECKSUM = -3,
+    ZIPMOE_ERR_NOMEM = -4, ZIPMOE_ERR_UNSUPPORTED = -5, ZIPMOE_ERR_DST_TOO_SMALL = -6,
+    ZIPMOE_ERR_CODEC = -7
+} zipmoe_status;
+typedef enum { ZIPMOE_CODEC_ZSTD = 1, ZIPMOE_CODEC_HUFF = 2 } zipmoe_codec;
+
+const char * zipmoe_status_str(int64_t status);
+int zipmoe_simd_level(void);
+
+void zipmoe_split_bf16(const uint16_t * src, size_t n, uint8_t * exp, uint8_t * sm);
+void zipmoe_merge_bf16(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst);
+void zipmoe_split_bf16_scalar(const uint16_t * src, size_t n, uint8_t * exp, uint8_t * sm);
+void zipmoe_merge_bf16_scalar(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst);
+void zipmoe_exponent_histogram(const uint16_t * src, size_t n, uint64_t hist[256]);
+uint64_t zipmoe_checksum(const void * data, size_t size, uint64_t seed);
+
+int64_t zipmoe_huff_lengths(const uint64_t hist[256], uint8_t lengths[256]);
+int64_t zipmoe_huff_check_lengths(const uint8_t lengths[256]);
+
+typedef struct zipmoe_codec_ctx zipmoe_codec_ctx;
+int64_t zipmoe_codec_create(zipmoe_codec codec, int level, const uint8_t lengths[256], zipmoe_codec_ctx ** out);
+void    zipmoe_codec_free(zipmoe_codec_ctx * c);
+
+typedef struct zipmoe_workspace zipmoe_workspace;
+zipmoe_workspace * zipmoe_workspace_create(size_t chunk_n);
+void               zipmoe_workspace_free(zipmoe_workspace * ws);
+
+size_t  zipmoe_chunk_bound(const zipmoe_codec_ctx * c, size_t n);
+int64_t zipmoe_chunk_encode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
+                            const uint16_t * src, size_t n, void * dst, size_t cap);
+int64_t zipmoe_chunk_decode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
+                            const void * code, size_t code_size, const uint8_t * sm, size_t n,
+                            int checksum_check, uint64_t checksum, uint16_t * dst);
+int64_t zipmoe_chunk_decode_exponents(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
+                                      const void * code, size_t code_size, uint8_t * exp, size_t n);
+
+typedef struct zipmoe_tensor zipmoe_tensor;
+typedef struct {
+    int32_t  codec;
+    int32_t  level;
+    int32_t  ggml_type;
+    int64_t  ne[4];
+    int64_t  n_expert;
+    int64_t  n_per_expert;
+    int64_t  chunk_n;
+    int64_t  n_chunks;
+    uint64_t data_size;
+} zipmoe_tensor_info;
+typedef struct {
+    uint64_t offset;
+    uint64_t size;
+    uint64_t exp_offset;
+} zipmoe_expert_span;
+
+int64_t zipmoe_tensor_open(const void * index, size_t index_size, uint64_t data_size, zipmoe_tensor ** out);
+void    zipmoe_tensor_free(zipmoe_tensor * t);
+void    zipmoe_tensor_get_info(const zipmoe_tensor * t, zipmoe_tensor_info * info);
+int64_t zipmoe_tensor_expert_span(const zipmoe_tensor * t, int64_t expert, zipmoe_expert_span * span);
+const zipmoe_codec_ctx * zipmoe_tensor_codec(const zipmoe_tensor * t);
+int64_t zipmoe_tensor_decode_expert(const zipmoe_tensor * t, zipmoe_workspace * ws, int64_t expert,
+                                    const void * region, size_t region_size, uint16_t * dst, int ith, int nth);
+
+size_t  zipmoe_expert_region_bound(const zipmoe_codec_ctx * c, int64_t n_per_expert, int64_t chunk_n);
+int64_t zipmoe_expert_encode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
+                             const uint16_t * src, int64_t n_per_expert, int64_t chunk_n,
+                             void * region, size_t cap, uint64_t * chunk_ends, uint64_t * checksums);
+"""
+
+LIB_NAME = "libggml-zipmoe.so"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def library_candidates() -> list[Path]:
+    """Where the shared library may be, most specific first."""
+    found = []
+    if os.environ.get("ZIPMOE_LIB"):
+        found.append(Path(os.environ["ZIPMOE_LIB"]))
+    found.append(Path(__file__).resolve().parent / "lib" / LIB_NAME)
+    build_dir = Path(os.environ.get("ZIPMOE_BUILD_DIR", REPO_ROOT / "build"))
+    found.append(build_dir / "bin" / LIB_NAME)
+    return found
+
+
+def _load() -> tuple[cffi.FFI, object]:
+    ffi = cffi.FFI()
+    ffi.cdef(CDEF)
+    tried = library_candidates()
+    for path in tried:
+        if path.is_file():
+            return ffi, ffi.dlopen(str(path))
+    raise NativeLibraryError(
+        f"{LIB_NAME} not found (looked in {', '.join(map(str, tried))}); "
+        "build it with `bash tools/setup.sh` or point ZIPMOE_LIB at it"
+    )
+
+
+ffi, lib = _load()

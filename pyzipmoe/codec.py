@@ -1,0 +1,245 @@
+"""Typed Python face of the native codec: codecs, experts encoded into regions, expert tensors decoded.
+
+Everything here is a thin wrapper over ggml_zipmoe (through `_native`); the bytes it produces and reads
+are specified in docs/FORMAT.md. Calls release the GIL, so a ThreadPoolExecutor gives real parallelism.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._native import ffi, lib
+from .errors import ChecksumError, FormatError, UnsupportedError, ZipmoeError
+
+CODECS: dict[str, int] = {"zstd": 1, "huff": 2}
+CODEC_NAMES: dict[int, str] = {v: k for k, v in CODECS.items()}
+DEFAULT_CODEC = "huff"
+DEFAULT_ZSTD_LEVEL = 1
+DEFAULT_CHUNK_N = 64 * 1024  # values per chunk: 64 KiB of exponents, decoded inside L2
+GGML_TYPE_BF16 = 30
+
+
+def _check(status: int, what: str) -> int:
+    """Turns a native status into an exception carrying the library's own name for it."""
+    if status >= 0:
+        return status
+    name = ffi.string(lib.zipmoe_status_str(status)).decode()
+    if status == lib.ZIPMOE_ERR_CHECKSUM:
+        raise ChecksumError(f"{what}: {name}")
+    if status in (lib.ZIPMOE_ERR_CORRUPT, lib.ZIPMOE_ERR_CODEC):
+        raise FormatError(f"{what}: {name}")
+    if status == lib.ZIPMOE_ERR_UNSUPPORTED:
+        raise UnsupportedError(f"{what}: {name}")
+    raise ZipmoeError(f"{what}: {name}")
+
+
+def _u16(values: np.ndarray) -> np.ndarray:
+    """A contiguous uint16 view of BF16 bits (numpy has no bfloat16; bits travel as uint16)."""
+    if values.dtype not in (np.uint16, np.int16):
+        raise TypeError(f"BF16 values must be given as uint16 bits, not {values.dtype}")
+    return np.ascontiguousarray(values.reshape(-1)).view(np.uint16)
+
+
+def _ptr(array: np.ndarray, ctype: str):
+    return ffi.cast(ctype, ffi.from_buffer(array))
+
+
+def simd_level() -> int:
+    return int(lib.zipmoe_simd_level())
+
+
+def split_bf16(values: np.ndarray, *, scalar: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Returns (exponent plane, sign+mantissa plane) of BF16 bits."""
+    src = _u16(values)
+    exp = np.empty(src.size, np.uint8)
+    sm = np.empty(src.size, np.uint8)
+    fn = lib.zipmoe_split_bf16_scalar if scalar else lib.zipmoe_split_bf16
+    fn(_ptr(src, "uint16_t *"), src.size, _ptr(exp, "uint8_t *"), _ptr(sm, "uint8_t *"))
+    return exp, sm
+
+
+def merge_bf16(exp: np.ndarray, sm: np.ndarray, *, scalar: bool = False) -> np.ndarray:
+    if exp.shape != sm.shape or exp.dtype != np.uint8 or sm.dtype != np.uint8:
+        raise ValueError("exponent and sign+mantissa planes must be uint8 arrays of one shape")
+    exp, sm = np.ascontiguousarray(exp), np.ascontiguousarray(sm)
+    dst = np.empty(exp.size, np.uint16)
+    fn = lib.zipmoe_merge_bf16_scalar if scalar else lib.zipmoe_merge_bf16
+    fn(_ptr(exp, "uint8_t *"), _ptr(sm, "uint8_t *"), exp.size, _ptr(dst, "uint16_t *"))
+    return dst
+
+
+def exponent_histogram(values: np.ndarray, hist: np.ndarray | None = None) -> np.ndarray:
+    """Adds the exponent histogram of BF16 bits to `hist` (a new uint64[256] if None) and returns it."""
+    src = _u16(values)
+    if hist is None:
+        hist = np.zeros(256, np.uint64)
+    lib.zipmoe_exponent_histogram(_ptr(src, "uint16_t *"), src.size, _ptr(hist, "uint64_t *"))
+    return hist
+
+
+def entropy_bits(hist: np.ndarray) -> float:
+    """Shannon entropy in bits per symbol of a histogram."""
+    counts = hist[hist > 0].astype(np.float64)
+    if counts.size == 0:
+        return 0.0
+    p = counts / counts.sum()
+    return float(-(p * np.log2(p)).sum())
+
+
+def huff_lengths(hist: np.ndarray) -> np.ndarray:
+    """Length-limited (11-bit) Huffman code lengths for an exponent histogram."""
+    hist = np.ascontiguousarray(hist, np.uint64)
+    lengths = np.zeros(256, np.uint8)
+    _check(lib.zipmoe_huff_lengths(_ptr(hist, "uint64_t *"), _ptr(lengths, "uint8_t *")), "huffman table")
+    return lengths
+
+
+def checksum(data, seed: int = 0) -> int:
+    """XXH3-64 of a bytes-like object."""
+    buf = ffi.from_buffer(data)
+    return int(lib.zipmoe_checksum(buf, len(buf), seed))
+
+
+class Workspace:
+    """Per-thread scratch memory of the native decoder (one chunk of exponents, zstd contexts)."""
+
+    def __init__(self, chunk_n: int):
+        handle = lib.zipmoe_workspace_create(chunk_n)
+        if handle == ffi.NULL:
+            raise MemoryError("zipmoe workspace allocation failed")
+        self.chunk_n = chunk_n
+        self._handle = ffi.gc(handle, lib.zipmoe_workspace_free)
+
+    @property
+    def handle(self):
+        return self._handle
+
+
+class _WorkspacePool(threading.local):
+    """One workspace per thread and chunk size, created on first use."""
+
+    def get(self, chunk_n: int) -> Workspace:
+        cached = getattr(self, "ws", None)
+        if cached is None or cached.chunk_n < chunk_n:
+            cached = self.ws = Workspace(chunk_n)
+        return cached
+
+
+_workspaces = _WorkspacePool()
+
+
+@dataclass(frozen=True)
+class EncodedExpert:
+    region: np.ndarray  # uint8: sm plane, padding, exponent chunks (docs/FORMAT.md)
+    chunk_ends: np.ndarray  # uint64, one per chunk, from the first chunk's start
+    checksums: np.ndarray  # uint64, one per chunk
+
+
+class Codec:
+    """A codec instance (zstd at a level, or huff with one tensor's code lengths). Thread-safe."""
+
+    def __init__(self, name: str, *, level: int = 0, lengths: np.ndarray | None = None):
+        if name not in CODECS:
+            raise UnsupportedError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}")
+        self.name = name
+        self.level = level if name == "zstd" else 0
+        self.lengths = None if lengths is None else np.ascontiguousarray(lengths, np.uint8)
+        if name == "huff" and self.lengths is None:
+            raise ValueError("the huff codec needs code lengths (see huff_lengths)")
+        out = ffi.new("zipmoe_codec_ctx **")
+        lengths_ptr = ffi.NULL if self.lengths is None else _ptr(self.lengths, "uint8_t *")
+        _check(lib.zipmoe_codec_create(CODECS[name], self.level, lengths_ptr, out), f"{name} codec")
+        self._handle = ffi.gc(out[0], lib.zipmoe_codec_free)
+
+    def encode_expert(self, values: np.ndarray, chunk_n: int) -> EncodedExpert:
+        src = _u16(values)
+        n_chunks = -(-src.size // chunk_n)
+        cap = lib.zipmoe_expert_region_bound(self._handle, src.size, chunk_n)
+        region = np.empty(cap, np.uint8)
+        ends = np.empty(n_chunks, np.uint64)
+        sums = np.empty(n_chunks, np.uint64)
+        ws = _workspaces.get(chunk_n)
+        size = _check(
+            lib.zipmoe_expert_encode(
+                self._handle, ws.handle, _ptr(src, "uint16_t *"), src.size, chunk_n,
+                _ptr(region, "void *"), cap, _ptr(ends, "uint64_t *"), _ptr(sums, "uint64_t *"),
+            ),
+            "encode expert",
+        )
+        return EncodedExpert(region[:size].copy(), ends, sums)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    codec: str
+    level: int
+    ggml_type: int
+    ne: tuple[int, int, int, int]
+    n_expert: int
+    n_per_expert: int
+    chunk_n: int
+    n_chunks: int
+    data_size: int
+
+
+@dataclass(frozen=True)
+class ExpertSpan:
+    offset: int  # of the region, from the start of the data companion
+    size: int
+    exp_offset: int  # of the first exponent chunk, from the start of the region
+
+
+class ExpertTensor:
+    """A compressed expert tensor: its index, validated by the native parser, and decoding."""
+
+    def __init__(self, index, data_size: int, name: str = "tensor"):
+        self.name = name
+        self._index = np.ascontiguousarray(np.frombuffer(index, np.uint8) if not isinstance(index, np.ndarray) else index)
+        out = ffi.new("zipmoe_tensor **")
+        buf = ffi.from_buffer(self._index)
+        _check(lib.zipmoe_tensor_open(buf, len(buf), data_size, out), f"{name}: index")
+        self._handle = ffi.gc(out[0], lib.zipmoe_tensor_free)
+        raw = ffi.new("zipmoe_tensor_info *")
+        lib.zipmoe_tensor_get_info(self._handle, raw)
+        self.info = TensorInfo(
+            codec=CODEC_NAMES[raw.codec], level=raw.level, ggml_type=raw.ggml_type,
+            ne=tuple(raw.ne), n_expert=raw.n_expert, n_per_expert=raw.n_per_expert,
+            chunk_n=raw.chunk_n, n_chunks=raw.n_chunks, data_size=raw.data_size,
+        )
+
+    def span(self, expert: int) -> ExpertSpan:
+        raw = ffi.new("zipmoe_expert_span *")
+        _check(lib.zipmoe_tensor_expert_span(self._handle, expert, raw), f"{self.name}: expert {expert}")
+        return ExpertSpan(raw.offset, raw.size, raw.exp_offset)
+
+    def decode_expert(self, expert: int, region, out: np.ndarray | None = None, *, ith: int = 0, nth: int = 1) -> np.ndarray:
+        """Decodes expert `expert` from its region bytes into `out` (uint16[n_per_expert]).
+
+        With nth > 1 only the chunks ith, ith+nth, ... are decoded: nth threads with ith = 0..nth-1
+        share one expert (see decode_expert_parallel).
+        """
+        if out is None:
+            out = np.empty(self.info.n_per_expert, np.uint16)
+        if out.dtype != np.uint16 or out.size != self.info.n_per_expert or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a contiguous uint16 array of {self.info.n_per_expert} values")
+        buf = ffi.from_buffer(region)
+        ws = _workspaces.get(self.info.chunk_n)
+        _check(
+            lib.zipmoe_tensor_decode_expert(self._handle, ws.handle, expert, buf, len(buf), _ptr(out, "uint16_t *"), ith, nth),
+            f"{self.name}: expert {expert}",
+        )
+        return out
+
+    def decode_expert_parallel(self, expert: int, region, out: np.ndarray | None = None, *, threads: int = 2) -> np.ndarray:
+        """Decodes one expert with `threads` threads sharing its chunks."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if out is None:
+            out = np.empty(self.info.n_per_expert, np.uint16)
+        with ThreadPoolExecutor(threads) as pool:
+            for f in [pool.submit(self.decode_expert, expert, region, out, ith=i, nth=threads) for i in range(threads)]:
+                f.result()
+        return out
