@@ -35,7 +35,7 @@ def compress(experts: np.ndarray, name: str, chunk_n: int) -> tuple[codec.Expert
     offset = 0
     for e, enc in enumerate(encoded):
         regions[e] = (offset, enc.region.size)
-        offset = format.align_up(offset + enc.region.size, 4096)
+        offset = format.align_up(offset + enc.region.size, format.region_alignment(ne0 * ne1))
     data = np.zeros(offset, np.uint8)
     for e, enc in enumerate(encoded):
         data[int(regions[e, 0]):int(regions[e, 0]) + enc.region.size] = enc.region

@@ -7,7 +7,8 @@
 #define INDEX_MAGIC      0x3158444945504D5AULL /* "ZMPEIDX1" */
 #define INDEX_VERSION    1
 #define INDEX_HEADER     48
-#define REGION_ALIGN     4096
+#define REGION_ALIGN_MIN 64
+#define REGION_ALIGN_MAX 4096
 #define SM_ALIGN         64
 #define GGML_TYPE_BF16   30
 #define MAX_EXPERTS      (1 << 20)
@@ -64,7 +65,8 @@ int64_t zipmoe_tensor_open(const void * index, size_t index_size, uint64_t data_
     if (chunk_n == 0 || chunk_n > ZIPMOE_CHUNK_MAX || n_chunks != (n_per + chunk_n - 1) / chunk_n) {
         return ZIPMOE_ERR_CORRUPT;
     }
-    if (h[13] != data_size || h[14] != REGION_ALIGN || h[15] != 0) {
+    const uint64_t align = h[14]; /* 4096 for page-granular reads; smaller for experts under a page */
+    if (h[13] != data_size || align < REGION_ALIGN_MIN || align > REGION_ALIGN_MAX || (align & (align - 1)) || h[15] != 0) {
         return ZIPMOE_ERR_CORRUPT;
     }
     if ((int64_t) level < -(1 << 17) || (int64_t) level > 64) {
@@ -107,7 +109,7 @@ int64_t zipmoe_tensor_open(const void * index, size_t index_size, uint64_t data_
     uint64_t       prev_end     = 0;
     for (uint64_t e = 0; e < n_expert; e++) {
         const uint64_t off = t->regions[2 * e], size = t->regions[2 * e + 1];
-        if (off % REGION_ALIGN || off < prev_end || off > data_size || size > data_size - off || size < t->exp_offset) {
+        if (off % align || off < prev_end || off > data_size || size > data_size - off || size < t->exp_offset) {
             rc = ZIPMOE_ERR_CORRUPT;
             goto fail;
         }

@@ -1,0 +1,687 @@
+"""BF16 MoE GGUF -> zipmoe GGUF and back: convert, verify, unpack, inspect.
+
+Everything streams: expert tensors are read expert by expert with pread (not through mmap, whose pages
+would count against the process), at most `threads + 2` experts are in flight, and the output is
+written in order. Peak memory is a few experts per thread, whatever the size of the model.
+
+Outputs are written to a temporary file next to the destination and renamed when complete, so an
+error or Ctrl-C never leaves a half-written file under the destination's name.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, TypeVar
+
+import numpy as np
+
+from . import codec as zcodec
+from .errors import FormatError, UnsupportedError, ZipmoeError
+from .format import (
+    GGML_TYPE_BF16, SOURCE_HEADER, CompressedTensor, GGUFFile, Tensor, ZipmoeFile,
+    ZipmoeMeta, ZipmoeWriter, align_up, build_index, is_expert_tensor, n_chunks, open_zipmoe,
+    pread_exact, read_gguf, region_alignment, type_name, zipmoe_slots,
+)
+from .progress import Progress, Silent
+
+BLOCK = 8 << 20  # bytes per read when copying or scanning: large enough for sequential throughput
+CODEC_CHOICES = ("auto", "huff", "zstd")
+CHUNK_MAX = 1 << 24  # ZIPMOE_CHUNK_MAX of zipmoe.h
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class MismatchError(ZipmoeError):
+    """Restored bytes differ from the source (or from its recorded sha256)."""
+
+    exit_code = 1
+
+
+# ------------------------------------------------------------------------------------------ statistics
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """Sizes of one expert tensor; zipmoe_bytes is None while it is not compressed."""
+
+    name: str
+    dims: tuple[int, ...]
+    bf16_bytes: int
+    zipmoe_bytes: int | None
+    exponent_entropy: float
+
+    @property
+    def floor(self) -> float:
+        """Smallest size fraction a split code can reach: 8 raw sign+mantissa bits plus H(exp) bits."""
+        return (8 + self.exponent_entropy) / 16
+
+    @property
+    def ratio(self) -> float | None:
+        return None if self.zipmoe_bytes is None else self.zipmoe_bytes / self.bf16_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "dims": list(self.dims), "floor": self.floor, "ratio": self.ratio,
+                "floor_gap_pct": _gap_pct(self.ratio, self.floor)}
+
+
+@dataclass(frozen=True)
+class SizeRow:
+    """A line of the size table: a group of tensors, or the rest of the file, or the whole file."""
+
+    label: str
+    n_tensors: int
+    bf16_bytes: int
+    zipmoe_bytes: int | None
+    floor_bytes: float
+
+    @property
+    def ratio(self) -> float | None:
+        return None if self.zipmoe_bytes is None or not self.bf16_bytes else self.zipmoe_bytes / self.bf16_bytes
+
+    @property
+    def floor(self) -> float:
+        return self.floor_bytes / self.bf16_bytes if self.bf16_bytes else 1.0
+
+    @property
+    def floor_gap_pct(self) -> float | None:
+        return _gap_pct(self.ratio, self.floor)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ratio": self.ratio, "floor": self.floor, "floor_gap_pct": self.floor_gap_pct}
+
+
+def _gap_pct(ratio: float | None, floor: float) -> float | None:
+    """How far the achieved size fraction is above the entropy floor, in percent."""
+    return None if ratio is None else (ratio / floor - 1) * 100
+
+
+def _group_label(name: str) -> str:
+    """blk.7.ffn_down_exps.weight -> ffn_down_exps."""
+    return name.split(".")[2]
+
+
+def size_rows(tensors: Iterable[TensorStats], *, source_size: int, output_size: int | None) -> list[SizeRow]:
+    """Rows per expert group (ffn_up_exps, ...), then the rest of the file, then the whole file."""
+    tensors = list(tensors)
+    compressed = output_size is not None
+    rows = []
+    for label in sorted({_group_label(t.name) for t in tensors}):
+        group = [t for t in tensors if _group_label(t.name) == label]
+        rows.append(SizeRow(label, len(group), sum(t.bf16_bytes for t in group),
+                            sum(t.zipmoe_bytes or 0 for t in group) if compressed else None,
+                            sum(t.bf16_bytes * t.floor for t in group)))
+    expert_bf16 = sum(t.bf16_bytes for t in tensors)
+    expert_zipmoe = sum(t.zipmoe_bytes or 0 for t in tensors)
+    expert_floor = sum(t.bf16_bytes * t.floor for t in tensors)
+    other = source_size - expert_bf16
+    rows.append(SizeRow("other tensors + header", 0, other,
+                        output_size - expert_zipmoe if compressed else None, other))
+    rows.append(SizeRow("whole file", 0, source_size, output_size, expert_floor + other))
+    return rows
+
+
+# -------------------------------------------------------------------------------------------- helpers
+
+
+def _ordered(pool: ThreadPoolExecutor, fn: Callable[[T], R], items: Iterable[T], depth: int) -> Iterator[R]:
+    """fn over items on the pool, results in order, at most `depth` submitted and not yet consumed
+    (this bounds memory: each result may be a whole expert)."""
+    pending: deque[Future[R]] = deque()
+    try:
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= depth:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for f in pending:
+            f.cancel()
+
+
+def _pread_into(fd: int, out: np.ndarray, offset: int, label: str) -> np.ndarray:
+    """Fills `out` from the file at `offset`, without an intermediate bytes object."""
+    view = memoryview(out).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise FormatError(f"{label}: truncated file (nothing to read at offset {offset + done})")
+        done += n
+    return out
+
+
+def _read_into(f: BinaryIO, view: memoryview, label: str) -> None:
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise FormatError(f"{label}: the file ended early; was it changed while being read?")
+        done += n
+
+
+def _blocks(size: int, block: int = BLOCK) -> Iterator[tuple[int, int]]:
+    """(start, length) of consecutive blocks covering [0, size)."""
+    for start in range(0, size, block):
+        yield start, min(block, size - start)
+
+
+def _threads(threads: int | None) -> int:
+    n = threads if threads is not None else (os.cpu_count() or 1)
+    if n < 1:
+        raise ZipmoeError(f"--threads must be at least 1, got {n}")
+    return n
+
+
+@contextmanager
+def _atomic_output(dst: Path) -> Iterator[BinaryIO]:
+    """A new file that appears as `dst` only once the block completes; removed on any error or Ctrl-C."""
+    # checked first: these would otherwise fail only at the end, or name the temporary file
+    if dst.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "the output is a directory", str(dst))
+    if not dst.parent.is_dir():
+        raise FileNotFoundError(errno.ENOENT, "no such directory for the output", str(dst.parent))
+    tmp = dst.with_name(f".{dst.name}.{secrets.token_hex(4)}.tmp")
+    # O_EXCL: never clobber someone else's file; 0o666 lets the umask decide, as for any new file
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with open(fd, "w+b") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _refuse_same_file(a: Path, b: Path) -> None:
+    if a.resolve() == b.resolve() or (b.exists() and a.exists() and os.path.samefile(a, b)):
+        raise ZipmoeError(f"{b}: the output would overwrite the input; choose another file name")
+
+
+def _codec_name(name: str) -> str:
+    if name == "auto":
+        return zcodec.DEFAULT_CODEC
+    if name not in zcodec.CODECS:
+        raise UnsupportedError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_CHOICES)}")
+    return name
+
+
+# ----------------------------------------------------------------------------------------- the source
+
+
+def expert_tensors(g: GGUFFile) -> list[Tensor]:
+    """The tensors zipmoe compresses; refuses a file that has none or whose experts are not BF16."""
+    experts = [t for t in g.tensors if is_expert_tensor(t)]
+    if not experts:
+        raise UnsupportedError(f"{g.label}: not a MoE model: no tensor is named "
+                               "blk.N.ffn_{up,gate,down,gate_up}_exps.weight, so there is nothing to compress")
+    other = [t for t in experts if t.ggml_type != GGML_TYPE_BF16]
+    if other:
+        types = sorted({type_name(t.ggml_type) for t in other})
+        raise UnsupportedError(f"{g.label}: expert tensors are {'/'.join(types)} (e.g. {other[0].name}); "
+                               "zipmoe compresses BF16 experts only (F16/F32 could be supported later)")
+    return experts
+
+
+@dataclass(frozen=True)
+class SourceScan:
+    sha256: str
+    histograms: dict[str, np.ndarray]  # exponent histogram of each expert tensor
+
+
+def _layout(g: GGUFFile) -> list[Tensor]:
+    """Tensors in file order; refuses overlaps (the bytes could not be restored from one copy)."""
+    ordered = sorted(g.tensors, key=lambda t: t.file_offset)
+    for a, b in zip(ordered, ordered[1:]):
+        if b.file_offset < a.file_offset + a.nbytes:
+            raise FormatError(f"{g.label}: tensors {a.name} and {b.name} overlap")
+    return ordered
+
+
+def scan_source(f: BinaryIO, g: GGUFFile, experts: Iterable[Tensor], progress: Progress) -> SourceScan:
+    """Pass 1: one sequential read of the whole file for its sha256 and the experts' exponent histograms,
+    checking that the bytes between tensors are zero (unpack restores them as zeros)."""
+    expert_names = {t.name for t in experts}
+    histograms = {name: np.zeros(256, np.uint64) for name in expert_names}
+    sha = hashlib.sha256()
+    buf = bytearray(BLOCK)
+    progress.start("scan", g.file_size)
+    f.seek(0)
+
+    def read(size: int, what: str, visit: Callable[[memoryview], None] | None = None) -> None:
+        for _, n in _blocks(size):
+            view = memoryview(buf)[:n]
+            _read_into(f, view, g.label)
+            sha.update(view)
+            if visit is not None:
+                visit(view)
+            progress.advance(n)
+
+    def zeros(where: str) -> Callable[[memoryview], None]:
+        def check(view: memoryview) -> None:
+            if np.frombuffer(view, np.uint8).any():
+                raise UnsupportedError(f"{g.label}: non-zero bytes {where}; zipmoe unpack could not restore them")
+        return check
+
+    read(g.data_start, "header")
+    pos = g.data_start
+    for t in _layout(g):
+        read(t.file_offset - pos, "gap", zeros(f"before tensor {t.name}"))
+        if t.name in expert_names:
+            read(t.nbytes, t.name, lambda v, h=histograms[t.name]: zcodec.exponent_histogram(
+                np.frombuffer(v, np.uint16), h))
+        else:
+            read(t.nbytes, t.name)
+        pos = t.file_offset + t.nbytes
+    read(g.file_size - pos, "tail", zeros("after the last tensor"))
+    return SourceScan(sha.hexdigest(), histograms)
+
+
+# ---------------------------------------------------------------------------------------- converting
+
+
+@dataclass(frozen=True)
+class ConvertReport:
+    src: str
+    dst: str
+    codec: str
+    level: int
+    chunk_n: int
+    threads: int
+    source_size: int
+    output_size: int
+    sha256: str
+    seconds: float
+    tensors: tuple[TensorStats, ...]
+
+    def rows(self) -> list[SizeRow]:
+        return size_rows(self.tensors, source_size=self.source_size, output_size=self.output_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tensors"] = [t.to_dict() for t in self.tensors]
+        d["groups"] = [r.to_dict() for r in self.rows()]
+        return d
+
+
+@dataclass(frozen=True)
+class _Settings:
+    codec: str
+    level: int
+    chunk_n: int
+    depth: int  # experts in flight
+
+
+class _ChunkTable:
+    """Regions and chunk tables of one tensor's experts, filled in as they are written."""
+
+    def __init__(self, n_expert: int, chunks: int):
+        self.regions = np.zeros((n_expert, 2), np.uint64)
+        self.chunk_ends = np.zeros((n_expert, chunks), np.uint64)
+        self.checksums = np.zeros((n_expert, chunks), np.uint64)
+
+
+def _tensor_codec(settings: _Settings, hist: np.ndarray) -> zcodec.Codec:
+    if settings.codec == "huff":
+        return zcodec.Codec("huff", lengths=zcodec.huff_lengths(hist))
+    return zcodec.Codec("zstd", level=settings.level)
+
+
+def _expert_regions(pool: ThreadPoolExecutor, fd: int, t: Tensor, coder: zcodec.Codec, settings: _Settings,
+                    table: _ChunkTable, progress: Progress, label: str) -> Iterator[Any]:
+    """The data companion's bytes: expert regions in order, each starting on a 4096-byte boundary."""
+    ne0, ne1, n_expert = t.dims
+    n_per = ne0 * ne1
+
+    def encode(e: int) -> zcodec.EncodedExpert:
+        values = _pread_into(fd, np.empty(n_per, np.uint16), t.file_offset + e * n_per * 2, label)
+        return coder.encode_expert(values, settings.chunk_n)
+
+    pos = 0
+    for e, enc in enumerate(_ordered(pool, encode, range(n_expert), settings.depth)):
+        start = align_up(pos, region_alignment(n_per))
+        yield bytes(start - pos)
+        table.regions[e] = (start, enc.region.size)
+        table.chunk_ends[e] = enc.chunk_ends
+        table.checksums[e] = enc.checksums
+        yield enc.region
+        pos = start + enc.region.size
+        progress.advance(n_per * 2)
+
+
+def _copy(fd: int, offset: int, size: int, label: str, progress: Progress | None = None) -> Iterator[bytes]:
+    for start, n in _blocks(size):
+        data = pread_exact(fd, n, offset + start, label)
+        if progress is not None:
+            progress.advance(n)
+        yield data
+
+
+def _write_experts(w: ZipmoeWriter, pool: ThreadPoolExecutor, fd: int, t: Tensor, hist: np.ndarray,
+                   settings: _Settings, progress: Progress, label: str) -> int:
+    """Writes one expert tensor's data and index companions; returns their total size."""
+    ne0, ne1, n_expert = t.dims
+    coder = _tensor_codec(settings, hist)
+    table = _ChunkTable(n_expert, n_chunks(ne0 * ne1, settings.chunk_n))
+    data_size = w.write_tensor(_expert_regions(pool, fd, t, coder, settings, table, progress, label))
+    index = build_index(codec_name=settings.codec, level=coder.level, dims=t.dims, chunk_n=settings.chunk_n,
+                        data_size=data_size, lengths=coder.lengths, regions=table.regions,
+                        chunk_ends=table.chunk_ends, checksums=table.checksums)
+    return data_size + w.write_tensor([index.view(np.uint8)])
+
+
+def _write_zipmoe(out: BinaryIO, fd: int, g: GGUFFile, meta: ZipmoeMeta, scan: SourceScan,
+                  settings: _Settings, threads: int, progress: Progress) -> dict[str, int]:
+    """Pass 2: the zipmoe file, tensors in the source's tensor-info order. Returns the compressed
+    size of each expert tensor."""
+    kv, n_kv = meta.encode()
+    w = ZipmoeWriter(out, kv_raw=g.kv_raw + kv, n_kv=g.n_kv + n_kv,
+                     slots=zipmoe_slots(g, set(meta.tensors), settings.chunk_n), alignment=g.alignment)
+    sizes = {}
+    progress.start(f"encode ({settings.codec})", sum(t.nbytes for t in g.tensors))
+    with ThreadPoolExecutor(threads, thread_name_prefix="zipmoe-encode") as pool:
+        for t in g.tensors:
+            if t.name in scan.histograms:
+                sizes[t.name] = _write_experts(w, pool, fd, t, scan.histograms[t.name], settings, progress,
+                                               g.label)
+            else:
+                w.write_tensor(_copy(fd, t.file_offset, t.nbytes, g.label, progress))
+    w.write_tensor(_copy(fd, 0, g.data_start, g.label))
+    w.finish()
+    return sizes
+
+
+def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, codec: str = "auto",
+            level: int = zcodec.DEFAULT_ZSTD_LEVEL, chunk_n: int = zcodec.DEFAULT_CHUNK_N,
+            threads: int | None = None, progress: Progress | None = None) -> ConvertReport:
+    """Compresses the BF16 expert tensors of the GGUF `src` into the zipmoe GGUF `dst`.
+
+    codec: "auto" (= huff), "huff" or "zstd" (at `level`); chunk_n: values per independently decodable
+    chunk; threads: encoding threads (default: all CPUs).
+    """
+    t0 = time.monotonic()
+    src, dst = Path(src), Path(dst)
+    codec_name = _codec_name(codec)
+    if not 1 <= chunk_n <= CHUNK_MAX:
+        raise ZipmoeError(f"the chunk size must be between 1 and {CHUNK_MAX} values, got {chunk_n}")
+    threads = _threads(threads)
+    progress = progress or Silent()
+    _refuse_same_file(src, dst)
+    g = read_gguf(src)
+    if g.is_zipmoe:
+        raise UnsupportedError(f"{src}: already a zipmoe file; `zipmoe unpack` restores its source")
+    experts = expert_tensors(g)
+    settings = _Settings(codec_name, level if codec_name == "zstd" else 0, chunk_n, threads + 2)
+    try:
+        with open(src, "rb", buffering=0) as f:
+            scan = scan_source(f, g, experts, progress)
+            entropies = {t.name: zcodec.entropy_bits(scan.histograms[t.name]) for t in experts}
+            meta = ZipmoeMeta(codec=codec_name, level=settings.level, chunk_size=chunk_n,
+                              tensors=tuple(t.name for t in experts), source_size=g.file_size,
+                              source_sha256=scan.sha256, source_data_start=g.data_start,
+                              exponent_entropy=tuple(entropies[t.name] for t in experts))
+            with _atomic_output(dst) as out:
+                sizes = _write_zipmoe(out, f.fileno(), g, meta, scan, settings, threads, progress)
+    finally:
+        progress.close()
+    stats = tuple(TensorStats(t.name, t.dims, t.nbytes, sizes[t.name], entropies[t.name]) for t in experts)
+    return ConvertReport(str(src), str(dst), codec_name, settings.level, chunk_n, threads, g.file_size,
+                         dst.stat().st_size, scan.sha256, time.monotonic() - t0, stats)
+
+
+# ----------------------------------------------------------------------------------------- restoring
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of restored source bytes, and what it belongs to (for precise mismatch reports)."""
+
+    offset: int  # in the source file
+    data: Any  # a uint8 buffer
+    tensor: str | None  # None between tensors
+    expert: int | None = None
+    start: int = 0  # offset of the run inside its tensor (or expert)
+
+    @property
+    def nbytes(self) -> int:
+        return memoryview(self.data).nbytes
+
+
+def _zeros(start: int, end: int) -> Iterator[Piece]:
+    for s, n in _blocks(end - start):
+        yield Piece(start + s, bytes(n), None)
+
+
+def _decoded(pool: ThreadPoolExecutor, fd: int, c: CompressedTensor, depth: int, label: str) -> Iterator[Piece]:
+    """The expert tensor's original bytes, expert by expert; chunk checksums are verified on the way."""
+    info = c.expert.info
+
+    def decode(e: int) -> np.ndarray:
+        span = c.expert.span(e)
+        region = _pread_into(fd, np.empty(span.size, np.uint8), c.data.file_offset + span.offset, label)
+        return c.expert.decode_expert(e, region)
+
+    expert_bytes = info.n_per_expert * 2
+    for e, values in enumerate(_ordered(pool, decode, range(info.n_expert), depth)):
+        yield Piece(c.source.file_offset + e * expert_bytes, values.view(np.uint8), c.name, e)
+
+
+def _restored(zf: ZipmoeFile, fd: int, pool: ThreadPoolExecutor, depth: int) -> Iterator[Piece]:
+    """The source file, front to back, as FORMAT.md's "Restoring the source" describes it."""
+    label = str(zf.path)
+    yield Piece(0, pread_exact(fd, zf.source_header.nbytes, zf.source_header.file_offset, label), SOURCE_HEADER)
+    compressed = zf.compressed_by_name
+    pos = zf.source.data_start
+    for t in _layout(zf.source):
+        yield from _zeros(pos, t.file_offset)
+        if t.name in compressed:
+            yield from _decoded(pool, fd, compressed[t.name], depth, label)
+        else:
+            mine = zf.gguf.by_name[t.name]
+            for start, n in _blocks(t.nbytes):
+                yield Piece(t.file_offset + start, pread_exact(fd, n, mine.file_offset + start, label), t.name,
+                            start=start)
+        pos = t.file_offset + t.nbytes
+    yield from _zeros(pos, zf.meta.source_size)
+
+
+def _restore(zf: ZipmoeFile, threads: int, progress: Progress, sink: Callable[[Piece], None]) -> str:
+    """Streams the restored source into `sink` and returns its sha256."""
+    sha = hashlib.sha256()
+    progress.start("decode", zf.meta.source_size)
+    fd = os.open(zf.path, os.O_RDONLY)
+    try:
+        with ThreadPoolExecutor(threads, thread_name_prefix="zipmoe-decode") as pool:
+            for piece in _restored(zf, fd, pool, threads + 2):
+                sha.update(piece.data)
+                sink(piece)
+                progress.advance(piece.nbytes)
+    finally:
+        os.close(fd)
+    return sha.hexdigest()
+
+
+def _mismatch(piece: Piece, ref: np.ndarray) -> MismatchError:
+    """Names the first differing value: tensor, expert and element for experts, byte otherwise."""
+    mine = np.frombuffer(piece.data, np.uint8)
+    if piece.expert is not None:
+        a, b = mine.view(np.uint16), ref.view(np.uint16)
+        i = int(np.flatnonzero(a != b)[0])
+        return MismatchError(f"{piece.tensor} expert {piece.expert} element {i} "
+                             f"(flat index {piece.expert * a.size + i}): zipmoe gives 0x{a[i]:04x}, "
+                             f"the source has 0x{b[i]:04x}")
+    i = int(np.flatnonzero(mine != ref)[0])
+    where = (f"{piece.tensor} byte {piece.start + i}" if piece.tensor
+             else f"source byte {piece.offset + i} (between tensors)")
+    return MismatchError(f"{where}: zipmoe gives 0x{mine[i]:02x}, the source has 0x{ref[i]:02x}")
+
+
+@contextmanager
+def _comparing(against: Path, source_size: int) -> Iterator[Callable[[Piece], None]]:
+    """A sink that compares each restored piece with the same bytes of `against`."""
+    with open(against, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != source_size:
+            raise MismatchError(f"{against} is {size} bytes, but the zipmoe file's source was {source_size}")
+
+        def compare(piece: Piece) -> None:
+            ref = np.frombuffer(pread_exact(f.fileno(), piece.nbytes, piece.offset, str(against)), np.uint8)
+            if not np.array_equal(np.frombuffer(piece.data, np.uint8), ref):
+                raise _mismatch(piece, ref)
+
+        yield compare
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    path: str
+    against: str | None
+    sha256: str
+    tensors: int
+    experts: int
+    chunks: int
+    source_size: int
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def verify(path: str | os.PathLike[str], against: str | os.PathLike[str] | None = None, *,
+           threads: int | None = None, progress: Progress | None = None) -> VerifyReport:
+    """Decodes every expert of a zipmoe file (checking every chunk checksum) and checks that the restored
+    file has the recorded sha256; with `against`, also compares it byte for byte with that source and
+    names the first difference."""
+    t0 = time.monotonic()
+    threads = _threads(threads)
+    progress = progress or Silent()
+    zf = open_zipmoe(path)
+    with ExitStack() as stack:
+        stack.callback(progress.close)
+        sink = (stack.enter_context(_comparing(Path(against), zf.meta.source_size)) if against is not None
+                else lambda piece: None)
+        sha = _restore(zf, threads, progress, sink)
+    if sha != zf.meta.source_sha256:
+        # with `against`, every byte matched, so it is the recorded hash that is wrong
+        cls = FormatError if against is not None else MismatchError
+        raise cls(f"{path}: the restored source has sha256 {sha}, but zipmoe.source.sha256 is "
+                  f"{zf.meta.source_sha256}")
+    infos = [c.expert.info for c in zf.compressed]
+    return VerifyReport(str(path), None if against is None else str(against), sha, len(infos),
+                        sum(i.n_expert for i in infos), sum(i.n_expert * i.n_chunks for i in infos),
+                        zf.meta.source_size, time.monotonic() - t0)
+
+
+@dataclass(frozen=True)
+class UnpackReport:
+    path: str
+    out: str
+    sha256: str
+    size: int
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def unpack(path: str | os.PathLike[str], out: str | os.PathLike[str], *, threads: int | None = None,
+           progress: Progress | None = None) -> UnpackReport:
+    """Restores the source of a zipmoe file, byte for byte, and checks its sha256."""
+    t0 = time.monotonic()
+    path, out = Path(path), Path(out)
+    threads = _threads(threads)
+    progress = progress or Silent()
+    _refuse_same_file(path, out)
+    zf = open_zipmoe(path)
+    try:
+        with _atomic_output(out) as f:
+            sha = _restore(zf, threads, progress, lambda piece: f.write(piece.data))
+            if sha != zf.meta.source_sha256:
+                raise MismatchError(f"{path}: the restored source has sha256 {sha}, but zipmoe.source.sha256 "
+                                    f"is {zf.meta.source_sha256}; nothing was written")
+    finally:
+        progress.close()
+    return UnpackReport(str(path), str(out), sha, zf.meta.source_size, time.monotonic() - t0)
+
+
+# ----------------------------------------------------------------------------------------- inspecting
+
+
+def _inspect_zipmoe(zf: ZipmoeFile) -> dict[str, Any]:
+    meta = zf.meta
+    stats = [TensorStats(c.name, c.source.dims, c.source.nbytes, c.data.nbytes + c.index.nbytes, h)
+             for c, h in zip(zf.compressed, meta.exponent_entropy, strict=True)]
+    rows = size_rows(stats, source_size=meta.source_size, output_size=zf.gguf.file_size)
+    return {
+        "file": str(zf.path), "format": "zipmoe", "file_size": zf.gguf.file_size, "compressed": True,
+        "status": f"zipmoe v{meta.version}, {meta.codec} codec: {rows[-1].ratio:.1%} of the source's size",
+        "codec": meta.codec, "codec_level": meta.level, "chunk_size": meta.chunk_size,
+        "source": {"size": meta.source_size, "sha256": meta.source_sha256, "data_start": meta.source_data_start},
+        "tensors": [{**s.to_dict(), "n_expert": c.expert.info.n_expert, "n_chunks": c.expert.info.n_chunks}
+                    for s, c in zip(stats, zf.compressed, strict=True)],
+        "unsupported_experts": [],
+        "groups": [r.to_dict() for r in rows],
+    }
+
+
+def _measured_entropy(fd: int, t: Tensor, label: str, progress: Progress) -> float:
+    hist = np.zeros(256, np.uint64)
+    for block in _copy(fd, t.file_offset, t.nbytes, label, progress):
+        zcodec.exponent_histogram(np.frombuffer(block, np.uint16), hist)
+    return zcodec.entropy_bits(hist)
+
+
+def _plain_status(stats: list[TensorStats], unsupported: list[Tensor]) -> str:
+    if stats:
+        floor = sum(s.bf16_bytes * s.floor for s in stats) / sum(s.bf16_bytes for s in stats)
+        return (f"not compressed: {len(stats)} BF16 expert tensors; at the entropy floor they would take "
+                f"{floor:.1%} of their size (`zipmoe convert` compresses them)")
+    if unsupported:
+        types = "/".join(sorted({type_name(t.ggml_type) for t in unsupported}))
+        return f"not compressed: the expert tensors are {types}; zipmoe compresses BF16 experts only"
+    return "not a MoE model: no expert tensors, nothing for zipmoe to compress"
+
+
+def _inspect_plain(g: GGUFFile, progress: Progress) -> dict[str, Any]:
+    experts = [t for t in g.tensors if is_expert_tensor(t)]
+    bf16 = [t for t in experts if t.ggml_type == GGML_TYPE_BF16]
+    unsupported = [t for t in experts if t.ggml_type != GGML_TYPE_BF16]
+    progress.start("measure", sum(t.nbytes for t in bf16))
+    fd = os.open(g.label, os.O_RDONLY)
+    try:
+        stats = [TensorStats(t.name, t.dims, t.nbytes, None, _measured_entropy(fd, t, g.label, progress))
+                 for t in bf16]
+    finally:
+        os.close(fd)
+    rows = size_rows(stats, source_size=g.file_size, output_size=None) if stats else []
+    return {
+        "file": g.label, "format": "gguf", "file_size": g.file_size, "compressed": False,
+        "status": _plain_status(stats, unsupported),
+        "tensors": [s.to_dict() for s in stats],
+        "unsupported_experts": [{"name": t.name, "type": type_name(t.ggml_type)} for t in unsupported],
+        "groups": [r.to_dict() for r in rows],
+    }
+
+
+def inspect(path: str | os.PathLike[str], *, progress: Progress | None = None) -> dict[str, Any]:
+    """Sizes, exponent entropy, entropy floor and achieved ratio per tensor, for a zipmoe file; for a
+    plain GGUF, its expert tensors with their measured exponent entropy and floor."""
+    progress = progress or Silent()
+    try:
+        g = read_gguf(path)
+        return _inspect_zipmoe(open_zipmoe(path)) if g.is_zipmoe else _inspect_plain(g, progress)
+    finally:
+        progress.close()

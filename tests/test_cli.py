@@ -1,0 +1,194 @@
+"""The zipmoe command: what people see, one-line errors and exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import pyzipmoe
+from pyzipmoe import format
+from pyzipmoe.cli import main
+
+REPO = Path(pyzipmoe.__file__).resolve().parent.parent
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(err: str, *fragments: str) -> None:
+    assert err.startswith("zipmoe: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def test_help_teaches(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    for command in ("convert", "verify", "inspect", "unpack", "demo", "examples:", "exit status"):
+        assert command in out
+    code, out, _ = run(capsys, "convert", "--help")
+    assert code == 0 and "--chunk-size" in out and "examples:" in out
+
+
+def test_usage_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "convert", "only-one-argument.gguf")
+    assert code == 2 and "usage:" in err and "Traceback" not in err
+
+
+def test_convert_verify_inspect_unpack(capsys: pytest.CaptureFixture[str], tiny_model: Path, tmp_path: Path) -> None:
+    packed, restored = tmp_path / "m.zipmoe.gguf", tmp_path / "m.gguf"
+    code, out, _ = run(capsys, "convert", tiny_model, packed, "--codec", "zstd", "--level", "3", "--chunk-size",
+                       "1000", "--threads", "2")
+    assert code == 0
+    assert "tensor group" in out and "ffn_up_exps" in out and "whole file" in out and "floor" in out
+    code, out, _ = run(capsys, "verify", packed, "--against", tiny_model)
+    assert code == 0 and out.startswith("OK ") and "identical to" in out
+    code, out, _ = run(capsys, "inspect", packed)
+    assert code == 0 and "zstd" in out and "blk.1.ffn_down_exps.weight" in out and "H(exp)" in out
+    code, out, _ = run(capsys, "unpack", packed, restored)
+    assert code == 0 and restored.read_bytes() == tiny_model.read_bytes()
+
+
+def test_json_output(capsys: pytest.CaptureFixture[str], tiny_model: Path, tmp_path: Path) -> None:
+    packed = tmp_path / "m.zipmoe.gguf"
+    code, out, _ = run(capsys, "convert", tiny_model, packed, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["codec"] == "huff" and report["output_size"] == packed.stat().st_size
+    assert {g["label"] for g in report["groups"]} >= {"ffn_gate_exps", "whole file"}
+    code, out, _ = run(capsys, "verify", packed, "--json")
+    assert code == 0 and json.loads(out)["ok"] is True
+    code, out, _ = run(capsys, "inspect", tiny_model, "--json")
+    info = json.loads(out)
+    assert code == 0 and info["compressed"] is False and len(info["tensors"]) == 6
+
+
+def test_quiet_convert_prints_nothing(capsys: pytest.CaptureFixture[str], tiny_model: Path, tmp_path: Path) -> None:
+    assert run(capsys, "convert", tiny_model, tmp_path / "q.gguf", "--quiet") == (0, "", "")
+
+
+def test_inspect_plain_gguf_says_something_useful(capsys: pytest.CaptureFixture[str], tiny_model: Path,
+                                                  non_moe_gguf: Path, f16_moe_gguf: Path) -> None:
+    code, out, _ = run(capsys, "inspect", tiny_model)
+    assert code == 0 and "not compressed" in out and "H(exp)" in out and "floor" in out
+    code, out, _ = run(capsys, "inspect", non_moe_gguf)
+    assert code == 0 and "not a MoE model" in out
+    code, out, _ = run(capsys, "inspect", f16_moe_gguf)
+    assert code == 0 and "F16" in out
+
+
+@pytest.mark.parametrize("fixture, fragment", [
+    ("not_gguf", "not a GGUF file"),
+    ("truncated_gguf", "truncated"),
+    ("non_moe_gguf", "not a MoE model"),
+    ("f16_moe_gguf", "F16/F32 could be supported later"),
+    ("zipmoe_model", "already a zipmoe file"),
+])
+def test_convert_bad_input(fixture: str, fragment: str, request: pytest.FixtureRequest,
+                           capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, err = run(capsys, "convert", request.getfixturevalue(fixture), tmp_path / "out.gguf")
+    assert code == 2 and out == ""
+    assert_one_line_error(err, fragment)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    for argv in (("convert", tmp_path / "nope.gguf", tmp_path / "out.gguf"), ("verify", tmp_path / "nope.gguf"),
+                 ("inspect", tmp_path / "nope.gguf"), ("unpack", tmp_path / "nope.gguf", tmp_path / "o.gguf")):
+        code, _, err = run(capsys, *argv)
+        assert code == 2
+        assert_one_line_error(err, "No such file or directory", "nope.gguf")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_output_directory_must_exist(capsys: pytest.CaptureFixture[str], tiny_model: Path, tmp_path: Path) -> None:
+    code, _, err = run(capsys, "convert", tiny_model, tmp_path / "no" / "out.gguf")
+    assert code == 2
+    assert_one_line_error(err, "no such directory for the output", str(tmp_path / "no"))
+    code, _, err = run(capsys, "convert", tiny_model, tmp_path)
+    assert code == 2
+    assert_one_line_error(err, "the output is a directory")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_level_needs_zstd(capsys: pytest.CaptureFixture[str], tiny_model: Path, tmp_path: Path) -> None:
+    code, _, err = run(capsys, "convert", tiny_model, tmp_path / "o.gguf", "--level", "3")
+    assert code == 2
+    assert_one_line_error(err, "--level applies to --codec zstd only")
+
+
+def test_corrupted_expert_fails_verify(capsys: pytest.CaptureFixture[str], zipmoe_model: Path,
+                                       copy_of: Callable[[Path], Path],
+                                       flip_bit: Callable[[Path, int], None], tmp_path: Path) -> None:
+    damaged = copy_of(zipmoe_model)
+    c = format.open_zipmoe(damaged).compressed_by_name["blk.0.ffn_gate_exps.weight"]
+    flip_bit(damaged, c.region_file_offset(2) + c.expert.span(2).exp_offset + 1)
+    code, out, err = run(capsys, "verify", damaged)
+    assert code != 0 and out == ""
+    assert_one_line_error(err, "blk.0.ffn_gate_exps.weight: expert 2", "checksum")
+    code, _, err = run(capsys, "unpack", damaged, tmp_path / "restored.gguf")
+    assert code != 0
+    assert_one_line_error(err, "blk.0.ffn_gate_exps.weight: expert 2")
+    assert not (tmp_path / "restored.gguf").exists()
+
+
+def test_truncated_zipmoe_fails_verify(capsys: pytest.CaptureFixture[str], zipmoe_model: Path,
+                                       tmp_path: Path) -> None:
+    damaged = tmp_path / "cut.gguf"
+    damaged.write_bytes(zipmoe_model.read_bytes()[:-5000])
+    code, _, err = run(capsys, "verify", damaged)
+    assert code == 2
+    assert_one_line_error(err, "truncated")
+
+
+def test_verify_mismatch_exits_1(capsys: pytest.CaptureFixture[str], zipmoe_model: Path, tiny_model: Path,
+                                 copy_of: Callable[[Path], Path]) -> None:
+    other = copy_of(tiny_model)
+    t = format.read_gguf(other).by_name["blk.0.ffn_down_exps.weight"]
+    data = bytearray(other.read_bytes())
+    data[t.file_offset + 2 * 5] ^= 0x01
+    other.write_bytes(bytes(data))
+    code, out, err = run(capsys, "verify", zipmoe_model, "--against", other)
+    assert code == 1 and out == ""
+    assert_one_line_error(err, "blk.0.ffn_down_exps.weight expert 0 element 5 (flat index 5): zipmoe gives 0x")
+
+
+def test_demo(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, _ = run(capsys, "demo", "--preset", "tiny", "--arch", "olmoe", "--workdir", tmp_path)
+    assert code == 0
+    assert "1. generated" in out and "4. unpacked" in out and "equals the source's" in out and "whole file" in out
+    assert list(tmp_path.iterdir()) == []
+    code, out, _ = run(capsys, "demo", "--preset", "tiny", "--workdir", tmp_path, "--keep", "--quiet")
+    assert code == 0 and out == ""
+    assert len(list(tmp_path.glob("*.gguf"))) == 3
+
+
+def python_m(*argv: object) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "pyzipmoe", *map(str, argv)], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_python_m_round_trip(tiny_model: Path, tmp_path: Path) -> None:
+    packed = tmp_path / "m.zipmoe.gguf"
+    done = python_m("convert", tiny_model, packed)
+    assert done.returncode == 0, done.stderr
+    assert "whole file" in done.stdout and done.stderr == ""  # no progress bars when stderr is not a terminal
+    done = python_m("verify", packed, "--against", tiny_model)
+    assert done.returncode == 0 and done.stdout.startswith("OK"), done.stderr
+
+
+def test_python_m_bad_input(not_gguf: Path, tmp_path: Path) -> None:
+    done = python_m("convert", not_gguf, tmp_path / "out.gguf")
+    assert done.returncode == 2 and done.stdout == ""
+    assert_one_line_error(done.stderr, "not a GGUF file")
+    assert list(tmp_path.iterdir()) == []
