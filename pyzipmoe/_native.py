@@ -78,6 +78,28 @@ const zipmoe_codec_ctx * zipmoe_tensor_codec(const zipmoe_tensor * t);
 int64_t zipmoe_tensor_decode_expert(const zipmoe_tensor * t, zipmoe_workspace * ws, int64_t expert,
                                     const void * region, size_t region_size, uint16_t * dst, int ith, int nth);
 
+typedef struct zipmoe_store zipmoe_store;
+typedef enum { ZIPMOE_CACHE_UNBOUNDED = 0, ZIPMOE_CACHE_NONE = 1 } zipmoe_cache_mode;
+int64_t zipmoe_store_open(const char * name, const void * index, size_t index_size, uint64_t data_size,
+                          zipmoe_cache_mode mode, zipmoe_store ** out);
+void    zipmoe_store_free(zipmoe_store * s);
+const zipmoe_tensor * zipmoe_store_tensor(const zipmoe_store * s);
+int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_offset, void ** dst, size_t * dst_size);
+int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void * ids,
+                                 int64_t ne0, int64_t ne1, size_t nb0, size_t nb1, int ith, int nth);
+int64_t zipmoe_take_error(char * msg, size_t msg_size);
+typedef struct {
+    uint64_t stores;
+    uint64_t experts_resident;
+    uint64_t experts_decoded;
+    uint64_t chunks_decoded;
+    uint64_t bytes_decoded;
+    uint64_t decode_ns;
+    uint64_t materialize_calls;
+} zipmoe_stats;
+void zipmoe_stats_get(zipmoe_stats * out);
+void zipmoe_stats_reset(void);
+
 size_t  zipmoe_expert_region_bound(const zipmoe_codec_ctx * c, int64_t n_per_expert, int64_t chunk_n);
 int64_t zipmoe_expert_encode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
                              const uint16_t * src, int64_t n_per_expert, int64_t chunk_n,

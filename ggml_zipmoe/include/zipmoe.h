@@ -176,6 +176,53 @@ ZIPMOE_API int64_t zipmoe_expert_encode(const zipmoe_codec_ctx * c, zipmoe_works
                                         void * region, size_t cap,
                                         uint64_t * chunk_ends, uint64_t * checksums);
 
+/* ---------------------------------------------------------------- expert stores (run time) */
+
+/* A store serves one compressed expert tensor to an inference engine: it maps the data companion from
+ * the model file, reserves the tensor's BF16 memory (virtual; pages exist only for materialised
+ * experts) and decodes the experts a router selects, on the engine's own threads. */
+typedef struct zipmoe_store zipmoe_store;
+
+typedef enum {
+    ZIPMOE_CACHE_UNBOUNDED = 0, /* a decoded expert stays decoded */
+    ZIPMOE_CACHE_NONE      = 1, /* decode on every use (for measurements and tests) */
+} zipmoe_cache_mode;
+
+/* Opens a store from an index (validated as zipmoe_tensor_open does). */
+ZIPMOE_API int64_t zipmoe_store_open(const char * name, const void * index, size_t index_size, uint64_t data_size,
+                                     zipmoe_cache_mode mode, zipmoe_store ** out);
+ZIPMOE_API void    zipmoe_store_free(zipmoe_store * s);
+ZIPMOE_API const zipmoe_tensor * zipmoe_store_tensor(const zipmoe_store * s);
+/* Maps [data_offset, data_offset + data_size) of fd read-only and reserves the BF16 memory
+ * (ne0 * ne1 * n_expert * 2 bytes, MAP_NORESERVE). *dst receives its address. fd may be closed after. */
+ZIPMOE_API int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_offset, void ** dst, size_t * dst_size);
+
+/* Makes every expert named in ids resident in the BF16 memory. ids is an int32 matrix of ne1 rows of
+ * ne0 expert ids (byte strides nb0, nb1), as a router produces. All nth threads of one invocation call
+ * it with the same key (any pointer unique to the invocation) and ith = 0..nth-1; they share the
+ * decoding without waiting for each other, and when the last of them returns, every named expert is
+ * decoded. Returns the number of chunks this thread decoded, or an error, which is also recorded for
+ * zipmoe_take_error(). */
+ZIPMOE_API int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void * ids,
+                                            int64_t ne0, int64_t ne1, size_t nb0, size_t nb1, int ith, int nth);
+
+/* The first error recorded by any store since the last call, with a message naming tensor and expert;
+ * ZIPMOE_OK if none. Clears it. */
+ZIPMOE_API int64_t zipmoe_take_error(char * msg, size_t msg_size);
+
+typedef struct {
+    uint64_t stores;            /* expert tensors served */
+    uint64_t experts_resident;  /* experts decoded and kept */
+    uint64_t experts_decoded;   /* decodes of an expert (each counts) */
+    uint64_t chunks_decoded;
+    uint64_t bytes_decoded;     /* BF16 bytes written */
+    uint64_t decode_ns;         /* summed over threads */
+    uint64_t materialize_calls; /* invocations (one per expert tensor per graph compute) */
+} zipmoe_stats;
+
+ZIPMOE_API void zipmoe_stats_get(zipmoe_stats * out);
+ZIPMOE_API void zipmoe_stats_reset(void); /* zeroes the counters, not the resident set */
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,173 @@
+"""The run-time expert store: materialising routed experts on many threads, as ggml's custom op calls it."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pyzipmoe import format
+from pyzipmoe._native import ffi, lib
+
+MODE = {"unbounded": lib.ZIPMOE_CACHE_UNBOUNDED, "none": lib.ZIPMOE_CACHE_NONE}
+
+
+class Store:
+    """A store bound to one compressed tensor of a zipmoe file, with its BF16 memory as numpy."""
+
+    def __init__(self, path: Path, ct: format.CompressedTensor, mode: str = "unbounded"):
+        with open(path, "rb") as f:
+            f.seek(ct.index.file_offset)
+            self._index = f.read(ct.index.nbytes)
+            out = ffi.new("zipmoe_store **")
+            assert lib.zipmoe_store_open(ct.name.encode(), self._index, len(self._index), ct.data.nbytes,
+                                         MODE[mode], out) == 0
+            self.handle = ffi.gc(out[0], lib.zipmoe_store_free)
+            dst, size = ffi.new("void **"), ffi.new("size_t *")
+            assert lib.zipmoe_store_bind(self.handle, f.fileno(), ct.data.file_offset, dst, size) == 0
+        ne0, ne1, n_expert = ct.source.dims
+        self.weights = np.frombuffer(ffi.buffer(dst[0], n_expert * ne0 * ne1 * 2), np.uint16).reshape(n_expert, -1)
+
+    def materialize(self, ids: np.ndarray, nth: int, key=None) -> list[int]:
+        """Calls materialize from nth threads at once, as ggml does; returns each thread's status."""
+        key = key or ffi.new("char[1]")
+        ids = np.ascontiguousarray(ids, np.int32)
+        results = [0] * nth
+        start = threading.Barrier(nth)
+
+        def run(ith: int) -> None:
+            start.wait()
+            results[ith] = lib.zipmoe_store_materialize(self.handle, key, ffi.from_buffer(ids), ids.shape[1],
+                                                        ids.shape[0], 4, ids.shape[1] * 4, ith, nth)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(nth)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
+
+
+def source_experts(source_path: Path, ct: format.CompressedTensor) -> np.ndarray:
+    ne0, ne1, n_expert = ct.source.dims
+    with open(source_path, "rb") as f:
+        f.seek(ct.source.file_offset)
+        return np.frombuffer(f.read(n_expert * ne0 * ne1 * 2), np.uint16).reshape(n_expert, -1)
+
+
+@pytest.fixture
+def stats():
+    lib.zipmoe_stats_reset()
+    s = ffi.new("zipmoe_stats *")
+
+    def read() -> dict[str, int]:
+        lib.zipmoe_stats_get(s)
+        return {k: getattr(s, k) for k in dir(s)}
+
+    return read
+
+
+@pytest.mark.parametrize("nth", [1, 2, 3, 8])
+def test_threads_materialise_exactly_the_routed_experts(zipmoe_model, tiny_model, nth, stats):
+    zf = format.open_zipmoe(zipmoe_model)
+    ct = zf.compressed[0]
+    store = Store(zipmoe_model, ct)
+    ref = source_experts(tiny_model, ct)
+    ids = np.array([[1, 5], [5, 6], [1, 1]])
+    assert all(r >= 0 for r in store.materialize(ids, nth))
+    for e in range(ref.shape[0]):
+        if e in (1, 5, 6):
+            np.testing.assert_array_equal(store.weights[e], ref[e])
+        else:
+            assert not store.weights[e].any()  # never decoded: still the untouched zero page
+    assert stats()["experts_decoded"] == 3
+    # resident experts are not decoded again; a new one is
+    assert all(r >= 0 for r in store.materialize(np.array([[5, 2]]), nth))
+    np.testing.assert_array_equal(store.weights[2], ref[2])
+    assert stats()["experts_decoded"] == 4
+
+
+def test_cache_none_decodes_on_every_use(zipmoe_model, tiny_model, stats):
+    zf = format.open_zipmoe(zipmoe_model)
+    ct = zf.compressed[1]
+    store = Store(zipmoe_model, ct, mode="none")
+    for _ in range(3):
+        store.materialize(np.array([[0, 3]]), 2)
+    assert stats()["experts_decoded"] == 6
+    np.testing.assert_array_equal(store.weights[3], source_experts(tiny_model, ct)[3])
+
+
+def test_concurrent_invocations_on_one_store_each_complete(zipmoe_model, tiny_model):
+    """Two 'graphs' (different keys) at once: each one's experts are decoded when its threads return."""
+    zf = format.open_zipmoe(zipmoe_model)
+    ct = zf.compressed[2]
+    store = Store(zipmoe_model, ct, mode="none")
+    ref = source_experts(tiny_model, ct)
+    n_expert = ref.shape[0]
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        a, b = rng.integers(0, n_expert, (2, 4, 2))
+        results = [None, None]
+
+        def run(i, ids):
+            results[i] = store.materialize(ids, 3)
+
+        threads = [threading.Thread(target=run, args=(0, a)), threading.Thread(target=run, args=(1, b))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for e in set(a.ravel()) | set(b.ravel()):
+            np.testing.assert_array_equal(store.weights[e], ref[e])
+
+
+def test_corrupt_chunk_is_reported_with_tensor_and_expert(zipmoe_model, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(zipmoe_model.read_bytes())
+    zf = format.open_zipmoe(bad)
+    ct = zf.compressed[0]
+    with open(bad, "r+b") as f:
+        pos = ct.region_file_offset(4) + 3  # inside expert 4's sign+mantissa plane
+        f.seek(pos)
+        byte = f.read(1)
+        f.seek(pos)
+        f.write(bytes([byte[0] ^ 0x10]))
+    store = Store(bad, ct)
+    lib.zipmoe_take_error(ffi.NULL, 0)
+    results = store.materialize(np.array([[4, 0]]), 2)
+    assert any(r == lib.ZIPMOE_ERR_CHECKSUM for r in results)
+    msg = ffi.new("char[256]")
+    assert lib.zipmoe_take_error(msg, 256) == lib.ZIPMOE_ERR_CHECKSUM
+    assert ffi.string(msg).decode() == f"zipmoe: {ct.name}, expert 4: checksum mismatch (the stored bytes were modified or damaged)"
+    assert lib.zipmoe_take_error(ffi.NULL, 0) == 0  # taken
+    # the failed expert is not marked resident: using it again fails again, never silently
+    assert any(r == lib.ZIPMOE_ERR_CHECKSUM for r in store.materialize(np.array([[4]]), 1))
+
+
+def test_out_of_range_expert_ids_are_an_error_not_a_write(zipmoe_model):
+    zf = format.open_zipmoe(zipmoe_model)
+    store = Store(zipmoe_model, zf.compressed[0])
+    lib.zipmoe_take_error(ffi.NULL, 0)
+    store.materialize(np.array([[0, 999]]), 2)
+    assert lib.zipmoe_take_error(ffi.NULL, 0) == lib.ZIPMOE_ERR_ARG
+
+
+def test_bind_refuses_a_data_companion_outside_the_file(zipmoe_model, tmp_path):
+    zf = format.open_zipmoe(zipmoe_model)
+    ct = zf.compressed[-1]
+    short = tmp_path / "short.gguf"
+    short.write_bytes(zipmoe_model.read_bytes()[: ct.data.file_offset + 10])
+    with open(zipmoe_model, "rb") as f:
+        f.seek(ct.index.file_offset)
+        index = f.read(ct.index.nbytes)
+    out = ffi.new("zipmoe_store **")
+    assert lib.zipmoe_store_open(b"t", index, len(index), ct.data.nbytes, 0, out) == 0
+    store = ffi.gc(out[0], lib.zipmoe_store_free)
+    fd = os.open(short, os.O_RDONLY)
+    try:
+        assert lib.zipmoe_store_bind(store, fd, ct.data.file_offset, ffi.new("void **"), ffi.new("size_t *")) == lib.ZIPMOE_ERR_CORRUPT
+    finally:
+        os.close(fd)
