@@ -1,0 +1,41 @@
+// zipmoe-llama.h - the glue between llama.cpp and zipmoe's expert stores. Compiled into libllama by
+// zipmoe's CMake; the patches in patches/ call these functions and nothing else of zipmoe.
+#pragma once
+
+#include "ggml.h"
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+struct zipmoe_llama_tensor; // one compressed expert tensor: its store and its ggml buffer
+
+struct zipmoe_llama_tensor_deleter {
+    void operator()(zipmoe_llama_tensor * zt) const;
+};
+using zipmoe_llama_tensor_ptr = std::unique_ptr<zipmoe_llama_tensor, zipmoe_llama_tensor_deleter>;
+
+// Validates <base>.zipmoe_index (index bytes) for a data companion of data_size bytes. The cache mode
+// comes from the environment: ZIPMOE_CACHE=unbounded (default) or none (decode on every use).
+zipmoe_llama_tensor_ptr zipmoe_llama_open(const char * name, const void * index, size_t index_size,
+                                          uint64_t data_size, std::string & err);
+
+// The original tensor's shape, from the index.
+void zipmoe_llama_shape(const zipmoe_llama_tensor * zt, int64_t ne[4]);
+
+// Gives t (BF16, the original shape) its memory: a reservation that holds only materialised experts,
+// wrapped in a CPU buffer; the data companion at data_offs of fd is mapped for decoding. With no_alloc
+// (llama.cpp's memory-fit pass) t gets a zero-size buffer and nothing is mapped.
+bool zipmoe_llama_bind(zipmoe_llama_tensor * zt, ggml_tensor * t, bool no_alloc, int fd, uint64_t data_offs,
+                       std::string & err);
+
+// The zipmoe tensor behind weight w, or nullptr (every tensor of a plain GGUF).
+zipmoe_llama_tensor * zipmoe_llama_find(const ggml_tensor * w);
+
+// Returns ids behind a node that materialises the experts ids names in w, for ggml_mul_mat_id(w, .., ids).
+// During warmup (which routes every token to every expert) nothing is decoded.
+ggml_tensor * zipmoe_llama_build(ggml_context * ctx, zipmoe_llama_tensor * zt, ggml_tensor * ids,
+                                 ggml_tensor * w, bool warmup);
+
+// The first decoding error since the last call (a damaged chunk, say); false if none.
+bool zipmoe_llama_take_error(std::string & msg);
