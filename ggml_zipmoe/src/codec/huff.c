@@ -12,6 +12,7 @@
 #define TABLE_BITS ZIPMOE_HUFF_TABLE_BITS
 #define TABLE_MASK ((1u << TABLE_BITS) - 1)
 #define MAX_SYMS   7 /* symbols one decode entry can hold */
+#define PREFETCH_AHEAD 384 /* bytes: about 12 rounds ahead in each stream */
 
 /* Decode entry: bytes 0..6 symbols, bits 56..58 their count, bits 60..63 the bits they use. */
 #define E_COUNT(e) ((unsigned) ((e) >> 56) & 7)
@@ -352,6 +353,10 @@ static void decode4_fast(const uint64_t * dt, stream * st, const uint8_t * chunk
             break;
         }
         while (rounds--) {
+            /* experts usually arrive cold from RAM; four streams are more than the hardware prefetcher
+             * follows well (measured: +5% on inputs that miss the caches, no change on cached ones) */
+            __builtin_prefetch(s0.p + PREFETCH_AHEAD); __builtin_prefetch(s1.p + PREFETCH_AHEAD);
+            __builtin_prefetch(s2.p + PREFETCH_AHEAD); __builtin_prefetch(s3.p + PREFETCH_AHEAD);
             refill_fast(&s0); refill_fast(&s1); refill_fast(&s2); refill_fast(&s3);
             for (int r = 0; r < ROUND_LOOKUPS; r++) {
                 LOOKUP(s0); LOOKUP(s1); LOOKUP(s2); LOOKUP(s3);
