@@ -18,7 +18,7 @@ CDEF = """
 typedef enum {
     ZIPMOE_OK = 0, ZIPMOE_ERR_ARG = -1, ZIPMOE_ERR_CORRUPT = -2, ZIPMOE_ERR_CHECKSUM = -3,
     ZIPMOE_ERR_NOMEM = -4, ZIPMOE_ERR_UNSUPPORTED = -5, ZIPMOE_ERR_DST_TOO_SMALL = -6,
-    ZIPMOE_ERR_CODEC = -7
+    ZIPMOE_ERR_CODEC = -7, ZIPMOE_ERR_IO = -8
 } zipmoe_status;
 typedef enum { ZIPMOE_CODEC_ZSTD = 1, ZIPMOE_CODEC_HUFF = 2 } zipmoe_codec;
 
@@ -79,23 +79,35 @@ int64_t zipmoe_tensor_decode_expert(const zipmoe_tensor * t, zipmoe_workspace * 
                                     const void * region, size_t region_size, uint16_t * dst, int ith, int nth);
 
 typedef struct zipmoe_store zipmoe_store;
-typedef enum { ZIPMOE_CACHE_UNBOUNDED = 0, ZIPMOE_CACHE_NONE = 1 } zipmoe_cache_mode;
+typedef enum {
+    ZIPMOE_POLICY_TOKEN_LFU = 0, ZIPMOE_POLICY_LRU = 1, ZIPMOE_POLICY_LFU = 2, ZIPMOE_POLICY_FIFO = 3
+} zipmoe_policy;
+int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, zipmoe_policy policy);
 int64_t zipmoe_store_open(const char * name, const void * index, size_t index_size, uint64_t data_size,
-                          zipmoe_cache_mode mode, zipmoe_store ** out);
+                          zipmoe_store ** out);
 void    zipmoe_store_free(zipmoe_store * s);
 const zipmoe_tensor * zipmoe_store_tensor(const zipmoe_store * s);
 int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_offset, void ** dst, size_t * dst_size);
 int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void * ids,
                                  int64_t ne0, int64_t ne1, size_t nb0, size_t nb1, int ith, int nth);
+int64_t zipmoe_store_activations(zipmoe_store * s, uint64_t * counts, int64_t n);
 int64_t zipmoe_take_error(char * msg, size_t msg_size);
 typedef struct {
     uint64_t stores;
-    uint64_t experts_resident;
+    uint64_t hot_bytes;
+    uint64_t warm_bytes;
+    uint64_t peak_hot_bytes;
     uint64_t experts_decoded;
     uint64_t chunks_decoded;
     uint64_t bytes_decoded;
     uint64_t decode_ns;
     uint64_t materialize_calls;
+    uint64_t hits_hot;
+    uint64_t hits_warm;
+    uint64_t misses;
+    uint64_t bytes_read;
+    uint64_t read_ns;
+    uint64_t evictions;
 } zipmoe_stats;
 void zipmoe_stats_get(zipmoe_stats * out);
 void zipmoe_stats_reset(void);

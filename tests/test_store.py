@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 from pathlib import Path
@@ -12,19 +13,30 @@ import pytest
 from pyzipmoe import format
 from pyzipmoe._native import ffi, lib
 
-MODE = {"unbounded": lib.ZIPMOE_CACHE_UNBOUNDED, "none": lib.ZIPMOE_CACHE_NONE}
+UNBOUNDED = 2**64 - 1
+POLICIES = {"tlfu": lib.ZIPMOE_POLICY_TOKEN_LFU, "lru": lib.ZIPMOE_POLICY_LRU, "lfu": lib.ZIPMOE_POLICY_LFU,
+            "fifo": lib.ZIPMOE_POLICY_FIFO}
+
+
+@pytest.fixture(autouse=True)
+def default_budget():
+    """Every test starts and ends with the library's defaults: hot unbounded, no warm tier; and with no
+    store of an earlier test left open, since budgets are shared out among the open stores."""
+    gc.collect()
+    lib.zipmoe_cache_configure(UNBOUNDED, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
+    yield
+    lib.zipmoe_cache_configure(UNBOUNDED, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
 
 
 class Store:
     """A store bound to one compressed tensor of a zipmoe file, with its BF16 memory as numpy."""
 
-    def __init__(self, path: Path, ct: format.CompressedTensor, mode: str = "unbounded"):
+    def __init__(self, path: Path, ct: format.CompressedTensor):
         with open(path, "rb") as f:
             f.seek(ct.index.file_offset)
             self._index = f.read(ct.index.nbytes)
             out = ffi.new("zipmoe_store **")
-            assert lib.zipmoe_store_open(ct.name.encode(), self._index, len(self._index), ct.data.nbytes,
-                                         MODE[mode], out) == 0
+            assert lib.zipmoe_store_open(ct.name.encode(), self._index, len(self._index), ct.data.nbytes, out) == 0
             self.handle = ffi.gc(out[0], lib.zipmoe_store_free)
             dst, size = ffi.new("void **"), ffi.new("size_t *")
             assert lib.zipmoe_store_bind(self.handle, f.fileno(), ct.data.file_offset, dst, size) == 0
@@ -93,7 +105,8 @@ def test_threads_materialise_exactly_the_routed_experts(zipmoe_model, tiny_model
 def test_cache_none_decodes_on_every_use(zipmoe_model, tiny_model, stats):
     zf = format.open_zipmoe(zipmoe_model)
     ct = zf.compressed[1]
-    store = Store(zipmoe_model, ct, mode="none")
+    lib.zipmoe_cache_configure(0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
+    store = Store(zipmoe_model, ct)
     for _ in range(3):
         store.materialize(np.array([[0, 3]]), 2)
     assert stats()["experts_decoded"] == 6
@@ -101,10 +114,13 @@ def test_cache_none_decodes_on_every_use(zipmoe_model, tiny_model, stats):
 
 
 def test_concurrent_invocations_on_one_store_each_complete(zipmoe_model, tiny_model):
-    """Two 'graphs' (different keys) at once: each one's experts are decoded when its threads return."""
+    """Two 'graphs' (different keys) at once: each one's experts are decoded when its threads return.
+
+    With an unbounded budget: under a budget, one graph's eviction could take experts that the other's
+    matmul still has to read (two graphs computing on one model at once is not supported with a budget)."""
     zf = format.open_zipmoe(zipmoe_model)
     ct = zf.compressed[2]
-    store = Store(zipmoe_model, ct, mode="none")
+    store = Store(zipmoe_model, ct)
     ref = source_experts(tiny_model, ct)
     n_expert = ref.shape[0]
     rng = np.random.default_rng(0)
@@ -164,10 +180,75 @@ def test_bind_refuses_a_data_companion_outside_the_file(zipmoe_model, tmp_path):
         f.seek(ct.index.file_offset)
         index = f.read(ct.index.nbytes)
     out = ffi.new("zipmoe_store **")
-    assert lib.zipmoe_store_open(b"t", index, len(index), ct.data.nbytes, 0, out) == 0
+    assert lib.zipmoe_store_open(b"t", index, len(index), ct.data.nbytes, out) == 0
     store = ffi.gc(out[0], lib.zipmoe_store_free)
     fd = os.open(short, os.O_RDONLY)
     try:
         assert lib.zipmoe_store_bind(store, fd, ct.data.file_offset, ffi.new("void **"), ffi.new("size_t *")) == lib.ZIPMOE_ERR_CORRUPT
     finally:
         os.close(fd)
+
+
+def expert_bytes(ct: format.CompressedTensor) -> int:
+    ne0, ne1, _ = ct.source.dims
+    return ne0 * ne1 * 2
+
+
+def budget_for(zf: format.ZipmoeFile, ct: format.CompressedTensor, n_hot: int, n_warm_bytes: int = 0) -> tuple[int, int]:
+    """Process budgets that give store `ct` room for n_hot decoded experts (budgets are shared by BF16 size)."""
+    total = sum(expert_bytes(c) * c.source.dims[2] for c in zf.compressed)
+    share = expert_bytes(ct) * ct.source.dims[2] / total
+    return int(n_hot * expert_bytes(ct) / share) + 1, int(n_warm_bytes / share) + 1
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("warm_experts", [0, 3])
+def test_every_tier_and_transition_stays_bit_exact_under_a_tiny_budget(zipmoe_model, tiny_model, stats, policy, warm_experts):
+    zf = format.open_zipmoe(zipmoe_model)
+    stores = [Store(zipmoe_model, ct) for ct in zf.compressed]  # all of the model's stores share the budget
+    ct = zf.compressed[0]
+    store = stores[0]
+    ref = source_experts(tiny_model, ct)
+    n_expert = ref.shape[0]
+    region = max(ct.expert.span(e).size for e in range(n_expert))
+    hot, warm = budget_for(zf, ct, 2, warm_experts * region)
+    lib.zipmoe_cache_configure(hot, warm, POLICIES[policy])
+    rng = np.random.default_rng(1)
+    for step in range(40):
+        ids = rng.integers(0, n_expert, (int(rng.integers(1, 4)), 2))
+        assert all(r >= 0 for r in store.materialize(ids, int(rng.integers(1, 4))))
+        for e in set(ids.ravel()):
+            np.testing.assert_array_equal(store.weights[e], ref[e])
+    st = stats()
+    assert st["evictions"] > 0 and st["misses"] > 0
+    if warm_experts:
+        assert st["hits_warm"] > 0
+        assert st["warm_bytes"] <= warm
+    else:
+        assert st["hits_warm"] == 0 and st["warm_bytes"] == 0
+    # what stays decoded between invocations is the budget, plus the experts of the invocation in flight
+    assert st["hot_bytes"] <= 2 * expert_bytes(ct) + 6 * expert_bytes(ct)
+    assert st["bytes_read"] > 0
+
+
+def test_lru_keeps_the_recent_and_lfu_the_frequent(zipmoe_model, stats):
+    zf = format.open_zipmoe(zipmoe_model)
+    stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
+    ct, store = zf.compressed[0], stores[0]
+    for policy, expect_hot in (("lru", 1), ("lfu", 0)):
+        lib.zipmoe_cache_configure(budget_for(zf, ct, 2)[0], 0, POLICIES[policy])
+        for ids in ([[0]], [[0]], [[0]], [[1]], [[2]]):  # 0 used often, then 1, then 2: one of 0 and 1 goes
+            store.materialize(np.array(ids), 1)
+        lib.zipmoe_stats_reset()
+        store.materialize(np.array([[expect_hot]]), 1)
+        assert stats()["hits_hot"] == 1, policy
+        store.materialize(np.array([[3], [4], [5], [6], [7]]), 1)  # flush: 3..7 pinned, others evicted
+
+
+def test_activation_counts_are_tokens_routed(zipmoe_model):
+    zf = format.open_zipmoe(zipmoe_model)
+    store = Store(zipmoe_model, zf.compressed[0])
+    store.materialize(np.array([[1, 2], [1, 3], [1, 2]]), 2)
+    counts = np.zeros(zf.compressed[0].source.dims[2], np.uint64)
+    assert lib.zipmoe_store_activations(store.handle, ffi.cast("uint64_t *", ffi.from_buffer(counts)), counts.size) == counts.size
+    assert counts.tolist()[:4] == [0, 3, 2, 1]

@@ -45,6 +45,7 @@ typedef enum {
     ZIPMOE_ERR_UNSUPPORTED  = -5, /* unknown codec, format version or tensor type                */
     ZIPMOE_ERR_DST_TOO_SMALL = -6, /* the output buffer cannot hold the result                   */
     ZIPMOE_ERR_CODEC        = -7, /* the underlying codec (zstd) reported an error               */
+    ZIPMOE_ERR_IO           = -8, /* reading the model file failed                                  */
 } zipmoe_status;
 
 ZIPMOE_API const char * zipmoe_status_str(int64_t status);
@@ -178,23 +179,32 @@ ZIPMOE_API int64_t zipmoe_expert_encode(const zipmoe_codec_ctx * c, zipmoe_works
 
 /* ---------------------------------------------------------------- expert stores (run time) */
 
-/* A store serves one compressed expert tensor to an inference engine: it maps the data companion from
- * the model file, reserves the tensor's BF16 memory (virtual; pages exist only for materialised
- * experts) and decodes the experts a router selects, on the engine's own threads. */
+/* A store serves one compressed expert tensor to an inference engine: it reserves the tensor's BF16
+ * memory (virtual; pages exist only for decoded experts) and decodes the experts a router selects, on
+ * the engine's own threads, from RAM or from the model file. What it keeps is bounded by the
+ * process's cache budget. */
 typedef struct zipmoe_store zipmoe_store;
 
 typedef enum {
-    ZIPMOE_CACHE_UNBOUNDED = 0, /* a decoded expert stays decoded */
-    ZIPMOE_CACHE_NONE      = 1, /* decode on every use (for measurements and tests) */
-} zipmoe_cache_mode;
+    ZIPMOE_POLICY_TOKEN_LFU = 0, /* the paper's: an expert's weight grows by the tokens routed to it */
+    ZIPMOE_POLICY_LRU       = 1,
+    ZIPMOE_POLICY_LFU       = 2, /* a use counts one, however many tokens */
+    ZIPMOE_POLICY_FIFO      = 3,
+} zipmoe_policy;
+
+/* The budget of every store of the process: hot_bytes of decoded experts and warm_bytes of compressed
+ * regions kept in RAM (UINT64_MAX: unbounded), shared out among stores in proportion to their BF16 size,
+ * and the eviction policy. hot_bytes = 0 decodes on every use. The experts the layer in flight routes
+ * to are decoded whatever the budget; zipmoe_stats reports the peak. Defaults: hot unbounded, warm 0. */
+ZIPMOE_API int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, zipmoe_policy policy);
 
 /* Opens a store from an index (validated as zipmoe_tensor_open does). */
 ZIPMOE_API int64_t zipmoe_store_open(const char * name, const void * index, size_t index_size, uint64_t data_size,
-                                     zipmoe_cache_mode mode, zipmoe_store ** out);
+                                     zipmoe_store ** out);
 ZIPMOE_API void    zipmoe_store_free(zipmoe_store * s);
 ZIPMOE_API const zipmoe_tensor * zipmoe_store_tensor(const zipmoe_store * s);
-/* Maps [data_offset, data_offset + data_size) of fd read-only and reserves the BF16 memory
- * (ne0 * ne1 * n_expert * 2 bytes, MAP_NORESERVE). *dst receives its address. fd may be closed after. */
+/* Reads the data companion at data_offset of fd (duplicated: fd may be closed after) and reserves the
+ * BF16 memory (ne0 * ne1 * n_expert * 2 bytes, MAP_NORESERVE). *dst receives its address. */
 ZIPMOE_API int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_offset, void ** dst, size_t * dst_size);
 
 /* Makes every expert named in ids resident in the BF16 memory. ids is an int32 matrix of ne1 rows of
@@ -206,22 +216,33 @@ ZIPMOE_API int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_off
 ZIPMOE_API int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void * ids,
                                             int64_t ne0, int64_t ne1, size_t nb0, size_t nb1, int ith, int nth);
 
+/* Tokens routed to each expert so far (counts[n], n >= n_expert): what a planner reads. */
+ZIPMOE_API int64_t zipmoe_store_activations(zipmoe_store * s, uint64_t * counts, int64_t n);
+
 /* The first error recorded by any store since the last call, with a message naming tensor and expert;
  * ZIPMOE_OK if none. Clears it. */
 ZIPMOE_API int64_t zipmoe_take_error(char * msg, size_t msg_size);
 
 typedef struct {
     uint64_t stores;            /* expert tensors served */
-    uint64_t experts_resident;  /* experts decoded and kept */
+    uint64_t hot_bytes;         /* decoded experts kept now */
+    uint64_t warm_bytes;        /* compressed regions kept in RAM now */
+    uint64_t peak_hot_bytes;    /* most decoded bytes at once since the last reset */
     uint64_t experts_decoded;   /* decodes of an expert (each counts) */
     uint64_t chunks_decoded;
     uint64_t bytes_decoded;     /* BF16 bytes written */
-    uint64_t decode_ns;         /* summed over threads */
+    uint64_t decode_ns;         /* summed over threads, reads from disk included */
     uint64_t materialize_calls; /* invocations (one per expert tensor per graph compute) */
+    uint64_t hits_hot;          /* routed experts found decoded */
+    uint64_t hits_warm;         /* ... found compressed in RAM */
+    uint64_t misses;            /* ... read from the file */
+    uint64_t bytes_read;        /* from the file */
+    uint64_t read_ns;           /* summed over threads */
+    uint64_t evictions;         /* of decoded experts */
 } zipmoe_stats;
 
 ZIPMOE_API void zipmoe_stats_get(zipmoe_stats * out);
-ZIPMOE_API void zipmoe_stats_reset(void); /* zeroes the counters, not the resident set */
+ZIPMOE_API void zipmoe_stats_reset(void); /* zeroes the counters, not what is kept */
 
 #ifdef __cplusplus
 }

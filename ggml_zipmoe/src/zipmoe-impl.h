@@ -67,6 +67,17 @@ uint64_t zipmoe_chunk_checksum(const void * code, size_t code_size, const uint8_
 /* codec.c: encodes an exponent plane with the codec; the chunk format of docs/FORMAT.md */
 int64_t zipmoe_encode_exp(const zipmoe_codec_ctx * c, zipmoe_workspace * ws, const uint8_t * exp, size_t n, void * dst, size_t cap);
 
+/* tensor.c: where chunk c of expert e lies: its code from the start of the expert's region, its size,
+ * its checksum, its first value and its number of values. e and c must be in range. */
+typedef struct {
+    uint64_t code_offset;
+    uint64_t code_size;
+    uint64_t checksum;
+    int64_t  first;
+    int64_t  n;
+} zipmoe_chunk_ref;
+void zipmoe_tensor_chunk(const zipmoe_tensor * t, int64_t e, int64_t c, zipmoe_chunk_ref * ref);
+
 static inline uint64_t zipmoe_load64le(const uint8_t * p) {
     uint64_t v;
     memcpy(&v, p, sizeof v); /* little-endian hosts only: checked in CMake */

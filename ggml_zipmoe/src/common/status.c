@@ -11,6 +11,7 @@ const char * zipmoe_status_str(int64_t status) {
         case ZIPMOE_ERR_UNSUPPORTED:   return "unsupported codec, version or tensor type";
         case ZIPMOE_ERR_DST_TOO_SMALL: return "destination buffer too small";
         case ZIPMOE_ERR_CODEC:         return "codec error (the compressed stream does not decode)";
+        case ZIPMOE_ERR_IO:            return "cannot read the model file";
         default:                       return status >= 0 ? "ok" : "unknown error";
     }
 }

@@ -69,7 +69,17 @@ int64_t zipmoe_tensor_open(const void * index, size_t index_size, uint64_t data_
     if (h[13] != data_size || align < REGION_ALIGN_MIN || align > REGION_ALIGN_MAX || (align & (align - 1)) || h[15] != 0) {
         return ZIPMOE_ERR_CORRUPT;
     }
-    if ((int64_t) level < -(1 << 17) || (int64_t) level > 64) {
+    if ((int64_t) level < -(1 << 17) || (int64_t) level > 64 || (codec == ZIPMOE_CODEC_HUFF && level != 0)) {
+        return ZIPMOE_ERR_CORRUPT;
+    }
+    /* Every region holds at least its sm plane and padding (exp_offset bytes) and regions do not overlap, so
+     * E * exp_offset <= data_size. Checked here, before anything is allocated: an index that declares an absurd
+     * tensor (say 2^60 bytes of experts) for a small data companion is refused at once, and every product
+     * the runtime forms from these counts (E * N * 2 bytes of BF16 memory, E * C chunk entries) is bounded by
+     * data_size, which is kept below 2^62. */
+    uint64_t min_data;
+    if (data_size > ((uint64_t) 1 << 62) ||
+        mul_overflows(n_expert, zipmoe_align_up(n_per, SM_ALIGN), &min_data) || min_data > data_size) {
         return ZIPMOE_ERR_CORRUPT;
     }
     /* index_len = 48 + 2E + 2EC + 1, computed without overflow (E <= 2^20, C <= 2^48) */
@@ -205,6 +215,16 @@ int64_t zipmoe_tensor_decode_expert(const zipmoe_tensor * t, zipmoe_workspace * 
         done++;
     }
     return done;
+}
+
+void zipmoe_tensor_chunk(const zipmoe_tensor * t, int64_t e, int64_t c, zipmoe_chunk_ref * ref) {
+    const uint64_t * ch    = t->chunks + 2 * e * t->info.n_chunks;
+    const uint64_t   begin = c ? ch[2 * (c - 1)] : 0;
+    ref->code_offset       = t->exp_offset + begin;
+    ref->code_size         = ch[2 * c] - begin;
+    ref->checksum          = ch[2 * c + 1];
+    ref->first             = c * t->info.chunk_n;
+    ref->n = t->info.n_per_expert - ref->first < t->info.chunk_n ? t->info.n_per_expert - ref->first : t->info.chunk_n;
 }
 
 size_t zipmoe_expert_region_bound(const zipmoe_codec_ctx * c, int64_t n_per_expert, int64_t chunk_n) {

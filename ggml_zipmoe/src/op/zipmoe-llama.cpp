@@ -6,7 +6,10 @@
 #include "ggml-cpu.h"
 #include "zipmoe.h"
 
+#include <unistd.h>
+
 #include <atomic>
+#include <cctype>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -36,26 +39,95 @@ void zipmoe_llama_tensor_deleter::operator()(zipmoe_llama_tensor * zt) const {
     delete zt;
 }
 
-static zipmoe_cache_mode cache_mode_from_env(std::string & err) {
-    const char * v = std::getenv("ZIPMOE_CACHE");
-    if (!v || !*v || std::strcmp(v, "unbounded") == 0) {
-        return ZIPMOE_CACHE_UNBOUNDED;
+// "6GiB", "512M", "1000000" (bytes) or "60%" (of physical memory); false if malformed.
+static bool parse_size(const char * text, uint64_t & out) {
+    char *       end = nullptr;
+    const double v   = std::strtod(text, &end);
+    if (end == text || !(v >= 0)) {
+        return false;
     }
-    if (std::strcmp(v, "none") == 0) {
-        return ZIPMOE_CACHE_NONE;
+    std::string unit(end);
+    for (auto & c : unit) {
+        c = (char) std::tolower((unsigned char) c);
     }
-    err = std::string("ZIPMOE_CACHE=") + v + " is not a cache mode (use unbounded or none)";
-    return ZIPMOE_CACHE_UNBOUNDED;
+    double scale = 1;
+    if (unit == "%") {
+        scale = (double) sysconf(_SC_PHYS_PAGES) * (double) sysconf(_SC_PAGESIZE) / 100;
+    } else if (unit == "k" || unit == "kib" || unit == "kb") {
+        scale = 1024.0;
+    } else if (unit == "m" || unit == "mib" || unit == "mb") {
+        scale = 1024.0 * 1024;
+    } else if (unit == "g" || unit == "gib" || unit == "gb") {
+        scale = 1024.0 * 1024 * 1024;
+    } else if (!unit.empty() && unit != "b") {
+        return false;
+    }
+    out = (uint64_t) (v * scale);
+    return true;
+}
+
+// The cache budget from the environment (how bare llama-cli is configured; pyzipmoe sets the same):
+//   ZIPMOE_MEMORY_BUDGET  bytes zipmoe may keep: decoded (hot) and compressed (warm) experts; unset: unbounded
+//   ZIPMOE_HOT_SHARE      the budget's fraction for decoded experts (default 0.5), the rest compressed
+//   ZIPMOE_CACHE_POLICY   tlfu (default, token-weighted LFU), lru, lfu or fifo
+//   ZIPMOE_CACHE          "none": decode on every use (measurements, tests)
+static bool configure_cache_from_env(std::string & err) {
+    uint64_t      hot = UINT64_MAX, warm = 0;
+    zipmoe_policy policy = ZIPMOE_POLICY_TOKEN_LFU;
+    if (const char * v = std::getenv("ZIPMOE_MEMORY_BUDGET"); v && *v) {
+        uint64_t budget = 0;
+        if (!parse_size(v, budget)) {
+            err = std::string("ZIPMOE_MEMORY_BUDGET=") + v + " is not a size (e.g. 6GiB, 512MiB, 60%)";
+            return false;
+        }
+        double share = 0.5;
+        if (const char * h = std::getenv("ZIPMOE_HOT_SHARE"); h && *h) {
+            char * end = nullptr;
+            share      = std::strtod(h, &end);
+            if (*end || !(share >= 0 && share <= 1)) {
+                err = std::string("ZIPMOE_HOT_SHARE=") + h + " is not a fraction between 0 and 1";
+                return false;
+            }
+        }
+        hot  = (uint64_t) ((double) budget * share);
+        warm = budget - hot;
+    }
+    if (const char * v = std::getenv("ZIPMOE_CACHE_POLICY"); v && *v) {
+        static const std::pair<const char *, zipmoe_policy> names[] = {
+            { "tlfu", ZIPMOE_POLICY_TOKEN_LFU }, { "lru", ZIPMOE_POLICY_LRU },
+            { "lfu", ZIPMOE_POLICY_LFU },        { "fifo", ZIPMOE_POLICY_FIFO },
+        };
+        bool found = false;
+        for (const auto & [name, p] : names) {
+            if (std::strcmp(v, name) == 0) {
+                policy = p;
+                found  = true;
+            }
+        }
+        if (!found) {
+            err = std::string("ZIPMOE_CACHE_POLICY=") + v + " is not a policy (tlfu, lru, lfu or fifo)";
+            return false;
+        }
+    }
+    if (const char * v = std::getenv("ZIPMOE_CACHE"); v && *v) {
+        if (std::strcmp(v, "none") == 0) {
+            hot = 0;
+        } else if (std::strcmp(v, "unbounded") != 0) {
+            err = std::string("ZIPMOE_CACHE=") + v + " is not a cache mode (use unbounded or none)";
+            return false;
+        }
+    }
+    zipmoe_cache_configure(hot, warm, policy);
+    return true;
 }
 
 zipmoe_llama_tensor_ptr zipmoe_llama_open(const char * name, const void * index, size_t index_size,
                                           uint64_t data_size, std::string & err) {
-    const zipmoe_cache_mode mode = cache_mode_from_env(err);
-    if (!err.empty()) {
+    if (!configure_cache_from_env(err)) {
         return nullptr;
     }
     zipmoe_store * store = nullptr;
-    const int64_t  rc    = zipmoe_store_open(name, index, index_size, data_size, mode, &store);
+    const int64_t  rc    = zipmoe_store_open(name, index, index_size, data_size, &store);
     if (rc < 0) {
         err = std::string("index: ") + zipmoe_status_str(rc);
         return nullptr;
@@ -87,7 +159,7 @@ bool zipmoe_llama_bind(zipmoe_llama_tensor * zt, ggml_tensor * t, bool no_alloc,
     size_t        dst_size = 0;
     const int64_t rc       = zipmoe_store_bind(zt->store, fd, data_offs, &dst, &dst_size);
     if (rc < 0) {
-        err = std::string("cannot map the compressed experts: ") + zipmoe_status_str(rc);
+        err = std::string("cannot set up the compressed experts: ") + zipmoe_status_str(rc);
         return false;
     }
     if (dst_size < ggml_nbytes(t)) {

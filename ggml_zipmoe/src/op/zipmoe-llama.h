@@ -15,8 +15,9 @@ struct zipmoe_llama_tensor_deleter {
 };
 using zipmoe_llama_tensor_ptr = std::unique_ptr<zipmoe_llama_tensor, zipmoe_llama_tensor_deleter>;
 
-// Validates <base>.zipmoe_index (index bytes) for a data companion of data_size bytes. The cache mode
-// comes from the environment: ZIPMOE_CACHE=unbounded (default) or none (decode on every use).
+// Validates <base>.zipmoe_index (index bytes) for a data companion of data_size bytes. The cache budget
+// and policy come from the environment (ZIPMOE_MEMORY_BUDGET, ZIPMOE_HOT_SHARE, ZIPMOE_CACHE_POLICY,
+// ZIPMOE_CACHE=none to decode on every use; see zipmoe-llama.cpp).
 zipmoe_llama_tensor_ptr zipmoe_llama_open(const char * name, const void * index, size_t index_size,
                                           uint64_t data_size, std::string & err);
 
@@ -24,8 +25,8 @@ zipmoe_llama_tensor_ptr zipmoe_llama_open(const char * name, const void * index,
 void zipmoe_llama_shape(const zipmoe_llama_tensor * zt, int64_t ne[4]);
 
 // Gives t (BF16, the original shape) its memory: a reservation that holds only materialised experts,
-// wrapped in a CPU buffer; the data companion at data_offs of fd is mapped for decoding. With no_alloc
-// (llama.cpp's memory-fit pass) t gets a zero-size buffer and nothing is mapped.
+// wrapped in a CPU buffer; the data companion at data_offs of fd is read from when experts are decoded. With no_alloc
+// (llama.cpp's memory-fit pass) t gets a zero-size buffer and nothing is reserved.
 bool zipmoe_llama_bind(zipmoe_llama_tensor * zt, ggml_tensor * t, bool no_alloc, int fd, uint64_t data_offs,
                        std::string & err);
 
