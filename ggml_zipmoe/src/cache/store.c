@@ -451,6 +451,10 @@ static int64_t make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int
                         atomic_fetch_add(&g_warm_bytes, size);
                     }
                 }
+                /* start the read now: the kernel fetches it while the threads decode warm experts */
+                zipmoe_expert_span span;
+                zipmoe_tensor_expert_span(s->tensor, e, &span);
+                posix_fadvise(s->fd, (off_t) (s->data_offset + span.offset), (off_t) span.size, POSIX_FADV_WILLNEED);
                 atomic_fetch_add(&g_misses, 1);
             } else {
                 atomic_fetch_add(&g_hits_warm, 1);
