@@ -64,6 +64,7 @@ struct zipmoe_store {
     plan_item *     plan;
     expert_state *  experts;
     uint64_t        hot_used, warm_used;
+    _Atomic int     over_budget; /* the last publish could not evict enough (pinned experts): no fast path */
 };
 
 /* ---------------------------------------------------------------- the process's budget */
@@ -73,6 +74,7 @@ static uint64_t        g_hot_budget  = UINT64_MAX;
 static uint64_t        g_warm_budget = 0;
 static zipmoe_policy   g_policy      = ZIPMOE_POLICY_TOKEN_LFU;
 static _Atomic uint64_t g_bf16_total; /* BF16 bytes of all open stores: the shares of the budget */
+static _Atomic int      g_decode_all; /* hot budget 0: decode on every use (read without the lock) */
 static _Atomic uint64_t g_tick;
 
 int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, zipmoe_policy policy) {
@@ -83,6 +85,7 @@ int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, zipmoe_p
     g_hot_budget  = hot_bytes;
     g_warm_budget = warm_bytes;
     g_policy      = policy;
+    atomic_store(&g_decode_all, hot_bytes == 0);
     pthread_mutex_unlock(&g_cfg_mu);
     return ZIPMOE_OK;
 }
@@ -513,6 +516,7 @@ static void publish(zipmoe_store * s) {
     while (s->hot_used > hot_quota && (v = victim(s, policy, 0)) >= 0) {
         release_hot(s, v);
     }
+    atomic_store(&s->over_budget, s->hot_used > hot_quota);
 }
 
 /* Under s->mu, after a failed invocation: what was planned is not hot (partly decoded at most). */
@@ -525,10 +529,56 @@ static void discard_plan(zipmoe_store * s) {
     }
 }
 
+/* Whether every expert ids names is decoded: then there is nothing to plan. */
+static int all_routed_hot(const zipmoe_store * s, const uint8_t * ids, int64_t ne0, int64_t ne1, size_t nb0, size_t nb1) {
+    for (int64_t r = 0; r < ne1; r++) {
+        for (int64_t k = 0; k < ne0; k++) {
+            int32_t e;
+            memcpy(&e, ids + r * nb1 + k * nb0, sizeof e);
+            if (e < 0 || e >= s->info.n_expert || !s->experts[e].hot) {
+                return 0;
+            }
+        }
+    }
+    return 1;
+}
+
+/* The fast path's bookkeeping, by one thread: what make_plan records for routed experts. */
+static void note_hits(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int64_t ne1, size_t nb0, size_t nb1) {
+    const uint64_t      tick   = atomic_fetch_add(&g_tick, 1);
+    const zipmoe_policy policy = g_policy; /* a torn read only affects the next eviction's order */
+    for (int64_t r = 0; r < ne1; r++) {
+        for (int64_t k = 0; k < ne0; k++) {
+            int32_t e;
+            memcpy(&e, ids + r * nb1 + k * nb0, sizeof e);
+            expert_state * x = &s->experts[e];
+            if (x->last_use != tick) {
+                x->last_use = tick;
+                x->uses += policy == ZIPMOE_POLICY_TOKEN_LFU ? 0 : 1;
+                atomic_fetch_add(&g_hits_hot, 1);
+            }
+            x->uses += policy == ZIPMOE_POLICY_TOKEN_LFU ? 1 : 0;
+            x->activations++;
+        }
+    }
+    atomic_fetch_add(&g_calls, 1);
+}
+
 int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void * ids,
                                  int64_t ne0, int64_t ne1, size_t nb0, size_t nb1, int ith, int nth) {
     if (!s || !key || !ids || ne0 < 0 || ne1 < 0 || nth < 1 || ith < 0 || ith >= nth || s->fd < 0) {
         return ZIPMOE_ERR_ARG;
+    }
+    /* Once warm, every routed expert is usually decoded already. The resident set changes only when an
+     * invocation publishes, and one graph computes at a time, so all threads of this invocation see the
+     * same answer and may leave without the lock (which busy machines make costly). Not while the store
+     * is over its budget: the slow path's publish evicts what the last invocation had to keep. */
+    if (!atomic_load(&g_decode_all) && !atomic_load(&s->over_budget) &&
+        all_routed_hot(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1)) {
+        if (ith == 0) {
+            note_hits(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1);
+        }
+        return 0;
     }
     pthread_mutex_lock(&s->mu);
     while (s->plan_key != NULL && s->plan_key != key) {
