@@ -1,4 +1,4 @@
-"""The `zipmoe` command: convert, verify, inspect, unpack, demo.
+"""The `zipmoe` command: convert, verify, inspect, unpack, demo; run, serve, bench (zipmoe's llama.cpp).
 
 Expected failures (bad input, corrupted files, missing files) print one line, `zipmoe: error: ...`, and
 exit with 2 (1 when verify finds a difference); a traceback means a bug in zipmoe.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -39,8 +40,12 @@ examples:
   zipmoe convert model-bf16.gguf model.zipmoe.gguf
   zipmoe verify model.zipmoe.gguf --against model-bf16.gguf
   zipmoe unpack model.zipmoe.gguf model-bf16-again.gguf
+  zipmoe run model.zipmoe.gguf -p 'Once upon a time'   complete a prompt with zipmoe's llama.cpp
+  zipmoe serve model.zipmoe.gguf                         llama-server on http://127.0.0.1:8080
+  zipmoe bench model-bf16.gguf model.zipmoe.gguf         tokens/s of both (llama-bench)
 
 exit status: 0 success, 1 verify found a difference, 2 bad input or usage, 130 interrupted.
+run, serve and bench exit with the status of the llama.cpp program they run.
 docs/FORMAT.md specifies the file format."""
 
 
@@ -314,6 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_threads(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars, no output")
     p.set_defaults(run=cmd_demo)
+    _add_llama_commands(sub, fmt)
+    from .cli_models import register as add_model_commands  # create, list/ls, show, cp, rm, prune, export, import
+
+    add_model_commands(sub)
     return parser
 
 
@@ -321,14 +330,215 @@ def _add_threads(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_positive, metavar="N", help="worker threads (default: all CPUs)")
 
 
+# ------------------------------------------------------------------- running models: run, serve, bench
+
+
+LLAMA_COMMANDS = ("run", "serve", "bench")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """build_parser().parse_args, except that for run/serve/bench everything after the first `--` is kept, untouched,
+    as llama_args for the llama.cpp program (argparse would mix it into the positionals or drop later `--`s)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough: list[str] = []
+    if argv[:1] and argv[0] in LLAMA_COMMANDS and "--" in argv:
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1:]
+    args = build_parser().parse_args(argv)
+    if argv[:1] and argv[0] in LLAMA_COMMANDS:
+        args.llama_args = passthrough
+    return args
+
+
+def _llama_args(args: argparse.Namespace) -> list[str]:
+    return list(getattr(args, "llama_args", None) or [])
+
+
+def _common_llama_flags(args: argparse.Namespace) -> list[str]:
+    flags = []
+    if getattr(args, "threads", None) is not None:
+        flags += ["-t", str(args.threads)]
+    if getattr(args, "ctx_size", None) is not None:
+        flags += ["-c", str(args.ctx_size)]
+    return flags
+
+
+def _resolve(args: argparse.Namespace, program: str) -> tuple[str, list[str], Any]:
+    """MODEL as a GGUF path or a stored model's name: (file, the package's flags for `program`, package)."""
+    from .store import resolve_model
+
+    path, package = resolve_model(args.model)
+    return str(path), (package.llama_program_args(program) if package else []), package
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from . import runner
+
+    model, package_flags, package = _resolve(args, "llama-cli")
+    params = package.parameters if package else {}
+    cache = args.cache or params.get("cache_policy")
+    extra = _llama_args(args)
+    if args.prompt is None:  # interactive chat: llama-cli; the package's flags first, so that the user's win
+        argv = [str(runner.program("llama-cli")), "-m", model, *package_flags, *_common_llama_flags(args)]
+        if args.n_predict is not None:
+            argv += ["-n", str(args.n_predict)]
+        if args.temp is not None:
+            argv += ["--temp", str(args.temp)]
+        if args.seed is not None:
+            argv += ["--seed", str(args.seed)]
+        return runner.run_foreground([*argv, *extra], runner.environment(cache))
+    if extra:
+        raise ZipmoeError("llama.cpp arguments after -- go to the interactive llama-cli, not to a -p completion; "
+                          "for a single chat turn with llama-cli use: zipmoe run MODEL -- -st -p PROMPT")
+    def pick(given: Any, key: str, default: Any) -> Any:
+        return given if given is not None else params.get(key, default)
+
+    completion = runner.complete(model, args.prompt, n_predict=pick(args.n_predict, "num_predict", 128),
+                                 threads=args.threads, n_ctx=pick(args.ctx_size, "num_ctx", None),
+                                 temperature=pick(args.temp, "temperature", 0.8), seed=pick(args.seed, "seed", None),
+                                 cache=cache or "unbounded", out=sys.stdout)
+    print()
+    if args.stats:
+        runner.print_completion_stats(completion)
+    return EXIT_OK
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from . import runner
+
+    model, package_flags, package = _resolve(args, "llama-server")
+    cache = args.cache or (package.parameters.get("cache_policy") if package else None)
+    argv = [str(runner.program("llama-server")), "-m", model, "--host", args.host, "--port", str(args.port),
+            *package_flags, *_common_llama_flags(args)]
+    return runner.run_foreground([*argv, *_llama_args(args)], runner.environment(cache))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from . import runner
+
+    flags = ["-p", str(args.n_prompt), "-n", str(args.n_gen), "-r", str(args.repetitions)]
+    if args.threads is not None:
+        flags += ["-t", str(args.threads)]
+    if args.no_warmup:
+        flags.append("--no-warmup")
+    results, records = runner.llama_bench(args.models, [*flags, *_llama_args(args)], cache=args.cache)
+    if args.json:
+        _print_json({"results": [r.to_dict() for r in results], "cache": args.cache or "unbounded",
+                     "llama_bench": records})
+        return EXIT_OK
+    header = ("model", "size", "params", "threads", "ubatch", "test", "tokens/s")
+    rows = [(r.model, human_size(r.model_size), f"{r.model_n_params / 1e6:.1f} M", str(r.n_threads), str(r.n_ubatch),
+             r.test, f"{r.tokens_per_second:.2f} ± {r.stddev:.2f}") for r in results]
+    print(render_table(header, rows))
+    print(f"llama-bench, {args.repetitions} repetitions{', no warmup' if args.no_warmup else ' after a warmup run'}; "
+          f"zipmoe cache: {args.cache or 'unbounded'}")
+    return EXIT_OK
+
+
+def _nonnegative(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {n}")
+    return n
+
+
+def _add_llama_options(p: argparse.ArgumentParser, *, ctx: str | None = "default: llama.cpp's") -> None:
+    p.add_argument("-t", "--threads", type=_positive, metavar="N", help="CPU threads (default: llama.cpp's)")
+    if ctx:
+        p.add_argument("-c", "--ctx-size", type=_positive, metavar="N", help=f"context size in tokens ({ctx})")
+    p.add_argument("--memory-budget", metavar="SIZE",
+                   help="what zipmoe may keep of the experts, decoded or compressed: e.g. 6GiB, 512MiB, 60%% "
+                        "(default: unbounded; sets ZIPMOE_MEMORY_BUDGET)")
+    p.add_argument("--policy", choices=("tlfu", "lru", "lfu", "fifo"),
+                   help="eviction under a budget: tlfu (default, the paper's token-weighted LFU), lru, lfu, fifo")
+    p.add_argument("--cache", choices=("unbounded", "none"),
+                   help="zipmoe expert cache: unbounded (default) keeps decoded experts, none decodes on every "
+                        "use (sets ZIPMOE_CACHE)")
+
+
+def _add_llama_commands(sub: Any, fmt: type[argparse.HelpFormatter]) -> None:
+    """`run`, `serve` and `bench`: zipmoe's llama.cpp build (build/bin) on a zipmoe or plain GGUF."""
+    p = sub.add_parser(
+        "run", formatter_class=fmt, usage="zipmoe run [options] MODEL [-- LLAMA_CLI_ARGS ...]",
+        help="chat with a model, or complete a prompt (-p)",
+        description=_para("Without -p: an interactive chat with llama-cli from zipmoe's build of llama.cpp. With -p: "
+                          "a one-shot raw completion of PROMPT printed to stdout (through llama-cpp-python and the "
+                          "same libllama). MODEL may be a zipmoe GGUF or a plain one. Arguments after -- go to "
+                          "llama-cli."),
+        epilog="examples:\n"
+               "  zipmoe run model.zipmoe.gguf                                  chat (llama-cli)\n"
+               "  zipmoe run model.zipmoe.gguf -p 'Once upon a time' -n 64      raw completion\n"
+               "  zipmoe run model.zipmoe.gguf -p 'The capital of France is' --temp 0 --stats\n"
+               "  zipmoe run model.zipmoe.gguf -- -st -p 'Why is the sky blue?'  one chat turn (llama-cli)\n"
+               "  zipmoe run model.zipmoe.gguf -t 8 -- --jinja -sys 'Answer briefly.'")
+    p.add_argument("model", metavar="MODEL", help="a zipmoe GGUF (or a plain GGUF)")
+    p.add_argument("-p", "--prompt", metavar="PROMPT", help="complete PROMPT once and exit (raw completion)")
+    p.add_argument("-n", "--n-predict", type=_positive, metavar="N", help="tokens to generate (default with -p: 128)")
+    p.add_argument("--temp", type=float, metavar="T", help="sampling temperature; 0 = greedy (default: 0.8)")
+    p.add_argument("--seed", type=_nonnegative, metavar="S", help="sampling seed (default: random)")
+    p.add_argument("--stats", action="store_true", help="with -p: print speed and zipmoe decode counters to stderr")
+    _add_llama_options(p, ctx="default: llama.cpp's; with -p the model's, at most 4096")
+    p.set_defaults(run=cmd_run)
+
+    p = sub.add_parser(
+        "serve", formatter_class=fmt, usage="zipmoe serve [options] MODEL [-- LLAMA_SERVER_ARGS ...]",
+        help="serve a model over HTTP (llama-server)",
+        description=_para("Run llama-server from zipmoe's build of llama.cpp on MODEL: an OpenAI-compatible HTTP API "
+                          "and a web UI. Arguments after -- go to llama-server."),
+        epilog="examples:\n"
+               "  zipmoe serve model.zipmoe.gguf                     http://127.0.0.1:8080\n"
+               "  zipmoe serve model.zipmoe.gguf --host 0.0.0.0 --port 9000 -t 8\n"
+               "  zipmoe serve model.zipmoe.gguf -- -np 4 --jinja\n"
+               "  curl http://127.0.0.1:8080/completion -d '{\"prompt\": \"Hello\", \"n_predict\": 16}'")
+    p.add_argument("model", metavar="MODEL", help="a zipmoe GGUF (or a plain GGUF)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=_positive, default=8080, help="port (default: %(default)s)")
+    _add_llama_options(p)
+    p.set_defaults(run=cmd_serve)
+
+    p = sub.add_parser(
+        "bench", formatter_class=fmt, usage="zipmoe bench [options] MODEL [MODEL ...] [-- LLAMA_BENCH_ARGS ...]",
+        help="measure prompt and generation speed (llama-bench)",
+        description=_para("Measure prompt processing (ppN) and generation (tgN) speed in tokens/s with llama-bench "
+                          "from zipmoe's build of llama.cpp. Give several models to compare them, e.g. a BF16 GGUF and "
+                          "its zipmoe GGUF. llama-bench's warmup run decodes most experts, so by default this measures "
+                          "a warm expert cache; --no-warmup measures the first run after loading. Arguments after -- "
+                          "go to llama-bench."),
+        epilog="examples:\n"
+               "  zipmoe bench model.zipmoe.gguf\n"
+               "  zipmoe bench model-bf16.gguf model.zipmoe.gguf -p 256 -n 64 -t 8\n"
+               "  zipmoe bench model.zipmoe.gguf --cache none --json\n"
+               "  zipmoe bench model.zipmoe.gguf -- -ub 1,512")
+    p.add_argument("models", nargs="+", metavar="MODEL", help="one or more GGUFs (zipmoe or plain)")
+    p.add_argument("-p", "--n-prompt", type=_nonnegative, default=512, metavar="N",
+                   help="prompt tokens of the pp test, 0 for none (default: %(default)s)")
+    p.add_argument("-n", "--n-gen", type=_nonnegative, default=128, metavar="N",
+                   help="generated tokens of the tg test, 0 for none (default: %(default)s)")
+    p.add_argument("-r", "--repetitions", type=_positive, default=5, metavar="N",
+                   help="repetitions of each test (default: %(default)s)")
+    p.add_argument("--no-warmup", action="store_true", help="no warmup run: the first repetition is a cold start")
+    p.add_argument("--json", action="store_true", help="print the results (and llama-bench's records) as JSON")
+    _add_llama_options(p, ctx=None)
+    p.set_defaults(run=cmd_bench)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        args = parse_args(argv)
     except SystemExit as e:  # --help, or a usage error argparse has already explained
         return int(e.code or 0)
     except ZipmoeError as e:
         return _fail(str(e), e.exit_code)
     try:
+        if getattr(args, "memory_budget", None) is not None or getattr(args, "policy", None) is not None:
+            from .budget import cache_environment
+
+            # run/serve/bench: the runtime in libllama reads its budget from the environment, in this process
+            # (run -p) and in the llama.cpp programs it starts
+            os.environ.update(cache_environment(args.memory_budget, args.policy))
         return args.run(args)
     except ZipmoeError as e:
         return _fail(str(e), e.exit_code)

@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 VERSION=0.3.36
 SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 DEST=${1:-build/llama.cpp}
-CACHE=${ZIPMOE_CACHE:-build/cache}
+CACHE=${ZIPMOE_SDIST_CACHE:-build/cache}
 SDIST=$CACHE/llama_cpp_python-$VERSION.tar.gz
 PYTHON=${PYTHON:-python3}
 

@@ -21,7 +21,7 @@ step() { printf '\n==> %s\n' "$*"; }
 need=()
 command -v cmake >/dev/null || need+=(cmake)
 command -v ninja >/dev/null || need+=(ninja-build)
-command -v cc >/dev/null || need+=(build-essential)
+{ command -v cc && command -v c++; } >/dev/null || need+=(build-essential)
 [ -f /usr/include/zstd.h ] || need+=(libzstd-dev)
 [ -f /usr/include/xxhash.h ] || need+=(libxxhash-dev)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
@@ -36,16 +36,40 @@ if [ ${#need[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
-# --- native library
-step "building the native library (build/bin/libggml-zipmoe.so)"
-gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
-[ -f build/CMakeCache.txt ] || cmake -S . -B build "${gen[@]}" -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build build -j "$(nproc)"
-
 # --- Python package; the venv sees system packages so that nothing installed twice is downloaded twice
 step "installing the Python package into .venv"
 [ -x .venv/bin/python ] || python3 -m venv --system-site-packages .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+
+# --- native library and llama.cpp with zipmoe: libraries and programs in build/bin
+step "building libggml-zipmoe and llama.cpp with zipmoe into build/bin (first time: ~20 min on 2 cores)"
+PYTHON=.venv/bin/python bash tools/fetch_llama.sh  # pip of the venv: fresh systems have none
+gen=(); [ -f build/CMakeCache.txt ] || { command -v ninja >/dev/null && gen=(-G Ninja); }
+cmake -S . -B build "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DZIPMOE_LLAMA=ON >/dev/null
+cmake --build build -j "$(nproc)"
+
+# --- llama-cpp-python, its Python part only (pyzipmoe.Llama, `zipmoe run -p` and the tests use it): it runs
+# zipmoe's libllama from build/bin, where `import pyzipmoe` points it (LLAMA_CPP_LIB_PATH), so its own native
+# build is switched off. Installed from the sha256-pinned sdist that tools/fetch_llama.sh put in build/cache;
+# skipped when that version is already installed.
+LLAMA_CPP_PYTHON=0.3.36
+if .venv/bin/python -c "import sys, importlib.metadata as m
+sys.exit(m.version('llama_cpp_python') != '$LLAMA_CPP_PYTHON' or not m.version('diskcache'))" 2>/dev/null; then
+    step "llama-cpp-python $LLAMA_CPP_PYTHON (Python part) is installed"
+else
+    step "installing llama-cpp-python $LLAMA_CPP_PYTHON (Python part, no native build) into .venv"
+    pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+    # the sdist is built without isolation (an isolated build would fetch cmake and compile it from source):
+    # the build backend comes from the venv, cmake (>= 3.21) and the C/C++ compilers from the system
+    "${pip[@]}" 'scikit-build-core>=0.9.2'  # a no-op when the system's is recent enough
+    cmake_ok=$(cmake --version 2>/dev/null | sed -n '1s/^cmake version \([0-9]*\)\.\([0-9]*\).*/\1 \2/p' |
+               awk '{ print ($1 > 3 || ($1 == 3 && $2 >= 21)) ? 1 : 0 }')
+    [ "${cmake_ok:-0}" -eq 1 ] || "${pip[@]}" 'cmake>=3.21'
+    # no wheel cache: a cached wheel of the same sdist may have been built with the native library
+    CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" PATH="$PWD/.venv/bin:$PATH" "${pip[@]}" --no-cache-dir \
+        --no-build-isolation "build/cache/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz" \
+        'diskcache>=5.6.1'
+fi
 
 if [ "$run_demo" -eq 1 ]; then
     step "demo: synthetic MoE -> zipmoe GGUF -> verify -> restore"

@@ -1,0 +1,351 @@
+"""llama-cpp-python's ``Llama`` on zipmoe's build of libllama, with zipmoe's options and statistics.
+
+    from pyzipmoe import Llama
+    llm = Llama("model.zipmoe.gguf", n_ctx=2048, zipmoe_cache="unbounded")
+    print(llm("Once upon a time", max_tokens=32)["choices"][0]["text"])
+    print(llm.zipmoe_stats())       # experts decoded, bytes, decode time, ...
+
+Importing ``pyzipmoe`` points llama-cpp-python at ``build/bin/libllama.so`` (``LLAMA_CPP_LIB_PATH``), so plain
+``llama_cpp.Llama`` runs zipmoe GGUFs as well; this class adds:
+
+* ``zipmoe_cache``: ``"unbounded"`` (default) keeps every decoded expert, ``"none"`` decodes an expert each time
+  it is used (for measurements). The runtime reads it from the environment variable ``ZIPMOE_CACHE`` when a
+  model is loaded; the constructor sets it for the duration of the load.
+* clear errors: a zipmoe GGUF given to a libllama without zipmoe support, a file llama.cpp refuses (llama.cpp's
+  own message is included even with ``verbose=False``), a damaged expert found while decoding (``llama_decode``
+  fails; the message names tensor and expert).
+* ``zipmoe_stats()``: the runtime's counters (process-wide: every zipmoe model loaded in this process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import struct
+import sys
+import threading
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from . import _point_llama_cpp_at_our_build, build_dir, llama_lib_dir
+from .errors import NativeLibraryError, UnsupportedError, ZipmoeError
+
+CACHE_MODES = ("unbounded", "none")
+CACHE_ENV = "ZIPMOE_CACHE"
+ZIPMOE_LIB_NAME = "libggml-zipmoe.so"
+
+
+class ZipmoeLoadError(ZipmoeError, ValueError):
+    """A model could not be loaded (llama-cpp-python raises ValueError there, so this is one too)."""
+
+
+class ZipmoeDecodeError(ZipmoeError, RuntimeError):
+    """llama_decode failed on a zipmoe model, typically a damaged expert (llama-cpp-python raises RuntimeError)."""
+
+
+def _import_llama_cpp() -> Any:
+    _point_llama_cpp_at_our_build()
+    try:
+        import llama_cpp
+    except ModuleNotFoundError as e:
+        if e.name != "llama_cpp":
+            raise
+        raise NativeLibraryError("llama-cpp-python is not installed; `bash tools/setup.sh` installs it "
+                                 "(its Python part, which runs zipmoe's libllama)") from None
+    except (FileNotFoundError, OSError, RuntimeError) as e:  # libllama missing or not loadable
+        where = os.environ.get("LLAMA_CPP_LIB_PATH") or "llama_cpp/lib"
+        raise NativeLibraryError(f"llama-cpp-python cannot load libllama from {where} ({e}); build zipmoe's "
+                                 f"llama.cpp with `bash tools/setup.sh` (it goes to {build_dir() / 'bin'}) or "
+                                 "point LLAMA_CPP_LIB_PATH at it") from None
+    return llama_cpp
+
+
+llama_cpp = _import_llama_cpp()
+
+
+# ------------------------------------------------------------------------------------------ the library
+
+
+def loaded_library() -> Path:
+    """The libllama that llama-cpp-python opened in this process."""
+    return Path(llama_cpp.llama_cpp._lib._name).resolve()
+
+
+def _elf_needed(path: Path) -> list[str]:
+    """DT_NEEDED entries of a 64-bit little-endian ELF shared library ([] if it is something else)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        return []
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    needed = []
+    for _name, sh_type, _flags, _addr, offset, size, link, _info, _align, entsize in sections:
+        if sh_type != 6 or not entsize:  # SHT_DYNAMIC
+            continue
+        strtab = sections[link][4]
+        for pos in range(offset, offset + size, entsize):
+            tag, val = struct.unpack_from("<qQ", data, pos)
+            if tag == 0:  # DT_NULL
+                break
+            if tag == 1:  # DT_NEEDED
+                end = data.index(b"\0", strtab + val)
+                needed.append(data[strtab + val:end].decode())
+    return needed
+
+
+def library_supports_zipmoe(path: Path | None = None) -> bool:
+    """Whether a libllama (default: the loaded one) is zipmoe's build: it links libggml-zipmoe, or it is the
+    library of this checkout's build."""
+    path = Path(path).resolve() if path is not None else loaded_library()
+    ours = llama_lib_dir()
+    if ours is not None and path.parent == ours.resolve():
+        return True
+    try:
+        return ZIPMOE_LIB_NAME in _elf_needed(path)
+    except (OSError, ValueError, struct.error, IndexError):
+        return False
+
+
+# -------------------------------------------------------------------------------- llama.cpp's error log
+
+
+class _ErrorLog:
+    """llama.cpp's log callback: prints as llama-cpp-python means to, and remembers recent error messages.
+
+    llama-cpp-python 0.3.36's own callback maps an older ggml enum, so with verbose=False it prints llama.cpp's
+    warnings and hides its errors; this one maps this llama.cpp's levels (ggml.h: NONE 0, DEBUG 1, INFO 2, WARN 3,
+    ERROR 4, CONT 5), still honouring llama-cpp-python's verbose switch (its logger's level). Errors are also
+    kept, so that exceptions can say what llama.cpp said. `quiet` stops all printing (the zipmoe command, whose
+    errors are one line).
+    """
+
+    GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT = 4, 5
+    LEVELS = (logging.CRITICAL, logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR)  # by ggml level
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.lines: deque[tuple[int, str]] = deque(maxlen=64)  # (serial number, text)
+        self.serial = 0
+        self.last_level = 0
+        self.quiet = False
+        self.logger = logging.getLogger("llama-cpp-python")  # set_verbose() sets its level
+        self.callback = llama_cpp.llama_log_callback(self._log)  # kept alive by self
+        llama_cpp.llama_log_set(self.callback, ctypes.c_void_p(0))
+
+    def _log(self, level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        if level != self.GGML_LOG_LEVEL_CONT:
+            self.last_level = level
+        msg = text.decode("utf-8", "replace")
+        if self.last_level == self.GGML_LOG_LEVEL_ERROR:
+            with self.lock:
+                self.serial += 1
+                self.lines.append((self.serial, msg))
+        if not self.quiet and self.logger.level <= (self.LEVELS[self.last_level] if 0 <= self.last_level < 5
+                                                            else logging.DEBUG):
+            print(msg, end="", flush=True, file=sys.stderr)
+
+    def mark(self) -> int:
+        with self.lock:
+            return self.serial
+
+    def since(self, mark: int) -> str:
+        """The error text logged after mark(), on one line."""
+        with self.lock:
+            text = "".join(t for serial, t in self.lines if serial > mark)
+        return " ".join(text.split())
+
+
+_error_log = _ErrorLog()
+
+
+def quiet_llama_log(quiet: bool = True) -> None:
+    """Stop (or resume) printing llama.cpp's log; errors still reach the exceptions' messages."""
+    _error_log.quiet = quiet
+
+
+# ------------------------------------------------------------------------------------------ statistics
+
+
+def _check_one_runtime() -> None:
+    """Statistics come from the libggml-zipmoe that pyzipmoe opened; libllama must use the same one."""
+    seen = set()
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].rstrip().endswith("/" + ZIPMOE_LIB_NAME):
+                    seen.add((fields[3], fields[4], fields[5].rstrip()))
+    except OSError:  # not Linux: nothing to check
+        return
+    if len({(dev, inode) for dev, inode, _ in seen}) > 1:
+        raise NativeLibraryError("two copies of libggml-zipmoe.so are loaded (" +
+                                 ", ".join(sorted({p for _, _, p in seen})) + "): statistics would come from the "
+                                 "wrong one; unset ZIPMOE_LIB or point it at the library next to libllama.so")
+
+
+def zipmoe_stats(reset: bool = False) -> dict[str, float]:
+    """The zipmoe runtime's counters, summed over every zipmoe model in this process: every field of the C
+    struct zipmoe_stats (ggml_zipmoe/include/zipmoe.h: stores, experts_decoded, chunks_decoded, bytes_decoded,
+    decode_ns, materialize_calls, ...), plus decode_seconds. With reset=True the counters (not the experts
+    kept) are zeroed after reading.
+    """
+    from ._native import ffi, lib
+
+    _check_one_runtime()
+    s = ffi.new("zipmoe_stats *")
+    lib.zipmoe_stats_get(s)
+    out: dict[str, float] = {name: int(getattr(s, name)) for name, _ in ffi.typeof("zipmoe_stats").fields}
+    out["decode_seconds"] = out.get("decode_ns", 0) / 1e9
+    if reset:
+        lib.zipmoe_stats_reset()
+    return out
+
+
+def zipmoe_stats_reset() -> None:
+    from ._native import lib
+
+    lib.zipmoe_stats_reset()
+
+
+def zipmoe_take_error() -> str | None:
+    """The first decoding error the runtime recorded and nobody reported yet (libllama reports its own)."""
+    try:
+        from ._native import ffi, lib
+
+        buf = ffi.new("char[]", 512)
+        if lib.zipmoe_take_error(buf, len(buf)) == 0:
+            return None
+    except (NativeLibraryError, AttributeError):  # no native library, or one older than the expert stores
+        return None
+    return ffi.string(buf).decode("utf-8", "replace")
+
+
+# --------------------------------------------------------------------------------------------- Llama
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def is_zipmoe_file(path: str | os.PathLike[str]) -> bool | None:
+    """True for a zipmoe GGUF, False for another GGUF, None if the header cannot be read (llama.cpp decides)."""
+    from .format import read_gguf
+
+    try:
+        return read_gguf(path).is_zipmoe
+    except (ZipmoeError, OSError):
+        return None
+
+
+def _header_problem(path: str) -> str | None:
+    """What pyzipmoe's own reader finds wrong with a file, if anything."""
+    from .format import open_zipmoe, read_gguf
+
+    try:
+        if read_gguf(path).is_zipmoe:
+            open_zipmoe(path)
+    except (ZipmoeError, OSError) as e:
+        return str(e)
+    return None
+
+
+class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
+    """``llama_cpp.Llama`` that runs zipmoe GGUFs (and plain ones). Same arguments, plus:
+
+    zipmoe_cache: "unbounded" (default) keeps decoded experts in memory; "none" decodes an expert on every
+        use (slow; for measurements and tests).
+    memory_budget: what zipmoe may keep of the experts, decoded or compressed ("6GiB", "60%", bytes); None:
+        unbounded. The runtime's budget is per process: the last model loaded sets it.
+    cache_policy: eviction under a budget: "tlfu" (default, token-weighted LFU), "lru", "lfu" or "fifo".
+    hot_share: the budget's fraction for decoded experts (default 0.5); the rest keeps compressed ones in RAM.
+    """
+
+    def __init__(self, model_path: str, *args: Any, zipmoe_cache: str = "unbounded",
+                 memory_budget: str | int | None = None, cache_policy: str | None = None,
+                 hot_share: float | None = None, **kwargs: Any) -> None:
+        self._stack = contextlib.ExitStack()  # llama_cpp.Llama.__del__ closes it, also after a failed __init__
+        if zipmoe_cache not in CACHE_MODES:
+            raise ValueError(f"zipmoe_cache must be one of {', '.join(CACHE_MODES)}, not {zipmoe_cache!r}")
+        self.zipmoe_cache = zipmoe_cache
+        model_path = os.fspath(model_path)
+        self.is_zipmoe = bool(is_zipmoe_file(model_path))
+        if self.is_zipmoe and not library_supports_zipmoe():
+            raise UnsupportedError(
+                f"{model_path} is a zipmoe GGUF, but the libllama in use ({loaded_library()}) was not built with "
+                f"zipmoe; build it with `bash tools/setup.sh` and make sure LLAMA_CPP_LIB_PATH is unset or points "
+                f"at {build_dir() / 'bin'} before llama_cpp is first imported (import pyzipmoe first)")
+        mark = _error_log.mark()
+        try:
+            from .budget import cache_environment
+
+            with contextlib.ExitStack() as env:  # what is not given stays as the environment says
+                for name, value in {CACHE_ENV: zipmoe_cache,
+                                    **cache_environment(memory_budget, cache_policy, hot_share)}.items():
+                    env.enter_context(_env(name, value))
+                super().__init__(model_path, *args, **kwargs)
+        except ValueError as e:
+            if "does not exist" in str(e):
+                raise
+            raise self._load_error(model_path, e, _error_log.since(mark)) from e
+        self._wrap_decode(model_path)
+
+    def _load_error(self, path: str, e: Exception, logged: str) -> ZipmoeLoadError:
+        what = f"{path}: llama.cpp could not load the model"
+        if logged:
+            what += f" ({logged})"
+        problem = _header_problem(path)
+        if problem:
+            what += f"; zipmoe's reader says: {problem}"
+        elif self.is_zipmoe:
+            what += "; check the file with `zipmoe verify`"
+        return ZipmoeLoadError(what)
+
+    def _wrap_decode(self, path: str) -> None:
+        """Turn llama-cpp-python's bare "llama_decode returned N" into a message that says what failed.
+
+        Wraps the context's decode (used by eval, generation and embeddings) on this instance only; the
+        closure holds no reference to self, so no reference cycle keeps the model alive.
+        """
+        ctx = self._ctx
+        decode = ctx.decode
+
+        def checked_decode(batch: Any) -> None:
+            mark = _error_log.mark()
+            try:
+                decode(batch)
+            except RuntimeError as e:
+                details = [m for m in (zipmoe_take_error(), _error_log.since(mark)) if m]
+                if not details:
+                    raise
+                raise ZipmoeDecodeError(f"{path}: {e}: {'; '.join(details)}") from e
+
+        ctx.decode = checked_decode
+
+    def zipmoe_stats(self, reset: bool = False) -> dict[str, float]:
+        """The runtime's counters (process-wide); see pyzipmoe.llama.zipmoe_stats."""
+        return zipmoe_stats(reset)
+
+
+__all__ = ["CACHE_MODES", "Llama", "ZipmoeDecodeError", "ZipmoeLoadError", "is_zipmoe_file", "library_supports_zipmoe",
+           "loaded_library", "quiet_llama_log", "zipmoe_stats", "zipmoe_stats_reset", "zipmoe_take_error"]
+
+
+if __name__ == "__main__":  # pragma: no cover - a quick look: python -m pyzipmoe.llama MODEL [PROMPT]
+    llm = Llama(sys.argv[1], verbose=False)
+    print(llm(sys.argv[2] if len(sys.argv) > 2 else "hello", max_tokens=16, temperature=0)["choices"][0]["text"])
+    print(llm.zipmoe_stats())

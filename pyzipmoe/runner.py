@@ -1,0 +1,240 @@
+"""Running zipmoe's llama.cpp programs (build/bin: llama-cli, llama-server, llama-bench, ...) and one-shot completions.
+
+Used by `zipmoe run`, `zipmoe serve` and `zipmoe bench`. Programs run with zipmoe's build directory on
+LD_LIBRARY_PATH (their RUNPATH already points there; this is for copies that were moved) and, where asked,
+ZIPMOE_CACHE set for the runtime. Expected failures are ZipmoeErrors with one-line messages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from . import build_dir
+from .errors import NativeLibraryError, ZipmoeError
+
+PROGRAMS = ("llama-cli", "llama-completion", "llama-server", "llama-bench", "llama-simple")
+CACHE_ENV = "ZIPMOE_CACHE"
+CACHE_MODES = ("unbounded", "none")
+
+
+class ProgramError(ZipmoeError):
+    """A llama.cpp program failed; the message carries its last error line."""
+
+
+def bin_dir() -> Path:
+    return build_dir() / "bin"
+
+
+def program(name: str) -> Path:
+    """The path of one of zipmoe's llama.cpp programs; a one-line error if it was not built."""
+    path = bin_dir() / name
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise NativeLibraryError(f"{name} not found in {bin_dir()}; build zipmoe's llama.cpp with "
+                                 "`bash tools/setup.sh` (or set ZIPMOE_BUILD_DIR to the build directory)")
+    return path
+
+
+def environment(cache: str | None = None, base: Mapping[str, str] | None = None, *,
+                memory_budget: str | None = None, policy: str | None = None) -> dict[str, str]:
+    """The environment for a program: zipmoe's bin directory first on LD_LIBRARY_PATH, ZIPMOE_CACHE, the memory
+    budget and the cache policy if given."""
+    from .budget import cache_environment
+
+    env = dict(os.environ if base is None else base)
+    env.update(cache_environment(memory_budget, policy))
+    parts = [str(bin_dir())] + [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(dict.fromkeys(parts))
+    if cache is not None:
+        if cache not in CACHE_MODES:
+            raise ZipmoeError(f"cache mode must be one of {', '.join(CACHE_MODES)}, not {cache!r}")
+        env[CACHE_ENV] = cache
+    return env
+
+
+def check_model(path: str | os.PathLike[str]) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise ZipmoeError(f"{p}: no such file")
+    if not p.is_file():
+        raise ZipmoeError(f"{p}: not a file")
+    return p
+
+
+def run_foreground(argv: Sequence[str], env: Mapping[str, str]) -> int:
+    """Runs a program attached to this terminal and returns its exit status (128 + N if killed by signal N).
+
+    Ctrl+C reaches the program through the terminal (it is in our process group), so the program decides
+    what it means (llama-cli: stop generating, then exit); here it is only waited for. SIGTERM and SIGHUP
+    sent to zipmoe are passed on.
+    """
+    try:
+        proc = subprocess.Popen(list(argv), env=dict(env))
+    except OSError as e:
+        raise ZipmoeError(f"cannot start {argv[0]}: {e.strerror or e}") from None
+    forwarded = (signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, lambda signum, _frame: proc.send_signal(signum)) for s in forwarded}
+    previous_int = signal.signal(signal.SIGINT, lambda signum, _frame: None)
+    try:
+        rc = proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        signal.signal(signal.SIGINT, previous_int)
+    return 128 - rc if rc < 0 else rc
+
+
+def _last_error_line(stderr: str) -> str:
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "error" in ln.lower() or "failed" in ln.lower():
+            return ln
+    return lines[-1] if lines else "no error message"
+
+
+# ------------------------------------------------------------------------------------------ llama-bench
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    model: str
+    test: str  # pp512, tg128, pp512+tg128
+    n_prompt: int
+    n_gen: int
+    n_threads: int
+    n_batch: int
+    n_ubatch: int
+    tokens_per_second: float
+    stddev: float
+    samples: tuple[float, ...]
+    model_size: int
+    model_n_params: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "test": self.test, "n_prompt": self.n_prompt, "n_gen": self.n_gen,
+                "n_threads": self.n_threads, "n_batch": self.n_batch, "n_ubatch": self.n_ubatch,
+                "tokens_per_second": self.tokens_per_second, "stddev": self.stddev,
+                "samples": list(self.samples), "model_size": self.model_size, "model_n_params": self.model_n_params}
+
+
+def _test_name(n_prompt: int, n_gen: int) -> str:
+    if n_prompt and n_gen:
+        return f"pp{n_prompt}+tg{n_gen}"
+    return f"pp{n_prompt}" if n_prompt else f"tg{n_gen}"
+
+
+def llama_bench(models: Sequence[str | os.PathLike[str]], args: Sequence[str], *, cache: str | None = None,
+                timeout: float | None = None) -> tuple[list[BenchResult], list[dict[str, Any]]]:
+    """Runs llama-bench -o json on models with extra args; returns the results and llama-bench's raw records."""
+    argv = [str(program("llama-bench"))]
+    for m in models:
+        argv += ["-m", str(check_model(m))]
+    argv += [*args, "-o", "json"]
+    try:
+        done = subprocess.run(argv, env=environment(cache), capture_output=True, text=True, timeout=timeout,
+                              check=False)
+    except subprocess.TimeoutExpired:
+        raise ProgramError(f"llama-bench did not finish within {timeout:.0f} s") from None
+    if done.returncode != 0:
+        raise ProgramError(f"llama-bench failed (exit status {done.returncode}): {_last_error_line(done.stderr)}")
+    try:
+        records = json.loads(done.stdout)
+    except json.JSONDecodeError:
+        raise ProgramError("llama-bench printed no JSON results: " + _last_error_line(done.stderr)) from None
+    results = [BenchResult(model=r["model_filename"], test=_test_name(r["n_prompt"], r["n_gen"]),
+                           n_prompt=r["n_prompt"], n_gen=r["n_gen"], n_threads=r["n_threads"],
+                           n_batch=r["n_batch"], n_ubatch=r["n_ubatch"],
+                           tokens_per_second=float(r["avg_ts"]), stddev=float(r["stddev_ts"]),
+                           samples=tuple(float(x) for x in r.get("samples_ts", [])), model_size=r["model_size"],
+                           model_n_params=r["model_n_params"]) for r in records]
+    return results, records
+
+
+# ------------------------------------------------------------------------------------ one-shot completion
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    prompt_tokens: int
+    generated_tokens: int
+    load_seconds: float
+    seconds: float  # prompt processing and generation
+    stats: dict[str, float] | None  # zipmoe runtime counters (None for a plain GGUF)
+
+
+def _context_length(model: Path) -> int | None:
+    from .format import read_gguf
+
+    try:
+        g = read_gguf(model)
+        arch = g.kv["general.architecture"].value
+        return int(g.kv[f"{arch}.context_length"].value)
+    except (ZipmoeError, OSError, KeyError, TypeError, ValueError):
+        return None
+
+
+def complete(model: str | os.PathLike[str], prompt: str, *, n_predict: int = 128, threads: int | None = None,
+             n_ctx: int | None = None, temperature: float = 0.8, seed: int | None = None, cache: str = "unbounded",
+             out: TextIO | None = None, on_text: Callable[[str], None] | None = None) -> Completion:
+    """Raw text completion of prompt with zipmoe's libllama through llama-cpp-python, streamed to `out`.
+
+    (llama-completion, the llama.cpp program for this, loses the end of its output in this llama.cpp version:
+    its logger is never flushed at exit, so redirected output comes out truncated or empty.)
+    """
+    from .llama import Llama, quiet_llama_log
+
+    quiet_llama_log()  # llama.cpp's errors are in the exceptions' messages
+    path = check_model(model)
+    if n_ctx is None:
+        n_ctx = min(4096, _context_length(path) or 4096)
+    kwargs: dict[str, Any] = {"n_ctx": n_ctx, "verbose": False, "zipmoe_cache": cache}
+    if threads is not None:
+        kwargs.update(n_threads=threads, n_threads_batch=threads)
+    if seed is not None:
+        kwargs["seed"] = seed
+    t0 = time.perf_counter()
+    llm = Llama(str(path), **kwargs)
+    try:
+        t1 = time.perf_counter()
+        if llm.is_zipmoe:
+            llm.zipmoe_stats(reset=True)
+        n_prompt = len(llm.tokenize(prompt.encode()))
+        if n_prompt >= n_ctx:
+            raise ZipmoeError(f"the prompt has {n_prompt} tokens, the context only {n_ctx} (raise it with -c)")
+        pieces, generated = [], 0
+        for chunk in llm.create_completion(prompt, max_tokens=n_predict, temperature=temperature, stream=True):
+            text = chunk["choices"][0]["text"]
+            generated += chunk["choices"][0]["finish_reason"] is None  # the last chunk only says why it stopped
+            pieces.append(text)
+            if out is not None:
+                out.write(text)
+                out.flush()
+            if on_text is not None:
+                on_text(text)
+        t2 = time.perf_counter()
+        stats = llm.zipmoe_stats() if llm.is_zipmoe else None
+    finally:
+        llm.close()
+    return Completion("".join(pieces), n_prompt, generated, t1 - t0, t2 - t1, stats)
+
+
+def print_completion_stats(c: Completion, err: TextIO = sys.stderr) -> None:
+    rate = c.generated_tokens / c.seconds if c.seconds > 0 else 0.0
+    print(f"\n[{c.prompt_tokens} prompt tokens, {c.generated_tokens} generated in {c.seconds:.2f} s "
+          f"({rate:.1f} tokens/s); model loaded in {c.load_seconds:.2f} s]", file=err)
+    if c.stats is not None:
+        s = c.stats
+        kept = (f"{s['experts_resident']} experts resident" if "experts_resident" in s
+                else f"{s.get('hot_bytes', 0) / 2**20:.1f} MiB of decoded experts kept")
+        print(f"[zipmoe: {s['stores']} expert tensors, {s['experts_decoded']} expert decodes "
+              f"({s['bytes_decoded'] / 2**20:.1f} MiB BF16, {s['decode_seconds']:.3f} s summed over threads), "
+              f"{kept}]", file=err)

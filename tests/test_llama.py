@@ -1,0 +1,557 @@
+"""llama.cpp with zipmoe: a zipmoe GGUF computes exactly what its BF16 source computes.
+
+For tiny synthetic MoEs of two architectures, the logits of every prompt position and of a greedy
+continuation must be bit-identical between the BF16 GGUF and its zipmoe GGUFs (huff and zstd, several chunks
+per expert), through llama-cpp-python with 1 and 2 threads, mmap on and off, one token per batch and whole-prompt
+batches; and the greedy outputs of llama-simple, llama-completion, llama-cli and llama-server must be identical.
+Also: the zipmoe build changes nothing for plain GGUFs (compared with the stock build when there is one), the
+"none" cache mode computes the same with more decoding, a damaged expert is an error (not a crash, not wrong
+logits), a truncated file is refused, and a stock llama.cpp refuses a zipmoe GGUF.
+
+Every model is loaded in a child process (a crash there fails one test instead of killing pytest). These tests
+need zipmoe's llama.cpp build (build/bin/libllama.so and the programs) and llama-cpp-python; without them they
+are skipped, except under CI (the CI environment variable is set), where they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from importlib.util import find_spec
+from itertools import product
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pyzipmoe
+from pyzipmoe.format import open_zipmoe
+
+ARCHS = ("qwen3moe", "olmoe")
+PROMPT = ("the expert model said hello to the world of water and time, and then the people of the world "
+          "said hello to the expert")
+N_GEN = 8  # greedy continuation, token by token
+N_CTX = 128
+# n_threads x use_mmap x (one token per batch, the whole prompt in one batch), plus a prompt split in ubatches
+CONFIGS = [{"n_threads": t, "use_mmap": m, "n_batch": b, "n_ubatch": b}
+           for t, m, b in product((1, 2), (True, False), (1, 64))]
+CONFIGS.append({"n_threads": 2, "use_mmap": True, "n_batch": 64, "n_ubatch": 5})
+STOCK_BIN = Path(os.environ.get("ZIPMOE_STOCK_LLAMA_BIN", "/tmp/llama-stock/bin"))
+TIMEOUT = 600  # seconds for any one child process (a few on an idle machine; CI machines are often busy)
+RUNTIME_ENV = ("ZIPMOE_CACHE", "ZIPMOE_MEMORY_BUDGET", "ZIPMOE_HOT_SHARE", "ZIPMOE_CACHE_POLICY")  # not from outside
+
+
+# ----------------------------------------------------------------------------------- what the tests need
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason} (CI is set: these tests must run there)")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def ours() -> Path:
+    """zipmoe's build: the directory with libllama.so and the llama.cpp programs."""
+    bin_dir = pyzipmoe.build_dir() / "bin"
+    if not (bin_dir / "libllama.so").is_file():
+        _unavailable(f"zipmoe's llama.cpp is not built ({bin_dir / 'libllama.so'} is missing; "
+                     "`bash tools/setup.sh` builds it)")
+    if find_spec("llama_cpp") is None:
+        _unavailable("llama-cpp-python is not installed (`bash tools/setup.sh` installs it)")
+    return bin_dir
+
+
+def _program(bin_dir: Path, name: str) -> Path:
+    path = bin_dir / name
+    if not path.is_file():
+        _unavailable(f"{path} was not built")
+    return path
+
+
+@pytest.fixture(scope="session")
+def stock() -> Path:
+    """An unpatched llama.cpp build of the same version, for comparisons; skipped when absent (also in CI)."""
+    if not (STOCK_BIN / "libllama.so").is_file():
+        pytest.skip(f"no stock llama.cpp build at {STOCK_BIN} (set ZIPMOE_STOCK_LLAMA_BIN) to compare with")
+    return STOCK_BIN
+
+
+def _env(lib_dir: Path) -> dict[str, str]:
+    """Children use libllama from lib_dir, and the runtime's defaults (an unbounded cache)."""
+    env = {k: v for k, v in os.environ.items() if k not in RUNTIME_ENV}
+    env["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join([str(lib_dir), env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+# ------------------------------------------------------------------------------ llama-cpp-python worker
+
+WORKER = r"""
+import json, sys
+import numpy as np
+job = json.loads(sys.argv[1])
+from pyzipmoe.llama import Llama, zipmoe_stats_reset
+
+def error(e):
+    return {"type": type(e).__name__, "message": str(e), "mro": [c.__name__ for c in type(e).__mro__]}
+
+out, arrays = {"runs": []}, {}
+for i, run in enumerate(job["runs"]):
+    res = {"config": run}
+    out["runs"].append(res)
+    cfg = dict(run["config"])
+    threads = cfg.pop("n_threads")
+    try:
+        llm = Llama(job["model"], n_ctx=job["n_ctx"], n_threads=threads, n_threads_batch=threads, logits_all=True,
+                    seed=0, verbose=False, zipmoe_cache=run.get("cache", "unbounded"), **run.get("zipmoe", {}), **cfg)
+    except Exception as e:
+        res["load_error"] = error(e)
+        continue
+    try:
+        if llm.is_zipmoe:
+            zipmoe_stats_reset()
+        tokens = llm.tokenize(job["prompt"].encode())
+        for _ in range(run.get("attempts", 1)):
+            try:
+                llm.reset()
+                llm.eval(tokens)
+                generated = []
+                for _ in range(job["n_gen"]):
+                    nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                    generated.append(nxt)
+                    llm.eval([nxt])
+                arrays[f"run{i}"] = np.array(llm.scores[: llm.n_tokens], dtype=np.float32)
+                res.update(prompt=[int(t) for t in tokens], generated=generated)
+            except Exception as e:
+                res.setdefault("errors", []).append(error(e))
+        if llm.is_zipmoe:
+            res["stats"] = llm.zipmoe_stats()
+    finally:
+        llm.close()
+np.savez(job["out"], **arrays)
+print(json.dumps(out))
+"""
+
+
+def run_worker(model: Path, lib_dir: Path, runs: list[dict[str, Any]], out: Path
+               ) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
+    """Loads `model` with libllama from lib_dir in a child process, once per run, evaluates PROMPT and N_GEN
+    greedy tokens with logits_all; returns each run's report and logits (run{i}: float32 [positions, n_vocab]).
+
+    A run is {"config": Llama arguments, "cache": zipmoe_cache (optional), "zipmoe": more zipmoe arguments such
+    as memory_budget (optional), "attempts": times to evaluate (optional)}; its report has prompt, generated,
+    stats (zipmoe), or load_error / errors."""
+    job = {"model": str(model), "runs": runs, "prompt": PROMPT, "n_gen": N_GEN, "n_ctx": N_CTX, "out": str(out)}
+    done = subprocess.run([sys.executable, "-c", WORKER, json.dumps(job)], env=_env(lib_dir), capture_output=True,
+                          text=True, timeout=TIMEOUT, check=False)
+    assert done.returncode == 0, f"the worker died (exit status {done.returncode}) on {model}:\n{_tail(done.stderr)}"
+    reports = json.loads(done.stdout.strip().splitlines()[-1])["runs"]
+    with np.load(out) as z:
+        arrays = {k: z[k] for k in z.files}
+    return reports, arrays
+
+
+def _tail(stderr: str) -> str:
+    """What a failing llama.cpp program said that matters: its error lines and its last lines."""
+    lines = stderr.splitlines()
+    errors = [ln for ln in lines if " E " in ln or "error" in ln.lower() or "failed" in ln.lower()]
+    return "\n".join(errors[-15:] + ["..."] + lines[-10:])
+
+
+def assert_bit_identical(a: np.ndarray, b: np.ndarray, what: str) -> None:
+    assert a.shape == b.shape, f"{what}: shapes {a.shape} and {b.shape}"
+    same = a.view(np.uint32) == b.view(np.uint32)
+    if not same.all():
+        pos, tok = np.argwhere(~same)[0]
+        raise AssertionError(f"{what}: {np.count_nonzero(~same)} of {a.size} logits differ, the first at position "
+                             f"{pos}, token {tok}: {a[pos, tok]!r} vs {b[pos, tok]!r}")
+
+
+def _no_error(report: dict[str, Any]) -> None:
+    assert "load_error" not in report and "errors" not in report, report
+
+
+def _models(arch: str, tiny_models: dict[str, Path], zipmoe_models: dict[tuple[str, str], Path]) -> dict[str, Path]:
+    return {"bf16": tiny_models[arch], "huff": zipmoe_models[arch, "huff"], "zstd": zipmoe_models[arch, "zstd"]}
+
+
+@pytest.fixture(scope="session")
+def logits(ours: Path, tiny_models: dict[str, Path], zipmoe_models: dict[tuple[str, str], Path],
+           tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], tuple[list[dict[str, Any]], dict]]:
+    """logits(arch, variant) -> every CONFIGS run of that model on zipmoe's build (computed once).
+
+    variant: bf16, huff or zstd. The huff model also runs CONFIGS[0] once more with zipmoe_cache="none".
+    """
+    cache: dict[tuple[str, str], tuple[list[dict[str, Any]], dict]] = {}
+    out_dir = tmp_path_factory.mktemp("logits")
+
+    def get(arch: str, variant: str) -> tuple[list[dict[str, Any]], dict]:
+        if (arch, variant) not in cache:
+            runs = [{"config": c} for c in CONFIGS]
+            if variant == "huff":
+                runs.append({"config": CONFIGS[0], "cache": "none"})
+            model = _models(arch, tiny_models, zipmoe_models)[variant]
+            cache[arch, variant] = run_worker(model, ours, runs, out_dir / f"{arch}-{variant}.npz")
+        return cache[arch, variant]
+
+    return get
+
+
+# ---------------------------------------------------------------------------------- bit-exact logits
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("variant", ["huff", "zstd"])
+def test_zipmoe_logits_bit_identical_to_bf16(logits: Callable, arch: str, variant: str) -> None:
+    ref_reports, ref = logits(arch, "bf16")
+    reports, got = logits(arch, variant)
+    n_tensors = 3 * 2  # up, gate, down in each of the tiny preset's 2 layers
+    for i, cfg in enumerate(CONFIGS):
+        _no_error(ref_reports[i])
+        _no_error(reports[i])
+        what = f"{arch} {variant} {cfg}"
+        r = ref[f"run{i}"]
+        n_prompt = len(ref_reports[i]["prompt"])
+        assert n_prompt >= 16 and r.shape[0] == n_prompt + N_GEN and np.isfinite(r).all(), what
+        assert np.ptp(r, axis=1).min() > 0 and not (r[0] == r[-1]).all(), f"{what}: degenerate logits"
+        assert reports[i]["prompt"] == ref_reports[i]["prompt"]
+        assert_bit_identical(got[f"run{i}"], r, what)
+        assert reports[i]["generated"] == ref_reports[i]["generated"], what
+        stats = reports[i]["stats"]  # the zipmoe path really ran
+        assert stats["stores"] == n_tensors, (what, stats)
+        # unbounded cache: each expert decoded once at most, and kept
+        assert 0 < stats["experts_decoded"] <= n_tensors * 8, (what, stats)
+        if "experts_resident" in stats:
+            assert stats["experts_resident"] == stats["experts_decoded"], (what, stats)
+        if "hot_bytes" in stats:
+            assert stats["hot_bytes"] == stats["experts_decoded"] * 2048 * 2, (what, stats)
+        assert stats["bytes_decoded"] == stats["experts_decoded"] * 2048 * 2, (what, stats)
+        assert stats["chunks_decoded"] == stats["experts_decoded"] * 7, (what, stats)  # 2048 values / 300 per chunk
+        assert stats["materialize_calls"] > 0 and stats["decode_ns"] > 0, (what, stats)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cache_none_same_logits_more_decoding(logits: Callable, arch: str) -> None:
+    reports, got = logits(arch, "huff")
+    unbounded, none = reports[0], reports[len(CONFIGS)]
+    _no_error(none)
+    assert none["config"]["cache"] == "none"
+    assert_bit_identical(got[f"run{len(CONFIGS)}"], got["run0"], f"{arch}: cache none vs unbounded")
+    assert none["generated"] == unbounded["generated"]
+    assert none["stats"]["experts_decoded"] > unbounded["stats"]["experts_decoded"], (none["stats"], unbounded["stats"])
+    if "experts_resident" in none["stats"]:
+        assert none["stats"]["experts_resident"] < none["stats"]["experts_decoded"], none["stats"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_budget_and_policy_gives_the_same_logits(logits: Callable, ours: Path, arch: str,
+                                                       zipmoe_models: dict[tuple[str, str], Path], tmp_path: Path
+                                                       ) -> None:
+    """Budgets far below the experts' size force every tier and transition: decoded experts evicted and decoded
+    again, compressed ones kept in RAM (hot_share < 1) or read from the file again; prefill and decode, 1 and 2
+    threads, each eviction policy. Logits stay bit-identical to the BF16 model's."""
+    ref_reports, ref = logits(arch, "bf16")
+    picks = [i for i, c in enumerate(CONFIGS) if c["use_mmap"]]  # threads 1/2 x batch 1/64
+    runs, where = [], []
+    for policy in ("tlfu", "lru", "lfu", "fifo"):
+        for budget, share in (("16KiB", 1.0), ("100KiB", 0.3), ("0", 0.5)):
+            for i in picks:
+                runs.append({"config": CONFIGS[i], "zipmoe": {"memory_budget": budget, "cache_policy": policy,
+                                                                "hot_share": share}})
+                where.append(i)
+    reports, got = run_worker(zipmoe_models[arch, "huff"], ours, runs, tmp_path / "budgets.npz")
+    warm_hits = 0
+    for k, (run, i) in enumerate(zip(runs, where)):
+        what = f"{arch} {run['zipmoe']} {CONFIGS[i]}"
+        _no_error(reports[k])
+        assert_bit_identical(got[f"run{k}"], ref[f"run{i}"], what)
+        assert reports[k]["generated"] == ref_reports[i]["generated"], what
+        stats = reports[k]["stats"]
+        assert stats["misses"] > 0 and stats["bytes_read"] > 0, (what, stats)
+        if run["zipmoe"]["memory_budget"] != "0":
+            assert stats["evictions"] > 0, (what, stats)  # the budget held fewer experts than were used
+        warm_hits += stats["hits_warm"]
+    assert warm_hits > 0  # some run decoded from compressed experts kept in RAM
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_plain_gguf_same_logits_as_stock_build(logits: Callable, stock: Path, arch: str, tiny_models: dict[str, Path],
+                                               tmp_path: Path) -> None:
+    reports, got = logits(arch, "bf16")
+    stock_reports, stock_got = run_worker(tiny_models[arch], stock, [{"config": c} for c in CONFIGS],
+                                          tmp_path / "stock.npz")
+    for i, cfg in enumerate(CONFIGS):
+        _no_error(stock_reports[i])
+        assert_bit_identical(got[f"run{i}"], stock_got[f"run{i}"], f"{arch} {cfg}: zipmoe build vs stock build")
+        assert reports[i]["generated"] == stock_reports[i]["generated"]
+
+
+# ------------------------------------------------------------------------------ damaged and foreign files
+
+
+def _damage_expert(path: Path, tensor: str, expert: int, flip_bit: Callable[[Path, int], None]) -> None:
+    """Flips a bit in the exponent code of the expert's first chunk."""
+    c = open_zipmoe(path).compressed_by_name[tensor]
+    span = c.expert.span(expert)
+    flip_bit(path, c.region_file_offset(expert) + span.exp_offset + 5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_damaged_expert_is_an_error_when_used(ours: Path, arch: str, zipmoe_models: dict[tuple[str, str], Path],
+                                              copy_of: Callable[[Path], Path], flip_bit: Callable[[Path, int], None],
+                                              tmp_path: Path) -> None:
+    damaged = copy_of(zipmoe_models[arch, "huff"])
+    tensor, expert = "blk.1.ffn_down_exps.weight", 3
+    _damage_expert(damaged, tensor, expert, flip_bit)
+    # the whole prompt in one batch routes to every expert of every layer; try twice: a damaged expert must
+    # stay an error, never become a resident expert with wrong weights
+    runs = [{"config": CONFIGS[1], "attempts": 2}, {"config": CONFIGS[1], "attempts": 2, "cache": "none"}]
+    reports, arrays = run_worker(damaged, ours, runs, tmp_path / "damaged.npz")
+    assert not arrays, "logits came out of a model with a damaged expert"
+    for report in reports:
+        assert "load_error" not in report, f"a damaged expert must not stop the load: {report}"
+        errors = report.get("errors", [])
+        assert len(errors) == 2, report
+        for e in errors:
+            assert e["type"] == "ZipmoeDecodeError" and "RuntimeError" in e["mro"], e
+            assert tensor.removesuffix(".weight") in e["message"] and f"expert {expert}" in e["message"], e
+            assert "llama_decode returned" in e["message"], e
+        assert report["stats"]["stores"] == 6
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_truncated_zipmoe_is_refused_at_load(ours: Path, arch: str, zipmoe_models: dict[tuple[str, str], Path],
+                                             tmp_path: Path) -> None:
+    src = zipmoe_models[arch, "huff"]
+    last_data = [c.data for c in open_zipmoe(src).compressed][-1]
+    truncated = tmp_path / "truncated.zipmoe.gguf"
+    truncated.write_bytes(src.read_bytes()[: last_data.file_offset + last_data.nbytes // 2])
+    reports, arrays = run_worker(truncated, ours, [{"config": CONFIGS[0]}], tmp_path / "t.npz")
+    err = reports[0].get("load_error")
+    assert err and "ValueError" in err["mro"] and not arrays, reports
+    assert str(truncated) in err["message"] and "truncated" in err["message"], err
+    done = subprocess.run([str(_program(ours, "llama-simple")), "-m", str(truncated), "-n", "4", "hello"],
+                          env=_env(ours), capture_output=True, text=True, timeout=TIMEOUT, check=False)
+    assert done.returncode == 1, (done.returncode, _tail(done.stderr))  # an error exit, not a signal
+    assert "unable to load model" in done.stderr, _tail(done.stderr)
+
+
+def test_stock_build_refuses_zipmoe_gguf(stock: Path, zipmoe_model: Path, tmp_path: Path) -> None:
+    done = subprocess.run([str(stock / "llama-simple"), "-m", str(zipmoe_model), "-n", "4", "hello"],
+                          env=_env(stock), capture_output=True, text=True, timeout=TIMEOUT, check=False)
+    assert done.returncode == 1, (done.returncode, _tail(done.stderr))
+    # this llama.cpp says "check_tensor_dims: tensor '...' not found"; older ones said "missing tensor '...'"
+    assert "tensor 'blk.0.ffn_" in done.stderr and ("not found" in done.stderr or "missing tensor" in done.stderr), \
+        _tail(done.stderr)
+    if find_spec("llama_cpp") is None:
+        return
+    reports, _ = run_worker(zipmoe_model, stock, [{"config": CONFIGS[0]}], tmp_path / "s.npz")
+    err = reports[0]["load_error"]
+    assert err["type"] == "UnsupportedError" and "not built with zipmoe" in err["message"], err
+
+
+# --------------------------------------------------------------------------------- llama.cpp programs
+
+
+def _run(argv: list[str | Path], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([str(a) for a in argv], env=env, capture_output=True, text=True, timeout=TIMEOUT,
+                          errors="surrogateescape",
+                          stdin=subprocess.DEVNULL, check=False)
+    assert done.returncode == 0, f"{argv[0]} exited with {done.returncode}:\n{_tail(done.stderr)}"
+    return done
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_llama_simple_same_greedy_output(ours: Path, arch: str, tiny_models: dict[str, Path],
+                                         zipmoe_models: dict[tuple[str, str], Path]) -> None:
+    outputs = {v: _run([_program(ours, "llama-simple"), "-m", m, "-n", "24", PROMPT], _env(ours)).stdout
+               for v, m in _models(arch, tiny_models, zipmoe_models).items()}
+    assert len(outputs["bf16"]) > len(PROMPT) + 8, outputs
+    assert outputs["huff"] == outputs["bf16"] and outputs["zstd"] == outputs["bf16"], outputs
+
+
+def _chat_reply(stdout: str) -> str:
+    """llama-cli -st --simple-io prints a banner, '> PROMPT', the reply, then '[ Prompt: ... t/s ]'."""
+    start = stdout.index(f"> {PROMPT}\n") + len(PROMPT) + 3
+    return stdout[start:stdout.index("\n[ Prompt:", start)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_llama_cli_same_greedy_output(ours: Path, arch: str, tiny_models: dict[str, Path],
+                                      zipmoe_models: dict[tuple[str, str], Path]) -> None:
+    replies = {}
+    for v, m in _models(arch, tiny_models, zipmoe_models).items():
+        done = _run([_program(ours, "llama-cli"), "-m", m, "-p", PROMPT, "-n", "16", "-st", "--simple-io", "--temp",
+                     "0", "-t", "2", "-c", str(N_CTX)], _env(ours))
+        replies[v] = _chat_reply(done.stdout)
+    assert replies["bf16"].strip(), replies
+    assert replies["huff"] == replies["bf16"] and replies["zstd"] == replies["bf16"], replies
+
+
+def _completion(ours: Path, model: Path) -> tuple[str, bool]:
+    """llama-completion's output, and whether it is complete: this llama.cpp never flushes its logger at exit
+    (the program prints through it), so the tail of stdout can be lost; the perf report that comes last on
+    stderr, through the same queue, shows that everything before it was written."""
+    done = _run([_program(ours, "llama-completion"), "-m", model, "-p", PROMPT, "-n", "16", "-no-cnv", "--simple-io",
+                 "--temp", "0", "-t", "2", "-c", str(N_CTX), "-s", "0"], _env(ours))
+    return done.stdout, "total time" in done.stderr
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_llama_completion_same_greedy_output(ours: Path, arch: str, tiny_models: dict[str, Path],
+                                             zipmoe_models: dict[tuple[str, str], Path]) -> None:
+    models = _models(arch, tiny_models, zipmoe_models)
+    complete: dict[str, str] = {}
+    for _attempt in range(10):
+        for v, m in models.items():
+            if v not in complete:
+                out, ok = _completion(ours, m)
+                if ok:
+                    complete[v] = out
+                elif v in complete or complete:  # a partial output must still agree with what is known
+                    ref = next(iter(complete.values()))
+                    assert ref.startswith(out), (v, out, ref)
+        if len(complete) == len(models):
+            break
+    if len(complete) < len(models):
+        pytest.xfail(f"llama-completion lost its output in 10 runs for {sorted(set(models) - set(complete))} "
+                     "(its logger is not flushed at exit in this llama.cpp)")
+    assert len(complete["bf16"]) > len(PROMPT), complete
+    assert complete["huff"] == complete["bf16"] and complete["zstd"] == complete["bf16"], complete
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(url: str, body: dict[str, Any] | None = None, timeout: float = TIMEOUT) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, None
+
+
+@pytest.fixture
+def server(ours: Path, tmp_path: Path) -> Iterator[Callable[[Path], str]]:
+    """server(model) -> base URL of `zipmoe serve model` (llama-server) on 127.0.0.1; always killed afterwards."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(model: Path) -> str:
+        _program(ours, "llama-server")
+        port = _free_port()
+        log = tmp_path / f"server-{port}.log"  # a file, not a pipe nobody reads: a full pipe would stall the server
+        with open(log, "wb") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "pyzipmoe", "serve", str(model), "--port", str(port), "-t",
+                                     "2", "--", "-c", str(N_CTX), "-np", "1"], env=_env(ours), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        procs.append(proc)
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(f"llama-server exited with {proc.returncode}: "
+                                     f"{_tail(log.read_text(errors='replace'))}")
+            try:
+                if _http(url + "/health", timeout=2)[0] == 200:
+                    return url
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(0.1)
+        raise AssertionError("llama-server was not ready within 120 s")
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()  # zipmoe serve passes SIGTERM on to llama-server
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the session: zipmoe and llama-server
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_llama_server_same_greedy_output(server: Callable[[Path], str], arch: str, tiny_models: dict[str, Path],
+                                         zipmoe_models: dict[tuple[str, str], Path]) -> None:
+    results = {}
+    for v, m in _models(arch, tiny_models, zipmoe_models).items():
+        url = server(m)
+        status, body = _http(url + "/completion", {"prompt": PROMPT, "n_predict": 16, "temperature": 0, "seed": 0,
+                                                   "n_probs": 4, "cache_prompt": False})
+        assert status == 200, (v, status, body)
+        results[v] = (body["content"], body.get("tokens"), body["completion_probabilities"])
+    assert results["bf16"][0], results["bf16"]
+    assert results["huff"] == results["bf16"] and results["zstd"] == results["bf16"]
+
+
+# ------------------------------------------------------------------------------------------ zipmoe CLI
+
+
+def test_zipmoe_run_prompt_same_output(ours: Path, tiny_models: dict[str, Path],
+                                       zipmoe_models: dict[tuple[str, str], Path]) -> None:
+    outs = {}
+    for v, m in _models("qwen3moe", tiny_models, zipmoe_models).items():
+        done = _run([sys.executable, "-m", "pyzipmoe", "run", m, "-p", PROMPT, "-n", "12", "--temp", "0", "-t", "1",
+                     "--stats"], _env(ours))
+        outs[v] = done.stdout
+        if v != "bf16":
+            assert "[zipmoe: 6 expert tensors" in done.stderr, done.stderr
+    assert outs["bf16"].strip() and outs["huff"] == outs["bf16"] == outs["zstd"], outs
+
+
+def test_zipmoe_bench_json(ours: Path, zipmoe_models: dict[tuple[str, str], Path], tiny_models: dict[str, Path]
+                           ) -> None:
+    _program(ours, "llama-bench")
+    done = _run([sys.executable, "-m", "pyzipmoe", "bench", tiny_models["olmoe"], zipmoe_models["olmoe", "huff"],
+                 "-p", "16", "-n", "4", "-r", "1", "-t", "1", "--json"], _env(ours))
+    results = json.loads(done.stdout)["results"]
+    assert [(r["model"], r["test"]) for r in results] == [
+        (str(m), t) for m in (tiny_models["olmoe"], zipmoe_models["olmoe", "huff"]) for t in ("pp16", "tg4")]
+    assert all(r["tokens_per_second"] > 0 for r in results), results
+
+
+def test_zipmoe_run_missing_model_is_one_line(ours: Path, tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "pyzipmoe", "run", str(tmp_path / "nope.gguf"), "-p", "x"],
+                          env=_env(ours), capture_output=True, text=True, timeout=TIMEOUT, check=False)
+    assert done.returncode == 2 and done.stderr.startswith("zipmoe: error: ") and done.stderr.count("\n") == 1, \
+        done.stderr
+
+
+def test_import_is_cheap_and_points_llama_cpp_at_our_build(ours: Path) -> None:
+    code = ("import os, sys, pyzipmoe; print(os.environ.get('LLAMA_CPP_LIB_PATH')); "
+            "print('llama_cpp' in sys.modules, 'pyzipmoe._native' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_LIB_PATH"}
+    lines = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           timeout=TIMEOUT, check=True).stdout.splitlines()
+    assert Path(lines[0]) == pyzipmoe.llama_lib_dir() == ours
+    assert lines[1] == "False False"
+    env["LLAMA_CPP_LIB_PATH"] = "/somewhere/else"
+    lines = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           timeout=TIMEOUT, check=True).stdout.splitlines()
+    assert lines[0] == "/somewhere/else"  # an explicit choice is kept
+
+
+def test_unknown_cache_mode_is_refused(ours: Path, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    reports, _ = run_worker(tiny_models["qwen3moe"], ours, [{"config": CONFIGS[0], "cache": "lru"}],
+                            tmp_path / "c.npz")
+    err = reports[0]["load_error"]
+    assert err["type"] == "ValueError" and "zipmoe_cache" in err["message"], err
+
