@@ -555,3 +555,33 @@ def test_unknown_cache_mode_is_refused(ours: Path, tiny_models: dict[str, Path],
     err = reports[0]["load_error"]
     assert err["type"] == "ValueError" and "zipmoe_cache" in err["message"], err
 
+
+
+# ------------------------------------------------------------------------------------ stored model packages
+
+
+def test_stored_model_runs_and_serves_chat_like_its_bf16_source(server: Callable[[Path], str], ours: Path,
+                                                                 tiny_models: dict[str, Path], tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """zipmoe create from a BF16 GGUF, then run and serve it by name: the same greedy tokens as the BF16 file,
+    through `zipmoe run -p` and llama-server's OpenAI-compatible /v1/chat/completions on loopback."""
+    monkeypatch.setenv("ZIPMOE_MODELS", str(tmp_path / "models"))
+    modelfile = tmp_path / "Modelfile"
+    # no TEMPLATE: both sides then format the chat with llama-server's default, and must agree token for token
+    modelfile.write_text(f"FROM {tiny_models['qwen3moe']}\nPARAMETER temperature 0\nPARAMETER seed 0\n")
+    done = _run([sys.executable, "-m", "pyzipmoe", "create", "tinymoe", "-f", modelfile], _env(ours))
+    assert done.returncode == 0, done.stderr
+
+    runs = {m: _run([sys.executable, "-m", "pyzipmoe", "run", m, "-p", PROMPT, "-n", "12", "--temp", "0", "-t", "1"],
+                    _env(ours)).stdout for m in ("tinymoe", str(tiny_models["qwen3moe"]))}
+    assert runs["tinymoe"].strip() and runs["tinymoe"] == runs[str(tiny_models["qwen3moe"])], runs
+
+    replies = {}
+    for model in ("tinymoe", tiny_models["qwen3moe"]):
+        url = server(model)
+        status, body = _http(url + "/v1/chat/completions",
+                             {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 12, "temperature": 0,
+                              "seed": 0})
+        assert status == 200, (model, status, body)
+        replies[str(model)] = body["choices"][0]["message"]["content"]
+    assert replies["tinymoe"] == replies[str(tiny_models["qwen3moe"])], replies
