@@ -291,6 +291,10 @@ int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_offset, void *
     const size_t page = (size_t) sysconf(_SC_PAGESIZE);
     s->dst_size = zipmoe_align_up((size_t) s->info.n_expert * (size_t) s->info.n_per_expert * 2, page);
     s->dst      = mmap(NULL, s->dst_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (s->dst != MAP_FAILED) {
+        /* decoded experts are read whole by every matmul: huge pages save TLB misses and page faults */
+        madvise(s->dst, s->dst_size, MADV_HUGEPAGE);
+    }
     if (s->dst == MAP_FAILED) {
         close(s->fd);
         s->fd = -1;
