@@ -30,7 +30,7 @@ from .errors import FormatError, UnsupportedError, ZipmoeError
 from .format import (
     GGML_TYPE_BF16, SOURCE_HEADER, CompressedTensor, GGUFFile, Tensor, ZipmoeFile,
     ZipmoeMeta, ZipmoeWriter, align_up, build_index, is_expert_tensor, n_chunks, open_zipmoe,
-    pread_exact, read_gguf, region_alignment, type_name, zipmoe_slots,
+    check_integrity, pread_exact, read_gguf, region_alignment, restore_zeros, type_name, zipmoe_slots,
 )
 from .progress import Progress, Silent
 
@@ -236,6 +236,18 @@ def expert_tensors(g: GGUFFile) -> list[Tensor]:
     return experts
 
 
+def _check_zero_gaps(g: GGUFFile, experts: list[Tensor]) -> None:
+    """Refuses a source with more bytes between its tensors than the output will hold (header copy, dense
+    tensors and half of each expert tensor at least): a reader can then bound what restoring costs
+    (format._check_restore_size) and tell a damaged zipmoe.source.size from a real one."""
+    zeros = restore_zeros(g, g.file_size)
+    expert_bytes = sum(t.nbytes for t in experts)
+    floor = g.data_start + sum(t.nbytes for t in g.tensors) - expert_bytes + expert_bytes // 2
+    if zeros > floor:
+        raise UnsupportedError(f"{g.label}: {zeros} bytes lie between or after its tensors, more than zipmoe's output "
+                               f"would hold ({floor}); zipmoe does not convert such files")
+
+
 @dataclass(frozen=True)
 class SourceScan:
     sha256: str
@@ -389,7 +401,8 @@ def _write_zipmoe(out: BinaryIO, fd: int, g: GGUFFile, meta: ZipmoeMeta, scan: S
     size of each expert tensor."""
     kv, n_kv = meta.encode()
     w = ZipmoeWriter(out, kv_raw=g.kv_raw + kv, n_kv=g.n_kv + n_kv,
-                     slots=zipmoe_slots(g, set(meta.tensors), settings.chunk_n), alignment=g.alignment)
+                     slots=zipmoe_slots(g, set(meta.tensors), settings.chunk_n), alignment=g.alignment,
+                     integrity=True)
     sizes = {}
     progress.start(f"encode ({settings.codec})", sum(t.nbytes for t in g.tensors))
     with ThreadPoolExecutor(threads, thread_name_prefix="zipmoe-encode") as pool:
@@ -424,6 +437,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, codec: 
     if g.is_zipmoe:
         raise UnsupportedError(f"{src}: already a zipmoe file; `zipmoe unpack` restores its source")
     experts = expert_tensors(g)
+    _check_zero_gaps(g, experts)
     settings = _Settings(codec_name, level if codec_name == "zstd" else 0, chunk_n, threads + 2)
     try:
         with open(src, "rb", buffering=0) as f:
@@ -555,6 +569,7 @@ class VerifyReport:
     chunks: int
     source_size: int
     seconds: float
+    integrity_bytes: int = 0  # metadata and dense tensor bytes checked against the zipmoe.integrity record
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -579,10 +594,13 @@ def verify(path: str | os.PathLike[str], against: str | os.PathLike[str] | None 
         cls = FormatError if against is not None else MismatchError
         raise cls(f"{path}: the restored source has sha256 {sha}, but zipmoe.source.sha256 is "
                   f"{zf.meta.source_sha256}")
+    # then what llama.cpp reads besides the experts, as its loader checks it: the metadata and the dense tensors
+    # (the sha256 above covers the source's header, not the zipmoe file's own key/value pairs)
+    integrity_bytes = check_integrity(zf.path, zf.gguf, zf.integrity)
     infos = [c.expert.info for c in zf.compressed]
     return VerifyReport(str(path), None if against is None else str(against), sha, len(infos),
                         sum(i.n_expert for i in infos), sum(i.n_expert * i.n_chunks for i in infos),
-                        zf.meta.source_size, time.monotonic() - t0)
+                        zf.meta.source_size, time.monotonic() - t0, integrity_bytes)
 
 
 @dataclass(frozen=True)
@@ -629,6 +647,7 @@ def _inspect_zipmoe(zf: ZipmoeFile) -> dict[str, Any]:
         "file": str(zf.path), "format": "zipmoe", "file_size": zf.gguf.file_size, "compressed": True,
         "status": f"zipmoe v{meta.version}, {meta.codec} codec: {rows[-1].ratio:.1%} of the source's size",
         "codec": meta.codec, "codec_level": meta.level, "chunk_size": meta.chunk_size,
+        "integrity_record": zf.integrity is not None,
         "source": {"size": meta.source_size, "sha256": meta.source_sha256, "data_start": meta.source_data_start},
         "tensors": [{**s.to_dict(), "n_expert": c.expert.info.n_expert, "n_chunks": c.expert.info.n_chunks}
                     for s, c in zip(stats, zf.compressed, strict=True)],

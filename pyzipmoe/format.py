@@ -26,7 +26,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from . import codec
-from .errors import FormatError, UnsupportedError
+from .errors import ChecksumError, FormatError, UnsupportedError
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSION = 3
@@ -47,6 +47,14 @@ SOURCE_HEADER = "zipmoe.source_header"
 DATA_SUFFIX = ".zipmoe_data"
 INDEX_SUFFIX = ".zipmoe_index"
 PADDING_KEY = "zipmoe.header_padding"
+INTEGRITY_KEY = "zipmoe.integrity"
+INTEGRITY_MAGIC = 0x31544E4945504D5A  # the bytes "ZMPEINT1"
+INTEGRITY_VERSION = 1
+INTEGRITY_BLOCK = 1 << 20  # block size of the chained hash
+INTEGRITY_HEADER = 6  # magic, version, self offset, metadata size, metadata hash, tensor count
+KIND_HASHED = 1  # the tensor's bytes are hashed
+KIND_COMPANION = 2  # an expert data companion: its chunks carry their own checksums
+GGUF_FIXED_HEADER = 24  # magic, version, tensor count, key/value count
 
 GGML_TYPE_I8 = int(GGMLQuantizationType.I8)
 GGML_TYPE_I64 = int(GGMLQuantizationType.I64)
@@ -442,6 +450,154 @@ def encode_tensor_info(name: str, dims: Sequence[int], ggml_type: int, offset: i
     return encode_string(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, ggml_type, offset)
 
 
+# ------------------------------------------------------------------------------------- integrity record
+
+
+def integrity_hash(data: Any, h: int = 0) -> int:
+    """The chained hash of FORMAT.md: h = XXH3_64(block, seed = h) over 1 MiB blocks, from h = 0."""
+    view = memoryview(data).cast("B")
+    for start in range(0, len(view), INTEGRITY_BLOCK):
+        h = codec.checksum(view[start:start + INTEGRITY_BLOCK], h)
+    return h
+
+
+class ChainHash:
+    """integrity_hash of a stream of pieces of any sizes."""
+
+    def __init__(self) -> None:
+        self._h = 0
+        self._pending = bytearray()
+
+    def update(self, piece: Any) -> None:
+        view = memoryview(piece).cast("B")
+        if self._pending:
+            take = min(len(view), INTEGRITY_BLOCK - len(self._pending))
+            self._pending += view[:take]
+            view = view[take:]
+            if len(self._pending) < INTEGRITY_BLOCK:
+                return
+            self._h = codec.checksum(self._pending, self._h)
+            self._pending.clear()
+        whole = len(view) // INTEGRITY_BLOCK * INTEGRITY_BLOCK
+        self._h = integrity_hash(view[:whole], self._h)
+        self._pending += view[whole:]
+
+    def digest(self) -> int:
+        return codec.checksum(self._pending, self._h) if self._pending else self._h
+
+
+def integrity_len(n_tensors: int) -> int:
+    return INTEGRITY_HEADER + 2 * n_tensors + 1
+
+
+def build_integrity(self_offset: int, meta_size: int, meta_hash: int,
+                    tensors: Sequence[tuple[int, int]]) -> np.ndarray:
+    """The `zipmoe.integrity` value: uint64 elements, its own checksum last."""
+    rec = np.zeros(integrity_len(len(tensors)), "<u8")
+    rec[:INTEGRITY_HEADER] = [INTEGRITY_MAGIC, INTEGRITY_VERSION, self_offset, meta_size, meta_hash, len(tensors)]
+    if tensors:
+        rec[INTEGRITY_HEADER:-1] = np.asarray(tensors, np.uint64).reshape(-1)
+    rec[-1] = codec.checksum(rec[:-1])
+    return rec
+
+
+@dataclass(frozen=True)
+class IntegrityRecord:
+    """A parsed `zipmoe.integrity` value, its shape and own checksum validated (not yet the file)."""
+
+    raw: np.ndarray  # uint64 elements as stored
+    self_offset: int
+    meta_size: int
+    meta_hash: int
+    kinds: tuple[int, ...]
+    hashes: tuple[int, ...]
+
+    @classmethod
+    def from_gguf(cls, g: GGUFFile) -> IntegrityRecord | None:
+        entry = g.kv.get(INTEGRITY_KEY)
+        if entry is None:
+            return None
+        label = f"{g.label}: {INTEGRITY_KEY}"
+        if entry.vtype != GGUFValueType.ARRAY or entry.etype != GGUFValueType.UINT64:
+            raise FormatError(f"{label} has the wrong type: the record is damaged")
+        rec = np.asarray(entry.value, "<u8")
+        if rec.size < INTEGRITY_HEADER + 1 or codec.checksum(rec[:-1]) != int(rec[-1]):
+            raise ChecksumError(f"{label}: the record is damaged (it does not match its own checksum)")
+        magic, version, self_offset, meta_size, meta_hash, n = (int(x) for x in rec[:INTEGRITY_HEADER])
+        if magic != INTEGRITY_MAGIC:
+            raise FormatError(f"{label}: the record is damaged (bad magic)")
+        if version != INTEGRITY_VERSION:
+            raise UnsupportedError(f"{label}: version {version} is not supported (this zipmoe reads "
+                                   f"{INTEGRITY_VERSION})")
+        if rec.size != integrity_len(n):
+            raise FormatError(f"{label}: the record is damaged (its length does not match its tensor count)")
+        pairs = rec[INTEGRITY_HEADER:-1].reshape(n, 2)
+        return cls(rec, self_offset, meta_size, meta_hash, tuple(int(k) for k in pairs[:, 0]),
+                   tuple(int(h) for h in pairs[:, 1]))
+
+
+def _hash_file_range(fd: int, offset: int, size: int, label: str, hole: bytes = b"",
+                     hole_at: int = 0) -> tuple[int, bool]:
+    """integrity_hash of [offset, offset + size) of fd, with the bytes at hole_at (which must equal `hole`)
+    hashed as zeros. Returns the hash and whether the hole matched."""
+    h, matched = 0, True
+    for start in range(0, size, INTEGRITY_BLOCK):
+        a = offset + start
+        block = bytearray(pread_exact(fd, min(INTEGRITY_BLOCK, size - start), a, label))
+        lo, hi = max(hole_at, a), min(hole_at + len(hole), a + len(block))
+        if lo < hi:
+            matched &= block[lo - a:hi - a] == hole[lo - hole_at:hi - hole_at]
+            block[lo - a:hi - a] = bytes(hi - lo)
+        h = codec.checksum(block, h)
+    return h, matched
+
+
+def check_integrity(path: str | os.PathLike[str], g: GGUFFile, record: IntegrityRecord | None) -> int:
+    """Checks the file against its integrity record, as llama.cpp's loader does (patches/0005): the metadata
+    and every hashed tensor. Returns the number of bytes hashed; raises a one-line FormatError (ChecksumError
+    for damaged bytes) that names what is damaged."""
+    label = str(path)
+    if record is None:
+        raise FormatError(f"{label}: no {INTEGRITY_KEY} record (written by an older zipmoe): the metadata and "
+                          "dense tensors cannot be checked; convert the source again (`zipmoe unpack`, then "
+                          "`zipmoe convert`)")
+    if len(record.kinds) != len(g.tensors):
+        raise FormatError(f"{label}: the file has {len(g.tensors)} tensors but {INTEGRITY_KEY} lists "
+                          f"{len(record.kinds)}: the tensor list is damaged")
+    if record.meta_size != g.data_start:
+        raise FormatError(f"{label}: the metadata is damaged: the tensor data starts at byte {g.data_start}, "
+                          f"{INTEGRITY_KEY} recorded {record.meta_size}")
+    rec_bytes = record.raw.tobytes()
+    if record.self_offset + len(rec_bytes) > record.meta_size:
+        raise FormatError(f"{label}: the {INTEGRITY_KEY} record is damaged (it places itself outside the metadata)")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        h, matched = _hash_file_range(fd, 0, record.meta_size, label, rec_bytes, record.self_offset)
+        if not matched:
+            raise FormatError(f"{label}: the {INTEGRITY_KEY} record is damaged (it is not where it says it is)")
+        if h != record.meta_hash:
+            raise ChecksumError(f"{label}: the metadata (header, key/value pairs and tensor infos: bytes "
+                                f"0-{record.meta_size}) is damaged: it does not match the checksum recorded at "
+                                "conversion")
+        hashed = record.meta_size
+        for t, kind, want in zip(g.tensors, record.kinds, record.hashes):
+            if kind == KIND_COMPANION:
+                if not t.name.endswith(DATA_SUFFIX):
+                    raise FormatError(f"{label}: the tensor list is damaged: {INTEGRITY_KEY} lists {t.name} as a "
+                                      "data companion")
+                continue
+            if kind != KIND_HASHED:
+                raise FormatError(f"{label}: the {INTEGRITY_KEY} record is damaged (unknown kind {kind} for {t.name})")
+            got, _ = _hash_file_range(fd, t.file_offset, t.nbytes, label)
+            if got != want:
+                raise ChecksumError(f"{label}: tensor {t.name} is damaged: its bytes do not match the checksum "
+                                    "recorded at conversion")
+            hashed += t.nbytes
+    finally:
+        os.close(fd)
+    return hashed
+
+
 @dataclass(frozen=True)
 class Slot:
     """A tensor of the output, in tensor-info order.
@@ -527,10 +683,19 @@ class ZipmoeWriter:
     so its length is final) and rewritten by finish(), once the sizes are known.
     """
 
-    def __init__(self, f: BinaryIO, *, kv_raw: bytes, n_kv: int, slots: Sequence[Slot], alignment: int):
+    def __init__(self, f: BinaryIO, *, kv_raw: bytes, n_kv: int, slots: Sequence[Slot], alignment: int,
+                 integrity: bool = False):
         self._f = f
         self._slots = list(slots)
         self._alignment = alignment
+        # the integrity record (FORMAT.md) is written as zeros now and filled in by finish()
+        self._integrity: list[tuple[int, int]] | None = [] if integrity else None
+        self._record_at = 0  # offset of the record's value bytes in self._kv
+        if integrity:
+            placeholder = [0] * integrity_len(len(self._slots))
+            record_kv = encode_kv(INTEGRITY_KEY, GGUFValueType.ARRAY, placeholder, GGUFValueType.UINT64)
+            self._record_at = len(kv_raw) + len(record_kv) - 8 * len(placeholder)
+            kv_raw, n_kv = kv_raw + record_kv, n_kv + 1
         self._kv = kv_raw + header_padding(kv_raw, n_kv, self._slots, alignment)
         self._n_kv = n_kv + 1
         self._dims: list[tuple[int, ...]] = []
@@ -558,8 +723,13 @@ class ZipmoeWriter:
         if slot.page_aligned and self.file_pos % PAGE:
             raise AssertionError(f"{slot.name} would start at file offset {self.file_pos}, not on a page")
         n = 0
+        hasher = ChainHash() if self._integrity is not None and not slot.page_aligned else None
         for piece in pieces:
+            if hasher is not None:
+                hasher.update(piece)
             n += self._f.write(piece)
+        if self._integrity is not None:
+            self._integrity.append((KIND_COMPANION, 0) if hasher is None else (KIND_HASHED, hasher.digest()))
         if slot.page_aligned:
             follow = _fixed_run(self._slots, i + 1, self._alignment)
             pad = 0 if follow is None else (-(self.file_pos + n + follow)) % PAGE
@@ -582,6 +752,14 @@ class ZipmoeWriter:
         header = self._header()
         if len(header) != self._header_size:
             raise AssertionError("the final header's size differs from the placeholder's")
+        if self._integrity is not None:
+            # the metadata is hashed with the record's value as zeros: exactly the header as it is now
+            meta_hash = integrity_hash(header + bytes(self.data_start - len(header)))
+            record = build_integrity(GGUF_FIXED_HEADER + self._record_at, self.data_start, meta_hash,
+                                     self._integrity)
+            at = self._record_at
+            self._kv = self._kv[:at] + record.tobytes() + self._kv[at + record.nbytes:]
+            header = self._header()
         self._f.seek(0)
         self._f.write(header)
         self._f.seek(0, io.SEEK_END)
@@ -612,6 +790,7 @@ class ZipmoeFile:
     source: GGUFFile  # parsed from zipmoe.source_header; offsets checked against zipmoe.source.size
     compressed: tuple[CompressedTensor, ...]
     source_header: Tensor
+    integrity: IntegrityRecord | None = None  # None in files written before the record existed
 
     @property
     def compressed_by_name(self) -> dict[str, CompressedTensor]:
@@ -650,6 +829,21 @@ def _check_source_tensors(g: GGUFFile, meta: ZipmoeMeta, source: GGUFFile) -> No
             raise FormatError(f"{g.label}: tensor {t.name} differs in type or shape from the source's")
 
 
+def restore_zeros(source: GGUFFile, source_size: int) -> int:
+    """Bytes of the restored source that lie outside its header and tensors (restored as zeros)."""
+    return source_size - source.data_start - sum(t.nbytes for t in source.tensors)
+
+
+def _check_restore_size(g: GGUFFile, meta: ZipmoeMeta, source: GGUFFile) -> None:
+    """Bounds the work of verify and unpack: the converter refuses sources with more zero bytes between their
+    tensors than its output will hold, so a zipmoe.source.size that implies more (say 2^60 bytes) is damage,
+    refused here before anything is written or hashed."""
+    zeros = restore_zeros(source, meta.source_size)
+    if zeros > g.file_size:
+        raise FormatError(f"{g.label}: zipmoe.source.size ({meta.source_size}) would restore {zeros} bytes of zeros "
+                          f"between tensors, more than the whole file ({g.file_size}): the metadata is damaged")
+
+
 def _open_compressed(fd: int, g: GGUFFile, meta: ZipmoeMeta, source: GGUFFile, name: str) -> CompressedTensor:
     src = source.by_name.get(name)
     if src is None or not is_expert_tensor(src) or src.ggml_type != GGML_TYPE_BF16:
@@ -686,7 +880,8 @@ def open_zipmoe(path: str | os.PathLike[str]) -> ZipmoeFile:
             raise FormatError(f"{path}: the source header's data section starts at {source.data_start}, "
                               f"not at zipmoe.source.data_start {meta.source_data_start}")
         _check_source_tensors(g, meta, source)
+        _check_restore_size(g, meta, source)
         compressed = tuple(_open_compressed(fd, g, meta, source, name) for name in meta.tensors)
     finally:
         os.close(fd)
-    return ZipmoeFile(path, g, meta, source, compressed, header)
+    return ZipmoeFile(path, g, meta, source, compressed, header, IntegrityRecord.from_gguf(g))

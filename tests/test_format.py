@@ -209,7 +209,8 @@ def test_metadata_follows_the_format(tiny_model: Path, zipmoe_model: Path) -> No
         ("zipmoe.codec_level", T.INT32, None), ("zipmoe.chunk_size", T.UINT32, None),
         ("zipmoe.tensors", T.ARRAY, T.STRING), ("zipmoe.source.size", T.UINT64, None),
         ("zipmoe.source.sha256", T.STRING, None), ("zipmoe.source.data_start", T.UINT64, None),
-        ("zipmoe.exponent_entropy", T.ARRAY, T.FLOAT32), (format.PADDING_KEY, T.ARRAY, T.UINT8),
+        ("zipmoe.exponent_entropy", T.ARRAY, T.FLOAT32), (format.INTEGRITY_KEY, T.ARRAY, T.UINT64),
+        (format.PADDING_KEY, T.ARRAY, T.UINT8),
     ]
     meta = format.ZipmoeMeta.from_gguf(out)
     assert (meta.version, meta.codec, meta.level, meta.chunk_size) == (1, "huff", 0, SMALL_CHUNK)

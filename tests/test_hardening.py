@@ -1,0 +1,398 @@
+"""Hostile and damaged zipmoe files: absurd sizes, forged checksums, the integrity record.
+
+A file that declares absurd sizes (2^60-byte tensors, 2^40 values per expert, a million experts) is refused
+before anything is allocated, by the native index parser and by the Python reader, even when its checksums are
+forged to match (whoever writes a file can forge XXH3 checksums). The integrity record catches damage to the
+metadata and the dense tensors, in Python (`zipmoe verify`) and in zipmoe's llama.cpp loader (patches/0005),
+with messages that name what is damaged. llama.cpp runs happen in a child process (tests/mutation_worker.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from importlib.util import find_spec
+from pathlib import Path
+
+import cffi
+import numpy as np
+import pytest
+
+import pyzipmoe
+from pyzipmoe import codec, convert, format
+from pyzipmoe._native import library_candidates
+from pyzipmoe.errors import ChecksumError, FormatError, UnsupportedError
+
+WORKER = Path(__file__).with_name("mutation_worker.py")
+
+# the integrity functions are not part of zipmoe.h's cffi declarations; tests reach them directly
+_ffi = cffi.FFI()
+_ffi.cdef("""
+typedef struct { const char * name; uint64_t offset; uint64_t size; } zipmoe_integrity_tensor;
+uint64_t zipmoe_integrity_hash(const void * data, size_t size, uint64_t h);
+int64_t zipmoe_integrity_verify(int fd, const uint64_t * record, size_t record_len, uint64_t data_start,
+                                const zipmoe_integrity_tensor * tensors, size_t n_tensors, char * msg, size_t msg_size);
+int64_t zipmoe_tensor_open(const void * index, size_t index_size, uint64_t data_size, void ** out);
+void    zipmoe_tensor_free(void * t);
+""")
+_lib = _ffi.dlopen(str(next(p for p in library_candidates() if p.is_file())))
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+def _u64(raw: bytes | bytearray, at: int) -> int:
+    return struct.unpack_from("<Q", raw, at)[0]
+
+
+def _record_at(raw: bytes | bytearray) -> tuple[int, int]:
+    """(file offset, element count) of the zipmoe.integrity value."""
+    key = format.encode_string(format.INTEGRITY_KEY)
+    at = raw.index(key) + len(key) + 4 + 4
+    return at + 8, _u64(raw, at)
+
+
+def forge_integrity(raw: bytearray, layout: format.GGUFFile) -> None:
+    """Rewrites the integrity record to match raw, as a hostile writer would (tensor layout as in `layout`)."""
+    at, n = _record_at(raw)
+    rec = np.frombuffer(bytes(raw[at:at + 8 * n]), "<u8").copy()
+    kinds = rec[format.INTEGRITY_HEADER:-1:2]
+    for i, t in enumerate(layout.tensors):
+        if kinds[i] == format.KIND_HASHED:
+            data = raw[t.file_offset:t.file_offset + t.nbytes]
+            rec[format.INTEGRITY_HEADER + 2 * i + 1] = format.integrity_hash(data)
+    meta = bytearray(raw[:int(rec[3])])
+    meta[at:at + 8 * n] = bytes(8 * n)
+    rec[4] = format.integrity_hash(meta)
+    rec[-1] = codec.checksum(rec[:-1])
+    raw[at:at + 8 * n] = rec.tobytes()
+
+
+def forge_index(raw: bytearray, t: format.Tensor, edits: dict[int, int]) -> None:
+    """Sets index elements of the index companion t and forges the index checksum."""
+    idx = np.frombuffer(bytes(raw[t.file_offset:t.file_offset + t.nbytes]), "<u8").copy()
+    for i, v in edits.items():
+        idx[i] = v & (2**64 - 1)
+    idx[-1] = codec.checksum(idx[:-1])
+    raw[t.file_offset:t.file_offset + t.nbytes] = idx.tobytes()
+
+
+def _tensor_info_dims_at(raw: bytes | bytearray, g: format.GGUFFile, name: str) -> int:
+    """File offset of the first dimension of tensor `name` in the tensor-info section."""
+    enc = format.encode_string(name)
+    at = raw.index(enc, 24 + len(g.kv_raw))
+    return at + len(enc) + 4
+
+
+def _maxrss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _open_index(index: bytes, data_size: int) -> int:
+    out = _ffi.new("void **")
+    rc = _lib.zipmoe_tensor_open(index, len(index), data_size, out)
+    if rc >= 0:
+        _lib.zipmoe_tensor_free(out[0])
+    return int(rc)
+
+
+def _verify_c(path: Path) -> tuple[int, str]:
+    """zipmoe_integrity_verify on a file, as the loader calls it."""
+    g = format.read_gguf(path)
+    rec = format.IntegrityRecord.from_gguf(g)
+    names = [_ffi.new("char[]", t.name.encode()) for t in g.tensors]
+    tensors = _ffi.new("zipmoe_integrity_tensor[]", len(g.tensors))
+    for i, t in enumerate(g.tensors):
+        tensors[i].name, tensors[i].offset, tensors[i].size = names[i], t.offset, t.nbytes
+    raw = np.ascontiguousarray(rec.raw, np.uint64)
+    msg = _ffi.new("char[512]")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        rc = _lib.zipmoe_integrity_verify(fd, _ffi.cast("uint64_t *", _ffi.from_buffer(raw)), raw.size, g.data_start,
+                                          tensors, len(g.tensors), msg, 512)
+    finally:
+        os.close(fd)
+    return int(rc), _ffi.string(msg).decode()
+
+
+def _llama_runs(reference: Path, files: list[Path], tmp_path: Path, env: dict[str, str] | None = None) -> list[dict]:
+    """Loads each file with zipmoe's llama.cpp (in children); returns their classified outcomes."""
+    bin_dir = pyzipmoe.build_dir() / "bin"
+    if not (bin_dir / "libllama.so").is_file() or find_spec("llama_cpp") is None:
+        if os.environ.get("CI"):
+            pytest.fail("zipmoe's llama.cpp or llama-cpp-python is missing (CI is set: this test must run)")
+        pytest.skip("zipmoe's llama.cpp or llama-cpp-python is missing")
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"reference": str(reference), "files": [str(f) for f in files], "env": env or {}}))
+    done = subprocess.run([sys.executable, str(WORKER), str(job)], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, LLAMA_CPP_LIB_PATH=str(bin_dir), OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])["results"]
+
+
+@pytest.fixture
+def real_index(zipmoe_model: Path) -> tuple[np.ndarray, int]:
+    """A real index (uint64 elements) and the size of its data companion."""
+    g = format.read_gguf(zipmoe_model)
+    t, d = g.by_name["blk.0.ffn_up_exps.zipmoe_index"], g.by_name["blk.0.ffn_up_exps.zipmoe_data"]
+    raw = zipmoe_model.read_bytes()[t.file_offset:t.file_offset + t.nbytes]
+    return np.frombuffer(raw, "<u8").copy(), d.nbytes
+
+
+def _forged(idx: np.ndarray, **edits: int) -> bytes:
+    fields = {"ne0": 5, "ne1": 6, "ne2": 7, "n_expert": 9, "n_per": 10, "chunk_n": 11, "n_chunks": 12,
+              "data_size": 13, "align": 14}
+    out = idx.copy()
+    for k, v in edits.items():
+        out[fields[k]] = v & (2**64 - 1)
+    out[-1] = codec.checksum(out[:-1])
+    return out.tobytes()
+
+
+# ------------------------------------------------------------------------------------------ absurd sizes
+
+
+@pytest.mark.parametrize("case", ["2^40 values per expert", "2^20 experts", "2^60-byte data companion",
+                                  "2^63-byte data companion", "chunk of 2^24+1 values", "zero-size chunks"])
+def test_absurd_sizes_are_refused_before_allocating(case: str, real_index: tuple[np.ndarray, int]) -> None:
+    idx, data_size = real_index
+    n_chunks = lambda n, s: -(-n // s)  # noqa: E731
+    chunk_n = int(idx[11])
+    index, size = {
+        "2^40 values per expert": (_forged(idx, ne0=1 << 20, ne1=1 << 20, n_per=1 << 40,
+                                           n_chunks=n_chunks(1 << 40, chunk_n)), data_size),
+        "2^20 experts": (_forged(idx, ne2=1 << 20, n_expert=1 << 20), data_size),
+        "2^60-byte data companion": (_forged(idx, ne0=1 << 29, ne1=1 << 29, n_per=1 << 58,
+                                             n_chunks=n_chunks(1 << 58, chunk_n), data_size=1 << 60), 1 << 60),
+        "2^63-byte data companion": (_forged(idx, data_size=1 << 63), 1 << 63),
+        "chunk of 2^24+1 values": (_forged(idx, chunk_n=(1 << 24) + 1, n_chunks=1), data_size),
+        "zero-size chunks": (_forged(idx, chunk_n=0), data_size),
+    }[case]
+    before, t0 = _maxrss_mib(), time.monotonic()
+    assert _open_index(index, size) == -2  # ZIPMOE_ERR_CORRUPT
+    with pytest.raises(FormatError):
+        codec.ExpertTensor(index, size)
+    assert time.monotonic() - t0 < 1.0
+    assert _maxrss_mib() - before < 16  # nothing the size of the claim was allocated
+
+
+def test_real_index_still_opens(real_index: tuple[np.ndarray, int]) -> None:
+    idx, data_size = real_index
+    assert _open_index(idx.tobytes(), data_size) == 0
+    assert _open_index(_forged(idx), data_size) == 0  # forging an unchanged index changes nothing
+    assert _open_index(_forged(idx), data_size - 1) == -2  # the index must state its data companion's size
+
+
+def test_absurd_source_size_is_refused_by_the_reader(zipmoe_model: Path, tmp_path: Path) -> None:
+    """zipmoe.source.size = 2^60 would make verify and unpack restore (hash, write) an exabyte of zeros."""
+    raw = bytearray(zipmoe_model.read_bytes())
+    key = format.encode_string("zipmoe.source.size") + struct.pack("<I", 10)
+    at = raw.index(key) + len(key)
+    raw[at:at + 8] = struct.pack("<Q", 1 << 60)
+    forge_integrity(raw, format.read_gguf(zipmoe_model))
+    damaged = tmp_path / "huge-source.gguf"
+    damaged.write_bytes(bytes(raw))
+    t0 = time.monotonic()
+    for action in (convert.verify, convert.inspect, lambda p: convert.unpack(p, tmp_path / "out.gguf")):
+        with pytest.raises(FormatError, match="zipmoe.source.size"):
+            action(damaged)
+    assert time.monotonic() - t0 < 5
+    assert not (tmp_path / "out.gguf").exists()
+
+
+def test_converter_refuses_sources_that_are_mostly_gaps(tiny_model: Path, tmp_path: Path) -> None:
+    src = tmp_path / "padded.gguf"
+    src.write_bytes(tiny_model.read_bytes() + bytes(2 * tiny_model.stat().st_size))
+    with pytest.raises(UnsupportedError, match="lie between or after its tensors"):
+        convert.convert(src, tmp_path / "out.gguf", threads=1)
+
+
+# ------------------------------------------------------------------------------------------ integrity
+
+
+def test_chain_hash_is_the_same_in_pieces_and_in_c() -> None:
+    rng = np.random.default_rng(7)
+    data = rng.integers(0, 256, 3 * format.INTEGRITY_BLOCK + 12345, dtype=np.uint8).tobytes()
+    whole = format.integrity_hash(data)
+    assert whole == _lib.zipmoe_integrity_hash(data, len(data), 0)
+    for _ in range(5):
+        h, pos = format.ChainHash(), 0
+        while pos < len(data):
+            n = int(rng.integers(1, 2 * format.INTEGRITY_BLOCK))
+            h.update(data[pos:pos + n])
+            pos += n
+        assert h.digest() == whole
+    assert format.integrity_hash(b"") == format.ChainHash().digest() == 0
+
+
+def test_converted_files_carry_a_valid_record(zipmoe_models: dict[tuple[str, str], Path]) -> None:
+    for path in zipmoe_models.values():
+        zf = format.open_zipmoe(path)
+        assert zf.integrity is not None
+        g = zf.gguf
+        kinds = [format.KIND_COMPANION if t.name.endswith(format.DATA_SUFFIX) else format.KIND_HASHED
+                 for t in g.tensors]
+        assert list(zf.integrity.kinds) == kinds
+        assert format.check_integrity(path, g, zf.integrity) == g.data_start + sum(
+            t.nbytes for t, k in zip(g.tensors, kinds) if k == format.KIND_HASHED)
+        assert _verify_c(path) == (0, "")
+        assert convert.verify(path).integrity_bytes > g.data_start
+
+
+def _damage(path: Path, where: str, out_dir: Path) -> Path:
+    damaged = out_dir / f"damaged-{where.replace(' ', '-')}.gguf"
+    raw = bytearray(path.read_bytes())
+    g = format.read_gguf(path)
+    at = {
+        "general.name": raw.index(b"zipmoe synthetic") + 3,  # a key/value pair the model reads (its name)
+        "tensor info": _tensor_info_dims_at(raw, g, "blk.1.attn_v.weight") - 5,  # a letter of the name
+        "dense tensor": g.by_name["output_norm.weight"].file_offset + 17,
+        "index": g.by_name["blk.1.ffn_down_exps.zipmoe_index"].file_offset + 8 * 60,
+        "record": _record_at(raw)[0] + 8 * 4,
+        "data companion": g.by_name["blk.0.ffn_gate_exps.zipmoe_data"].file_offset + 5,
+    }[where]
+    raw[at] ^= 0x10
+    damaged.write_bytes(bytes(raw))
+    return damaged
+
+
+@pytest.mark.parametrize("where, message", [
+    ("general.name", r"the metadata \(header, key/value pairs and tensor infos: bytes 0-\d+\) is damaged"),
+    ("tensor info", r"the metadata .* is damaged"),
+    ("dense tensor", r"tensor '?output_norm.weight'? is damaged"),
+    ("index", r"tensor '?blk.1.ffn_down_exps.zipmoe_index'? is damaged"),
+])
+def test_integrity_names_the_damage(where: str, message: str, zipmoe_model: Path, tmp_path: Path) -> None:
+    damaged = _damage(zipmoe_model, where, tmp_path)
+    g = format.read_gguf(damaged)
+    with pytest.raises(ChecksumError, match=message):
+        format.check_integrity(damaged, g, format.IntegrityRecord.from_gguf(g))
+    rc, msg = _verify_c(damaged)
+    assert rc == -3  # ZIPMOE_ERR_CHECKSUM
+    assert re.search(message, msg), msg
+
+
+def test_damaged_record_is_refused_by_the_reader(zipmoe_model: Path, tmp_path: Path) -> None:
+    damaged = _damage(zipmoe_model, "record", tmp_path)
+    with pytest.raises(ChecksumError, match="zipmoe.integrity: the record is damaged"):
+        format.open_zipmoe(damaged)
+
+
+def test_data_companions_are_left_to_their_chunk_checksums(zipmoe_model: Path, tmp_path: Path) -> None:
+    damaged = _damage(zipmoe_model, "data companion", tmp_path)
+    g = format.read_gguf(damaged)
+    format.check_integrity(damaged, g, format.IntegrityRecord.from_gguf(g))
+    assert _verify_c(damaged)[0] == 0
+    with pytest.raises(ChecksumError):
+        convert.verify(damaged)  # the chunk's own checksum
+
+
+def test_verify_refuses_a_file_without_a_record(zipmoe_model: Path, copy_of: Callable[[Path], Path]) -> None:
+    renamed = copy_of(zipmoe_model)
+    renamed.write_bytes(renamed.read_bytes().replace(b"zipmoe.integrity", b"zipmoe.integritz"))
+    assert format.open_zipmoe(renamed).integrity is None
+    with pytest.raises(FormatError, match="no zipmoe.integrity record"):
+        convert.verify(renamed)
+
+
+# ------------------------------------------------------------------------------------- zipmoe's llama.cpp
+
+
+def test_llama_refuses_damage_and_names_it(zipmoe_model: Path, tmp_path: Path) -> None:
+    paths = {w: _damage(zipmoe_model, w, tmp_path) for w in ("general.name", "dense tensor", "index", "record")}
+    results = _llama_runs(zipmoe_model, list(paths.values()), tmp_path)
+    by_where = dict(zip(paths, results))
+    for where, r in by_where.items():
+        assert r["class"] == "refused" and r["stage"] == "load", (where, r)
+        assert "zipmoe:" in r["reason"], (where, r)
+    assert "metadata" in by_where["general.name"]["reason"]
+    assert "output_norm.weight" in by_where["dense tensor"]["reason"]
+    assert "blk.1.ffn_down_exps.zipmoe_index" in by_where["index"]["reason"]
+    assert "zipmoe.integrity record is damaged" in by_where["record"]["reason"]
+
+
+def test_llama_without_record_needs_skip(zipmoe_model: Path, tmp_path: Path) -> None:
+    renamed = tmp_path / "no-record.gguf"
+    renamed.write_bytes(zipmoe_model.read_bytes().replace(b"zipmoe.integrity", b"zipmoe.integritz"))
+    (refused,) = _llama_runs(zipmoe_model, [renamed], tmp_path)
+    assert refused["class"] == "refused" and "no zipmoe.integrity record" in refused["reason"]
+    (skipped,) = _llama_runs(zipmoe_model, [renamed], tmp_path, env={"ZIPMOE_INTEGRITY": "skip"})
+    assert skipped["class"] == "ok"  # only a key's name changed: the same logits
+
+
+def test_llama_refuses_forged_hostile_files(zipmoe_model: Path, tmp_path: Path) -> None:
+    """Checksums forged to match (index and integrity record): the structural checks still refuse absurd
+    sizes and offsets, before anything is allocated or read through them."""
+    g = format.read_gguf(zipmoe_model)
+    original = zipmoe_model.read_bytes()
+    index = g.by_name["blk.0.ffn_up_exps.zipmoe_index"]
+    idx = np.frombuffer(original[index.file_offset:index.file_offset + index.nbytes], "<u8")
+    n_expert, chunks = int(idx[9]), int(idx[12])
+    first_chunk = format.INDEX_HEADER + 2 * n_expert
+    cases: dict[str, Callable[[bytearray], None]] = {
+        "data companion of 2^60 bytes": lambda raw: raw.__setitem__(
+            slice(_tensor_info_dims_at(raw, g, "blk.0.ffn_up_exps.zipmoe_data"),
+                  _tensor_info_dims_at(raw, g, "blk.0.ffn_up_exps.zipmoe_data") + 8), struct.pack("<Q", 1 << 60)),
+        "2^40 values per expert": lambda raw: forge_index(raw, index, {
+            5: 1 << 20, 6: 1 << 20, 10: 1 << 40, 12: -(-(1 << 40) // int(idx[11]))}),
+        "a million experts": lambda raw: forge_index(raw, index, {7: 1 << 20, 9: 1 << 20}),
+        "region outside the data": lambda raw: forge_index(raw, index, {format.INDEX_HEADER + 2: 1 << 62}),
+        "chunk past its region": lambda raw: forge_index(raw, index, {first_chunk: 1 << 40}),
+        "chunk ends out of order": lambda raw: forge_index(raw, index, {first_chunk + 2 * (chunks - 2): 1}),
+    }
+    files = []
+    for i, (name, edit) in enumerate(cases.items()):
+        raw = bytearray(original)
+        edit(raw)
+        forge_integrity(raw, g)
+        path = tmp_path / f"forged-{i}.gguf"
+        path.write_bytes(bytes(raw))
+        files.append(path)
+    results = _llama_runs(zipmoe_model, files, tmp_path)
+    for name, r in zip(cases, results):
+        assert r["class"] == "refused" and r["stage"] == "load", (name, r)
+
+
+N_FORGED = int(os.environ.get("ZIPMOE_FORGED", "160"))
+
+
+def test_llama_survives_forged_index_damage(zipmoe_models: dict[tuple[str, str], Path], tmp_path: Path) -> None:
+    """Random damage to the indexes, with the index checksum and the integrity record forged to match, as a
+    hostile file would: every load and generate is refused or completes, never a crash or a hang (a forger can
+    change the output on purpose, so different output is allowed here)."""
+    rng = np.random.default_rng(11)
+    files, counts = [], {}
+    for key in (("qwen3moe", "huff"), ("olmoe", "zstd")):
+        model = zipmoe_models[key]
+        g, original = format.read_gguf(model), model.read_bytes()
+        indexes = [t for t in g.tensors if t.name.endswith(format.INDEX_SUFFIX)]
+        for i in range(N_FORGED // 2):
+            raw = bytearray(original)
+            t = indexes[int(rng.integers(len(indexes)))]
+            n = t.nbytes // 8
+            edits = {}
+            for _ in range(int(rng.integers(1, 4))):
+                # the header and the region table most of the time: that is where the sizes are
+                at = int(rng.integers(format.INDEX_HEADER + 16)) if rng.random() < 0.6 else int(rng.integers(n - 1))
+                old = _u64(raw, t.file_offset + 8 * at)
+                edits[at] = int(rng.choice([old ^ (1 << int(rng.integers(64))), old + int(rng.integers(-3, 4)),
+                                            0, 2**64 - 1, 1 << int(rng.integers(64))]))
+            forge_index(raw, t, edits)
+            forge_integrity(raw, g)
+            path = tmp_path / f"forged-{key[1]}-{i:03d}.gguf"
+            path.write_bytes(bytes(raw))
+            files.append((model, path))
+    for model in {m for m, _ in files}:
+        results = _llama_runs(model, [p for m, p in files if m == model], tmp_path)
+        for r in results:
+            counts[r["class"]] = counts.get(r["class"], 0) + 1
+            assert r["class"] in ("ok", "refused", "wrong"), r
+    print(f"\nforged index damage: {counts}")
+    assert counts.get("refused", 0) > 0
