@@ -213,19 +213,6 @@ def zipmoe_stats_reset() -> None:
     lib.zipmoe_stats_reset()
 
 
-def zipmoe_take_error() -> str | None:
-    """The first decoding error the runtime recorded and nobody reported yet (libllama reports its own)."""
-    try:
-        from ._native import ffi, lib
-
-        buf = ffi.new("char[]", 512)
-        if lib.zipmoe_take_error(buf, len(buf)) == 0:
-            return None
-    except (NativeLibraryError, AttributeError):  # no native library, or one older than the expert stores
-        return None
-    return ffi.string(buf).decode("utf-8", "replace")
-
-
 # --------------------------------------------------------------------------------------------- Llama
 
 
@@ -329,7 +316,7 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
             try:
                 decode(batch)
             except RuntimeError as e:
-                details = [m for m in (zipmoe_take_error(), _error_log.since(mark)) if m]
+                details = [m for m in (_error_log.since(mark),) if m]  # libllama logged the zipmoe error
                 if not details:
                     raise
                 raise ZipmoeDecodeError(f"{path}: {e}: {'; '.join(details)}") from e
@@ -342,7 +329,7 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
 
 
 __all__ = ["CACHE_MODES", "Llama", "ZipmoeDecodeError", "ZipmoeLoadError", "is_zipmoe_file", "library_supports_zipmoe",
-           "loaded_library", "quiet_llama_log", "zipmoe_stats", "zipmoe_stats_reset", "zipmoe_take_error"]
+           "loaded_library", "quiet_llama_log", "zipmoe_stats", "zipmoe_stats_reset"]
 
 
 if __name__ == "__main__":  # pragma: no cover - a quick look: python -m pyzipmoe.llama MODEL [PROMPT]

@@ -142,18 +142,14 @@ def test_two_processes_sharing_the_file_match_one(lib_dir: Path, zipmoe_model: P
         assert _result(p)["runs"] == single["runs"]
 
 
-@pytest.mark.xfail(strict=False, reason="decode errors go to one process-wide slot (store.c record_error / "
-                   "zipmoe_take_error): a model can be handed another model's error, and lose its own; "
-                   "the fix belongs in the runtime (an error per store or per graph compute)")
 def test_a_damaged_model_does_not_disturb_another(lib_dir: Path, zipmoe_model: Path, single: dict,
                                                   tmp_path: Path) -> None:
     """One process, two models, one of them with a damaged expert chunk, decoding at the same time from two
     threads: the damaged one fails, the good one always gives exactly the single instance's output.
 
-    Decode errors are recorded in one process-wide slot (store.c's record_error, taken by whichever
-    llama_decode finishes next): when the good model's compute ends between the damaged model's failure and
-    its own check, the good model reports the other's error and the damaged model's llama_decode succeeds on
-    an expert that was never decoded, silently."""
+    Decode errors are recorded per store and taken by the graph compute whose ops materialised that store, so
+    a compute never reports another model's error, nor misses its own (which once happened with one
+    process-wide error slot)."""
     from pyzipmoe import format
 
     damaged = tmp_path / "damaged.gguf"

@@ -410,24 +410,27 @@ def _completion(ours: Path, model: Path) -> tuple[str, bool]:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_llama_completion_same_greedy_output(ours: Path, arch: str, tiny_models: dict[str, Path],
                                              zipmoe_models: dict[tuple[str, str], Path]) -> None:
+    """llama-completion prints through a logger that this llama.cpp neither flushes at exit nor keeps intact
+    under load (seen: lost tails, a doubled character in the echoed prompt). Those glitches are random, a real
+    difference is not: the same greedy text from every model in one round of complete runs passes; a
+    difference that persists through 10 rounds fails."""
     models = _models(arch, tiny_models, zipmoe_models)
-    complete: dict[str, str] = {}
+    seen: list[dict[str, str]] = []
     for _attempt in range(10):
+        complete = {}
         for v, m in models.items():
-            if v not in complete:
-                out, ok = _completion(ours, m)
-                if ok:
-                    complete[v] = out
-                elif v in complete or complete:  # a partial output must still agree with what is known
-                    ref = next(iter(complete.values()))
-                    assert ref.startswith(out), (v, out, ref)
+            out, ok = _completion(ours, m)
+            if ok:
+                complete[v] = out
         if len(complete) == len(models):
-            break
-    if len(complete) < len(models):
-        pytest.xfail(f"llama-completion lost its output in 10 runs for {sorted(set(models) - set(complete))} "
-                     "(its logger is not flushed at exit in this llama.cpp)")
-    assert len(complete["bf16"]) > len(PROMPT), complete
-    assert complete["huff"] == complete["bf16"] and complete["zstd"] == complete["bf16"], complete
+            seen.append(complete)
+            if complete["huff"] == complete["bf16"] == complete["zstd"]:
+                assert len(complete["bf16"]) > len(PROMPT), complete
+                return
+    if not seen:
+        pytest.xfail("llama-completion lost its output in 10 rounds (its logger is not flushed at exit in this "
+                     "llama.cpp)")
+    raise AssertionError(f"llama-completion's greedy text differed in all {len(seen)} complete rounds: {seen[-1]}")
 
 
 def _free_port() -> int:

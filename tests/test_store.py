@@ -152,13 +152,13 @@ def test_corrupt_chunk_is_reported_with_tensor_and_expert(zipmoe_model, tmp_path
         f.seek(pos)
         f.write(bytes([byte[0] ^ 0x10]))
     store = Store(bad, ct)
-    lib.zipmoe_take_error(ffi.NULL, 0)
+    lib.zipmoe_store_take_error(store.handle, ffi.NULL, 0)
     results = store.materialize(np.array([[4, 0]]), 2)
     assert any(r == lib.ZIPMOE_ERR_CHECKSUM for r in results)
     msg = ffi.new("char[256]")
-    assert lib.zipmoe_take_error(msg, 256) == lib.ZIPMOE_ERR_CHECKSUM
+    assert lib.zipmoe_store_take_error(store.handle, msg, 256) == lib.ZIPMOE_ERR_CHECKSUM
     assert ffi.string(msg).decode() == f"zipmoe: {ct.name}, expert 4: checksum mismatch (the stored bytes were modified or damaged)"
-    assert lib.zipmoe_take_error(ffi.NULL, 0) == 0  # taken
+    assert lib.zipmoe_store_take_error(store.handle, ffi.NULL, 0) == 0  # taken
     # the failed expert is not marked resident: using it again fails again, never silently
     assert any(r == lib.ZIPMOE_ERR_CHECKSUM for r in store.materialize(np.array([[4]]), 1))
 
@@ -166,9 +166,8 @@ def test_corrupt_chunk_is_reported_with_tensor_and_expert(zipmoe_model, tmp_path
 def test_out_of_range_expert_ids_are_an_error_not_a_write(zipmoe_model):
     zf = format.open_zipmoe(zipmoe_model)
     store = Store(zipmoe_model, zf.compressed[0])
-    lib.zipmoe_take_error(ffi.NULL, 0)
     store.materialize(np.array([[0, 999]]), 2)
-    assert lib.zipmoe_take_error(ffi.NULL, 0) == lib.ZIPMOE_ERR_ARG
+    assert lib.zipmoe_store_take_error(store.handle, ffi.NULL, 0) == lib.ZIPMOE_ERR_ARG
 
 
 def test_bind_refuses_a_data_companion_outside_the_file(zipmoe_model, tmp_path):

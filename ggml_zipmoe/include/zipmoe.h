@@ -212,16 +212,16 @@ ZIPMOE_API int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_off
  * it with the same key (any pointer unique to the invocation) and ith = 0..nth-1; they share the
  * decoding without waiting for each other, and when the last of them returns, every named expert is
  * decoded. Returns the number of chunks this thread decoded, or an error, which is also recorded for
- * zipmoe_take_error(). */
+ * zipmoe_store_take_error(). */
 ZIPMOE_API int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void * ids,
                                             int64_t ne0, int64_t ne1, size_t nb0, size_t nb1, int ith, int nth);
 
 /* Tokens routed to each expert so far (counts[n], n >= n_expert): what a planner reads. */
 ZIPMOE_API int64_t zipmoe_store_activations(zipmoe_store * s, uint64_t * counts, int64_t n);
 
-/* The first error recorded by any store since the last call, with a message naming tensor and expert;
+/* The first error this store recorded since the last call, with a message naming tensor and expert;
  * ZIPMOE_OK if none. Clears it. */
-ZIPMOE_API int64_t zipmoe_take_error(char * msg, size_t msg_size);
+ZIPMOE_API int64_t zipmoe_store_take_error(zipmoe_store * s, char * msg, size_t msg_size);
 
 typedef struct {
     uint64_t stores;            /* expert tensors served */

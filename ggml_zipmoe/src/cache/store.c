@@ -65,6 +65,9 @@ struct zipmoe_store {
     expert_state *  experts;
     uint64_t        hot_used, warm_used;
     _Atomic int     over_budget; /* the last publish could not evict enough (pinned experts): no fast path */
+    pthread_mutex_t err_mu;      /* the first decoding error not yet taken; per store, so that an engine */
+    int64_t         err;         /* takes exactly the errors of the graph it computed (two models in one  */
+    char            err_msg[256]; /* process must not see each other's)                               */
 };
 
 /* ---------------------------------------------------------------- the process's budget */
@@ -139,28 +142,27 @@ static void add_hot(uint64_t bytes) {
     }
 }
 
-static pthread_mutex_t g_err_mu = PTHREAD_MUTEX_INITIALIZER;
-static int64_t         g_err;
-static char            g_err_msg[256];
-
-static void record_error(const zipmoe_store * s, int64_t expert, int64_t status) {
-    pthread_mutex_lock(&g_err_mu);
-    if (g_err == ZIPMOE_OK) {
-        g_err = status;
-        snprintf(g_err_msg, sizeof g_err_msg, "zipmoe: %s, expert %lld: %s", s->name, (long long) expert,
+static void record_error(zipmoe_store * s, int64_t expert, int64_t status) {
+    pthread_mutex_lock(&s->err_mu);
+    if (s->err == ZIPMOE_OK) {
+        s->err = status;
+        snprintf(s->err_msg, sizeof s->err_msg, "zipmoe: %s, expert %lld: %s", s->name, (long long) expert,
                  zipmoe_status_str(status));
     }
-    pthread_mutex_unlock(&g_err_mu);
+    pthread_mutex_unlock(&s->err_mu);
 }
 
-int64_t zipmoe_take_error(char * msg, size_t msg_size) {
-    pthread_mutex_lock(&g_err_mu);
-    const int64_t status = g_err;
-    if (msg && msg_size) {
-        snprintf(msg, msg_size, "%s", status ? g_err_msg : "");
+int64_t zipmoe_store_take_error(zipmoe_store * s, char * msg, size_t msg_size) {
+    if (!s) {
+        return ZIPMOE_ERR_ARG;
     }
-    g_err = ZIPMOE_OK;
-    pthread_mutex_unlock(&g_err_mu);
+    pthread_mutex_lock(&s->err_mu);
+    const int64_t status = s->err;
+    if (msg && msg_size) {
+        snprintf(msg, msg_size, "%s", status ? s->err_msg : "");
+    }
+    s->err = ZIPMOE_OK;
+    pthread_mutex_unlock(&s->err_mu);
     return status;
 }
 
@@ -225,6 +227,7 @@ int64_t zipmoe_store_open(const char * name, const void * index, size_t index_si
     s->dst = MAP_FAILED;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
+    pthread_mutex_init(&s->err_mu, NULL);
     int64_t rc = zipmoe_tensor_open(index, index_size, data_size, &s->tensor);
     if (rc < 0) {
         zipmoe_store_free(s);
@@ -267,6 +270,7 @@ void zipmoe_store_free(zipmoe_store * s) {
     free(s->experts);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
+    pthread_mutex_destroy(&s->err_mu);
     free(s);
 }
 

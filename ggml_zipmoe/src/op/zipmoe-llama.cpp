@@ -212,12 +212,24 @@ ggml_tensor * zipmoe_llama_build(ggml_context * ctx, zipmoe_llama_tensor * zt, g
     return r;
 }
 
-bool zipmoe_llama_take_error(std::string & msg) {
-    char          buf[256];
-    const int64_t rc = zipmoe_take_error(buf, sizeof buf);
-    if (rc == ZIPMOE_OK) {
+bool zipmoe_llama_take_error(const ggml_cgraph * gf, std::string & msg) {
+    if (g_registry_size.load(std::memory_order_relaxed) == 0) {
         return false;
     }
-    msg = buf;
-    return true;
+    // exactly the stores this graph materialised: another model's errors are its own graph's to report
+    bool failed = false;
+    for (int i = 0; i < ggml_graph_n_nodes(const_cast<ggml_cgraph *>(gf)); i++) {
+        const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(gf), i);
+        if (node->op != GGML_OP_MAP_CUSTOM2 || !node->src[1]) {
+            continue;
+        }
+        if (zipmoe_llama_tensor * zt = zipmoe_llama_find(node->src[1])) {
+            char buf[256];
+            if (zipmoe_store_take_error(zt->store, buf, sizeof buf) != ZIPMOE_OK && !failed) {
+                msg    = buf;
+                failed = true;
+            }
+        }
+    }
+    return failed;
 }

@@ -38,5 +38,6 @@ zipmoe_llama_tensor * zipmoe_llama_find(const ggml_tensor * w);
 ggml_tensor * zipmoe_llama_build(ggml_context * ctx, zipmoe_llama_tensor * zt, ggml_tensor * ids,
                                  ggml_tensor * w, bool warmup);
 
-// The first decoding error since the last call (a damaged chunk, say); false if none.
-bool zipmoe_llama_take_error(std::string & msg);
+// The first decoding error of the zipmoe ops of graph gf since its last compute (a damaged chunk, say);
+// false if none.
+bool zipmoe_llama_take_error(const ggml_cgraph * gf, std::string & msg);
