@@ -5,8 +5,10 @@ Models are session-scoped and read-only; a test that damages a file copies it fi
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
+from importlib.util import find_spec
 from pathlib import Path
 
 import numpy as np
@@ -133,3 +135,22 @@ def flip_bit() -> Callable[[Path, int], None]:
             f.write(bytes([byte ^ (1 << bit)]))
 
     return flip
+
+
+@pytest.fixture(scope="session")
+def llama_lib_dir() -> Path:
+    """build/bin with zipmoe's libllama and llama-cpp-python's Python part: skip without them, except under CI,
+    where a test that needs them must run."""
+    import pyzipmoe
+
+    bin_dir = pyzipmoe.build_dir() / "bin"
+    reason = None
+    if not (bin_dir / "libllama.so").is_file():
+        reason = f"zipmoe's llama.cpp is not built ({bin_dir / 'libllama.so'} is missing)"
+    elif find_spec("llama_cpp") is None:
+        reason = "llama-cpp-python is not installed"
+    if reason:
+        if os.environ.get("CI"):
+            pytest.fail(f"{reason} (CI is set: this test must run there)")
+        pytest.skip(reason)
+    return bin_dir

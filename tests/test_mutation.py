@@ -25,31 +25,15 @@ import random
 import subprocess
 import sys
 from collections import Counter
-from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
 
-import pyzipmoe
 from pyzipmoe import format
 
 WORKER = Path(__file__).with_name("mutation_worker.py")
 N_MUTATIONS = int(os.environ.get("ZIPMOE_MUTATIONS", "1000"))
 MODELS = (("qwen3moe", "huff"), ("olmoe", "zstd"))
-
-
-def _lib_dir() -> Path:
-    bin_dir = pyzipmoe.build_dir() / "bin"
-    reason = None
-    if not (bin_dir / "libllama.so").is_file():
-        reason = f"zipmoe's llama.cpp is not built ({bin_dir / 'libllama.so'} is missing)"
-    elif find_spec("llama_cpp") is None:
-        reason = "llama-cpp-python is not installed"
-    if reason:
-        if os.environ.get("CI"):
-            pytest.fail(f"{reason} (CI is set: this test must run there)")
-        pytest.skip(reason)
-    return bin_dir
 
 
 def _hashed_ranges(g: format.GGUFFile) -> list[tuple[int, int, str]]:
@@ -98,9 +82,10 @@ def _changes_hashed_bytes(data: bytes, mutation: list, ranges: list[tuple[int, i
 
 
 @pytest.fixture(scope="module")
-def campaign(zipmoe_models: dict[tuple[str, str], Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+def campaign(zipmoe_models: dict[tuple[str, str], Path], tmp_path_factory: pytest.TempPathFactory,
+             llama_lib_dir: Path) -> dict:
     """Runs the damaged files of both models, one worker process per model, in parallel."""
-    lib_dir = _lib_dir()
+    lib_dir = llama_lib_dir
     work = tmp_path_factory.mktemp("mutation")
     env = dict(os.environ, LLAMA_CPP_LIB_PATH=str(lib_dir), OMP_NUM_THREADS="1")
     procs, jobs = {}, {}
