@@ -82,7 +82,8 @@ typedef struct zipmoe_store zipmoe_store;
 typedef enum {
     ZIPMOE_POLICY_TOKEN_LFU = 0, ZIPMOE_POLICY_LRU = 1, ZIPMOE_POLICY_LFU = 2, ZIPMOE_POLICY_FIFO = 3
 } zipmoe_policy;
-int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, zipmoe_policy policy);
+int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, uint64_t sm_bytes, zipmoe_policy policy);
+int64_t zipmoe_cache_set_slots(const char * prefix, int64_t hot, int64_t warm, int64_t sm);
 int64_t zipmoe_store_open(const char * name, const void * index, size_t index_size, uint64_t data_size,
                           zipmoe_store ** out);
 void    zipmoe_store_free(zipmoe_store * s);
@@ -108,6 +109,10 @@ typedef struct {
     uint64_t bytes_read;
     uint64_t read_ns;
     uint64_t evictions;
+    uint64_t sm_bytes;
+    uint64_t hits_sm;
+    uint64_t stall_ns;
+    uint64_t peak_resident_bytes;
 } zipmoe_stats;
 void zipmoe_stats_get(zipmoe_stats * out);
 void zipmoe_stats_reset(void);

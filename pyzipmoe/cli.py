@@ -43,6 +43,9 @@ examples:
   zipmoe run model.zipmoe.gguf -p 'Once upon a time'   complete a prompt with zipmoe's llama.cpp
   zipmoe serve model.zipmoe.gguf                         llama-server on http://127.0.0.1:8080
   zipmoe bench model-bf16.gguf model.zipmoe.gguf         tokens/s of both (llama-bench)
+  zipmoe run model.zipmoe.gguf --memory-budget 6GiB -p 'Hi'  under a memory budget (the planner splits it)
+  zipmoe calibrate model.zipmoe.gguf                     measure this machine's decode and disk costs
+  zipmoe plan model.zipmoe.gguf --memory-budget 6GiB     the planner's split of the budget, per layer
 
 exit status: 0 success, 1 verify found a difference, 2 bad input or usage, 130 interrupted.
 run, serve and bench exit with the status of the llama.cpp program they run.
@@ -323,6 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_models import register as add_model_commands  # create, list/ls, show, cp, rm, prune, export, import
 
     add_model_commands(sub)
+    from .cli_calibrate import register as add_calibrate_command
+    from .cli_plan import register as add_plan_command
+
+    add_calibrate_command(sub)
+    add_plan_command(sub)
     return parser
 
 
@@ -378,7 +386,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     params = package.parameters if package else {}
     cache = args.cache or params.get("cache_policy")
     extra = _llama_args(args)
-    if args.prompt is None:  # interactive chat: llama-cli; the package's flags first, so that the user's win
+    if args.prompt is None:
+        os.environ.update(_cache_settings(args, model, package))  # what libllama in llama-cli reads  # interactive chat: llama-cli; the package's flags first, so that the user's win
         argv = [str(runner.program("llama-cli")), "-m", model, *package_flags, *_common_llama_flags(args)]
         if args.n_predict is not None:
             argv += ["-n", str(args.n_predict)]
@@ -396,7 +405,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     completion = runner.complete(model, args.prompt, n_predict=pick(args.n_predict, "num_predict", 128),
                                  threads=args.threads, n_ctx=pick(args.ctx_size, "num_ctx", None),
                                  temperature=pick(args.temp, "temperature", 0.8), seed=pick(args.seed, "seed", None),
-                                 cache=cache or "unbounded", out=sys.stdout)
+                                 cache=cache or "unbounded", out=sys.stdout,
+                                 options={"memory_budget": args.memory_budget or params.get("memory_budget"),
+                                          "cache_policy": args.policy, "hot_share": args.hot_share,
+                                          "sm_share": args.sm_share, "trace": args.trace})
     print()
     if args.stats:
         runner.print_completion_stats(completion)
@@ -408,6 +420,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     model, package_flags, package = _resolve(args, "llama-server")
     cache = args.cache or (package.parameters.get("cache_policy") if package else None)
+    os.environ.update(_cache_settings(args, model, package))
     argv = [str(runner.program("llama-server")), "-m", model, "--host", args.host, "--port", str(args.port),
             *package_flags, *_common_llama_flags(args)]
     return runner.run_foreground([*argv, *_llama_args(args)], runner.environment(cache))
@@ -421,6 +434,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         flags += ["-t", str(args.threads)]
     if args.no_warmup:
         flags.append("--no-warmup")
+    from .llama import is_zipmoe_file
+
+    zipmoe_models = [m for m in args.models if is_zipmoe_file(m)]
+    if args.memory_budget is not None and len(zipmoe_models) > 1 and args.hot_share is None and args.sm_share is None:
+        raise ZipmoeError("the planner plans one model at a time: bench one zipmoe model under --memory-budget, or "
+                          "give --hot-share (and --sm-share) to split every model's budget the same way")
+    os.environ.update(_cache_settings(args, zipmoe_models[0] if zipmoe_models else args.models[0]))
     results, records = runner.llama_bench(args.models, [*flags, *_llama_args(args)], cache=args.cache)
     if args.json:
         _print_json({"results": [r.to_dict() for r in results], "cache": args.cache or "unbounded",
@@ -433,6 +453,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"llama-bench, {args.repetitions} repetitions{', no warmup' if args.no_warmup else ' after a warmup run'}; "
           f"zipmoe cache: {args.cache or 'unbounded'}")
     return EXIT_OK
+
+
+def _fraction(text: str) -> float:
+    try:
+        f = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= f <= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {f}")
+    return f
+
+
+def _cache_settings(args: argparse.Namespace, model: str, package: Any = None) -> dict[str, str]:
+    """The runtime's environment for MODEL from --memory-budget, --policy, --hot-share, --sm-share and --trace (a
+    stored model's memory_budget parameter is the default budget); the planner splits the budget unless shares
+    are given."""
+    from .controller import runtime_environment
+    from .llama import is_zipmoe_file
+
+    budget = args.memory_budget
+    if budget is None and package is not None:
+        budget = package.parameters.get("memory_budget")
+    return runtime_environment(model, budget=budget, policy=args.policy, hot_share=args.hot_share,
+                               sm_share=args.sm_share, trace=args.trace, is_zipmoe=bool(is_zipmoe_file(model)))
 
 
 def _nonnegative(text: str) -> int:
@@ -450,10 +494,21 @@ def _add_llama_options(p: argparse.ArgumentParser, *, ctx: str | None = "default
     if ctx:
         p.add_argument("-c", "--ctx-size", type=_positive, metavar="N", help=f"context size in tokens ({ctx})")
     p.add_argument("--memory-budget", metavar="SIZE",
-                   help="what zipmoe may keep of the experts, decoded or compressed: e.g. 6GiB, 512MiB, 60%% "
-                        "(default: unbounded; sets ZIPMOE_MEMORY_BUDGET)")
+                   help="everything the model may keep resident: e.g. 6GiB, 512MiB, 60%%, or auto (what the machine "
+                        "or container has free, less a margin). It holds the weights that are not experts, one "
+                        "layer's experts in flight, and the expert cache, split between tiers by the planner "
+                        "(zipmoe plan) unless --hot-share/--sm-share fix it. Too small: an error says the minimum. "
+                        "Default: unbounded. Sets ZIPMOE_MEMORY_BUDGET (and ZIPMOE_PLAN)")
     p.add_argument("--policy", choices=("tlfu", "lru", "lfu", "fifo"),
                    help="eviction under a budget: tlfu (default, the paper's token-weighted LFU), lru, lfu, fifo")
+    p.add_argument("--hot-share", type=_fraction, metavar="F",
+                   help="fixed share of the cache for decoded experts, instead of the planner's split")
+    p.add_argument("--sm-share", type=_fraction, metavar="F",
+                   help="fixed share for sign+mantissa planes (their exponents are read from disk); the rest of "
+                        "the cache keeps whole compressed experts")
+    p.add_argument("--trace", metavar="FILE",
+                   help="expert activation counts for the planner (.npz with counts[prompts, layers, experts]); "
+                        "default: every expert equally likely")
     p.add_argument("--cache", choices=("unbounded", "none"),
                    help="zipmoe expert cache: unbounded (default) keeps decoded experts, none decodes on every "
                         "use (sets ZIPMOE_CACHE)")
@@ -479,7 +534,9 @@ def _add_llama_commands(sub: Any, fmt: type[argparse.HelpFormatter]) -> None:
     p.add_argument("-n", "--n-predict", type=_positive, metavar="N", help="tokens to generate (default with -p: 128)")
     p.add_argument("--temp", type=float, metavar="T", help="sampling temperature; 0 = greedy (default: 0.8)")
     p.add_argument("--seed", type=_nonnegative, metavar="S", help="sampling seed (default: random)")
-    p.add_argument("--stats", action="store_true", help="with -p: print speed and zipmoe decode counters to stderr")
+    p.add_argument("--stats", "-v", "--verbose", dest="stats", action="store_true",
+                   help="with -p: print speed and the expert cache's counters (hits per tier, bytes read and decoded, "
+                        "time stalled per token) to stderr")
     _add_llama_options(p, ctx="default: llama.cpp's; with -p the model's, at most 4096")
     p.set_defaults(run=cmd_run)
 
@@ -533,12 +590,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ZipmoeError as e:
         return _fail(str(e), e.exit_code)
     try:
-        if getattr(args, "memory_budget", None) is not None or getattr(args, "policy", None) is not None:
-            from .budget import cache_environment
-
-            # run/serve/bench: the runtime in libllama reads its budget from the environment, in this process
-            # (run -p) and in the llama.cpp programs it starts
-            os.environ.update(cache_environment(args.memory_budget, args.policy))
         return args.run(args)
     except ZipmoeError as e:
         return _fail(str(e), e.exit_code)

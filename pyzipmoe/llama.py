@@ -256,16 +256,25 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
 
     zipmoe_cache: "unbounded" (default) keeps decoded experts in memory; "none" decodes an expert on every
         use (slow; for measurements and tests).
-    memory_budget: what zipmoe may keep of the experts, decoded or compressed ("6GiB", "60%", bytes); None:
-        unbounded. The runtime's budget is per process: the last model loaded sets it.
+    memory_budget: everything the model may keep resident ("6GiB", "60%", bytes, or "auto": what the machine or
+        container has free, less a margin): its weights that are not experts, one layer's experts in flight and
+        the expert cache, which gets the rest. None: unbounded. Too small a budget raises ZipmoeError saying the
+        minimum. The runtime's budget is per process: the last model loaded sets it.
     cache_policy: eviction under a budget: "tlfu" (default, token-weighted LFU), "lru", "lfu" or "fifo".
-    hot_share: the budget's fraction for decoded experts (default 0.5); the rest keeps compressed ones in RAM.
+    hot_share, sm_share: fixed shares of the cache for decoded experts and sign+mantissa planes (the rest keeps
+        whole compressed experts). Unset: the planner splits the cache per layer (pyzipmoe/planner.py), from this
+        machine's calibration (`zipmoe calibrate`) or conservative defaults.
+    trace: activation counts for the planner (.npz with "counts" [prompts, layers, experts]); default uniform.
+    adapt: re-plan while running when the memory available changes (pyzipmoe.controller.MemoryMonitor); default:
+        on for memory_budget="auto".
     """
 
     def __init__(self, model_path: str, *args: Any, zipmoe_cache: str = "unbounded",
                  memory_budget: str | int | None = None, cache_policy: str | None = None,
-                 hot_share: float | None = None, **kwargs: Any) -> None:
+                 hot_share: float | None = None, sm_share: float | None = None, trace: str | None = None,
+                 adapt: bool | None = None, **kwargs: Any) -> None:
         self._stack = contextlib.ExitStack()  # llama_cpp.Llama.__del__ closes it, also after a failed __init__
+        self.zipmoe_monitor = None
         if zipmoe_cache not in CACHE_MODES:
             raise ValueError(f"zipmoe_cache must be one of {', '.join(CACHE_MODES)}, not {zipmoe_cache!r}")
         self.zipmoe_cache = zipmoe_cache
@@ -276,13 +285,14 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
                 f"{model_path} is a zipmoe GGUF, but the libllama in use ({loaded_library()}) was not built with "
                 f"zipmoe; build it with `bash tools/setup.sh` and make sure LLAMA_CPP_LIB_PATH is unset or points "
                 f"at {build_dir() / 'bin'} before llama_cpp is first imported (import pyzipmoe first)")
+        from .controller import monitor_for, runtime_environment
+
+        cache_env = runtime_environment(model_path, budget=memory_budget, policy=cache_policy, hot_share=hot_share,
+                                        sm_share=sm_share, trace=trace, is_zipmoe=self.is_zipmoe)
         mark = _error_log.mark()
         try:
-            from .budget import cache_environment
-
             with contextlib.ExitStack() as env:  # what is not given stays as the environment says
-                for name, value in {CACHE_ENV: zipmoe_cache,
-                                    **cache_environment(memory_budget, cache_policy, hot_share)}.items():
+                for name, value in {CACHE_ENV: zipmoe_cache, **cache_env}.items():
                     env.enter_context(_env(name, value))
                 super().__init__(model_path, *args, **kwargs)
         except ValueError as e:
@@ -290,6 +300,11 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
                 raise
             raise self._load_error(model_path, e, _error_log.since(mark)) from e
         self._wrap_decode(model_path)
+        if adapt is None:
+            adapt = memory_budget is not None and str(memory_budget) == "auto"
+        if adapt and self.is_zipmoe and memory_budget is not None and hot_share is None and sm_share is None:
+            self.zipmoe_monitor = monitor_for(model_path, memory_budget, trace=trace).start()
+            self._stack.callback(self.zipmoe_monitor.stop)
 
     def _load_error(self, path: str, e: Exception, logged: str) -> ZipmoeLoadError:
         what = f"{path}: llama.cpp could not load the model"

@@ -184,8 +184,10 @@ def _context_length(model: Path) -> int | None:
 
 def complete(model: str | os.PathLike[str], prompt: str, *, n_predict: int = 128, threads: int | None = None,
              n_ctx: int | None = None, temperature: float = 0.8, seed: int | None = None, cache: str = "unbounded",
-             out: TextIO | None = None, on_text: Callable[[str], None] | None = None) -> Completion:
+             out: TextIO | None = None, on_text: Callable[[str], None] | None = None,
+             options: dict[str, Any] | None = None) -> Completion:
     """Raw text completion of prompt with zipmoe's libllama through llama-cpp-python, streamed to `out`.
+    options: pyzipmoe.Llama's memory_budget, cache_policy, hot_share, sm_share, trace, adapt (None: not given).
 
     (llama-completion, the llama.cpp program for this, loses the end of its output in this llama.cpp version:
     its logger is never flushed at exit, so redirected output comes out truncated or empty.)
@@ -196,7 +198,8 @@ def complete(model: str | os.PathLike[str], prompt: str, *, n_predict: int = 128
     path = check_model(model)
     if n_ctx is None:
         n_ctx = min(4096, _context_length(path) or 4096)
-    kwargs: dict[str, Any] = {"n_ctx": n_ctx, "verbose": False, "zipmoe_cache": cache}
+    kwargs: dict[str, Any] = {"n_ctx": n_ctx, "verbose": False, "zipmoe_cache": cache,
+                              **{k: v for k, v in (options or {}).items() if v is not None}}
     if threads is not None:
         kwargs.update(n_threads=threads, n_threads_batch=threads)
     if seed is not None:
@@ -233,8 +236,16 @@ def print_completion_stats(c: Completion, err: TextIO = sys.stderr) -> None:
           f"({rate:.1f} tokens/s); model loaded in {c.load_seconds:.2f} s]", file=err)
     if c.stats is not None:
         s = c.stats
-        kept = (f"{s['experts_resident']} experts resident" if "experts_resident" in s
-                else f"{s.get('hot_bytes', 0) / 2**20:.1f} MiB of decoded experts kept")
+        mib = 2**20
         print(f"[zipmoe: {s['stores']} expert tensors, {s['experts_decoded']} expert decodes "
-              f"({s['bytes_decoded'] / 2**20:.1f} MiB BF16, {s['decode_seconds']:.3f} s summed over threads), "
-              f"{kept}]", file=err)
+              f"({s['bytes_decoded'] / mib:.1f} MiB BF16, {s['decode_seconds']:.3f} s summed over threads)]", file=err)
+        routed = s["hits_hot"] + s["hits_warm"] + s["hits_sm"] + s["misses"]
+        if routed:
+            share = {name: 100 * s[key] / routed for name, key in
+                     (("hot", "hits_hot"), ("warm", "hits_warm"), ("sm", "hits_sm"), ("cold", "misses"))}
+            stall = s["stall_ns"] / 1e9 / max(1, c.prompt_tokens + c.generated_tokens)
+            print(f"[zipmoe cache: routed experts found {', '.join(f'{k} {v:.0f}%' for k, v in share.items())}; "
+                  f"{s['bytes_read'] / mib:.1f} MiB read from disk; stalled {stall * 1000:.1f} ms per token; "
+                  f"resident now {s['hot_bytes'] / mib:.1f} MiB decoded, {s['warm_bytes'] / mib:.1f} MiB compressed, "
+                  f"{s['sm_bytes'] / mib:.1f} MiB sign+mantissa (peak {s['peak_resident_bytes'] / mib:.1f} MiB); "
+                  f"{s['evictions']} evictions]", file=err)

@@ -74,7 +74,7 @@ def _reason(log_path: str) -> str:
     except OSError:
         return ""
     keys = ("zipmoe", "error", "failed", "invalid", "exception")
-    info = ("- kv", "match their checksums", "stored compressed")
+    info = ("- kv", "match their checksums", "stored compressed", "no memory budget", "cache tiers")  # load notes
     found = [ln.strip() for ln in lines if any(k in ln.lower() for k in keys) and not any(i in ln for i in info)]
     zipmoe = [ln for ln in found if "zipmoe:" in ln]
     return (zipmoe or found or [""])[0][:300]

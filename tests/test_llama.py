@@ -258,19 +258,25 @@ def test_every_budget_and_policy_gives_the_same_logits(logits: Callable, ours: P
                                                        zipmoe_models: dict[tuple[str, str], Path], tmp_path: Path
                                                        ) -> None:
     """Budgets far below the experts' size force every tier and transition: decoded experts evicted and decoded
-    again, compressed ones kept in RAM (hot_share < 1) or read from the file again; prefill and decode, 1 and 2
-    threads, each eviction policy. Logits stay bit-identical to the BF16 model's."""
+    again, compressed ones kept in RAM (hot_share < 1), sign+mantissa planes kept and codes read (sm_share), or read
+    from the file again; prefill and decode, 1 and 2 threads, each eviction policy; and the planner's split. Logits
+    stay bit-identical to the BF16 model's."""
+    from pyzipmoe.budget import model_memory
+
     ref_reports, ref = logits(arch, "bf16")
+    minimum = model_memory(zipmoe_models[arch, "huff"]).minimum  # what any budget must hold; the tiers get the rest
     picks = [i for i, c in enumerate(CONFIGS) if c["use_mmap"]]  # threads 1/2 x batch 1/64
     runs, where = [], []
     for policy in ("tlfu", "lru", "lfu", "fifo"):
-        for budget, share in (("16KiB", 1.0), ("100KiB", 0.3), ("0", 0.5)):
+        for extra, shares in ((16 << 10, {"hot_share": 1.0}), (100 << 10, {"hot_share": 0.3}),
+                              (60 << 10, {"hot_share": 0.2, "sm_share": 0.5}), (60 << 10, {}), (None, {})):
             for i in picks:
-                runs.append({"config": CONFIGS[i], "zipmoe": {"memory_budget": budget, "cache_policy": policy,
-                                                                "hot_share": share}})
+                budget = {} if extra is None else {"memory_budget": str(minimum + extra)}
+                runs.append({"config": CONFIGS[i], "cache": "none" if extra is None else "unbounded",
+                             "zipmoe": {**budget, "cache_policy": policy, **shares}})
                 where.append(i)
     reports, got = run_worker(zipmoe_models[arch, "huff"], ours, runs, tmp_path / "budgets.npz")
-    warm_hits = 0
+    hits = {"hits_warm": 0, "hits_sm": 0}
     for k, (run, i) in enumerate(zip(runs, where)):
         what = f"{arch} {run['zipmoe']} {CONFIGS[i]}"
         _no_error(reports[k])
@@ -278,10 +284,33 @@ def test_every_budget_and_policy_gives_the_same_logits(logits: Callable, ours: P
         assert reports[k]["generated"] == ref_reports[i]["generated"], what
         stats = reports[k]["stats"]
         assert stats["misses"] > 0 and stats["bytes_read"] > 0, (what, stats)
-        if run["zipmoe"]["memory_budget"] != "0":
+        if "memory_budget" in run["zipmoe"]:
             assert stats["evictions"] > 0, (what, stats)  # the budget held fewer experts than were used
-        warm_hits += stats["hits_warm"]
-    assert warm_hits > 0  # some run decoded from compressed experts kept in RAM
+        for name in hits:
+            hits[name] += stats[name]
+    assert hits["hits_warm"] > 0 and hits["hits_sm"] > 0, hits  # decoded from compressed experts / planes in RAM
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_budget_below_the_minimum_is_refused_saying_the_minimum(arch: str, zipmoe_models: dict[tuple[str, str], Path],
+                                                                 ours: Path, tmp_path: Path) -> None:
+    """Python refuses it before loading, and bare libllama (the environment variable) refuses it at load."""
+    from pyzipmoe.budget import model_memory
+
+    path = zipmoe_models[arch, "huff"]
+    need = model_memory(path)
+    small = need.minimum - 1
+    reports, _ = run_worker(path, ours, [{"config": CONFIGS[0], "zipmoe": {"memory_budget": str(small)}}],
+                            tmp_path / "small.npz")
+    assert "too small for this model: it needs at least" in reports[0]["load_error"]["message"], reports[0]
+    simple = ours / "llama-simple"
+    if simple.exists():
+        env = {**os.environ, "ZIPMOE_MEMORY_BUDGET": str(small)}
+        out = subprocess.run([str(simple), "-m", str(path), "-n", "1", "hi"], env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode != 0
+        mib = f"{need.minimum / 2**20:.0f} MiB"
+        assert f"too small for this model: it needs at least {mib}" in out.stderr, out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -23,9 +23,9 @@ def default_budget():
     """Every test starts and ends with the library's defaults: hot unbounded, no warm tier; and with no
     store of an earlier test left open, since budgets are shared out among the open stores."""
     gc.collect()
-    lib.zipmoe_cache_configure(UNBOUNDED, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
+    lib.zipmoe_cache_configure(UNBOUNDED, 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
     yield
-    lib.zipmoe_cache_configure(UNBOUNDED, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
+    lib.zipmoe_cache_configure(UNBOUNDED, 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
 
 
 class Store:
@@ -105,7 +105,7 @@ def test_threads_materialise_exactly_the_routed_experts(zipmoe_model, tiny_model
 def test_cache_none_decodes_on_every_use(zipmoe_model, tiny_model, stats):
     zf = format.open_zipmoe(zipmoe_model)
     ct = zf.compressed[1]
-    lib.zipmoe_cache_configure(0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
+    lib.zipmoe_cache_configure(0, 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
     store = Store(zipmoe_model, ct)
     for _ in range(3):
         store.materialize(np.array([[0, 3]]), 2)
@@ -211,7 +211,7 @@ def test_every_tier_and_transition_stays_bit_exact_under_a_tiny_budget(zipmoe_mo
     n_expert = ref.shape[0]
     region = max(ct.expert.span(e).size for e in range(n_expert))
     hot, warm = budget_for(zf, ct, 2, warm_experts * region)
-    lib.zipmoe_cache_configure(hot, warm, POLICIES[policy])
+    lib.zipmoe_cache_configure(hot, warm, 0, POLICIES[policy])
     rng = np.random.default_rng(1)
     for step in range(40):
         ids = rng.integers(0, n_expert, (int(rng.integers(1, 4)), 2))
@@ -235,7 +235,7 @@ def test_lru_keeps_the_recent_and_lfu_the_frequent(zipmoe_model, stats):
     stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
     ct, store = zf.compressed[0], stores[0]
     for policy, expect_hot in (("lru", 1), ("lfu", 0)):
-        lib.zipmoe_cache_configure(budget_for(zf, ct, 2)[0], 0, POLICIES[policy])
+        lib.zipmoe_cache_configure(budget_for(zf, ct, 2)[0], 0, 0, POLICIES[policy])
         for ids in ([[0]], [[0]], [[0]], [[1]], [[2]]):  # 0 used often, then 1, then 2: one of 0 and 1 goes
             store.materialize(np.array(ids), 1)
         lib.zipmoe_stats_reset()

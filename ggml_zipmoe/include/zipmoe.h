@@ -192,11 +192,19 @@ typedef enum {
     ZIPMOE_POLICY_FIFO      = 3,
 } zipmoe_policy;
 
-/* The budget of every store of the process: hot_bytes of decoded experts and warm_bytes of compressed
- * regions kept in RAM (UINT64_MAX: unbounded), shared out among stores in proportion to their BF16 size,
- * and the eviction policy. hot_bytes = 0 decodes on every use. The experts the layer in flight routes
- * to are decoded whatever the budget; zipmoe_stats reports the peak. Defaults: hot unbounded, warm 0. */
-ZIPMOE_API int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, zipmoe_policy policy);
+/* The budgets of every store of the process, per tier (UINT64_MAX: unbounded): hot_bytes of decoded
+ * experts, warm_bytes of whole compressed regions and sm_bytes of sign+mantissa planes kept in RAM,
+ * shared out among stores in proportion to their BF16 size; and the eviction policy. hot_bytes = 0
+ * decodes on every use. The experts the layer in flight routes to are decoded whatever the budget
+ * (zipmoe_stats reports the peak). May be called at any time: stores shrink or grow their tiers at
+ * their next invocation. Defaults: hot unbounded, warm and sm 0, token-weighted LFU. */
+ZIPMOE_API int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, uint64_t sm_bytes,
+                                          zipmoe_policy policy);
+
+/* A planner's per-store plan: stores whose name starts with prefix (the longest matching prefix wins,
+ * e.g. "blk.3.") keep at most hot, warm and sm experts in each tier, instead of their share of the
+ * budgets. prefix NULL removes every rule. Takes effect like zipmoe_cache_configure. */
+ZIPMOE_API int64_t zipmoe_cache_set_slots(const char * prefix, int64_t hot, int64_t warm, int64_t sm);
 
 /* Opens a store from an index (validated as zipmoe_tensor_open does). */
 ZIPMOE_API int64_t zipmoe_store_open(const char * name, const void * index, size_t index_size, uint64_t data_size,
@@ -234,11 +242,15 @@ typedef struct {
     uint64_t decode_ns;         /* summed over threads, reads from disk included */
     uint64_t materialize_calls; /* invocations (one per expert tensor per graph compute) */
     uint64_t hits_hot;          /* routed experts found decoded */
-    uint64_t hits_warm;         /* ... found compressed in RAM */
+    uint64_t hits_warm;         /* ... found whole and compressed in RAM */
     uint64_t misses;            /* ... read from the file */
     uint64_t bytes_read;        /* from the file */
     uint64_t read_ns;           /* summed over threads */
     uint64_t evictions;         /* of decoded experts */
+    uint64_t sm_bytes;          /* sign+mantissa planes kept in RAM now */
+    uint64_t hits_sm;           /* routed experts found as a sign+mantissa plane (codes read) */
+    uint64_t stall_ns;          /* wall time of invocations that decoded, plan to publish */
+    uint64_t peak_resident_bytes; /* most hot + warm + sm bytes at once since the last reset */
 } zipmoe_stats;
 
 ZIPMOE_API void zipmoe_stats_get(zipmoe_stats * out);

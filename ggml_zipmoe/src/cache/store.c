@@ -1,19 +1,26 @@
 /* store.c - serving one compressed expert tensor at run time under a memory budget: the BF16 memory the
  * engine reads, the tiers an expert can be in, the materialise protocol and eviction.
  *
- * Tiers of an expert: hot (decoded in the BF16 memory), warm (its compressed region in RAM) or cold
- * (on disk, read with pread and dropped from the page cache, so that no memory is used that the budget
- * does not count). A hot expert may be warm too. The budget of the process (zipmoe_cache_configure) is
- * shared out among stores in proportion to their BF16 size; each store evicts by the chosen policy.
+ * Tiers of an expert, best first: hot (decoded in the BF16 memory), warm (its whole compressed region in
+ * RAM: only decoding is left), sm (its sign+mantissa plane in RAM: the exponent codes, a fifth of the
+ * region, are read from disk) and cold (all read from disk with pread, then dropped from the page cache,
+ * so that no memory is used that the budget does not count). Each tier has a limit in bytes per store:
+ * the process's tier budgets (zipmoe_cache_configure) shared out in proportion to BF16 size, or slot
+ * counts a planner set for the store (zipmoe_cache_set_slots). A tier change never re-reads what is
+ * resident: warm -> sm shrinks the region, sm -> warm reads only the codes, hot -> sm takes the
+ * sign+mantissa bytes from the decoded values. A hot expert's compressed copy is the first thing a full
+ * tier gives up, so the tiers hold different experts when memory is short.
  *
  * The protocol, for an engine that calls an op on all of its threads with no barrier inside the op
  * (ggml's custom ops): the first thread of an invocation plans (routed experts that are not hot, and
- * whether each is read from RAM or disk); every thread decodes the chunks that the plan alone assigns
- * to it; the last thread to leave publishes (hot, warm), evicts down to the budget and releases the
- * plan. No thread waits for a sibling, every chunk is decoded exactly once, and the engine's barrier
- * after the op makes the decoded bytes visible to the matmul. The experts routed by the invocation are
- * never evicted by it: the matmul that reads them has not run yet. A second invocation on the same
- * store (another graph) waits until the first has released its plan. */
+ * what is read from RAM or disk); every thread decodes the chunks that the plan alone assigns to it;
+ * the last thread to leave publishes (hot), evicts down to the limits and releases the plan. No thread
+ * waits for a sibling, every chunk is decoded exactly once, and the engine's barrier after the op makes
+ * the decoded bytes visible to the matmul. The experts routed by the invocation are never evicted by it:
+ * the matmul that reads them has not run yet. They stay pinned until the store's next invocation, or
+ * until a store of another layer plans (its layer's matmuls ran before), which bounds the decoded working
+ * set beyond the limits to one layer's routed experts. A second invocation on the same store (another
+ * graph) waits until the first has released its plan. */
 #define _GNU_SOURCE
 #include "zipmoe-impl.h"
 
@@ -28,27 +35,35 @@
 #include <time.h>
 #include <unistd.h>
 
+enum { RES_NONE = 0, RES_SM = 1, RES_FULL = 2 }; /* what of an expert's region is in RAM */
+
 typedef struct {
-    uint8_t * warm;      /* the compressed region, or NULL */
+    uint8_t * region;    /* RES_SM: the sign+mantissa plane; RES_FULL: the whole region; else NULL */
+    uint8_t   res;       /* RES_* */
     uint8_t   hot;       /* decoded in dst */
-    uint32_t  routed;    /* tokens routed to it by the invocation in flight */
+    uint32_t  routed;    /* tokens routed to it by the invocation in flight: pinned while non-zero */
     uint64_t  last_use;  /* policy metadata: tick of the last use, */
     uint64_t  uses;      /* uses (LFU) or tokens routed (token-weighted LFU), */
-    uint64_t  admitted;  /* tick of becoming hot (FIFO) */
-    uint64_t  admitted_warm;
+    uint64_t  admitted;  /* tick of becoming hot (FIFO), */
+    uint64_t  admitted_res; /* of becoming warm or sm */
     uint64_t  activations; /* tokens routed, ever: what the planner reads */
 } expert_state;
 
 typedef struct {
     int64_t   expert;
-    uint8_t * src;       /* region bytes in RAM (warm, or being made warm), NULL: read into scratch */
-    uint8_t   from_disk; /* the region must be read (into src when set) */
+    uint8_t * sm;         /* the sign+mantissa plane in RAM, or NULL: it goes through scratch */
+    uint8_t * codes;      /* the region whose codes are (or are read) in RAM, or NULL: scratch */
+    uint8_t   read_sm;    /* the plane must be read from the file */
+    uint8_t   read_codes; /* the codes must be read from the file */
 } plan_item;
 
 struct zipmoe_store {
     char               name[96];
+    int                layer;   /* N of a "blk.N." name, or -1 */
     zipmoe_tensor *    tensor;
     zipmoe_tensor_info info;
+    uint64_t           hot_size, sm_size; /* bytes of one expert decoded, of its sign+mantissa plane */
+    uint64_t           mean_region;       /* of the compressed regions: converts warm slots to bytes */
 
     int        fd;          /* our own descriptor of the model file, -1 until bound */
     uint64_t   data_offset; /* of the data companion in the file */
@@ -60,37 +75,91 @@ struct zipmoe_store {
     const void *    plan_key;  /* the invocation that owns the plan, NULL when none */
     int             plan_left; /* threads of that invocation still inside */
     int             plan_failed;
+    uint64_t        plan_t0;
     int64_t         plan_n;
     plan_item *     plan;
     expert_state *  experts;
-    uint64_t        hot_used, warm_used;
-    _Atomic int     over_budget; /* the last publish could not evict enough (pinned experts): no fast path */
+    uint64_t        hot_used, warm_used, sm_used;
+    uint64_t        hot_limit, warm_limit, sm_limit; /* refreshed when the configuration changes */
+    uint64_t        cfg_gen;
+    zipmoe_policy   policy;
+    _Atomic int     fast_ok;     /* limits current and the last publish kept within them: a lock-free */
+                                 /* fast path may serve invocations whose experts are all hot         */
     pthread_mutex_t err_mu;      /* the first decoding error not yet taken; per store, so that an engine */
     int64_t         err;         /* takes exactly the errors of the graph it computed (two models in one  */
     char            err_msg[256]; /* process must not see each other's)                               */
+    zipmoe_store *  next;        /* in the list of open stores */
 };
 
 /* ---------------------------------------------------------------- the process's budget */
 
-static pthread_mutex_t g_cfg_mu      = PTHREAD_MUTEX_INITIALIZER;
-static uint64_t        g_hot_budget  = UINT64_MAX;
-static uint64_t        g_warm_budget = 0;
-static zipmoe_policy   g_policy      = ZIPMOE_POLICY_TOKEN_LFU;
-static _Atomic uint64_t g_bf16_total; /* BF16 bytes of all open stores: the shares of the budget */
-static _Atomic int      g_decode_all; /* hot budget 0: decode on every use (read without the lock) */
+typedef struct {
+    char    prefix[96];
+    int64_t hot, warm, sm;
+} slot_rule;
+
+#define MAX_SLOT_RULES 4096
+
+static pthread_mutex_t  g_cfg_mu      = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t         g_hot_budget  = UINT64_MAX;
+static uint64_t         g_warm_budget = 0;
+static uint64_t         g_sm_budget   = 0;
+static zipmoe_policy    g_policy      = ZIPMOE_POLICY_TOKEN_LFU;
+static slot_rule *      g_rules;      /* per-store slot counts, by name prefix (a planner's plan) */
+static int              g_n_rules;
+static _Atomic uint64_t g_cfg_gen = 1; /* bumped by every change: stores refresh their limits */
+static _Atomic uint64_t g_bf16_total;  /* BF16 bytes of all open stores: the shares of the budgets */
 static _Atomic uint64_t g_tick;
 
-int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, zipmoe_policy policy) {
+static pthread_mutex_t g_list_mu = PTHREAD_MUTEX_INITIALIZER; /* the open stores, for cross-layer trims */
+static zipmoe_store *  g_list;
+
+int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, uint64_t sm_bytes, zipmoe_policy policy) {
     if (policy < ZIPMOE_POLICY_TOKEN_LFU || policy > ZIPMOE_POLICY_FIFO) {
         return ZIPMOE_ERR_ARG;
     }
     pthread_mutex_lock(&g_cfg_mu);
     g_hot_budget  = hot_bytes;
     g_warm_budget = warm_bytes;
+    g_sm_budget   = sm_bytes;
     g_policy      = policy;
-    atomic_store(&g_decode_all, hot_bytes == 0);
+    atomic_fetch_add(&g_cfg_gen, 1);
     pthread_mutex_unlock(&g_cfg_mu);
     return ZIPMOE_OK;
+}
+
+int64_t zipmoe_cache_set_slots(const char * prefix, int64_t hot, int64_t warm, int64_t sm) {
+    pthread_mutex_lock(&g_cfg_mu);
+    int64_t rc = ZIPMOE_OK;
+    if (!prefix) {
+        g_n_rules = 0;
+    } else if (strlen(prefix) >= sizeof g_rules[0].prefix || hot < 0 || warm < 0 || sm < 0) {
+        rc = ZIPMOE_ERR_ARG;
+    } else {
+        int i = 0;
+        while (i < g_n_rules && strcmp(g_rules[i].prefix, prefix) != 0) {
+            i++;
+        }
+        if (i == g_n_rules) {
+            if (!g_rules) {
+                g_rules = calloc(MAX_SLOT_RULES, sizeof *g_rules);
+            }
+            if (!g_rules || g_n_rules == MAX_SLOT_RULES) {
+                rc = g_rules ? ZIPMOE_ERR_ARG : ZIPMOE_ERR_NOMEM;
+            } else {
+                g_n_rules++;
+            }
+        }
+        if (rc == ZIPMOE_OK) {
+            snprintf(g_rules[i].prefix, sizeof g_rules[i].prefix, "%s", prefix);
+            g_rules[i].hot  = hot;
+            g_rules[i].warm = warm;
+            g_rules[i].sm   = sm;
+        }
+    }
+    atomic_fetch_add(&g_cfg_gen, 1);
+    pthread_mutex_unlock(&g_cfg_mu);
+    return rc;
 }
 
 /* A store's share of a budget, in proportion to its BF16 size. */
@@ -99,46 +168,92 @@ static uint64_t quota(const zipmoe_store * s, uint64_t budget) {
         return UINT64_MAX;
     }
     const uint64_t total = atomic_load(&g_bf16_total);
-    const uint64_t mine  = (uint64_t) s->info.n_expert * (uint64_t) s->info.n_per_expert * 2;
+    const uint64_t mine  = (uint64_t) s->info.n_expert * s->hot_size;
     return total ? (uint64_t) ((double) budget * (double) mine / (double) total) : 0;
+}
+
+static uint64_t slots_bytes(int64_t slots, uint64_t size) {
+    return (uint64_t) slots > UINT64_MAX / (size ? size : 1) ? UINT64_MAX : (uint64_t) slots * size;
+}
+
+/* Under s->mu: the store's tier limits for the current configuration. */
+static void refresh_limits(zipmoe_store * s) {
+    pthread_mutex_lock(&g_cfg_mu);
+    const slot_rule * rule = NULL;
+    size_t            best = 0;
+    for (int i = 0; i < g_n_rules; i++) { /* the longest matching prefix */
+        const size_t len = strlen(g_rules[i].prefix);
+        if (len >= best && strncmp(s->name, g_rules[i].prefix, len) == 0) {
+            rule = &g_rules[i];
+            best = len;
+        }
+    }
+    if (rule) {
+        s->hot_limit  = slots_bytes(rule->hot, s->hot_size);
+        s->warm_limit = slots_bytes(rule->warm, s->mean_region);
+        s->sm_limit   = slots_bytes(rule->sm, s->sm_size);
+    } else {
+        s->hot_limit  = quota(s, g_hot_budget);
+        s->warm_limit = quota(s, g_warm_budget);
+        s->sm_limit   = quota(s, g_sm_budget);
+    }
+    s->policy  = g_policy;
+    s->cfg_gen = atomic_load(&g_cfg_gen);
+    pthread_mutex_unlock(&g_cfg_mu);
 }
 
 /* ---------------------------------------------------------------- statistics and errors */
 
-static _Atomic uint64_t g_stores, g_hot_bytes, g_warm_bytes, g_experts, g_chunks, g_bytes, g_ns, g_calls;
-static _Atomic uint64_t g_hits_hot, g_hits_warm, g_misses, g_read_bytes, g_read_ns, g_evictions, g_peak_hot;
+static _Atomic uint64_t g_stores, g_hot_bytes, g_warm_bytes, g_sm_bytes, g_experts, g_chunks, g_bytes, g_ns, g_calls;
+static _Atomic uint64_t g_hits_hot, g_hits_warm, g_hits_sm, g_misses, g_read_bytes, g_read_ns, g_evictions;
+static _Atomic uint64_t g_peak_hot, g_peak_resident, g_stall_ns;
 
 void zipmoe_stats_get(zipmoe_stats * out) {
-    out->stores            = atomic_load(&g_stores);
-    out->hot_bytes         = atomic_load(&g_hot_bytes);
-    out->warm_bytes        = atomic_load(&g_warm_bytes);
-    out->peak_hot_bytes    = atomic_load(&g_peak_hot);
-    out->experts_decoded   = atomic_load(&g_experts);
-    out->chunks_decoded    = atomic_load(&g_chunks);
-    out->bytes_decoded     = atomic_load(&g_bytes);
-    out->decode_ns         = atomic_load(&g_ns);
-    out->materialize_calls = atomic_load(&g_calls);
-    out->hits_hot          = atomic_load(&g_hits_hot);
-    out->hits_warm         = atomic_load(&g_hits_warm);
-    out->misses            = atomic_load(&g_misses);
-    out->bytes_read        = atomic_load(&g_read_bytes);
-    out->read_ns           = atomic_load(&g_read_ns);
-    out->evictions         = atomic_load(&g_evictions);
+    out->stores              = atomic_load(&g_stores);
+    out->hot_bytes           = atomic_load(&g_hot_bytes);
+    out->warm_bytes          = atomic_load(&g_warm_bytes);
+    out->peak_hot_bytes      = atomic_load(&g_peak_hot);
+    out->experts_decoded     = atomic_load(&g_experts);
+    out->chunks_decoded      = atomic_load(&g_chunks);
+    out->bytes_decoded       = atomic_load(&g_bytes);
+    out->decode_ns           = atomic_load(&g_ns);
+    out->materialize_calls   = atomic_load(&g_calls);
+    out->hits_hot            = atomic_load(&g_hits_hot);
+    out->hits_warm           = atomic_load(&g_hits_warm);
+    out->misses              = atomic_load(&g_misses);
+    out->bytes_read          = atomic_load(&g_read_bytes);
+    out->read_ns             = atomic_load(&g_read_ns);
+    out->evictions           = atomic_load(&g_evictions);
+    out->sm_bytes            = atomic_load(&g_sm_bytes);
+    out->hits_sm             = atomic_load(&g_hits_sm);
+    out->stall_ns            = atomic_load(&g_stall_ns);
+    out->peak_resident_bytes = atomic_load(&g_peak_resident);
 }
 
 void zipmoe_stats_reset(void) {
     _Atomic uint64_t * counters[] = { &g_experts, &g_chunks, &g_bytes, &g_ns, &g_calls, &g_hits_hot, &g_hits_warm,
-                                      &g_misses, &g_read_bytes, &g_read_ns, &g_evictions };
+                                      &g_hits_sm, &g_misses, &g_read_bytes, &g_read_ns, &g_evictions, &g_stall_ns };
     for (size_t i = 0; i < sizeof counters / sizeof counters[0]; i++) {
         atomic_store(counters[i], 0);
     }
     atomic_store(&g_peak_hot, atomic_load(&g_hot_bytes));
+    atomic_store(&g_peak_resident, atomic_load(&g_hot_bytes) + atomic_load(&g_warm_bytes) + atomic_load(&g_sm_bytes));
 }
 
-static void add_hot(uint64_t bytes) {
-    const uint64_t now  = atomic_fetch_add(&g_hot_bytes, bytes) + bytes;
-    uint64_t       peak = atomic_load(&g_peak_hot);
-    while (now > peak && !atomic_compare_exchange_weak(&g_peak_hot, &peak, now)) {
+static void raise_peak(_Atomic uint64_t * peak, uint64_t now) {
+    uint64_t p = atomic_load(peak);
+    while (now > p && !atomic_compare_exchange_weak(peak, &p, now)) {
+    }
+}
+
+/* Counts bytes into (or, negative, out of) a tier's process-wide total and the peaks. */
+static void account(_Atomic uint64_t * tier, int64_t bytes) {
+    const uint64_t now = atomic_fetch_add(tier, (uint64_t) bytes) + (uint64_t) bytes;
+    if (bytes > 0) {
+        if (tier == &g_hot_bytes) {
+            raise_peak(&g_peak_hot, now);
+        }
+        raise_peak(&g_peak_resident, atomic_load(&g_hot_bytes) + atomic_load(&g_warm_bytes) + atomic_load(&g_sm_bytes));
     }
 }
 
@@ -212,6 +327,11 @@ static thread_scratch * thread_scratch_get(size_t chunk_n, size_t buf_size) {
 
 /* ---------------------------------------------------------------- life cycle */
 
+static int layer_of(const char * name) {
+    int layer = -1, n = 0;
+    return sscanf(name, "blk.%d.%n", &layer, &n) == 1 && n > 0 ? layer : -1;
+}
+
 int64_t zipmoe_store_open(const char * name, const void * index, size_t index_size, uint64_t data_size,
                           zipmoe_store ** out) {
     if (!name || !out) {
@@ -223,8 +343,9 @@ int64_t zipmoe_store_open(const char * name, const void * index, size_t index_si
         return ZIPMOE_ERR_NOMEM;
     }
     snprintf(s->name, sizeof s->name, "%s", name);
-    s->fd  = -1;
-    s->dst = MAP_FAILED;
+    s->layer = layer_of(name);
+    s->fd    = -1;
+    s->dst   = MAP_FAILED;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
     pthread_mutex_init(&s->err_mu, NULL);
@@ -234,6 +355,9 @@ int64_t zipmoe_store_open(const char * name, const void * index, size_t index_si
         return rc;
     }
     zipmoe_tensor_get_info(s->tensor, &s->info);
+    s->hot_size    = (uint64_t) s->info.n_per_expert * 2;
+    s->sm_size     = (uint64_t) s->info.n_per_expert;
+    s->mean_region = s->info.n_expert ? (s->info.data_size + (uint64_t) s->info.n_expert - 1) / (uint64_t) s->info.n_expert : 0;
     s->plan    = calloc((size_t) s->info.n_expert, sizeof *s->plan);
     s->experts = calloc((size_t) s->info.n_expert, sizeof *s->experts);
     if (!s->plan || !s->experts) {
@@ -241,7 +365,12 @@ int64_t zipmoe_store_open(const char * name, const void * index, size_t index_si
         return ZIPMOE_ERR_NOMEM;
     }
     atomic_fetch_add(&g_stores, 1);
-    atomic_fetch_add(&g_bf16_total, (uint64_t) s->info.n_expert * (uint64_t) s->info.n_per_expert * 2);
+    atomic_fetch_add(&g_bf16_total, (uint64_t) s->info.n_expert * s->hot_size);
+    atomic_fetch_add(&g_cfg_gen, 1); /* the shares of every store changed */
+    pthread_mutex_lock(&g_list_mu);
+    s->next = g_list;
+    g_list  = s;
+    pthread_mutex_unlock(&g_list_mu);
     *out = s;
     return ZIPMOE_OK;
 }
@@ -251,12 +380,22 @@ void zipmoe_store_free(zipmoe_store * s) {
         return;
     }
     if (s->experts) {
+        pthread_mutex_lock(&g_list_mu);
+        for (zipmoe_store ** p = &g_list; *p; p = &(*p)->next) {
+            if (*p == s) {
+                *p = s->next;
+                break;
+            }
+        }
+        pthread_mutex_unlock(&g_list_mu);
         atomic_fetch_sub(&g_stores, 1);
-        atomic_fetch_sub(&g_bf16_total, (uint64_t) s->info.n_expert * (uint64_t) s->info.n_per_expert * 2);
+        atomic_fetch_sub(&g_bf16_total, (uint64_t) s->info.n_expert * s->hot_size);
+        atomic_fetch_add(&g_cfg_gen, 1);
         atomic_fetch_sub(&g_hot_bytes, s->hot_used);
         atomic_fetch_sub(&g_warm_bytes, s->warm_used);
+        atomic_fetch_sub(&g_sm_bytes, s->sm_used);
         for (int64_t e = 0; e < s->info.n_expert; e++) {
-            free(s->experts[e].warm);
+            free(s->experts[e].region);
         }
     }
     if (s->fd >= 0) {
@@ -293,10 +432,13 @@ int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_offset, void *
     s->data_offset = data_offset;
     /* Virtual only: a page costs memory once an expert is decoded into it. */
     const size_t page = (size_t) sysconf(_SC_PAGESIZE);
-    s->dst_size = zipmoe_align_up((size_t) s->info.n_expert * (size_t) s->info.n_per_expert * 2, page);
+    s->dst_size = zipmoe_align_up((size_t) s->info.n_expert * (size_t) s->hot_size, page);
     s->dst      = mmap(NULL, s->dst_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (s->dst != MAP_FAILED) {
-        /* decoded experts are read whole by every matmul: huge pages save TLB misses and page faults */
+    refresh_limits(s);
+    if (s->dst != MAP_FAILED && s->hot_limit >= (uint64_t) s->info.n_expert * s->hot_size) {
+        /* decoded experts are read whole by every matmul: huge pages save TLB misses and page faults. Only
+         * when every expert may stay decoded: a 2 MiB page holds parts of neighbours, so under a budget an
+         * expert would cost more than the bytes the budget counts for it. */
         madvise(s->dst, s->dst_size, MADV_HUGEPAGE);
     }
     if (s->dst == MAP_FAILED) {
@@ -309,46 +451,131 @@ int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_offset, void *
     return ZIPMOE_OK;
 }
 
-/* ---------------------------------------------------------------- eviction */
+/* ---------------------------------------------------------------- tiers and eviction */
 
-static uint64_t score(const expert_state * x, zipmoe_policy policy, int warm) {
+enum { TIER_HOT, TIER_WARM, TIER_SM };
+
+static uint64_t region_size(const zipmoe_store * s, int64_t e) {
+    zipmoe_expert_span span;
+    zipmoe_tensor_expert_span(s->tensor, e, &span);
+    return span.size;
+}
+
+static int in_tier(const expert_state * x, int tier) {
+    switch (tier) {
+        case TIER_HOT:  return x->hot;
+        case TIER_WARM: return x->res == RES_FULL;
+        default:        return x->res == RES_SM;
+    }
+}
+
+/* What an expert is worth keeping under the policy; higher stays. */
+static uint64_t score(const expert_state * x, zipmoe_policy policy, int tier) {
     switch (policy) {
         case ZIPMOE_POLICY_LRU:       return x->last_use;
-        case ZIPMOE_POLICY_FIFO:      return warm ? x->admitted_warm : x->admitted;
+        case ZIPMOE_POLICY_FIFO:      return tier == TIER_HOT ? x->admitted : x->admitted_res;
         case ZIPMOE_POLICY_LFU:
         case ZIPMOE_POLICY_TOKEN_LFU: return x->uses;
     }
     return 0;
 }
 
-/* Under s->mu: the unpinned expert of the tier with the lowest score, or -1. */
-static int64_t victim(const zipmoe_store * s, zipmoe_policy policy, int warm) {
+/* What an expert about to enter a compressed tier offers in the contest with its residents: FIFO lets
+ * the newest in, the others compare scores. */
+static uint64_t entry_worth(const expert_state * x, zipmoe_policy policy) {
+    return policy == ZIPMOE_POLICY_FIFO ? UINT64_MAX : score(x, policy, TIER_WARM);
+}
+
+/* Under s->mu: the unpinned expert of the tier to give up first, or -1. In the compressed tiers that is
+ * a copy of a hot expert (worth nothing while it is hot), else the lowest score. *worth: its score (0
+ * for such a copy). */
+static int64_t victim(const zipmoe_store * s, int tier, uint64_t * worth) {
     int64_t  best       = -1;
     uint64_t best_score = UINT64_MAX;
     for (int64_t e = 0; e < s->info.n_expert; e++) {
         const expert_state * x = &s->experts[e];
-        if (x->routed || !(warm ? x->warm != NULL : x->hot)) {
+        if (x->routed || !in_tier(x, tier)) {
             continue;
         }
-        const uint64_t sc = score(x, policy, warm);
+        const uint64_t sc = tier != TIER_HOT && x->hot ? 0 : score(x, s->policy, tier);
         if (best < 0 || sc < best_score) {
             best       = e;
             best_score = sc;
         }
     }
+    if (worth) {
+        *worth = best_score;
+    }
     return best;
 }
 
-static uint64_t warm_size(const zipmoe_store * s, int64_t e) {
-    zipmoe_expert_span span;
-    zipmoe_tensor_expert_span(s->tensor, e, &span);
-    return span.size;
+static void drop_region(zipmoe_store * s, int64_t e) {
+    expert_state * x = &s->experts[e];
+    if (x->res == RES_FULL) {
+        const uint64_t size = region_size(s, e);
+        s->warm_used -= size;
+        account(&g_warm_bytes, -(int64_t) size);
+    } else if (x->res == RES_SM) {
+        s->sm_used -= s->sm_size;
+        account(&g_sm_bytes, -(int64_t) s->sm_size);
+    }
+    free(x->region);
+    x->region = NULL;
+    x->res    = RES_NONE;
+}
+
+static int make_room(zipmoe_store * s, int tier, uint64_t need, uint64_t worth);
+
+/* Under s->mu: warm expert e gives up its codes and keeps its sign+mantissa plane if the sm tier takes
+ * it; else all. No byte is read again. */
+static void demote_warm(zipmoe_store * s, int64_t e) {
+    expert_state * x     = &s->experts[e];
+    const uint64_t worth  = entry_worth(x, s->policy);
+    uint8_t *      region = x->region;
+    x->region = NULL; /* out of every tier while make_room looks for victims */
+    x->res    = RES_NONE;
+    const uint64_t size = region_size(s, e);
+    s->warm_used -= size;
+    account(&g_warm_bytes, -(int64_t) size);
+    if (!x->hot && make_room(s, TIER_SM, s->sm_size, worth)) {
+        uint8_t * sm = realloc(region, (size_t) s->sm_size); /* the plane comes first in a region */
+        x->region = sm ? sm : region;
+        x->res    = RES_SM;
+        x->admitted_res = atomic_load(&g_tick);
+        s->sm_used += s->sm_size;
+        account(&g_sm_bytes, (int64_t) s->sm_size);
+        return;
+    }
+    free(region);
+}
+
+/* Under s->mu: makes need bytes free in a compressed tier by giving up experts worth less than worth
+ * (warm ones are demoted to sm). Whether the bytes fit now. */
+static int make_room(zipmoe_store * s, int tier, uint64_t need, uint64_t worth) {
+    const uint64_t limit = tier == TIER_WARM ? s->warm_limit : s->sm_limit;
+    uint64_t *     used  = tier == TIER_WARM ? &s->warm_used : &s->sm_used;
+    if (need > limit) {
+        return 0;
+    }
+    while (*used + need > limit) {
+        uint64_t      v_worth;
+        const int64_t v = victim(s, tier, &v_worth);
+        if (v < 0 || v_worth > worth) {
+            return 0;
+        }
+        if (tier == TIER_WARM) {
+            demote_warm(s, v);
+        } else {
+            drop_region(s, v);
+        }
+    }
+    return 1;
 }
 
 /* Gives the decoded pages of expert e back to the system. Pages it shares with a hot neighbour stay. */
 static void release_hot(zipmoe_store * s, int64_t e) {
     const size_t    page  = (size_t) sysconf(_SC_PAGESIZE);
-    const size_t    bytes = (size_t) s->info.n_per_expert * 2;
+    const size_t    bytes = (size_t) s->hot_size;
     const uintptr_t begin = (uintptr_t) (s->dst + e * s->info.n_per_expert);
     uintptr_t       lo    = zipmoe_align_up(begin, page);
     uintptr_t       hi    = (begin + bytes) & ~(uintptr_t) (page - 1);
@@ -360,16 +587,72 @@ static void release_hot(zipmoe_store * s, int64_t e) {
     }
     s->experts[e].hot = 0;
     s->hot_used -= bytes;
-    atomic_fetch_sub(&g_hot_bytes, bytes);
+    account(&g_hot_bytes, -(int64_t) bytes);
     atomic_fetch_add(&g_evictions, 1);
 }
 
-static void release_warm(zipmoe_store * s, int64_t e) {
-    const uint64_t size = warm_size(s, e);
-    free(s->experts[e].warm);
-    s->experts[e].warm = NULL;
-    s->warm_used -= size;
-    atomic_fetch_sub(&g_warm_bytes, size);
+/* Under s->mu: hot expert e leaves the hot tier. Without a compressed copy it keeps its sign+mantissa
+ * plane, taken from the decoded values, if the sm tier takes it: no disk read for that half later. */
+static void evict_hot(zipmoe_store * s, int64_t e) {
+    expert_state * x = &s->experts[e];
+    x->hot = 0; /* not a hot copy any more: its score counts in the contests below */
+    if (x->res == RES_NONE && s->sm_limit > 0 && make_room(s, TIER_SM, s->sm_size, entry_worth(x, s->policy))) {
+        uint8_t * sm = malloc((size_t) s->sm_size);
+        if (sm) {
+            const uint16_t * v = s->dst + e * s->info.n_per_expert;
+            for (int64_t i = 0; i < s->info.n_per_expert; i++) {
+                sm[i] = (uint8_t) (((v[i] >> 8) & 0x80) | (v[i] & 0x7f)); /* as zipmoe_split_bf16 */
+            }
+            x->region = sm;
+            x->res    = RES_SM;
+            x->admitted_res = atomic_load(&g_tick);
+            s->sm_used += s->sm_size;
+            account(&g_sm_bytes, (int64_t) s->sm_size);
+        }
+    }
+    x->hot = 1;
+    release_hot(s, e);
+}
+
+/* Under s->mu: every tier down to its limit, never touching a pinned expert. */
+static void settle(zipmoe_store * s) {
+    int64_t v;
+    while (s->hot_used > s->hot_limit && (v = victim(s, TIER_HOT, NULL)) >= 0) {
+        evict_hot(s, v);
+    }
+    while (s->warm_used > s->warm_limit && (v = victim(s, TIER_WARM, NULL)) >= 0) {
+        demote_warm(s, v);
+    }
+    while (s->sm_used > s->sm_limit && (v = victim(s, TIER_SM, NULL)) >= 0) {
+        drop_region(s, v);
+    }
+    atomic_store(&s->fast_ok, s->hot_used <= s->hot_limit && s->cfg_gen == atomic_load(&g_cfg_gen));
+}
+
+/* Under s->mu: stores of other layers give up what their last invocation pinned beyond their limits.
+ * Their matmuls ran before this layer's (one graph computes at a time, layer after layer), so the
+ * decoded working set beyond the limits stays one layer's. A store busy with a plan is left alone. */
+static void trim_other_layers(const zipmoe_store * s) {
+    if (s->layer < 0) {
+        return;
+    }
+    pthread_mutex_lock(&g_list_mu);
+    for (zipmoe_store * o = g_list; o; o = o->next) {
+        if (o == s || o->layer < 0 || o->layer == s->layer || atomic_load(&o->fast_ok) || pthread_mutex_trylock(&o->mu) != 0) {
+            continue;
+        }
+        if (o->plan_key == NULL) {
+            for (int64_t e = 0; e < o->info.n_expert; e++) {
+                o->experts[e].routed = 0;
+            }
+            if (o->cfg_gen != atomic_load(&g_cfg_gen)) {
+                refresh_limits(o);
+            }
+            settle(o);
+        }
+        pthread_mutex_unlock(&o->mu);
+    }
+    pthread_mutex_unlock(&g_list_mu);
 }
 
 /* ---------------------------------------------------------------- materialise */
@@ -399,6 +682,67 @@ static int read_cold(const zipmoe_store * s, uint64_t offset, void * buf, size_t
     return ZIPMOE_OK;
 }
 
+static void advise(const zipmoe_store * s, uint64_t offset, uint64_t size, int advice) {
+    posix_fadvise(s->fd, (off_t) (s->data_offset + offset), (off_t) size, advice);
+}
+
+/* Under s->mu: how routed expert e, not hot, is decoded: from what is in RAM, reading the rest, and
+ * which compressed tier keeps its bytes afterwards (admitted now, so reads land in place). */
+static void plan_expert(zipmoe_store * s, int64_t e, uint64_t tick, plan_item * it) {
+    expert_state *     x = &s->experts[e];
+    zipmoe_expert_span span;
+    zipmoe_tensor_expert_span(s->tensor, e, &span);
+    const uint64_t worth = entry_worth(x, s->policy);
+    memset(it, 0, sizeof *it);
+    it->expert = e;
+    if (x->res == RES_FULL) {
+        atomic_fetch_add(&g_hits_warm, 1);
+    } else if (x->res == RES_SM) {
+        atomic_fetch_add(&g_hits_sm, 1);
+        it->read_codes = 1;
+        /* promote: the codes are read anyway; keep them if the warm tier takes the expert */
+        uint8_t * region = x->region;
+        x->region = NULL; /* out of the sm tier while the warm tier makes room */
+        x->res    = RES_NONE;
+        s->sm_used -= s->sm_size;
+        account(&g_sm_bytes, -(int64_t) s->sm_size);
+        uint8_t * full = make_room(s, TIER_WARM, span.size, worth) ? realloc(region, (size_t) span.size) : NULL;
+        if (full) {
+            x->region = full;
+            x->res    = RES_FULL;
+            x->admitted_res = tick;
+            s->warm_used += span.size;
+            account(&g_warm_bytes, (int64_t) span.size);
+        } else {
+            x->region = region;
+            x->res    = RES_SM;
+            s->sm_used += s->sm_size;
+            account(&g_sm_bytes, (int64_t) s->sm_size);
+        }
+        advise(s, span.offset + span.exp_offset, span.size - span.exp_offset, POSIX_FADV_WILLNEED);
+    } else {
+        atomic_fetch_add(&g_misses, 1);
+        it->read_sm    = 1;
+        it->read_codes = 1;
+        uint8_t * region = NULL;
+        if (make_room(s, TIER_WARM, span.size, worth) && (region = malloc((size_t) span.size)) != NULL) {
+            x->res = RES_FULL;
+            s->warm_used += span.size;
+            account(&g_warm_bytes, (int64_t) span.size);
+        } else if (make_room(s, TIER_SM, s->sm_size, worth) && (region = malloc((size_t) s->sm_size)) != NULL) {
+            x->res = RES_SM;
+            s->sm_used += s->sm_size;
+            account(&g_sm_bytes, (int64_t) s->sm_size);
+        }
+        x->region       = region;
+        x->admitted_res = tick;
+        /* start the read now: the kernel fetches it while the threads decode what is in RAM */
+        advise(s, span.offset, span.size, POSIX_FADV_WILLNEED);
+    }
+    it->sm    = x->region;
+    it->codes = x->res == RES_FULL ? x->region : NULL;
+}
+
 /* Under s->mu: the plan of a new invocation. Returns an out-of-range expert id, or -1. */
 static int64_t make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int64_t ne1, size_t nb0, size_t nb1) {
     const int64_t n_expert = s->info.n_expert;
@@ -417,13 +761,12 @@ static int64_t make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int
             s->experts[e].routed++;
         }
     }
-    pthread_mutex_lock(&g_cfg_mu);
-    const uint64_t      warm_quota = quota(s, g_warm_budget);
-    const int           decode_all = quota(s, g_hot_budget) == 0; /* no hot tier: decode on every use */
-    const zipmoe_policy policy     = g_policy;
-    pthread_mutex_unlock(&g_cfg_mu);
-
-    const uint64_t tick = atomic_fetch_add(&g_tick, 1);
+    if (s->cfg_gen != atomic_load(&g_cfg_gen)) {
+        refresh_limits(s);
+    }
+    trim_other_layers(s);
+    const int      decode_all = s->hot_limit == 0; /* no hot tier: decode on every use */
+    const uint64_t tick       = atomic_fetch_add(&g_tick, 1);
     for (int64_t e = 0; e < n_expert; e++) {
         expert_state * x = &s->experts[e];
         if (x->routed) {
@@ -431,44 +774,19 @@ static int64_t make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int
                 atomic_fetch_add(&g_hits_hot, 1);
             }
             x->last_use = tick;
-            x->uses += policy == ZIPMOE_POLICY_TOKEN_LFU ? x->routed : 1;
+            x->uses += s->policy == ZIPMOE_POLICY_TOKEN_LFU ? x->routed : 1;
             x->activations += x->routed;
         }
     }
     s->plan_n = 0;
-    /* warm experts first: their chunks keep the cores busy while the others' reads are in flight */
-    for (int pass = 0; pass < 2; pass++) {
+    /* cache affinity: what is in RAM first, fully compressed, then sign+mantissa, then from disk; its
+     * chunks keep the cores busy while the reads of the others are in flight */
+    for (int pass = 0; pass < 3; pass++) {
+        const int want = pass == 0 ? RES_FULL : pass == 1 ? RES_SM : RES_NONE;
         for (int64_t e = 0; e < n_expert; e++) {
             expert_state * x = &s->experts[e];
-            if (!x->routed || (x->hot && !decode_all) || (pass == 0) != (x->warm != NULL)) {
-                continue;
-            }
-            plan_item * it = &s->plan[s->plan_n++];
-            it->expert     = e;
-            it->src        = x->warm;
-            it->from_disk  = x->warm == NULL;
-            if (it->from_disk) {
-                /* admit to the warm tier if it fits, after evicting colder warm experts */
-                const uint64_t size = warm_size(s, e);
-                if (size <= warm_quota) {
-                    int64_t v;
-                    while (s->warm_used + size > warm_quota && (v = victim(s, policy, 1)) >= 0) {
-                        release_warm(s, v);
-                    }
-                    if (s->warm_used + size <= warm_quota && (x->warm = malloc(size)) != NULL) {
-                        it->src = x->warm;
-                        x->admitted_warm = tick;
-                        s->warm_used += size;
-                        atomic_fetch_add(&g_warm_bytes, size);
-                    }
-                }
-                /* start the read now: the kernel fetches it while the threads decode warm experts */
-                zipmoe_expert_span span;
-                zipmoe_tensor_expert_span(s->tensor, e, &span);
-                posix_fadvise(s->fd, (off_t) (s->data_offset + span.offset), (off_t) span.size, POSIX_FADV_WILLNEED);
-                atomic_fetch_add(&g_misses, 1);
-            } else {
-                atomic_fetch_add(&g_hits_warm, 1);
+            if (x->routed && (!x->hot || decode_all) && x->res == want) {
+                plan_expert(s, e, tick, &s->plan[s->plan_n++]);
             }
         }
     }
@@ -481,58 +799,48 @@ static int64_t decode_chunk(zipmoe_store * s, const plan_item * it, int64_t c, t
     zipmoe_chunk_ref   ref;
     zipmoe_tensor_expert_span(s->tensor, it->expert, &span);
     zipmoe_tensor_chunk(s->tensor, it->expert, c, &ref);
-    const uint8_t * sm   = it->src ? it->src + ref.first : ts->buf;
-    const uint8_t * code = it->src ? it->src + ref.code_offset : ts->buf + ref.n;
-    if (it->from_disk) {
-        uint8_t * sm_dst   = it->src ? it->src + ref.first : ts->buf;
-        uint8_t * code_dst = it->src ? it->src + ref.code_offset : ts->buf + ref.n;
-        if (read_cold(s, span.offset + (uint64_t) ref.first, sm_dst, (size_t) ref.n) < 0 ||
-            read_cold(s, span.offset + ref.code_offset, code_dst, (size_t) ref.code_size) < 0) {
-            return ZIPMOE_ERR_IO;
-        }
+    uint8_t * sm   = it->sm ? it->sm + ref.first : ts->buf;
+    uint8_t * code = it->codes ? it->codes + ref.code_offset : ts->buf + ref.n;
+    if ((it->read_sm && read_cold(s, span.offset + (uint64_t) ref.first, sm, (size_t) ref.n) < 0) ||
+        (it->read_codes && read_cold(s, span.offset + ref.code_offset, code, (size_t) ref.code_size) < 0)) {
+        return ZIPMOE_ERR_IO;
     }
     return zipmoe_chunk_decode(zipmoe_tensor_codec(s->tensor), ts->ws, code, (size_t) ref.code_size, sm,
                                (size_t) ref.n, 1, ref.checksum, s->dst + it->expert * s->info.n_per_expert + ref.first);
 }
 
-/* Under s->mu, by the last thread of an invocation: the planned experts are hot now; evict down to the
- * hot quota, never an expert this invocation routed (its matmul is still to come). */
+/* Under s->mu, by the last thread of an invocation: the planned experts are hot now; the tiers go down
+ * to their limits, never touching an expert this invocation routed (its matmul is still to come). */
 static void publish(zipmoe_store * s) {
-    pthread_mutex_lock(&g_cfg_mu);
-    const uint64_t      hot_quota = quota(s, g_hot_budget);
-    const zipmoe_policy policy    = g_policy;
-    pthread_mutex_unlock(&g_cfg_mu);
-    const uint64_t bytes = (uint64_t) s->info.n_per_expert * 2;
-    const uint64_t tick  = atomic_load(&g_tick);
+    const uint64_t tick = atomic_load(&g_tick);
     for (int64_t j = 0; j < s->plan_n; j++) {
-        const int64_t  e = s->plan[j].expert;
-        expert_state * x = &s->experts[e];
-        if (s->plan[j].from_disk) {
+        const plan_item * it = &s->plan[j];
+        expert_state *    x  = &s->experts[it->expert];
+        if (it->read_sm || it->read_codes) {
             /* the budget counts what zipmoe keeps: the kernel must not keep a second, uncounted copy */
             zipmoe_expert_span span;
-            zipmoe_tensor_expert_span(s->tensor, e, &span);
-            posix_fadvise(s->fd, (off_t) (s->data_offset + span.offset), (off_t) span.size, POSIX_FADV_DONTNEED);
+            zipmoe_tensor_expert_span(s->tensor, it->expert, &span);
+            advise(s, span.offset, span.size, POSIX_FADV_DONTNEED);
         }
         if (!x->hot) {
             x->hot      = 1;
             x->admitted = tick;
-            s->hot_used += bytes;
-            add_hot(bytes);
+            s->hot_used += s->hot_size;
+            account(&g_hot_bytes, (int64_t) s->hot_size);
         }
     }
-    int64_t v;
-    while (s->hot_used > hot_quota && (v = victim(s, policy, 0)) >= 0) {
-        release_hot(s, v);
-    }
-    atomic_store(&s->over_budget, s->hot_used > hot_quota);
+    settle(s);
 }
 
-/* Under s->mu, after a failed invocation: what was planned is not hot (partly decoded at most). */
+/* Under s->mu, after a failed invocation: what was planned is not hot, and what it read may be partial. */
 static void discard_plan(zipmoe_store * s) {
     for (int64_t j = 0; j < s->plan_n; j++) {
-        const int64_t e = s->plan[j].expert;
-        if (s->plan[j].from_disk && s->experts[e].warm) {
-            release_warm(s, e); /* its bytes may be incomplete */
+        const plan_item * it = &s->plan[j];
+        expert_state *    x  = &s->experts[it->expert];
+        if (it->read_sm && x->res != RES_NONE) {
+            drop_region(s, it->expert);
+        } else if (it->read_codes && x->res == RES_FULL) {
+            demote_warm(s, it->expert); /* its sign+mantissa plane was resident and is intact */
         }
     }
 }
@@ -554,7 +862,7 @@ static int all_routed_hot(const zipmoe_store * s, const uint8_t * ids, int64_t n
 /* The fast path's bookkeeping, by one thread: what make_plan records for routed experts. */
 static void note_hits(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int64_t ne1, size_t nb0, size_t nb1) {
     const uint64_t      tick   = atomic_fetch_add(&g_tick, 1);
-    const zipmoe_policy policy = g_policy; /* a torn read only affects the next eviction's order */
+    const zipmoe_policy policy = s->policy; /* a torn read only affects the next eviction's order */
     for (int64_t r = 0; r < ne1; r++) {
         for (int64_t k = 0; k < ne0; k++) {
             int32_t e;
@@ -580,8 +888,8 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
     /* Once warm, every routed expert is usually decoded already. The resident set changes only when an
      * invocation publishes, and one graph computes at a time, so all threads of this invocation see the
      * same answer and may leave without the lock (which busy machines make costly). Not while the store
-     * is over its budget: the slow path's publish evicts what the last invocation had to keep. */
-    if (!atomic_load(&g_decode_all) && !atomic_load(&s->over_budget) &&
+     * is over its limits or its configuration changed: then the slow path has evictions to do. */
+    if (atomic_load(&s->fast_ok) && atomic_load(&g_cfg_gen) == s->cfg_gen && s->hot_limit > 0 &&
         all_routed_hot(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1)) {
         if (ith == 0) {
             note_hits(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1);
@@ -596,6 +904,7 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
         s->plan_key    = key;
         s->plan_left   = nth;
         s->plan_failed = 0;
+        s->plan_t0     = now_ns();
         const int64_t bad = make_plan(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1);
         if (bad != -1) {
             record_error(s, bad, ZIPMOE_ERR_ARG);
@@ -640,11 +949,14 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
     }
     if (--s->plan_left == 0) {
         atomic_fetch_add(&g_experts, (uint64_t) plan_n);
-        atomic_fetch_add(&g_bytes, (uint64_t) plan_n * (uint64_t) s->info.n_per_expert * 2);
+        atomic_fetch_add(&g_bytes, (uint64_t) plan_n * s->hot_size);
         if (s->plan_failed) {
             discard_plan(s);
         } else {
             publish(s);
+        }
+        if (plan_n > 0) {
+            atomic_fetch_add(&g_stall_ns, now_ns() - s->plan_t0);
         }
         s->plan_key = NULL;
         pthread_cond_broadcast(&s->cv);

@@ -8,12 +8,16 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cctype>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 struct zipmoe_llama_tensor {
     zipmoe_store *        store  = nullptr;
@@ -66,13 +70,78 @@ static bool parse_size(const char * text, uint64_t & out) {
     return true;
 }
 
-// The cache budget from the environment (how bare llama-cli is configured; pyzipmoe sets the same):
-//   ZIPMOE_MEMORY_BUDGET  bytes zipmoe may keep: decoded (hot) and compressed (warm) experts; unset: unbounded
-//   ZIPMOE_HOT_SHARE      the budget's fraction for decoded experts (default 0.5), the rest compressed
+static std::string mib(uint64_t bytes) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.0f MiB", (double) bytes / (1024.0 * 1024.0));
+    return buf;
+}
+
+static bool parse_fraction(const char * name, double & out, std::string & err) {
+    const char * v = std::getenv(name);
+    if (!v || !*v) {
+        return true;
+    }
+    char * end = nullptr;
+    out        = std::strtod(v, &end);
+    if (*end || !(out >= 0 && out <= 1)) {
+        err = std::string(name) + "=" + v + " is not a fraction between 0 and 1";
+        return false;
+    }
+    return true;
+}
+
+// ZIPMOE_PLAN: a planner's slots per layer, "<layer>:<hot>,<warm>,<sm>;..." (pyzipmoe/planner.py writes it).
+static bool apply_plan(const char * plan, std::string & err) {
+    zipmoe_cache_set_slots(nullptr, 0, 0, 0);
+    for (const char * p = plan; *p;) {
+        int       layer = -1, n = 0;
+        long long hot = -1, warm = -1, sm = -1;
+        if (std::sscanf(p, "%d:%lld,%lld,%lld%n", &layer, &hot, &warm, &sm, &n) != 4 || layer < 0 || hot < 0 ||
+            warm < 0 || sm < 0 || (p[n] != ';' && p[n] != '\0')) {
+            zipmoe_cache_set_slots(nullptr, 0, 0, 0);
+            err = std::string("ZIPMOE_PLAN=") + plan + " is not a plan (\"<layer>:<hot>,<warm>,<sm>;...\", as `zipmoe plan` prints)";
+            return false;
+        }
+        const std::string prefix = "blk." + std::to_string(layer) + ".";
+        zipmoe_cache_set_slots(prefix.c_str(), hot, warm, sm);
+        p += n + (p[n] == ';');
+    }
+    return true;
+}
+
+// The stores opened since the last zipmoe_llama_configure: the model being loaded.
+static std::mutex                                     g_pending_mu;
+static std::vector<std::pair<std::string, uint64_t>> g_pending; // name, BF16 bytes
+
+static int layer_of(const std::string & name) {
+    int layer = -1, n = 0;
+    return std::sscanf(name.c_str(), "blk.%d.%n", &layer, &n) == 1 && n > 0 ? layer : -1;
+}
+
+// The budget from the environment (how bare llama-cli is configured; pyzipmoe sets the same):
+//   ZIPMOE_MEMORY_BUDGET  bytes the model may keep resident: its weights that are not experts, the experts of
+//                         one layer in flight and the cache tiers, which get the rest; unset: unbounded
+//   ZIPMOE_HOT_SHARE      the tiers' fraction for decoded experts (default 1: on a disk that reads faster than
+//                         the cores decode, compressed tiers save little; the planner decides otherwise)
+//   ZIPMOE_SM_SHARE       the fraction for sign+mantissa planes (default 0); whole compressed experts get the rest
+//   ZIPMOE_PLAN           slots per tier per layer from `zipmoe plan`, instead of the shares
 //   ZIPMOE_CACHE_POLICY   tlfu (default, token-weighted LFU), lru, lfu or fifo
 //   ZIPMOE_CACHE          "none": decode on every use (measurements, tests)
-static bool configure_cache_from_env(std::string & err) {
-    uint64_t      hot = UINT64_MAX, warm = 0;
+bool zipmoe_llama_configure(uint64_t other_bytes, std::string & info, std::string & err) {
+    std::vector<std::pair<std::string, uint64_t>> stores;
+    {
+        std::lock_guard<std::mutex> lock(g_pending_mu);
+        stores.swap(g_pending);
+    }
+    std::map<int, uint64_t> per_layer; // stores outside any "blk.N." count as a layer each
+    uint64_t                working_set = 0, experts = 0;
+    int                     unnamed     = -1;
+    for (const auto & [name, bytes] : stores) {
+        const int layer = layer_of(name);
+        working_set     = std::max(working_set, per_layer[layer >= 0 ? layer : unnamed--] += bytes);
+        experts += bytes;
+    }
+    uint64_t      hot = UINT64_MAX, warm = 0, sm = 0;
     zipmoe_policy policy = ZIPMOE_POLICY_TOKEN_LFU;
     if (const char * v = std::getenv("ZIPMOE_MEMORY_BUDGET"); v && *v) {
         uint64_t budget = 0;
@@ -80,17 +149,30 @@ static bool configure_cache_from_env(std::string & err) {
             err = std::string("ZIPMOE_MEMORY_BUDGET=") + v + " is not a size (e.g. 6GiB, 512MiB, 60%)";
             return false;
         }
-        double share = 0.5;
-        if (const char * h = std::getenv("ZIPMOE_HOT_SHARE"); h && *h) {
-            char * end = nullptr;
-            share      = std::strtod(h, &end);
-            if (*end || !(share >= 0 && share <= 1)) {
-                err = std::string("ZIPMOE_HOT_SHARE=") + h + " is not a fraction between 0 and 1";
-                return false;
-            }
+        const uint64_t minimum = other_bytes + working_set;
+        if (budget < minimum) {
+            err = "memory budget " + mib(budget) + " is too small for this model: it needs at least " + mib(minimum) +
+                  " (" + mib(other_bytes) + " of weights that are not experts + " + mib(working_set) +
+                  " for the experts of one layer in flight); raise ZIPMOE_MEMORY_BUDGET (zipmoe --memory-budget)";
+            return false;
         }
-        hot  = (uint64_t) ((double) budget * share);
-        warm = budget - hot;
+        double hot_share = 1, sm_share = 0;
+        if (!parse_fraction("ZIPMOE_HOT_SHARE", hot_share, err) || !parse_fraction("ZIPMOE_SM_SHARE", sm_share, err)) {
+            return false;
+        }
+        if (hot_share + sm_share > 1 + 1e-9) {
+            err = "ZIPMOE_HOT_SHARE + ZIPMOE_SM_SHARE is more than 1";
+            return false;
+        }
+        const uint64_t tiers = budget - minimum;
+        hot  = (uint64_t) ((double) tiers * hot_share);
+        sm   = std::min(tiers - hot, (uint64_t) ((double) tiers * sm_share));
+        warm = tiers - hot - sm;
+        info = "zipmoe: memory budget " + mib(budget) + ": " + mib(other_bytes) + " weights that are not experts, " +
+               mib(working_set) + " for one layer in flight, cache tiers " + mib(hot) + " decoded, " + mib(warm) +
+               " compressed, " + mib(sm) + " sign+mantissa (experts " + mib(experts) + " in BF16)";
+    } else {
+        info = "zipmoe: no memory budget: decoded experts are kept (set ZIPMOE_MEMORY_BUDGET or --memory-budget)";
     }
     if (const char * v = std::getenv("ZIPMOE_CACHE_POLICY"); v && *v) {
         static const std::pair<const char *, zipmoe_policy> names[] = {
@@ -117,20 +199,31 @@ static bool configure_cache_from_env(std::string & err) {
             return false;
         }
     }
-    zipmoe_cache_configure(hot, warm, policy);
+    if (const char * v = std::getenv("ZIPMOE_PLAN"); v && *v) {
+        if (!apply_plan(v, err)) {
+            return false;
+        }
+        info += "; slots per layer from ZIPMOE_PLAN";
+    } else {
+        zipmoe_cache_set_slots(nullptr, 0, 0, 0);
+    }
+    zipmoe_cache_configure(hot, warm, sm, policy);
     return true;
 }
 
 zipmoe_llama_tensor_ptr zipmoe_llama_open(const char * name, const void * index, size_t index_size,
                                           uint64_t data_size, std::string & err) {
-    if (!configure_cache_from_env(err)) {
-        return nullptr;
-    }
     zipmoe_store * store = nullptr;
     const int64_t  rc    = zipmoe_store_open(name, index, index_size, data_size, &store);
     if (rc < 0) {
         err = std::string("index: ") + zipmoe_status_str(rc);
         return nullptr;
+    }
+    zipmoe_tensor_info info;
+    zipmoe_tensor_get_info(zipmoe_store_tensor(store), &info);
+    {
+        std::lock_guard<std::mutex> lock(g_pending_mu);
+        g_pending.emplace_back(name, (uint64_t) info.n_expert * (uint64_t) info.n_per_expert * 2);
     }
     zipmoe_llama_tensor_ptr zt(new zipmoe_llama_tensor);
     zt->store = store;

@@ -15,11 +15,16 @@ struct zipmoe_llama_tensor_deleter {
 };
 using zipmoe_llama_tensor_ptr = std::unique_ptr<zipmoe_llama_tensor, zipmoe_llama_tensor_deleter>;
 
-// Validates <base>.zipmoe_index (index bytes) for a data companion of data_size bytes. The cache budget
-// and policy come from the environment (ZIPMOE_MEMORY_BUDGET, ZIPMOE_HOT_SHARE, ZIPMOE_CACHE_POLICY,
-// ZIPMOE_CACHE=none to decode on every use; see zipmoe-llama.cpp).
+// Validates <base>.zipmoe_index (index bytes) for a data companion of data_size bytes.
 zipmoe_llama_tensor_ptr zipmoe_llama_open(const char * name, const void * index, size_t index_size,
                                           uint64_t data_size, std::string & err);
+
+// After the model's compressed tensors are opened: configures the cache from the environment
+// (ZIPMOE_MEMORY_BUDGET, ZIPMOE_HOT_SHARE, ZIPMOE_SM_SHARE, ZIPMOE_PLAN, ZIPMOE_CACHE_POLICY, ZIPMOE_CACHE;
+// see zipmoe-llama.cpp). other_bytes: the model's weights that are not compressed experts, which the
+// budget covers too. False, with a message saying the minimum, if the budget cannot hold them and one
+// layer's experts; info: a line for the log.
+bool zipmoe_llama_configure(uint64_t other_bytes, std::string & info, std::string & err);
 
 // The original tensor's shape, from the index.
 void zipmoe_llama_shape(const zipmoe_llama_tensor * zt, int64_t ne[4]);

@@ -1,0 +1,510 @@
+"""What decoding and reading experts cost on this machine, measured once per machine and model file, and cached.
+
+The planner needs a few numbers it cannot know from the file alone (`Calibration.as_costs_dict()`):
+
+  cores                  CPUs this process may use: its affinity mask, capped by its cgroup's CPU quota
+  t_decode               seconds one core takes to decode one expert of one layer (every expert tensor of the
+                         layer: gate, up and down), from the model's own compressed data, checksums checked
+  read_latency           seconds of a cold read of one page of the model file (median)
+  disk_bandwidth         bytes/s of cold reads of whole expert regions, one read at a time, net of read_latency:
+                         reading S bytes takes read_latency + S / disk_bandwidth
+  base_seconds_per_token what a token costs without any expert decoding or reading: it needs the model running,
+                         so calibration does not measure it; None unless the caller gives it
+
+Besides those: decode throughput of each codec (huff and zstd, the one the file does not use measured on the same
+expert re-encoded), and the per-value cost of splitting and merging the BF16 planes.
+
+CPU costs are thread CPU time, the median of many timed batches: other load on the machine does not inflate them
+(`cores` says how many such cores there are). Disk costs are wall time, after asking the kernel to drop the file
+from the page cache (posix_fadvise DONTNEED, after fdatasync so that freshly written pages are clean and can be
+dropped) and without readahead (POSIX_FADV_RANDOM: each read fetches its region, as the runtime's reads of
+single experts do); pages another process keeps mapped stay cached, so a model that is being served reads warm.
+
+The cache is one JSON file per (model path, machine) under $XDG_CACHE_HOME/zipmoe/calibration (default
+~/.cache/...). It records the file's size, mtime_ns and inode and the machine's identity (CPU model, CPU count,
+memory); when any of them differs, the calibration is measured again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import random
+import re
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import FormatError, UnsupportedError, ZipmoeError
+from .memory import CGROUP_ROOT, PROC_SELF, cgroup_dirs
+from .progress import Progress, Silent
+
+SCHEMA = 1  # of the cache files; another value is measured again
+DEFAULT_READ_BYTES = 256 << 20  # a few hundred MiB: enough reads for a stable median, a few seconds on an SSD
+DEFAULT_MIN_SECONDS = 0.25  # of CPU time per timing: enough batches for a stable median
+_BATCH_SECONDS = 1e-3  # a timed batch lasts at least this: far above the clock's resolution and call overhead
+_MAX_SAMPLES = 10_000
+LATENCY_PROBES = 64  # one-page reads that measure read_latency
+PAGE = 4096
+_LAYER = re.compile(r"blk\.(\d+)\.")
+
+
+class CalibrationError(ZipmoeError):
+    """The model cannot be calibrated: missing, or not a zipmoe file (exit status 1)."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Costs measured on one machine for one model file; `as_costs_dict()` is what the planner takes."""
+
+    model: dict[str, Any]  # path (real), size, mtime_ns, inode: the file measured
+    machine: dict[str, Any]  # cpu, cpu_count, memory: the machine measured on
+    measured_at: float  # Unix time
+    seconds: float  # how long measuring took
+    codec: str  # the model's exponent codec
+    chunk_size: int  # values per chunk
+    layer: int  # the layer whose expert was decoded
+    expert_tensors: int  # expert tensors in that layer (gate, up, down: 3)
+    expert_values: int  # BF16 values of one expert over those tensors
+    expert_compressed_bytes: int  # their regions' bytes in the file
+    t_decode: float  # seconds, one core: one expert of one layer, every tensor
+    decode_values_per_second: dict[str, float]  # per codec, one core, checksum + exponents + merge
+    merge_seconds_per_value: float  # exponent and sign+mantissa planes into BF16, one core
+    split_seconds_per_value: float  # the reverse
+    disk_bandwidth: float  # bytes/s, cold, one region per read, one read in flight, net of read_latency
+    read_latency: float  # seconds, median cold one-page read
+    read_size: int  # bytes, median region size read
+    reads: int
+    bytes_read: int
+    page_cache_dropped: bool  # False where posix_fadvise is missing: the reads may have been warm
+    cores: int  # usable now (re-read when loaded from the cache: a container's quota can change)
+    base_seconds_per_token: float | None = None  # not measurable here; given by the caller, or None
+    from_cache: bool = field(default=False, compare=False)  # not stored
+
+    def as_costs_dict(self) -> dict[str, Any]:
+        """The planner's `Costs` fields."""
+        return {"cores": self.cores, "t_decode": self.t_decode, "disk_bandwidth": self.disk_bandwidth,
+                "read_latency": self.read_latency, "base_seconds_per_token": self.base_seconds_per_token}
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        del data["from_cache"]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Calibration:
+        """ValueError, KeyError or TypeError when `data` is not a sane calibration (a damaged cache file)."""
+        names = {f.name for f in fields(cls)} - {"from_cache"}
+        cal = cls(**{k: data[k] for k in names if k in data})
+        positive = [cal.t_decode, cal.disk_bandwidth, cal.read_latency, cal.merge_seconds_per_value,
+                    cal.split_seconds_per_value, *cal.decode_values_per_second.values()]
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in positive):
+            raise ValueError("calibration numbers must be positive and finite")
+        return cal
+
+
+# ------------------------------------------------------------------------------------------ identity
+
+
+def model_fingerprint(model_path: str | os.PathLike[str]) -> dict[str, Any]:
+    """What changes when the file is replaced or rewritten (OSError if it cannot be stat'ed)."""
+    real = os.path.realpath(model_path)
+    st = os.stat(real)
+    return {"path": real, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's name as /proc/cpuinfo gives it (x86: model name; Arm: Hardware or CPU part), else platform's."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        text = ""
+    for key in ("model name", "Hardware", "cpu model", "CPU part"):
+        m = re.search(rf"^{key}\s*:\s*(.+)$", text, re.MULTILINE)
+        if m:
+            return m.group(1).strip()
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def machine_id() -> dict[str, Any]:
+    """What makes measurements of one machine invalid on another."""
+    import psutil
+
+    return {"cpu": cpu_model(), "cpu_count": os.cpu_count() or 1, "memory": int(psutil.virtual_memory().total)}
+
+
+def cgroup_cpu_quota(*, cgroup_root: Path = CGROUP_ROOT, proc_self: Path = PROC_SELF) -> float | None:
+    """CPUs' worth of time the cgroup hierarchy allows per period (v1 cfs quota/period, v2 cpu.max); None: no
+    quota. The tightest of the process's cgroup and its ancestors."""
+    version, dirs = cgroup_dirs("cpu", cgroup_root=cgroup_root, proc_self=proc_self)
+    quotas = []
+    for d in dirs:
+        try:
+            if version == 1:
+                quota, period = ((d / f).read_text().strip() for f in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
+            else:
+                quota, period = (d / "cpu.max").read_text().split()
+            if quota not in ("max", "-1") and int(period) > 0 and int(quota) > 0:
+                quotas.append(int(quota) / int(period))
+        except (OSError, ValueError):
+            continue  # missing or garbled: no quota there
+    return min(quotas) if quotas else None
+
+
+def usable_cores(*, cgroup_root: Path = CGROUP_ROOT, proc_self: Path = PROC_SELF) -> int:
+    """CPUs this process may run on (affinity), capped by its CPU quota rounded down; at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = cgroup_cpu_quota(cgroup_root=cgroup_root, proc_self=proc_self)
+    if quota is not None:
+        cores = min(cores, int(quota))
+    return max(1, cores)
+
+
+# ------------------------------------------------------------------------------------------ cache
+
+
+def cache_dir() -> Path:
+    """$XDG_CACHE_HOME/zipmoe/calibration; ~/.cache/... when it is unset or relative (as the XDG spec says)."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    root = Path(base) if os.path.isabs(base) else Path.home() / ".cache"
+    return root / "zipmoe" / "calibration"
+
+
+def cache_file(model_path: str | os.PathLike[str], machine: dict[str, Any] | None = None) -> Path:
+    """Where the calibration of this file on this machine is kept.
+
+    Named by the file's real path and the machine, so that a rewritten model replaces its stale entry instead of
+    adding one, and machines sharing a home directory keep one each; the file's size, mtime and inode are checked
+    against the entry's when it is loaded."""
+    key = json.dumps([os.path.realpath(model_path), machine if machine is not None else machine_id()],
+                     sort_keys=True)
+    return cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+
+def load_calibration(model_path: str | os.PathLike[str]) -> Calibration | None:
+    """The cached calibration of this file as it is now, on this machine; None if there is none (or it is stale,
+    or damaged: a cache is never worth an error)."""
+    try:
+        fingerprint = model_fingerprint(model_path)
+    except OSError:
+        return None
+    machine = machine_id()
+    try:
+        data = json.loads(cache_file(model_path, machine).read_text())
+        if data.get("schema") != SCHEMA or data.get("model") != fingerprint or data.get("machine") != machine:
+            return None
+        cal = Calibration.from_dict(data)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return replace(cal, cores=usable_cores(), from_cache=True)
+
+
+def _save(cal: Calibration, path: Path) -> None:
+    """Atomically: a reader sees the old entry or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"schema": SCHEMA, **cal.to_dict()}, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# ------------------------------------------------------------------------------------------ measuring
+
+
+def seconds_per_call(fn: Callable[[], object], min_seconds: float,
+                     clock: Callable[[], float] = time.thread_time) -> float:
+    """Median seconds of one call of `fn` by `clock` (default: this thread's CPU time), over batches of calls
+    long enough for the clock, measured for at least `min_seconds` in all (at least 5 batches)."""
+    fn()  # warm up: workspaces allocated, pages touched, code paged in
+    n, dt = 1, 0.0
+    while n < (1 << 20):
+        t0 = clock()
+        for _ in range(n):
+            fn()
+        dt = clock() - t0
+        if dt >= _BATCH_SECONDS:
+            break
+        n *= 2
+    samples, spent = [dt / n], dt
+    while len(samples) < 5 or (spent < min_seconds and len(samples) < _MAX_SAMPLES):
+        t0 = clock()
+        for _ in range(n):
+            fn()
+        dt = clock() - t0
+        samples.append(dt / n)
+        spent += dt
+    return statistics.median(samples)
+
+
+def _pread(fd: int, size: int, offset: int, label: str) -> np.ndarray:
+    out = np.empty(size, np.uint8)
+    if os.preadv(fd, [memoryview(out)], offset) != size:
+        raise CalibrationError(f"{label}: truncated file (wanted {size} bytes at offset {offset})")
+    return out
+
+
+def _reencoded(values: np.ndarray, info: Any, codec_name: str, name: str) -> tuple[Any, np.ndarray]:
+    """One expert's values encoded with another codec, as a one-expert tensor: (ExpertTensor, region)."""
+    from . import codec
+    from .format import build_index
+
+    if codec_name == "huff":
+        coder = codec.Codec("huff", lengths=codec.huff_lengths(codec.exponent_histogram(values)))
+    else:
+        coder = codec.Codec("zstd", level=codec.DEFAULT_ZSTD_LEVEL)
+    enc = coder.encode_expert(values, info.chunk_n)
+    size = enc.region.size
+    index = build_index(codec_name=codec_name, level=coder.level, dims=(info.ne[0], info.ne[1], 1),
+                        chunk_n=info.chunk_n, data_size=size, lengths=coder.lengths,
+                        regions=np.array([[0, size]], np.uint64), chunk_ends=enc.chunk_ends[None],
+                        checksums=enc.checksums[None])
+    return codec.ExpertTensor(index, size, name=f"{name} ({codec_name})"), enc.region
+
+
+@dataclass(frozen=True)
+class DecodeCosts:
+    t_decode: float
+    values_per_second: dict[str, float]
+    merge_seconds_per_value: float
+    split_seconds_per_value: float
+
+
+def measure_decode(fd: int, tensors: Sequence[Any], expert: int, file_codec: str, *, min_seconds: float,
+                   label: str, progress: Progress) -> DecodeCosts:
+    """Decodes expert `expert` of every tensor in `tensors` (the CompressedTensors of one layer) on this thread."""
+    from . import codec
+    from ._native import ffi, lib
+
+    regions = [_pread(fd, c.expert.span(expert).size, c.region_file_offset(expert), label) for c in tensors]
+    outs = [np.empty(c.expert.info.n_per_expert, np.uint16) for c in tensors]
+    n_values = sum(o.size for o in outs)
+    progress.start("calibrate: decode", n_values * 2 * len(codec.CODECS))
+
+    def decode_all(experts: Sequence[Any], inputs: Sequence[np.ndarray], index: int) -> Callable[[], None]:
+        def run() -> None:
+            for t, region, out in zip(experts, inputs, outs, strict=True):
+                t.decode_expert(index, region, out)
+        return run
+
+    t_decode = seconds_per_call(decode_all([c.expert for c in tensors], regions, expert), min_seconds)
+    speeds = {file_codec: n_values / t_decode}
+    progress.advance(n_values * 2)
+    values = [o.copy() for o in outs]  # the decoded expert: what the other codecs encode
+    for other in (n for n in codec.CODECS if n != file_codec):
+        pairs = [_reencoded(v, c.expert.info, other, c.name) for v, c in zip(values, tensors, strict=True)]
+        seconds = seconds_per_call(decode_all([t for t, _ in pairs], [r for _, r in pairs], 0), min_seconds)
+        for v, o in zip(values, outs, strict=True):
+            if not np.array_equal(v, o):
+                raise AssertionError(f"{label}: {other} re-encoding did not decode to the same values")
+        speeds[other] = n_values / seconds
+        progress.advance(n_values * 2)
+
+    # split/merge alone, on preallocated planes: codec.merge_bf16 would time a fresh output's page faults too
+    bf16 = np.concatenate(values)
+    exp, sm = np.empty(bf16.size, np.uint8), np.empty(bf16.size, np.uint8)
+    p_bf16, p_exp, p_sm = (ffi.cast(t, ffi.from_buffer(a)) for t, a in
+                           (("uint16_t *", bf16), ("uint8_t *", exp), ("uint8_t *", sm)))
+    split = seconds_per_call(lambda: lib.zipmoe_split_bf16(p_bf16, bf16.size, p_exp, p_sm), min_seconds)
+    merge = seconds_per_call(lambda: lib.zipmoe_merge_bf16(p_exp, p_sm, bf16.size, p_bf16), min_seconds)
+    return DecodeCosts(t_decode, speeds, merge / bf16.size, split / bf16.size)
+
+
+@dataclass(frozen=True)
+class DiskCosts:
+    bandwidth: float
+    latency: float
+    read_size: int
+    reads: int
+    bytes_read: int
+    page_cache_dropped: bool
+
+
+def drop_page_cache(fd: int) -> bool:
+    """Asks the kernel to forget the file's cached pages; False where it cannot be asked."""
+    try:
+        os.fdatasync(fd)  # dirty pages (a file just written) are not dropped until written back
+    except OSError:
+        pass
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except (AttributeError, OSError):
+        return False
+    return True
+
+
+def _no_readahead(fd: int) -> None:
+    """Each read then fetches what it asks for and no more: without this, the first cold read of a small model
+    reads ahead most of the file and the rest measure the page cache."""
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    except (AttributeError, OSError):
+        pass
+
+
+def _latency_probes(regions: Sequence[tuple[int, int]], count: int, rng: random.Random) -> list[tuple[int, int]]:
+    """Up to `count` distinct pages inside expert regions, picked at random: (offset, PAGE) reads."""
+    pages: set[int] = set()
+    for _ in range(4 * count):
+        if len(pages) == count:
+            break
+        offset, size = rng.choice(regions)
+        pages.add((offset + rng.randrange(max(1, size))) // PAGE * PAGE)
+    probes = [(p, PAGE) for p in sorted(pages)]
+    rng.shuffle(probes)
+    return probes
+
+
+def _timed_reads(fd: int, reads: Sequence[tuple[int, int]], buf: memoryview, progress: Progress | None,
+                 label: str, *, exact: bool) -> list[float]:
+    """Seconds of each pread, one at a time; `exact`: a short read is a truncated file."""
+    tick = time.get_clock_info("perf_counter").resolution
+    times = []
+    for offset, size in reads:
+        t0 = time.perf_counter()
+        n = os.preadv(fd, [buf[:size]], offset)
+        times.append(max(time.perf_counter() - t0, tick))  # a read faster than the clock counts one tick
+        if exact and n != size:
+            raise CalibrationError(f"{label}: truncated file (wanted {size} bytes at offset {offset})")
+        if progress is not None:
+            progress.advance(size)
+    return times
+
+
+def measure_disk(path: Path, regions: Sequence[tuple[int, int]], read_bytes: int, *,
+                 progress: Progress) -> DiskCosts:
+    """Cold reads of the model's expert regions, one pread at a time, as misses of the expert cache read them.
+
+    latency: the median of LATENCY_PROBES one-page reads at random places: the cost of a read of nothing much.
+    bandwidth: (offset, size) `regions` are read in a fixed random order until `read_bytes` are read (all of them
+    if they hold less); bandwidth is chosen so that latency + size / bandwidth, summed over those reads, is the
+    time they took: the planner's model of a read. (When latency explains all of it, as in models so small that
+    their regions share pages, bandwidth falls back to bytes / time.)
+    """
+    rng = random.Random(0)
+    order = list(regions)
+    rng.shuffle(order)
+    picks, total = [], 0
+    for offset, size in order:
+        if total >= read_bytes and picks:
+            break
+        picks.append((offset, size))
+        total += size
+    probes = _latency_probes(regions, LATENCY_PROBES, rng)
+    buf = memoryview(bytearray(max(PAGE, *(size for _, size in picks))))
+    progress.start("calibrate: disk", total)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        dropped = drop_page_cache(fd)
+        _no_readahead(fd)
+        latency = statistics.median(_timed_reads(fd, probes, buf, None, str(path), exact=False))
+        drop_page_cache(fd)  # the probes' pages must not make region reads warm
+        times = _timed_reads(fd, picks, buf, progress, str(path), exact=True)
+        drop_page_cache(fd)  # leave no cached copy behind: the runtime counts every byte it keeps
+    finally:
+        os.close(fd)
+    transfer = sum(times) - len(times) * latency
+    bandwidth = total / transfer if transfer > 0 else total / sum(times)
+    return DiskCosts(bandwidth=bandwidth, latency=latency, read_size=int(statistics.median(s for _, s in picks)),
+                     reads=len(picks), bytes_read=total, page_cache_dropped=dropped)
+
+
+def _open_model(model_path: str | os.PathLike[str]) -> Any:
+    from .format import open_zipmoe
+
+    path = Path(model_path).expanduser()
+    if not path.exists():
+        raise CalibrationError(f"{path}: no such file")
+    if not path.is_file():
+        raise CalibrationError(f"{path}: not a file")
+    try:
+        zf = open_zipmoe(path)
+    except (FormatError, UnsupportedError) as e:
+        raise CalibrationError(str(e)) from None
+    if not zf.compressed:
+        raise CalibrationError(f"{path}: no compressed expert tensors to measure")
+    return zf
+
+
+def _first_layer(compressed: Sequence[Any]) -> tuple[int, list[Any]]:
+    """The lowest layer number with compressed expert tensors, and those tensors."""
+    layers: dict[int, list[Any]] = {}
+    for c in compressed:
+        m = _LAYER.match(c.name)
+        layers.setdefault(int(m.group(1)) if m else -1, []).append(c)
+    layer = min(layers)
+    return layer, layers[layer]
+
+
+def calibrate(model_path: str | os.PathLike[str], *, force: bool = False, progress: Progress | None = None,
+              read_bytes: int = DEFAULT_READ_BYTES, min_seconds: float = DEFAULT_MIN_SECONDS,
+              base_seconds_per_token: float | None = None) -> Calibration:
+    """The costs of running the zipmoe model at `model_path` on this machine: from the cache when it holds a
+    calibration of this very file on this machine (unless `force`), else measured (a few seconds) and cached.
+
+    read_bytes: how much of the file the disk measurement reads (everything if the file's experts hold less).
+    min_seconds: CPU time spent on each decode timing (there are four: two codecs, split, merge).
+    base_seconds_per_token: recorded as given (calibration cannot measure it); None keeps the cached value, if any.
+    """
+    progress = progress or Silent()
+    path = Path(model_path).expanduser()
+    cached = load_calibration(path)
+    if base_seconds_per_token is None and cached is not None:
+        base_seconds_per_token = cached.base_seconds_per_token
+    if cached is not None and not force:
+        if base_seconds_per_token != cached.base_seconds_per_token:
+            cached = replace(cached, base_seconds_per_token=base_seconds_per_token)
+            _save_quietly(cached, cache_file(path, cached.machine))
+        return cached
+    zf = _open_model(path)
+    fingerprint, machine = model_fingerprint(path), machine_id()  # before measuring: a change during it shows later
+    started, t0 = time.time(), time.perf_counter()
+    layer, tensors = _first_layer(zf.compressed)
+    expert = 0
+    label = str(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        decode = measure_decode(fd, tensors, expert, zf.meta.codec, min_seconds=min_seconds, label=label,
+                                progress=progress)
+    finally:
+        os.close(fd)
+    regions = [(c.region_file_offset(e), c.expert.span(e).size)
+               for c in zf.compressed for e in range(c.expert.info.n_expert)]
+    disk = measure_disk(path, regions, read_bytes, progress=progress)
+    progress.close()
+    cal = Calibration(
+        model=fingerprint, machine=machine, measured_at=started, seconds=time.perf_counter() - t0,
+        codec=zf.meta.codec, chunk_size=zf.meta.chunk_size, layer=layer, expert_tensors=len(tensors),
+        expert_values=sum(c.expert.info.n_per_expert for c in tensors),
+        expert_compressed_bytes=sum(c.expert.span(expert).size for c in tensors),
+        t_decode=decode.t_decode, decode_values_per_second=decode.values_per_second,
+        merge_seconds_per_value=decode.merge_seconds_per_value, split_seconds_per_value=decode.split_seconds_per_value,
+        disk_bandwidth=disk.bandwidth, read_latency=disk.latency, read_size=disk.read_size, reads=disk.reads,
+        bytes_read=disk.bytes_read, page_cache_dropped=disk.page_cache_dropped, cores=usable_cores(),
+        base_seconds_per_token=base_seconds_per_token,
+    )
+    _save_quietly(cal, cache_file(path, machine))
+    return cal
+
+
+def _save_quietly(cal: Calibration, path: Path) -> None:
+    """A cache that cannot be written (read-only home) costs a warning, not the measurement."""
+    try:
+        _save(cal, path)
+    except OSError as e:
+        warnings.warn(f"could not cache the calibration in {path}: {e.strerror or e}", stacklevel=3)

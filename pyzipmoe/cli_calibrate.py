@@ -1,0 +1,135 @@
+"""`zipmoe calibrate MODEL`: what decoding and reading experts cost on this machine, measured once and cached.
+
+cli.py calls `register(subparsers)`. Nothing here imports cli.py at module level (cli.py imports this module), and
+the native library loads only when a measurement runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from .calibrate import DEFAULT_READ_BYTES, LATENCY_PROBES, Calibration
+
+__all__ = ["EXIT_STATUS", "calibration_table", "register"]
+
+EXIT_STATUS = "exit status: 0 success; 1 no such file, or not a zipmoe file; 2 bad usage; 130 interrupted."
+
+
+# ------------------------------------------------------------------------------------------ formatting
+
+
+def _size(n: float) -> str:
+    from .cli import human_size
+
+    return human_size(n)
+
+
+def duration(seconds: float) -> str:
+    """3 significant digits in the unit that keeps them above 1: 850 ns, 12.3 µs, 4.56 ms, 1.20 s."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9)):
+        if seconds >= scale or unit == "ns":
+            return f"{seconds / scale:#.3g}".rstrip(".") + f" {unit}"
+    raise AssertionError("unreachable")
+
+
+def _values_per_second(v: float) -> str:
+    return f"{v / 1e9:.2f} G values/s" if v >= 1e9 else f"{v / 1e6:.1f} M values/s"
+
+
+def _table(rows: list[tuple[str, str, str]]) -> str:
+    """Names left, values right-aligned (so units line up), notes left."""
+    wn, wv = (max(len(r[i]) for r in rows) for i in (0, 1))
+    return "\n".join(f"  {n:<{wn}}  {v:>{wv}}  {note}".rstrip() for n, v, note in rows)
+
+
+def calibration_table(cal: Calibration, cache_path: Path | None = None) -> str:
+    """What `zipmoe calibrate` prints: a heading, one row per cost with its unit and what it means, the cache."""
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(cal.measured_at))
+    source = "from the cache" if cal.from_cache else f"measured in {cal.seconds:.1f} s"
+    rows = [
+        ("cores", str(cal.cores), "usable by this process (CPU affinity, cgroup CPU quota)"),
+        ("t_decode", duration(cal.t_decode),
+         (f"one expert of layer {cal.layer} ({cal.expert_tensors} tensors, {cal.expert_values} values, "
+          f"{_size(cal.expert_compressed_bytes)}), one core")),
+    ]
+    for name, v in sorted(cal.decode_values_per_second.items(), key=lambda kv: kv[0] != cal.codec):
+        how = "the file's codec" if name == cal.codec else "the same expert re-encoded"
+        rows.append((f"decode {name}", _values_per_second(v), f"one core, checksums checked; {how}"))
+    rows += [
+        ("merge", f"{cal.merge_seconds_per_value * 1e9:.3f} ns/value", "exponent + sign/mantissa planes into BF16"),
+        ("split", f"{cal.split_seconds_per_value * 1e9:.3f} ns/value", "BF16 into the two planes"),
+        ("read latency", duration(cal.read_latency), f"cold read of one page, median of up to {LATENCY_PROBES}"),
+        ("disk bandwidth", f"{_size(cal.disk_bandwidth)}/s",
+         f"cold, {cal.reads} expert regions of ~{_size(cal.read_size)} ({_size(cal.bytes_read)}), net of latency"),
+        ("base time/token", duration(cal.base_seconds_per_token) if cal.base_seconds_per_token else "-",
+         "given" if cal.base_seconds_per_token else "not measured: it needs the model running"),
+    ]
+    lines = [f"calibration of {cal.model['path']} ({cal.codec} codec) on {cal.machine['cpu']}, {when}, {source}",
+             "", _table(rows)]
+    if not cal.page_cache_dropped:
+        lines += ["", "note: the page cache could not be dropped here, so the disk reads may have been warm"]
+    if cache_path is not None:
+        lines += ["", f"cached in {cache_path}; `zipmoe calibrate --force` measures again"]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ command
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from .calibrate import cache_file, calibrate
+    from .progress import for_terminal
+
+    cal = calibrate(args.model, force=args.force, progress=for_terminal(args.json), read_bytes=args.read)
+    where = cache_file(cal.model["path"], cal.machine)
+    if args.json:
+        print(json.dumps({**cal.to_dict(), "from_cache": cal.from_cache, "costs": cal.as_costs_dict(),
+                          "cache_file": str(where)}, indent=2, ensure_ascii=False))
+    else:
+        print(calibration_table(cal, where))
+    return 0
+
+
+def _read_size(text: str) -> int:
+    from .modelfile import parse_size
+
+    try:
+        n = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return n
+
+
+def register(sub: Any) -> None:
+    """Adds `calibrate` to the `zipmoe` command's subparsers."""
+    from .cli import _para
+
+    p = sub.add_parser(
+        "calibrate", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="measure what decoding and reading experts cost on this machine",
+        description=_para(
+            "Measure, for MODEL (a zipmoe GGUF) on this machine: how long one core takes to decode one expert of "
+            "a layer (t_decode), each codec's decode speed, the cost of merging BF16 planes, and cold reads of the "
+            "file (latency of a read, bandwidth of expert-sized reads; the file is dropped from the page cache "
+            "first and after). The result is cached per machine and model file under "
+            "$XDG_CACHE_HOME/zipmoe/calibration (default ~/.cache/zipmoe/calibration) and measured again when "
+            "either changes; the memory-budget planner uses it. base time/token needs the model running and is "
+            "not measured here."),
+        epilog="examples:\n"
+               "  zipmoe calibrate model.zipmoe.gguf\n"
+               "  zipmoe calibrate model.zipmoe.gguf --force --read 1GiB   measure again, reading more of the file\n"
+               "  zipmoe calibrate model.zipmoe.gguf --json | jq .costs\n\n"
+               f"{EXIT_STATUS}")
+    p.add_argument("model", metavar="MODEL", help="a zipmoe GGUF (zipmoe convert makes one)")
+    p.add_argument("--force", action="store_true", help="measure again even if a calibration is cached")
+    p.add_argument("--read", type=_read_size, default=DEFAULT_READ_BYTES, metavar="SIZE",
+                   help="how much of the file the disk measurement reads (default: 256MiB, or all of the experts "
+                        "if they hold less); applies when measuring")
+    p.add_argument("--json", action="store_true", help="print the calibration as one JSON object")
+    p.set_defaults(run=cmd_calibrate)

@@ -1,0 +1,238 @@
+"""`zipmoe plan`: the slots per tier of every MoE layer for a memory budget, and the speed they should give.
+
+cli.py calls `register(subparsers)`; `main(argv)` runs the command alone (`python -m pyzipmoe.cli_plan plan ...`)
+with the zipmoe command's error handling. The planner itself is pyzipmoe/planner.py.
+
+The option is `--memory-budget` but its attribute is `plan_budget`: cli.main turns an attribute `memory_budget`
+into the runtime's environment, which planning must not do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from . import planner
+from .errors import ZipmoeError
+
+__all__ = ["main", "register"]
+
+DESCRIPTION = (
+    "Plan how many experts of each MoE layer of MODEL to keep hot (decoded), warm (compressed in RAM) or sm (sign and "
+    "mantissa in RAM, exponent codes read from disk) within SIZE bytes, the rest cold (read from disk when routed), "
+    "so that generation is fastest. SIZE is the model's whole budget, as `zipmoe run --memory-budget` takes it: "
+    "the weights that are not experts and the experts of the layer in flight come first, the tiers get the rest "
+    "(the KV cache and compute buffers are not counted). Routing frequencies come from --trace (without it every expert is "
+    "equally likely); costs from the model's calibration, --costs, or else a conservative estimate (0.5 GB/s of "
+    "decoding per core, a 0.5 GB/s disk with 0.1 ms per read, 10 GB/s of memory bandwidth). Prints the slots, bytes, "
+    "predicted hit rates and tokens/s per layer, and the plan as the runtime reads it: ZIPMOE_PLAN="
+    "\"<layer>:<hot>,<warm>,<sm>;...\".")
+
+EPILOG = """\
+examples:
+  zipmoe plan model.zipmoe.gguf --memory-budget 6GiB
+  zipmoe plan model.zipmoe.gguf --memory-budget 40% --trace routing.npz
+  zipmoe plan model.zipmoe.gguf --memory-budget 6GiB --costs costs.json --json
+
+a trace: an .npz with key "counts" (or an .npy) of integer counts shaped (n_prompts, n_layer, n_expert): how many
+tokens of each prompt routed to each expert of each layer.
+a costs file: JSON with some of cores, t_decode (seconds for one core to decode one expert of one layer),
+disk_bandwidth (bytes/s), read_latency (s), base_seconds_per_token (a token with every expert hot), e.g.
+  {"cores": 8, "t_decode": 0.0004, "disk_bandwidth": 2e9, "read_latency": 5e-5, "base_seconds_per_token": 0.03}
+
+exit status: 0 success; 1 a model, trace or costs file that cannot be used, or no such stored model;
+2 bad usage (a budget that is not a size, a missing MODEL path); 130 interrupted."""
+
+
+# ------------------------------------------------------------------------------------------ inputs
+
+
+def _calibration(model_path: str) -> dict[str, Any] | None:
+    """The costs measured for this model on this machine (`zipmoe calibrate`), if any; without the values it could
+    not measure (base_seconds_per_token needs the model running), which stay estimated."""
+    try:
+        from .calibrate import load_calibration
+    except ImportError:
+        return None
+    calibration = load_calibration(model_path)
+    if calibration is None:
+        return None
+    values = calibration.as_costs_dict() if hasattr(calibration, "as_costs_dict") else dict(calibration)
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _costs(args: argparse.Namespace, model_path: str, geometry: planner.ModelGeometry) -> tuple[planner.Costs, str]:
+    """Defaults, overridden by the calibration, overridden by --costs; and where they came from."""
+    costs, source = planner.default_costs(geometry), "conservative defaults (no calibration)"
+    calibration = _calibration(model_path)
+    if calibration is not None:
+        costs = planner.costs_from_dict(calibration, defaults=costs, label=f"calibration of {model_path}",
+                                        strict=False)
+        estimated = [name for name in planner.COST_FIELDS if name not in calibration]
+        source = "calibration" + (f" ({', '.join(estimated)}: conservative estimate)" if estimated else "")
+    if args.costs is not None:
+        costs = planner.costs_from_file(args.costs, defaults=costs)
+        source = f"{args.costs} (missing keys: {source})"
+    return costs, source
+
+
+def _counts(args: argparse.Namespace, geometry: planner.ModelGeometry) -> Any:
+    """The trace's activation counts; None (uniform) without one."""
+    if args.trace is None:
+        return None
+    return planner.counts_from_trace(args.trace, geometry.n_layer, geometry.n_expert)
+
+
+def _frequencies(trace: str | None) -> str:
+    return f"trace {trace}" if trace else "uniform (no --trace: every expert equally likely)"
+
+
+# ---------------------------------------------------------------------------------------- formatting
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+def _pct(fraction: float) -> str:
+    return f"{fraction:.1%}"
+
+
+def _mean_size(sizes: Sequence[int]) -> str:
+    from .cli import human_size
+
+    return human_size(sum(sizes) / len(sizes))
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """The first column left-aligned, numbers right-aligned."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+        for r in [header, *rows])
+
+
+def _report(model_path: str, geometry: planner.ModelGeometry, costs: planner.Costs, costs_source: str,
+            trace: str | None, plan: planner.Plan) -> str:
+    from .cli import human_size
+
+    g, c = geometry, costs
+    lines = [
+        (f"model:        {model_path}: {len(g.layers)} MoE layers of {g.n_expert} experts, {g.n_expert_used} "
+         f"routed per token; an expert is {_mean_size(g.hot_bytes)} hot, {_mean_size(g.warm_bytes)} warm, "
+         f"{_mean_size(g.sm_bytes)} sm"),
+        f"budget:       {human_size(plan.budget)} for the expert tiers (all hot: {human_size(g.all_hot_bytes)})",
+        f"frequencies:  {_frequencies(trace)}",
+        (f"costs:        {costs_source}: {c.cores} cores, decode {_ms(c.t_decode)} ms per expert per core, disk "
+         f"{c.disk_bandwidth / 1e6:.0f} MB/s + {_ms(c.read_latency)} ms per read, base "
+         f"{_ms(c.base_seconds_per_token)} ms per token"),
+        "",
+    ]
+    header = ("layer", "hot", "warm", "sm", "cold", "bytes", "hit hot", "warm", "sm", "cold", "delay ms")
+    rows = [(str(lp.layer), str(lp.hot), str(lp.warm), str(lp.sm), str(lp.cold), human_size(lp.nbytes),
+             *map(_pct, lp.hit_rates), _ms(lp.delay)) for lp in plan.layers]
+    rates = plan.hit_rates
+    rows.append(("all", *(str(sum(getattr(lp, t) for lp in plan.layers)) for t in planner.TIERS),
+                 human_size(plan.nbytes), *(_pct(rates[t]) for t in planner.TIERS), _ms(plan.delay)))
+    lines += [_table(header, rows), ""]
+    all_hot = 1.0 / plan.base_seconds_per_token
+    lines.append(f"predicted generation: {plan.tokens_per_second:.1f} tokens/s (all hot: {all_hot:.1f} tokens/s)")
+    lines.append(f"{planner.PLAN_ENV}={plan.encode()}")
+    return "\n".join(lines)
+
+
+def _to_json(model_path: str, geometry: planner.ModelGeometry, costs: planner.Costs, costs_source: str,
+             trace: str | None, plan: planner.Plan) -> dict[str, Any]:
+    g = geometry
+    return {
+        "model": model_path, "frequencies": "trace" if trace else "uniform", "trace": trace,
+        "costs": asdict(costs), "costs_source": costs_source,
+        "geometry": {"n_layer": g.n_layer, "n_expert": g.n_expert, "n_expert_used": g.n_expert_used,
+                     "layers": list(g.layers), "hot_bytes": list(g.hot_bytes), "warm_bytes": list(g.warm_bytes),
+                     "sm_bytes": list(g.sm_bytes), "all_hot_bytes": g.all_hot_bytes},
+        **plan.to_dict(), "all_hot_tokens_per_second": 1.0 / plan.base_seconds_per_token, "env": plan.to_env(),
+    }
+
+
+# ------------------------------------------------------------------------------------------- command
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .budget import parse_budget
+    from .store import resolve_model
+
+    from .budget import AUTO, check_budget, model_memory
+
+    if str(args.plan_budget).strip().lower() != AUTO:
+        parse_budget(args.plan_budget)  # a usage error (exit 2) before any file is read
+    path, _ = resolve_model(args.model)
+    model_path = str(path)
+    geometry = planner.geometry_from_gguf(path)
+    need = model_memory(path)
+    budget = parse_budget(args.plan_budget, model_bytes=need.minimum + need.expert_bytes)
+    check_budget(budget, need)
+    counts = _counts(args, geometry)
+    costs, costs_source = _costs(args, model_path, geometry)
+    plan = planner.plan(geometry, costs, counts, budget - need.minimum)
+    memory = {"budget": budget, "other_bytes": need.other_bytes, "layer_in_flight_bytes": need.layer_bytes,
+              "tier_bytes": budget - need.minimum}
+    if args.json:
+        print(json.dumps({**_to_json(model_path, geometry, costs, costs_source, args.trace, plan), "memory": memory},
+                         indent=2))
+    else:
+        from .cli import human_size
+
+        print(f"memory:       {human_size(budget)} in all = {human_size(need.other_bytes)} of weights that are not "
+              f"experts + {human_size(need.layer_bytes)} for one layer's experts in flight + "
+              f"{human_size(budget - need.minimum)} for the tiers")
+        print(_report(model_path, geometry, costs, costs_source, args.trace, plan))
+    return 0
+
+
+def register(sub: Any) -> None:
+    """Adds `plan` to the `zipmoe` command's subparsers."""
+    from .cli import _para
+
+    p = sub.add_parser("plan", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       help="plan the expert tiers of each layer for a memory budget",
+                       description=_para(DESCRIPTION), epilog=EPILOG)
+    p.add_argument("model", metavar="MODEL", help="a zipmoe GGUF, or the name of a stored model")
+    p.add_argument("--memory-budget", dest="plan_budget", required=True, metavar="SIZE",
+                   help="the model's whole budget: 6GiB, 512MiB, 1000000, a percentage of the memory (60%%) or "
+                        "auto (what this process could allocate now, less a margin)")
+    p.add_argument("--trace", metavar="FILE",
+                   help="routing counts (.npz with key counts, or .npy); default: every expert equally likely")
+    p.add_argument("--costs", metavar="FILE.json",
+                   help="costs of this machine (JSON; see below); default: the model's calibration, else a "
+                        "conservative estimate")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(run=cmd_plan)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The plan command alone: `main(["plan", MODEL, "--memory-budget", SIZE])`, exit status as `zipmoe plan`."""
+    from .cli import EXIT_BAD_INPUT, EXIT_INTERRUPTED, _fail
+
+    parser = argparse.ArgumentParser(prog="zipmoe")
+    register(parser.add_subparsers(title="commands", metavar="COMMAND", required=True))
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error argparse has already explained
+        return int(e.code or 0)
+    try:
+        return args.run(args)
+    except ZipmoeError as e:
+        return _fail(str(e), e.exit_code)
+    except OSError as e:
+        where = f": {e.filename}" if e.filename else ""
+        return _fail(f"{e.strerror or e}{where}", EXIT_BAD_INPUT)
+    except KeyboardInterrupt:
+        return _fail("interrupted", EXIT_INTERRUPTED)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

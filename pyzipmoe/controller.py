@@ -1,0 +1,193 @@
+"""The controller: turns what a user asks for (a memory budget, "auto", a policy) into the runtime's cache settings
+for one model, planned from the model's geometry, the machine's measured costs and the routing profile; and, while
+the model runs, re-plans when the memory available to the process changes.
+
+Settings reach the runtime two ways. Before a model loads, as environment variables that libllama reads
+(ZIPMOE_MEMORY_BUDGET, ZIPMOE_PLAN, ...; see ggml_zipmoe/src/op/zipmoe-llama.cpp), which also works for llama-cli and
+llama-server subprocesses. While it runs, through the native library's zipmoe_cache_set_slots, which libllama
+shares with this process: every store applies new slots at its next invocation, so tiers shrink or grow without a
+restart.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import planner
+from .budget import AUTO, ModelMemory, cache_environment, check_budget, model_memory, parse_budget
+from .errors import ZipmoeError
+
+
+def machine_costs(model_path: str | os.PathLike[str], geometry: planner.ModelGeometry) -> tuple[planner.Costs, str]:
+    """The planner's costs: the model's cached calibration (`zipmoe calibrate`) where there is one, else the
+    planner's conservative defaults; and a word saying which."""
+    defaults = planner.default_costs(geometry)
+    try:
+        from .calibrate import load_calibration
+
+        cal = load_calibration(model_path)
+    except (ImportError, OSError, ZipmoeError):
+        cal = None
+    if cal is None:
+        return defaults, "defaults (run `zipmoe calibrate MODEL` to measure this machine)"
+    values = {k: v for k, v in cal.as_costs_dict().items() if v is not None}
+    return planner.costs_from_dict(values, defaults=defaults, label="calibration", strict=False), "calibrated"
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A model's plan and what it was made from."""
+
+    need: ModelMemory
+    budget: int  # bytes, the whole budget (weights that are not experts + one layer in flight + tiers)
+    model: planner.CostModel
+    plan: planner.Plan
+    costs_source: str
+
+
+def plan_model(model_path: str | os.PathLike[str], budget: int, *, trace: str | os.PathLike[str] | None = None,
+               need: ModelMemory | None = None) -> Planned:
+    """The planner's best split of `budget` between tiers, per layer. Raises ZipmoeError if the budget cannot
+    hold the weights that are not experts and one layer's experts."""
+    need = need or model_memory(model_path)
+    check_budget(budget, need)
+    geometry = planner.geometry_from_gguf(model_path)
+    costs, source = machine_costs(model_path, geometry)
+    counts = planner.counts_from_trace(trace, geometry.n_layer, geometry.n_expert) if trace else None
+    model = planner.cost_model(geometry, costs, counts)
+    return Planned(need, budget, model, planner.plan_for_budget(model, budget - need.minimum), source)
+
+
+def runtime_environment(model_path: str | os.PathLike[str], *, budget: str | int | None = None,
+                        policy: str | None = None, hot_share: float | None = None, sm_share: float | None = None,
+                        use_planner: bool = True, trace: str | os.PathLike[str] | None = None,
+                        is_zipmoe: bool = True) -> dict[str, str]:
+    """The runtime's environment for one model. With a budget and no fixed tier shares, the planner splits it;
+    with shares, the runtime splits it by them (hot_share of what the tiers get decoded, sm_share as
+    sign+mantissa planes, the rest compressed)."""
+    if budget is None or not is_zipmoe:
+        return cache_environment(budget if is_zipmoe else None, policy, hot_share, sm_share)
+    need = model_memory(model_path)
+    nbytes = parse_budget(budget, model_bytes=need.minimum + need.expert_bytes) if str(budget) == AUTO \
+        else parse_budget(budget)
+    check_budget(nbytes, need)
+    env = cache_environment(nbytes, policy, hot_share, sm_share)
+    if use_planner and hot_share is None and sm_share is None:
+        env.update(plan_model(model_path, nbytes, trace=trace, need=need).plan.to_env())
+    return env
+
+
+# ------------------------------------------------------------------------------------------ live adaptation
+
+
+def apply_plan(plan: planner.Plan, lib: Any = None) -> None:
+    """Gives the running stores new slots (each applies them at its next invocation)."""
+    if lib is None:
+        from ._native import lib
+    for lp in plan.layers:
+        rc = lib.zipmoe_cache_set_slots(f"blk.{lp.layer}.".encode(), lp.hot, lp.warm, lp.sm)
+        if rc < 0:
+            raise ZipmoeError(f"the runtime refused the slots of layer {lp.layer} (status {rc})")
+
+
+def resident_bytes(lib: Any = None) -> int:
+    """What the runtime's tiers hold now, process-wide."""
+    if lib is None:
+        from ._native import ffi, lib
+    else:
+        from ._native import ffi
+    s = ffi.new("zipmoe_stats *")
+    lib.zipmoe_stats_get(s)
+    return int(s.hot_bytes + s.warm_bytes + s.sm_bytes)
+
+
+class MemoryMonitor:
+    """Re-plans a running model's tiers when the memory available to the process changes.
+
+    Every `interval` seconds it reads the memory (pyzipmoe.memory.read_memory: psutil and the cgroup limit) and
+    computes the budget the model could have now: what it holds (its weights that are not experts, one layer in
+    flight, the tiers' resident bytes) plus what could still be allocated, less the safety margin of
+    `--memory-budget auto` (so less than it holds when others ate into the margin), never less than the model's
+    minimum nor more than `ceiling` (the user's budget, if one was given). Hysteresis keeps it
+    from chasing noise: it shrinks when that budget falls more than `threshold` below the current one, and grows
+    only when it rises more than twice `threshold` above it. A re-plan only sets slots; the stores evict at their
+    next invocation (between tokens, a madvise per expert), so there is no stall beyond a token.
+    """
+
+    def __init__(self, planned: Planned, *, ceiling: int | None = None, interval: float = 0.5,
+                 threshold: float = 0.05, read: Callable[[], Any] | None = None,
+                 on_change: Callable[[planner.Plan], None] | None = None, lib: Any = None) -> None:
+        from . import memory
+
+        self.planned = planned
+        self.budget = planned.budget
+        self.ceiling = ceiling
+        self.interval = interval
+        self.threshold = threshold
+        self._read = read or memory.read_memory
+        self._on_change = on_change
+        self._lib = lib
+        self.replans: list[tuple[int, planner.Plan]] = []  # (budget, plan) of every re-plan, for reports and tests
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def target_budget(self) -> int:
+        """The budget the model could have now (see the class's docstring)."""
+        from . import memory
+
+        reading = self._read()
+        held = self.planned.need.minimum + resident_bytes(self._lib)
+        # less than held when the margin is eaten into: the tiers give memory back
+        target = held + reading.headroom - memory.safety_margin(reading)
+        return min(target, self.ceiling) if self.ceiling is not None else target
+
+    def step(self) -> bool:
+        """One reading and, past the hysteresis, a re-plan. Whether it re-planned."""
+        target = max(self.target_budget(), self.planned.need.minimum)
+        shrink = target < self.budget * (1 - self.threshold)
+        grow = target > self.budget * (1 + 2 * self.threshold)
+        if not (shrink or grow):
+            return False
+        plan = planner.plan_for_budget(self.planned.model, target - self.planned.need.minimum)
+        apply_plan(plan, self._lib)
+        self.budget = target
+        self.replans.append((target, plan))
+        if self._on_change:
+            self._on_change(plan)
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.step()
+            except Exception as e:  # a monitor must not take the model down; say why it stopped
+                print(f"zipmoe: memory monitor stopped: {e}", file=sys.stderr)
+                return
+
+    def start(self) -> MemoryMonitor:
+        self._thread = threading.Thread(target=self._run, name="zipmoe-memory-monitor", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+def monitor_for(model_path: str | os.PathLike[str], budget: str | int, *, trace: str | os.PathLike[str] | None = None,
+                **kwargs: Any) -> MemoryMonitor:
+    """A monitor for a model loaded with `runtime_environment(model_path, budget=budget, ...)`: "auto" may grow
+    up to the model's size, a fixed budget is also the ceiling."""
+    need = model_memory(model_path)
+    full = need.minimum + need.expert_bytes
+    nbytes = parse_budget(budget, model_bytes=full) if str(budget) == AUTO else parse_budget(budget)
+    planned = plan_model(Path(model_path), nbytes, trace=trace, need=need)
+    return MemoryMonitor(planned, ceiling=full if str(budget) == AUTO else nbytes, **kwargs)

@@ -1,0 +1,231 @@
+"""How much memory this process may use: the machine's (psutil) and its container's (cgroup v1 or v2).
+
+`--memory-budget auto` turns a `MemoryReading` into a budget with `auto_budget`. Readings are advisory: a cgroup
+file that is missing, unreadable or garbled counts as "no limit there", never as an error, so that zipmoe runs
+the same on a laptop, in Docker (v1 or v2) and under systemd.
+
+The cgroup root and /proc/self are parameters (defaults: the real ones) so that tests can point them at a fake
+tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_SELF = Path("/proc/self")
+
+UNLIMITED_FROM = 1 << 60
+"""Limits at or above this are "no limit": cgroup v1 writes an unlimited memory.limit_in_bytes as its largest page
+count in bytes (9223372036854771712 with 4 KiB pages), not as a word."""
+
+MIN_MARGIN = 512 << 20
+MARGIN_SHARE = 0.10
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """Bytes, read at one moment. cgroup_* are None outside a memory-limited cgroup."""
+
+    total: int  # the machine's RAM (psutil)
+    available: int  # what the kernel could hand out without swapping, page cache included (psutil)
+    rss: int  # this process's resident set
+    cgroup_limit: int | None = None  # the tightest memory limit of this process's cgroup and its ancestors
+    cgroup_usage: int | None = None  # that cgroup's charged memory, page cache included
+    cgroup_reclaimable: int | None = None  # its inactive file cache, dropped before the cgroup OOM-kills
+
+    @property
+    def limit(self) -> int:
+        """The memory this process can ever have: the machine's, or its cgroup's if smaller."""
+        return min(self.total, self.cgroup_limit) if self.cgroup_limit is not None else self.total
+
+    @property
+    def headroom(self) -> int:
+        """What could be allocated now: psutil's available, or less if the cgroup has less left."""
+        if self.cgroup_limit is None:
+            return self.available
+        in_use = (self.cgroup_usage or 0) - (self.cgroup_reclaimable or 0)
+        return max(0, min(self.available, self.cgroup_limit - in_use))
+
+
+@dataclass(frozen=True)
+class CgroupMemory:
+    """The limit that binds, from the cgroup directory (`path`) with the least room left."""
+
+    path: Path
+    limit: int
+    usage: int
+    reclaimable: int
+
+
+# ----------------------------------------------------------------------------------------- cgroup files
+
+
+def cgroup_membership(proc_self: Path = PROC_SELF) -> dict[str, str]:
+    """controller -> path from /proc/self/cgroup ("4:memory:/a/b" gives {"memory": "/a/b"}); the v2 line
+    ("0::/a/b") is under "". Empty when the file is missing (not Linux, or no /proc)."""
+    try:
+        text = (proc_self / "cgroup").read_text()
+    except OSError:
+        return {}
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        for name in controllers.split(",") if controllers else [""]:
+            out[name] = path
+    return out
+
+
+def _v1_mount(controller: str, cgroup_root: Path) -> Path | None:
+    """The v1 hierarchy of `controller`: /sys/fs/cgroup/memory, or a joint one such as cpu,cpuacct."""
+    if (cgroup_root / controller).is_dir():
+        return cgroup_root / controller
+    try:
+        joint = [d for d in cgroup_root.iterdir() if d.is_dir() and controller in d.name.split(",")]
+    except OSError:
+        return None
+    return joint[0] if joint else None
+
+
+def _v2_mount(cgroup_root: Path) -> Path | None:
+    """The v2 hierarchy: the cgroup root itself (unified mode) or its `unified` directory (hybrid mode)."""
+    for d in (cgroup_root, cgroup_root / "unified"):
+        if (d / "cgroup.controllers").is_file():
+            return d
+    return None
+
+
+def _inward_out(mount: Path, path: str) -> Iterator[Path]:
+    """The directories of cgroup `path` under `mount` and of its ancestors, innermost first, the mount last.
+
+    Directories that do not exist are skipped: in a container without a cgroup namespace, /proc/self/cgroup names
+    the host's path (/docker/<id>) while the container sees its own cgroup mounted at the root."""
+    parts = [p for p in path.split("/") if p and p not in (".", "..")]
+    for n in range(len(parts), -1, -1):
+        d = mount.joinpath(*parts[:n])
+        if d.is_dir():
+            yield d
+
+
+def cgroup_dirs(controller: str, *, cgroup_root: Path = CGROUP_ROOT,
+                proc_self: Path = PROC_SELF) -> tuple[int, list[Path]]:
+    """(cgroup version, the directories whose limits apply to this process for `controller`, innermost first).
+
+    A v1 hierarchy of the controller wins over v2 (in hybrid mode the controllers live on v1); (0, []) when
+    neither is there."""
+    member = cgroup_membership(proc_self)
+    if controller in member and (mount := _v1_mount(controller, cgroup_root)) is not None:
+        return 1, list(_inward_out(mount, member[controller]))
+    if "" in member and (mount := _v2_mount(cgroup_root)) is not None:
+        return 2, list(_inward_out(mount, member[""]))
+    return 0, []
+
+
+def read_int(path: Path) -> int | None:
+    """A file holding one integer; None if missing, unreadable, "max" or garbled."""
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def read_stat(path: Path, key: str) -> int | None:
+    """One "key value" line of a memory.stat-like file."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        name, _, value = line.partition(" ")
+        if name == key:
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+_FILES = {  # version -> (limit file, usage file, memory.stat keys of the inactive file cache, first found wins)
+    # v1's usage covers the cgroup's descendants, and so does total_inactive_file; inactive_file is this cgroup's
+    1: ("memory.limit_in_bytes", "memory.usage_in_bytes", ("total_inactive_file", "inactive_file")),
+    2: ("memory.max", "memory.current", ("inactive_file",)),
+}
+
+
+def cgroup_memory(*, cgroup_root: Path = CGROUP_ROOT, proc_self: Path = PROC_SELF) -> CgroupMemory | None:
+    """The binding memory limit of this process's cgroup hierarchy, or None when nothing limits it.
+
+    Each ancestor's limit applies too (a container's limit sits on a parent of the process's cgroup), so every
+    directory from the process's up to the root is read and the one with the least room left wins."""
+    version, dirs = cgroup_dirs("memory", cgroup_root=cgroup_root, proc_self=proc_self)
+    if not version:
+        return None
+    limit_file, usage_file, inactive_keys = _FILES[version]
+    best: CgroupMemory | None = None
+    for d in dirs:
+        limit = read_int(d / limit_file)  # v2's "max" reads as None: no limit
+        if limit is None or limit >= UNLIMITED_FROM:
+            continue
+        usage = read_int(d / usage_file) or 0
+        reclaimable = next((v for k in inactive_keys if (v := read_stat(d / "memory.stat", k)) is not None), 0)
+        reclaimable = min(reclaimable, usage)
+        here = CgroupMemory(d, limit, usage, reclaimable)
+        if best is None or _room(here) < _room(best):
+            best = here
+    return best
+
+
+def _room(c: CgroupMemory) -> int:
+    return c.limit - (c.usage - c.reclaimable)
+
+
+# ----------------------------------------------------------------------------------------- readings
+
+
+def read_memory(*, cgroup_root: Path = CGROUP_ROOT, proc_self: Path = PROC_SELF) -> MemoryReading:
+    """The machine's memory, this process's RSS and its cgroup's limit, now."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    cg = cgroup_memory(cgroup_root=cgroup_root, proc_self=proc_self)
+    return MemoryReading(
+        total=int(vm.total), available=int(vm.available), rss=int(psutil.Process().memory_info().rss),
+        cgroup_limit=cg.limit if cg else None, cgroup_usage=cg.usage if cg else None,
+        cgroup_reclaimable=cg.reclaimable if cg else None,
+    )
+
+
+def safety_margin(reading: MemoryReading) -> int:
+    """What `auto_budget` leaves free: 10% of the memory limit, at least 512 MiB."""
+    return max(int(reading.limit * MARGIN_SHARE), MIN_MARGIN)
+
+
+def auto_budget(reading: MemoryReading, model_bytes: int | None = None) -> int:
+    """The budget of `--memory-budget auto`: what could be allocated now, less a safety margin; never negative.
+
+    What could be allocated now is `reading.headroom`: psutil's available memory (free memory plus page cache the
+    kernel can drop), or, inside a memory-limited cgroup, limit - (usage - inactive file cache) if that is less.
+    The cgroup's usage counts page cache too; its inactive part is dropped before the cgroup OOM-kills, so it is
+    room (the "working set" docker and kubelet report is usage - inactive_file).
+
+    This process's own RSS is not added back: it is Python, the non-expert weights and whatever else is loaded,
+    none of which the budget replaces.
+
+    The margin, max(10% of the limit, 512 MiB), is for what the budget does not count and that grows after this
+    reading: llama.cpp's compute buffers and KV cache, the page cache that cold expert reads pass through,
+    other processes, allocator slack. Running out of it means swapping or an OOM kill, while a smaller budget
+    only means more decoding, so it errs on the side of room. A caller that knows of other memory it will need
+    (say the KV cache of a long context) subtracts it itself.
+
+    model_bytes: the BF16 size of all the model's experts; the budget never exceeds it (a budget that holds every
+    expert decoded has nothing more to gain).
+    """
+    budget = max(0, reading.headroom - safety_margin(reading))
+    if model_bytes is not None:
+        budget = min(budget, max(0, model_bytes))
+    return budget

@@ -1,0 +1,557 @@
+"""Live adaptation: less memory while a model generates, and the run completes with the BF16 model's tokens and
+smaller cache tiers.
+
+While llama.cpp runs a zipmoe model, pyzipmoe.controller.MemoryMonitor re-plans the cache tiers when the memory
+the process may use changes, and hands the new slots to the running stores (zipmoe_cache_set_slots); each store
+applies them at its next invocation, evicting down. Two tests:
+
+* deterministic (no root): the model is loaded with a budget that holds every expert decoded; a monitor whose
+  memory reading is fake is stepped by hand between tokens: after a few tokens the reading says that only a
+  fraction of the experts fits any more (another process took the rest), later that memory is back. Every
+  token after the shrink must find the tiers within the smaller plan (plus the one layer's routed experts that
+  a store keeps pinned until its matmul has run); after the grow nothing is evicted any more and the whole
+  prompt fits decoded again; the logits of every position are bit-identical to the BF16 model's.
+* real (root, cgroup v1): the worker runs in a fresh memory cgroup with a generous limit, with
+  memory_budget="auto" (whose monitor thread reads the cgroup's limit from /proc/self/cgroup), and the test
+  lowers memory.limit_in_bytes while it generates: the monitor re-plans on its own, the tiers shrink, the limit
+  is never hit, and the tokens and logits are the BF16 model's.
+
+Models run in a child process with the build's libllama, as in test_llama.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pyzipmoe import synth
+
+PROMPT = ("the expert model said hello to the world of water and time, and then the people of the world "
+          "said hello to the expert")
+N_CTX = 256
+RUNTIME_ENV = ("ZIPMOE_CACHE", "ZIPMOE_MEMORY_BUDGET", "ZIPMOE_HOT_SHARE", "ZIPMOE_CACHE_POLICY", "ZIPMOE_SM_SHARE",
+               "ZIPMOE_PLAN")  # not from outside
+TIMEOUT = 60  # seconds for a worker
+
+# the deterministic test: tokens generated before the shrink, between the shrink and the grow, after the grow
+SHRINK_AT, GROW_AT, N_GEN = 4, 14, 22
+SHRINK_SHARE = 0.375  # of the experts' BF16 bytes: what the cache tiers may use after the shrink
+
+# the cgroup test
+CGROUP_LIMIT = 2 << 30  # generous: "auto" starts with every expert decoded
+CGROUP_TIERS = 12 << 20  # what the lowered limit leaves the tiers (the small model's experts are 48 MiB)
+CGROUP_BEFORE, CGROUP_AFTER, CGROUP_N_GEN = 8, 8, 40  # tokens before lowering, at least after the re-plan, all
+
+
+def _env(lib_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in RUNTIME_ENV}
+    env["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join([str(lib_dir), env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+# ------------------------------------------------------------------------------------------ the worker
+
+WORKER = r"""
+import json, os, sys, time
+import numpy as np
+job = json.loads(sys.argv[1])
+from pyzipmoe import controller, memory, planner
+from pyzipmoe.budget import model_memory
+from pyzipmoe.llama import Llama, zipmoe_stats
+
+FIELDS = ("hot_bytes", "warm_bytes", "sm_bytes", "evictions", "experts_decoded")
+
+def stats():
+    s = zipmoe_stats()
+    out = {k: int(s[k]) for k in FIELDS}
+    out["resident"] = out["hot_bytes"] + out["warm_bytes"] + out["sm_bytes"]
+    return out
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+def wait_for(path, seconds):
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no {path} after {seconds} s")
+        time.sleep(0.02)
+
+def load(model, **zipmoe):
+    t = job["threads"]
+    return Llama(model, n_ctx=job["n_ctx"], n_threads=t, n_threads_batch=t, n_batch=64, n_ubatch=64,
+                 logits_all=True, seed=0, verbose=False, **zipmoe)
+
+def fake_run(llm, model, res):
+    # a fake memory reading: `room` bytes for this process beyond what its tiers hold now, so that what the
+    # tiers give back comes back as available memory, as it would on a machine
+    need = model_memory(model)
+    full = need.minimum + need.expert_bytes
+    total = 4 << 30
+    room = {"bytes": total}
+    def read():
+        return memory.MemoryReading(total=total, available=max(0, room["bytes"] - controller.resident_bytes()),
+                                    rss=0)
+    margin = memory.safety_margin(read())
+    mon = controller.monitor_for(model, full, read=read, interval=3600)  # stepped by hand, never started
+    tiers = int(need.expert_bytes * job["shrink_share"])
+    res.update(minimum=need.minimum, full=full, tiers=tiers, margin=margin, steps=[])
+    res["steps"].append(("steady", mon.step(), mon.budget))
+    def at(i):
+        if i == job["shrink_at"]:
+            res["before_shrink"] = stats()
+            room["bytes"] = margin + tiers  # another process took the rest
+            res["steps"].append(("shrink", mon.step(), mon.budget))
+            res["right_after_shrink"] = stats()
+            res["shrink_plan"] = mon.replans[-1][1].encode() if mon.replans else None
+            res["expected_shrink_plan"] = planner.plan_for_budget(mon.planned.model, tiers).encode()
+            res["steps"].append(("same reading", mon.step(), mon.budget))
+        if i == job["grow_at"]:
+            res["before_grow"] = stats()
+            room["bytes"] = total  # it is back
+            res["steps"].append(("grow", mon.step(), mon.budget))
+            res["grow_plan"] = mon.replans[-1][1].encode() if mon.replans else None
+            res["steps"].append(("same reading", mon.step(), mon.budget))
+    return mon, at
+
+def cgroup_run(llm, model, res):
+    mon = llm.zipmoe_monitor
+    if mon is None:
+        raise SystemExit("memory_budget='auto' started no monitor")
+    res["auto_budget"] = mon.budget
+    stage = {"lowered": False, "replanned_at": None, "stopped": False}
+    def at(i):
+        if i == job["before"]:
+            res["before"] = {**stats(), "rss": rss(), "replans": len(mon.replans), "budget": mon.budget}
+            with open(job["ready"] + ".tmp", "w") as f:
+                json.dump(res["before"], f)
+            os.rename(job["ready"] + ".tmp", job["ready"])
+            wait_for(job["lowered"], 30)
+            stage["lowered"] = True
+            return
+        if not stage["lowered"] or stage["stopped"]:
+            return
+        if stage["replanned_at"] is None and mon.replans:
+            stage["replanned_at"] = i
+        if stage["replanned_at"] is None:
+            if i < job["n_gen"] - job["after"]:
+                time.sleep(0.05)  # generating slowly, while the monitor reads the memory
+                return
+            deadline = time.monotonic() + 20  # the last tokens must come after a re-plan
+            while not mon.replans and time.monotonic() < deadline:
+                time.sleep(0.05)
+            stage["replanned_at"] = i
+        # a settled plan for the last tokens: every store applies it at its next invocation
+        mon.stop()
+        stage["stopped"] = True
+        res["stopped_at"] = i
+        res["replanned_at"] = stage["replanned_at"]
+    return mon, at
+
+out, arrays = {"runs": []}, {}
+for name, model in job["models"]:
+    res = {"name": name}
+    out["runs"].append(res)
+    zipmoe = name != "bf16"
+    if not zipmoe:
+        llm = load(model)
+        mon, at = None, lambda i: None
+    elif job["mode"] == "fake":
+        need = model_memory(model)
+        llm = load(model, memory_budget=need.minimum + need.expert_bytes)
+        mon, at = fake_run(llm, model, res)
+    else:
+        llm = load(model, memory_budget="auto")
+        mon, at = cgroup_run(llm, model, res)
+    try:
+        tokens = llm.tokenize(job["prompt"].encode())
+        llm.eval(tokens)
+        res["prompt"] = [int(t) for t in tokens]
+        res["after_prompt"] = stats() if zipmoe else None
+        generated, per_token = [], []
+        for i in range(job["n_gen"]):
+            at(i)
+            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            generated.append(nxt)
+            llm.eval([nxt])
+            if zipmoe:
+                per_token.append(stats())
+        res["generated"] = generated
+        res["per_token"] = per_token
+        arrays[name] = np.array(llm.scores[: llm.n_tokens], dtype=np.float32)
+        if zipmoe:
+            res["end"] = {**stats(), "rss": rss()}
+            res["replans"] = [(b, p.encode()) for b, p in mon.replans]
+            res["final_budget"] = mon.budget
+        if zipmoe and job["mode"] == "fake":
+            llm.reset()  # the whole prompt again, in one batch, with the grown tiers
+            llm.eval(tokens)
+            arrays[name + "_again"] = np.array(llm.scores[: llm.n_tokens], dtype=np.float32)
+            res["prompt_again"] = stats()
+    finally:
+        llm.close()
+np.savez(job["out"], **arrays)
+print(json.dumps(out))
+"""
+
+
+def run_worker(job: dict[str, Any], lib_dir: Path, *, prefix: list[str] | None = None,
+               wait: bool = True) -> subprocess.Popen[str] | tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
+    """Starts the worker (argv prefixed by `prefix`), and with wait, returns its reports and arrays."""
+    argv = [*(prefix or []), sys.executable, "-c", WORKER, json.dumps(job)]
+    proc = subprocess.Popen(argv, env=_env(lib_dir), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    if not wait:
+        return proc
+    return finish(proc, job)
+
+
+def finish(proc: subprocess.Popen[str], job: dict[str, Any],
+           timeout: float = TIMEOUT) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"the worker took more than {timeout} s:\n{stderr[-3000:]}") from None
+    assert proc.returncode == 0, f"the worker failed (exit status {proc.returncode}):\n{stderr[-3000:]}"
+    reports = json.loads(stdout.strip().splitlines()[-1])["runs"]
+    with np.load(job["out"]) as z:
+        arrays = {k: z[k] for k in z.files}
+    return reports, arrays
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(10)
+
+
+def assert_bit_identical(a: np.ndarray, b: np.ndarray, what: str) -> None:
+    assert a.shape == b.shape, f"{what}: shapes {a.shape} and {b.shape}"
+    same = a.view(np.uint32) == b.view(np.uint32)
+    if not same.all():
+        pos, tok = np.argwhere(~same)[0]
+        raise AssertionError(f"{what}: {np.count_nonzero(~same)} of {a.size} logits differ, the first at position "
+                             f"{pos}, token {tok}: {a[pos, tok]!r} vs {b[pos, tok]!r}")
+
+
+def allowed_bytes(model: Path, plan: str) -> tuple[int, int, int]:
+    """(the tiers' bytes of `plan` as the planner counts them, as the runtime's limits count them, one layer's
+    routed experts decoded): a store keeps the experts its last invocation routed until its matmul has run,
+    beyond its limits, and one graph runs a layer at a time, so the tiers hold at most the plan plus the
+    last one."""
+    from pyzipmoe import planner
+    from pyzipmoe.format import open_zipmoe
+
+    slots = planner.decode_plan(plan)
+    g = planner.geometry_from_gguf(model)
+    planned = sum(h * g.hot_bytes[i] + w * g.warm_bytes[i] + s * g.sm_bytes[i]
+                  for i, (h, w, s) in enumerate(slots[layer] for layer in g.layers))
+    runtime = 0
+    for c in open_zipmoe(model).compressed:
+        info = c.expert.info
+        h, w, s = slots[int(c.name.split(".")[1])]
+        # store.c: hot slots of n_per_expert BF16 values, warm slots of the mean region (data size / n_expert,
+        # rounded up), sm slots of n_per_expert bytes
+        runtime += h * 2 * info.n_per_expert + w * -(-info.data_size // info.n_expert) + s * info.n_per_expert
+    return planned, runtime, g.n_expert_used * max(g.hot_bytes)
+
+
+# ------------------------------------------------------------------------------------- deterministic
+
+
+def _budget_checks(model: Path, plan: str, tiers_budget: int, resident: int, what: str) -> None:
+    """resident (hot + warm + sm) is within what `plan` allows the runtime plus one layer's routed experts, and
+    within the tiers' budget the plan was made for plus the same."""
+    _, runtime, routed = allowed_bytes(model, plan)
+    assert resident <= runtime + routed, (f"{what}: the tiers hold {resident} bytes, more than plan {plan} allows "
+                                          f"({runtime} bytes of slots + {routed} of one layer's routed experts)")
+    assert resident <= tiers_budget + routed, (f"{what}: the tiers hold {resident} bytes, more than the "
+                                               f"{tiers_budget} bytes plan {plan} was made for (+ {routed} routed)")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe"])
+def test_shrink_and_grow_while_generating_same_logits(arch: str, threads: int, llama_lib_dir: Path,
+                                                     tiny_models: dict[str, Path],
+                                                     zipmoe_models: dict[tuple[str, str], Path],
+                                                     tmp_path: Path) -> None:
+    """The budget holds every expert; after SHRINK_AT tokens the (fake) memory reading leaves the tiers
+    SHRINK_SHARE of the experts, after GROW_AT tokens all of them again. Monitor steps are taken by hand between
+    tokens, so the test is deterministic."""
+    from pyzipmoe.budget import model_memory
+
+    model = zipmoe_models[arch, "huff"]
+    job = {"mode": "fake", "models": [("bf16", str(tiny_models[arch])), ("zipmoe", str(model))], "prompt": PROMPT,
+           "n_ctx": N_CTX, "n_gen": N_GEN, "shrink_at": SHRINK_AT, "grow_at": GROW_AT, "shrink_share": SHRINK_SHARE,
+           "threads": threads, "out": str(tmp_path / "logits.npz")}
+    (ref, got), arrays = run_worker(job, llama_lib_dir)  # type: ignore[misc]
+    need = model_memory(model)
+    full, tiers = need.minimum + need.expert_bytes, int(need.expert_bytes * SHRINK_SHARE)
+    where = f"{arch}, {threads} thread(s)"
+
+    # the same computation as the BF16 model's, bit for bit, through the shrink and the grow
+    assert got["prompt"] == ref["prompt"] and len(ref["prompt"]) >= 16
+    print(where, got.get("replanned_at"), got.get("stopped_at"), got.get("auto_budget"))
+    assert got["generated"] == ref["generated"], where
+    assert_bit_identical(arrays["zipmoe"], arrays["bf16"], f"{where}: zipmoe with a shrink and a grow vs BF16")
+    assert arrays["bf16"].shape[0] == len(ref["prompt"]) + N_GEN
+
+    # the monitor: no re-plan while nothing changes, one per change, none when the same reading comes again
+    assert got["full"] == full and got["tiers"] == tiers
+    assert got["steps"] == [["steady", False, full], ["shrink", True, need.minimum + tiers],
+                            ["same reading", False, need.minimum + tiers], ["grow", True, full],
+                            ["same reading", False, full]], got["steps"]
+    assert got["shrink_plan"] == got["expected_shrink_plan"]
+    assert [b for b, _ in got["replans"]] == [need.minimum + tiers, full]
+    shrink_plan, grow_plan = got["shrink_plan"], got["grow_plan"]
+    assert grow_plan == ";".join(f"{layer}:8,0,0" for layer in range(2)), grow_plan  # every expert decoded
+
+    # before the shrink every expert is decoded (the prompt, in one batch, routes to all of them)
+    before = got["before_shrink"]
+    assert before["hot_bytes"] == need.expert_bytes and before["evictions"] == 0, before
+    # a re-plan only sets slots: the stores apply them at their next invocation
+    assert got["right_after_shrink"] == before, (before, got["right_after_shrink"])
+
+    # every token after the shrink: the tiers within the smaller plan (+ one layer's routed experts)
+    per_token = got["per_token"]
+    planned, runtime, routed = allowed_bytes(model, shrink_plan)
+    assert runtime + routed < before["resident"] // 2, "the shrink is too small to show"
+    for i in range(SHRINK_AT, GROW_AT):
+        _budget_checks(model, shrink_plan, tiers, per_token[i]["resident"], f"{where}, token {i} after the shrink")
+    assert per_token[SHRINK_AT]["evictions"] > 0
+    assert all(t["resident"] < before["resident"] for t in per_token[SHRINK_AT:GROW_AT])
+
+    # after the grow nothing is evicted, and the whole prompt fits decoded again with the same logits
+    grown = per_token[GROW_AT - 1:]
+    assert len({t["evictions"] for t in grown}) == 1, [t["evictions"] for t in grown]
+    assert all(a["hot_bytes"] <= b["hot_bytes"] for a, b in zip(grown, grown[1:])), [t["hot_bytes"] for t in grown]
+    again = got["prompt_again"]
+    assert again["hot_bytes"] == need.expert_bytes and again["evictions"] == grown[-1]["evictions"], again
+    n_prompt = len(ref["prompt"])
+    assert_bit_identical(arrays["zipmoe_again"][:n_prompt], arrays["bf16"][:n_prompt], f"{where}: the prompt again")
+
+
+# --------------------------------------------------------------------------- the store's invocation protocol
+
+STORE_RACE = r"""
+import json, os, sys, threading
+import numpy as np
+from pyzipmoe import format
+from pyzipmoe._native import ffi, lib
+
+path, name, scenario = sys.argv[1:4]
+ct = format.open_zipmoe(path).compressed_by_name[name]
+prefix = name[: name.index(".", 4) + 1].encode()  # "blk.N."
+lib.zipmoe_cache_configure(2**64 - 1, 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
+lib.zipmoe_cache_set_slots(ffi.NULL, 0, 0, 0)
+with open(path, "rb") as f:
+    f.seek(ct.index.file_offset)
+    index = f.read(ct.index.nbytes)
+    out = ffi.new("zipmoe_store **")
+    assert lib.zipmoe_store_open(name.encode(), index, len(index), ct.data.nbytes, out) == 0
+    store = out[0]
+    dst, size = ffi.new("void **"), ffi.new("size_t *")
+    assert lib.zipmoe_store_bind(store, f.fileno(), ct.data.file_offset, dst, size) == 0
+
+def materialize(key, ids, ith, nth):
+    ids = np.ascontiguousarray(ids, np.int32)
+    return lib.zipmoe_store_materialize(store, key, ffi.from_buffer(ids), ids.shape[1], ids.shape[0], 4,
+                                        ids.shape[1] * 4, ith, nth)
+
+def hot_experts():
+    s = ffi.new("zipmoe_stats *")
+    lib.zipmoe_stats_get(s)
+    return s.hot_bytes // (2 * ct.expert.info.n_per_expert)
+
+k0, k1, k2 = (ffi.new("char[1]") for _ in range(3))
+assert materialize(k0, [[0, 1], [2, 3]], 0, 1) >= 0  # experts 0-3 decoded: within the limits, all hot
+# one invocation that routes to hot experts, on two threads that ggml happens to run one after the other
+if scenario == "between":  # the slots changed before it: thread 1 plans, refreshing the store's limits,
+    lib.zipmoe_cache_set_slots(prefix, 1, 0, 0)  # before thread 0 looks at the fast path
+    statuses = [materialize(k1, [[0, 1]], 1, 2), materialize(k1, [[0, 1]], 0, 2)]
+else:  # "during": the monitor thread changes them while it runs, after thread 0 took the fast path
+    first = materialize(k1, [[0, 1]], 0, 2)
+    lib.zipmoe_cache_set_slots(prefix, 1, 0, 0)
+    statuses = [first, materialize(k1, [[0, 1]], 1, 2)]
+result = {}
+nxt = threading.Thread(target=lambda: result.update(status=materialize(k2, [[5]], 0, 1)), daemon=True)
+nxt.start()
+nxt.join(5)
+print(json.dumps({"statuses": statuses, "next_done": not nxt.is_alive(), "next": result.get("status"),
+                  "hot_experts": hot_experts()}), flush=True)
+os._exit(0)  # a store that is still in use must not be freed
+"""
+
+
+@pytest.mark.parametrize("scenario", ["between", "during"])
+def test_slots_changed_around_an_invocation_keep_the_store_working(scenario: str, zipmoe_model: Path) -> None:
+    """The threads of one invocation must agree on the fast path (every routed expert hot, limits current): if
+    one of them plans on the slow path and another leaves on the fast one, nobody publishes the plan nor
+    releases it, and the store's next invocation waits forever (or, under the same key, as llama.cpp's reused
+    graphs give, joins the stale plan). New slots reach the stores exactly there: between tokens, when the
+    first thread to plan refreshes the store's limits before a sibling checks them ("between"), or from the
+    monitor's thread at any moment ("during")."""
+    from pyzipmoe import _native
+
+    del _native  # the native library must be built (imported here so that a missing one is a clear error)
+    done = subprocess.run([sys.executable, "-c", STORE_RACE, str(zipmoe_model), "blk.0.ffn_gate_exps.weight",
+                           scenario], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(s >= 0 for s in report["statuses"]), report
+    assert report["next_done"], (f"after new slots {scenario} an invocation whose threads split between the fast "
+                                 f"and the slow path, the store's next invocation hangs: {report}")
+    assert report["next"] >= 0 and report["hot_experts"] == 1, report  # expert 5, within the new limit of 1
+
+
+# -------------------------------------------------------------------------------------------- cgroup v1
+
+
+def _memory_mount() -> Path | None:
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 4 and fields[2] == "cgroup" and "memory" in fields[3].split(","):
+                    return Path(fields[1])
+    except OSError:
+        pass
+    return None
+
+
+@pytest.fixture(scope="module")
+def cgroup_parent() -> Path:
+    """Where this test may make a memory cgroup (v1): skipped when not root or without the memory controller."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a memory cgroup and lower its limit")
+    mount = _memory_mount()
+    if mount is None:
+        pytest.skip("the cgroup v1 memory controller is not mounted")
+    from pyzipmoe.memory import cgroup_membership
+
+    parent = mount / cgroup_membership().get("memory", "/").lstrip("/")
+    if not (parent / "memory.limit_in_bytes").is_file() or not os.access(parent, os.W_OK):
+        pytest.skip(f"cannot make memory cgroups in {parent}")
+    return parent
+
+
+@pytest.fixture(scope="module")
+def small_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The small preset (BF16, 61 MiB: 48 MiB of experts, 16 per layer) and its zipmoe GGUF."""
+    from pyzipmoe import convert
+
+    d = tmp_path_factory.mktemp("adapt")
+    bf16, packed = d / "small.gguf", d / "small.zipmoe.gguf"
+    synth.write_config(bf16, synth.PRESETS["small"])
+    convert.convert(bf16, packed, threads=2)
+    return bf16, packed
+
+
+def _read_int(path: Path) -> int:
+    return int(path.read_text().strip())
+
+
+def _inactive_file(cg: Path) -> int:
+    for line in (cg / "memory.stat").read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if key == "total_inactive_file":
+            return int(value)
+    return 0
+
+
+def test_lowered_cgroup_limit_while_generating(llama_lib_dir: Path, cgroup_parent: Path,
+                                               small_models: tuple[Path, Path], tmp_path: Path) -> None:
+    """memory_budget="auto" in a cgroup with a generous limit keeps every expert decoded; after CGROUP_BEFORE
+    tokens the test lowers the limit so that, after the safety margin, the tiers get CGROUP_TIERS bytes. The
+    limit stays above what the cgroup uses: nothing forces the tiers down except the monitor's reading.
+
+    One thread: with more, a re-plan between tokens can split an invocation's threads between the store's fast
+    and slow paths (see test_slots_changed_around_an_invocation_keep_the_store_working)."""
+    from pyzipmoe.budget import model_memory
+    from pyzipmoe.memory import MIN_MARGIN
+
+    bf16, packed = small_models
+    need = model_memory(packed)
+    common = {"mode": "cgroup", "prompt": PROMPT, "n_ctx": N_CTX, "n_gen": CGROUP_N_GEN, "threads": int(os.environ.get("ADAPT_T", "1")),
+              "before": CGROUP_BEFORE, "after": CGROUP_AFTER}
+    (ref,), ref_arrays = run_worker({**common, "models": [("bf16", str(bf16))], "out": str(tmp_path / "bf16.npz")},
+                                    llama_lib_dir)  # type: ignore[misc]
+
+    cg = cgroup_parent / f"zipmoe-adapt-{os.getpid()}"
+    cg.mkdir()
+    proc = None
+    try:
+        (cg / "memory.limit_in_bytes").write_text(str(CGROUP_LIMIT))
+        job = {**common, "models": [("zipmoe", str(packed))], "out": str(tmp_path / "zipmoe.npz"),
+               "ready": str(tmp_path / "ready.json"), "lowered": str(tmp_path / "lowered")}
+        # the shell puts itself in the cgroup, then becomes the worker: everything it allocates is charged there
+        proc = run_worker(job, llama_lib_dir, prefix=["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"',
+                                                      str(cg / "cgroup.procs")], wait=False)
+        deadline = time.monotonic() + TIMEOUT
+        ready = Path(job["ready"])
+        while not ready.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                _, err = proc.communicate(timeout=10) if proc.poll() is not None else ("", "")
+                raise AssertionError(f"the worker did not get to its first {CGROUP_BEFORE} tokens:\n{err[-3000:]}")
+            time.sleep(0.02)
+        before = json.loads(ready.read_text())
+        assert before["replans"] == 0 and before["budget"] == need.minimum + need.expert_bytes, before
+        assert before["resident"] == need.expert_bytes, before  # every expert decoded
+
+        # lower the limit: what the monitor will compute is held + (limit - in use) - margin = minimum + tiers
+        usage, inactive = _read_int(cg / "memory.usage_in_bytes"), _inactive_file(cg)
+        in_use = usage - min(inactive, usage)
+        limit = in_use + MIN_MARGIN + CGROUP_TIERS - before["resident"]
+        assert limit * 0.1 < MIN_MARGIN  # so the margin is MIN_MARGIN
+        assert limit > usage + (64 << 20), (limit, usage, inactive)  # well above what is used: no reclaim, no OOM
+        (cg / "memory.limit_in_bytes").write_text(str(limit))
+        Path(job["lowered"]).write_text(str(limit))
+
+        (got,), arrays = finish(proc, job, TIMEOUT)
+        failcnt = _read_int(cg / "memory.failcnt")
+        peak = _read_int(cg / "memory.max_usage_in_bytes")
+    finally:
+        if proc is not None:
+            _kill(proc)
+        for _ in range(50):
+            try:
+                cg.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.1)  # the worker may take a moment to leave
+    assert not cg.exists(), f"could not remove {cg}"
+
+    where = (f"limit lowered from {CGROUP_LIMIT >> 20} to {limit / 2**20:.1f} MiB (in use {in_use / 2**20:.1f} MiB, "
+             f"peak {peak / 2**20:.1f} MiB, failcnt {failcnt}); replans {got['replans']}; before {before}, "
+             f"end {got['end']}")
+    print(where, got.get("replanned_at"), got.get("stopped_at"), got.get("auto_budget"))
+    assert got["generated"] == ref["generated"], where
+    assert_bit_identical(arrays["zipmoe"], ref_arrays["bf16"], f"zipmoe with a lowered limit vs BF16 ({where})")
+    assert got["replans"], f"the monitor did not re-plan: {where}"
+    assert got["replanned_at"] <= CGROUP_N_GEN - CGROUP_AFTER, where  # some tokens came after the re-plan
+    # the tiers shrank, within the last plan, and the process gave the memory back
+    budget, plan = got["replans"][-1]
+    assert budget < need.minimum + CGROUP_TIERS + (4 << 20), where  # the target, give or take the noise
+    end = got["end"]
+    assert end["resident"] < before["resident"] // 2, where
+    _budget_checks(packed, plan, budget - need.minimum, end["resident"], where)
+    assert end["rss"] < before["rss"] - (before["resident"] - end["resident"]) // 2, where
+    assert failcnt == 0, where  # the limit was never reached: the tiers shrank because the monitor asked

@@ -1,0 +1,120 @@
+"""zipmoe inside a cgroup v1 memory limit smaller than the BF16 model: it completes, with the BF16 model's tokens.
+
+The model is the "small" synthetic preset (61 MiB of BF16: 48 MiB of experts in 4 layers of 16, 13 MiB of other
+weights). The limit is 85 % of the BF16 file (52 MiB) and ZIPMOE_MEMORY_BUDGET is the limit less MARGIN (the
+program's own memory: heap, thread stacks, KV cache and compute buffers, a few MiB here), 40 MiB: room for the 13
+MiB of other weights, one layer's experts in flight (12 MiB) and 15 MiB of cache tiers, so the runtime must
+evict. The limit is meaningful at this size: llama-simple's own memory besides the model is about 5 MiB (a run of
+the BF16 model with its file already cached peaks at 4.6 MiB in its cgroup), while zipmoe with an unbounded cache
+peaks at about 92 MiB, and a runtime that ignored the budget was OOM-killed in this limit (measured while writing
+this test). The zipmoe file is evicted from the page cache before the run (fsync + POSIX_FADV_DONTNEED on that
+file only; nothing system-wide), so that what the run reads from it is charged to its cgroup.
+
+The cgroup code is tools/bench_budget.py's (run_limited), so this also exercises the benchmark's plumbing.
+Needs root, the cgroup v1 memory controller and zipmoe's llama.cpp build (llama-simple); skipped without them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from pyzipmoe import synth
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "tools" / "bench_budget.py"
+PROMPT = "Once upon a time"
+N_GEN = 8
+LIMIT_SHARE = 0.85  # of the BF16 file
+MARGIN = 12 << 20  # the program's own memory, outside ZIPMOE_MEMORY_BUDGET
+TIMEOUT = 50  # seconds; a run that thrashes this long has lost already
+RUNTIME_ENV = ("ZIPMOE_CACHE", "ZIPMOE_MEMORY_BUDGET", "ZIPMOE_HOT_SHARE", "ZIPMOE_CACHE_POLICY", "ZIPMOE_SM_SHARE",
+               "ZIPMOE_PLAN")  # not from outside
+
+
+def _bench_module() -> ModuleType:
+    if "bench_budget" in sys.modules:
+        return sys.modules["bench_budget"]
+    spec = importlib.util.spec_from_file_location("bench_budget", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_budget"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def cgroup_parent() -> Path:
+    """Where this test may make a memory cgroup: skip when not root or without the cgroup v1 memory controller."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a memory cgroup")
+    bench = _bench_module()
+    try:
+        mount = bench.memory_mount()
+    except bench.BenchError as e:
+        pytest.skip(str(e))
+    parent = mount / bench.own_memory_cgroup().lstrip("/")
+    if not (parent / "memory.limit_in_bytes").is_file() or not os.access(parent, os.W_OK):
+        pytest.skip(f"cannot make memory cgroups in {parent}")
+    return parent
+
+
+@pytest.fixture(scope="module")
+def small_models(tmp_path_factory: pytest.TempPathFactory, cgroup_parent: Path) -> tuple[Path, Path]:
+    """The small preset (BF16) and its zipmoe GGUF."""
+    from pyzipmoe import convert
+
+    d = tmp_path_factory.mktemp("cgroup")
+    bf16, packed = d / "small.gguf", d / "small.zipmoe.gguf"
+    synth.write_config(bf16, synth.PRESETS["small"])
+    convert.convert(bf16, packed, threads=2)
+    return bf16, packed
+
+
+def _evict(path: Path) -> None:
+    """Drops one file's pages from the page cache, so that reading it is charged to the reader's cgroup."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_zipmoe_completes_in_a_limit_below_the_bf16_model(llama_lib_dir: Path, cgroup_parent: Path,
+                                                          small_models: tuple[Path, Path], tmp_path: Path) -> None:
+    from pyzipmoe import runner
+
+    simple = llama_lib_dir / "llama-simple"
+    if not simple.is_file():
+        pytest.skip(f"{simple} was not built")
+    bench = _bench_module()
+    bf16, packed = small_models
+    limit = int(bf16.stat().st_size * LIMIT_SHARE)
+    assert limit < bf16.stat().st_size
+    base = runner.environment(base={k: v for k, v in os.environ.items() if k not in RUNTIME_ENV})
+
+    # the reference: the BF16 model, no limit
+    ref = bench.run_limited([str(simple), "-m", str(bf16), "-n", str(N_GEN), PROMPT], base, cgroup_parent, None,
+                            TIMEOUT, tmp_path / "bf16", drop_cache=False)
+    assert ref["status"] == "ok", f"the BF16 run failed: {ref.get('message')}\n{ref['stderr_tail']}"
+    bench.parse_tg(ref)
+    assert ref["tokens"] == N_GEN
+
+    _evict(packed)
+    env = {**base, "ZIPMOE_MEMORY_BUDGET": str(limit - MARGIN)}
+    got = bench.run_limited([str(simple), "-m", str(packed), "-n", str(N_GEN), PROMPT], env, cgroup_parent, limit,
+                            TIMEOUT, tmp_path / "zipmoe", drop_cache=False)
+    where = (f"limit {limit / 2**20:.1f} MiB, ZIPMOE_MEMORY_BUDGET {(limit - MARGIN) / 2**20:.1f} MiB, "
+             f"peak {got.get('peak_bytes', 0) / 2**20:.1f} MiB, failcnt {got.get('failcnt')}")
+    assert got["status"] != "oom", f"zipmoe was OOM-killed ({where})"
+    assert got["status"] != "timeout", f"zipmoe took more than {TIMEOUT} s ({where}): thrashing?"
+    assert got["status"] == "ok", f"zipmoe failed ({where}): {got.get('message')}\n{got['stderr_tail']}"
+    assert got["limit_bytes"] == limit and got["peak_bytes"] <= limit
+    bench.parse_tg(got)
+    assert got["tokens"] == N_GEN
+    assert got["text"] == ref["text"], f"zipmoe generated other tokens than BF16 ({where})"

@@ -1,0 +1,228 @@
+"""Memory readings (psutil, cgroup v1 and v2 in fake trees), the `auto` budget, and budget strings that are wrong."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pyzipmoe import memory
+from pyzipmoe.budget import cache_environment, parse_budget
+from pyzipmoe.errors import ZipmoeError
+from pyzipmoe.memory import MIN_MARGIN, MemoryReading, auto_budget, cgroup_memory, read_memory, safety_margin
+
+GiB, MiB = 1 << 30, 1 << 20
+V1_UNLIMITED = 9223372036854771712  # what cgroup v1 writes for "no limit" with 4 KiB pages
+
+
+def write_tree(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+@pytest.fixture
+def fake(tmp_path: Path):
+    """(cgroup root, /proc/self) of a fake machine, filled by the test."""
+    cg, proc = tmp_path / "cgroup", tmp_path / "proc"
+    cg.mkdir()
+    proc.mkdir()
+    return cg, proc
+
+
+def read(fake) -> memory.CgroupMemory | None:
+    cg, proc = fake
+    return cgroup_memory(cgroup_root=cg, proc_self=proc)
+
+
+# ------------------------------------------------------------------------------------------ cgroup v1
+
+
+def test_v1_limit_and_usage_of_own_cgroup(fake):
+    cg, proc = fake
+    write_tree(proc, {"cgroup": "5:cpu,cpuacct:/\n4:memory:/docker/abc\n1:name=systemd:/x\n0::/\n"})
+    write_tree(cg, {"memory/memory.limit_in_bytes": f"{V1_UNLIMITED}\n",
+                    "memory/docker/abc/memory.limit_in_bytes": f"{4 * GiB}\n",
+                    "memory/docker/abc/memory.usage_in_bytes": f"{GiB}\n",
+                    "memory/docker/abc/memory.stat": "cache 300\ninactive_file 100\ntotal_inactive_file 200\n"})
+    got = read(fake)
+    assert (got.limit, got.usage, got.reclaimable) == (4 * GiB, GiB, 200)  # total_ (hierarchical) wins
+    assert got.path == cg / "memory/docker/abc"
+
+
+def test_v1_no_limit_is_none(fake):
+    cg, proc = fake
+    write_tree(proc, {"cgroup": "4:memory:/user.slice\n"})
+    write_tree(cg, {"memory/memory.limit_in_bytes": f"{V1_UNLIMITED}\n",
+                    "memory/user.slice/memory.limit_in_bytes": f"{V1_UNLIMITED}\n",
+                    "memory/user.slice/memory.usage_in_bytes": "12345\n"})
+    assert read(fake) is None
+
+
+def test_v1_container_without_cgroup_namespace_reads_mount_root(fake):
+    """/proc/self/cgroup names the host's path, the container sees its own cgroup at the mount."""
+    cg, proc = fake
+    write_tree(proc, {"cgroup": "4:memory:/docker/0123abcd\n"})
+    write_tree(cg, {"memory/memory.limit_in_bytes": f"{2 * GiB}\n", "memory/memory.usage_in_bytes": f"{GiB}\n"})
+    got = read(fake)
+    assert (got.limit, got.usage, got.reclaimable) == (2 * GiB, GiB, 0)  # no memory.stat: nothing reclaimable
+
+
+def test_ancestor_with_less_room_binds(fake):
+    cg, proc = fake
+    write_tree(proc, {"cgroup": "0::/pod/app\n"})
+    write_tree(cg, {"cgroup.controllers": "cpu memory\n",
+                    "pod/memory.max": f"{3 * GiB}\n", "pod/memory.current": f"{2 * GiB}\n",
+                    "pod/app/memory.max": f"{8 * GiB}\n", "pod/app/memory.current": f"{GiB}\n"})
+    got = read(fake)
+    assert (got.limit, got.usage) == (3 * GiB, 2 * GiB) and got.path == cg / "pod"
+
+
+# ------------------------------------------------------------------------------------------ cgroup v2
+
+
+def test_v2_limit_usage_and_inactive_file(fake):
+    cg, proc = fake
+    write_tree(proc, {"cgroup": "0::/system.slice/zipmoe.service\n"})
+    write_tree(cg, {"cgroup.controllers": "cpu io memory\n",
+                    "system.slice/zipmoe.service/memory.max": f"{6 * GiB}\n",
+                    "system.slice/zipmoe.service/memory.current": f"{2 * GiB}\n",
+                    "system.slice/zipmoe.service/memory.stat": f"anon 5\nfile 9\ninactive_file {GiB}\nactive_file 3\n"})
+    got = read(fake)
+    assert (got.limit, got.usage, got.reclaimable) == (6 * GiB, 2 * GiB, GiB)
+
+
+def test_v2_max_is_no_limit(fake):
+    cg, proc = fake
+    write_tree(proc, {"cgroup": "0::/a\n"})
+    write_tree(cg, {"cgroup.controllers": "memory\n", "a/memory.max": "max\n", "a/memory.current": "5\n"})
+    assert read(fake) is None
+
+
+def test_v2_hybrid_mode_under_unified(fake):
+    """systemd's hybrid layout: v1 controllers at the root, v2 at unified/ (here without a v1 memory line)."""
+    cg, proc = fake
+    write_tree(proc, {"cgroup": "1:name=systemd:/a\n0::/a\n"})
+    write_tree(cg, {"unified/cgroup.controllers": "memory\n", "unified/a/memory.max": f"{GiB}\n",
+                    "unified/a/memory.current": f"{100 * MiB}\n"})
+    got = read(fake)
+    assert (got.limit, got.usage) == (GiB, 100 * MiB)
+
+
+@pytest.mark.parametrize("files", [
+    {},  # no cgroup filesystem at all
+    {"cgroup.controllers": "memory\n"},  # v2 root: no memory.max there
+    {"cgroup.controllers": "memory\n", "memory.max": "lots\n"},  # garbled
+    {"cgroup.controllers": "memory\n", "memory.max": ""},  # empty
+])
+def test_missing_or_garbled_files_are_no_limit(fake, files):
+    cg, proc = fake
+    write_tree(proc, {"cgroup": "0::/\n"})
+    write_tree(cg, files)
+    assert read(fake) is None
+
+
+def test_no_proc_self_cgroup(fake):
+    assert read(fake) is None  # not Linux, or no /proc: nothing limits what we know of
+
+
+def test_unreadable_usage_counts_as_zero(fake):
+    cg, proc = fake
+    write_tree(proc, {"cgroup": "0::/\n"})
+    write_tree(cg, {"cgroup.controllers": "memory\n", "memory.max": f"{GiB}\n"})
+    got = read(fake)
+    assert (got.limit, got.usage) == (GiB, 0)
+
+
+def test_read_memory_combines_psutil_and_cgroup(fake):
+    cg, proc = fake
+    write_tree(proc, {"cgroup": "0::/\n"})
+    write_tree(cg, {"cgroup.controllers": "memory\n", "memory.max": f"{GiB}\n", "memory.current": f"{MiB}\n"})
+    r = read_memory(cgroup_root=cg, proc_self=proc)
+    assert r.total > 0 and 0 < r.available <= r.total and r.rss > 0
+    assert (r.cgroup_limit, r.cgroup_usage, r.cgroup_reclaimable) == (GiB, MiB, 0)
+
+
+def test_read_memory_of_this_machine():
+    r = read_memory()
+    assert r.total > 0 and r.available > 0 and r.rss > 0
+    assert (r.cgroup_limit is None) == (r.cgroup_usage is None)
+
+
+# ------------------------------------------------------------------------------------------ auto budget
+
+
+def reading(**kw) -> MemoryReading:
+    values = {"total": 16 * GiB, "available": 10 * GiB, "rss": 200 * MiB}
+    return MemoryReading(**{**values, **kw})
+
+
+def test_auto_budget_without_cgroup_is_available_less_margin():
+    r = reading()
+    assert safety_margin(r) == int(1.6 * GiB)  # 10% of 16 GiB
+    assert auto_budget(r) == 10 * GiB - int(1.6 * GiB)
+
+
+def test_margin_is_at_least_512_mib():
+    r = reading(total=2 * GiB, available=GiB)
+    assert safety_margin(r) == MIN_MARGIN
+    assert auto_budget(r) == GiB - MIN_MARGIN
+
+
+def test_cgroup_with_less_room_than_machine_binds():
+    r = reading(cgroup_limit=4 * GiB, cgroup_usage=3 * GiB, cgroup_reclaimable=GiB)
+    # room in the cgroup: 4 - (3 - 1) = 2 GiB; margin 10% of the 4 GiB limit, at least 512 MiB
+    assert auto_budget(r) == 2 * GiB - MIN_MARGIN
+
+
+def test_machine_with_less_room_than_cgroup_binds():
+    r = reading(available=3 * GiB, cgroup_limit=12 * GiB, cgroup_usage=0)
+    assert auto_budget(r) == 3 * GiB - int(1.2 * GiB)  # margin: 10% of the 12 GiB limit, not of the 16 GiB RAM
+
+
+def test_auto_budget_never_negative_and_capped_by_model():
+    assert auto_budget(reading(available=100 * MiB)) == 0
+    assert auto_budget(reading(cgroup_limit=GiB, cgroup_usage=2 * GiB)) == 0  # over its limit already
+    assert auto_budget(reading(), model_bytes=3 * GiB) == 3 * GiB
+    assert auto_budget(reading(), model_bytes=100 * GiB) == auto_budget(reading())
+
+
+def test_parse_budget_auto(monkeypatch):
+    monkeypatch.setattr(memory, "read_memory", lambda **kw: reading())
+    expect = 10 * GiB - int(1.6 * GiB)
+    assert parse_budget("auto") == expect
+    assert parse_budget(" AUTO ") == expect
+    assert parse_budget("auto", model_bytes=GiB) == GiB
+    assert cache_environment("auto") == {"ZIPMOE_MEMORY_BUDGET": str(expect)}
+
+
+def test_parse_budget_auto_on_this_machine():
+    assert parse_budget("auto") >= 0
+
+
+# ------------------------------------------------------------------------------------------ bad budgets
+
+
+@pytest.mark.parametrize("text,says", [
+    ("-1", "'-1' is not a size (it is negative): write e.g. 6GiB, 512MiB, 60% or auto"),
+    ("abc", "'abc' is not a size: write e.g. 6GiB, 512MiB, 60% or auto"),
+    ("1.5.2GiB", "'1.5.2GiB' is not a size: write e.g."),
+    ("", "'' is not a size (it is empty): write e.g."),
+    ("   ", "is not a size (it is empty)"),
+    ("200%", "'200%' is more than all of the memory: write at most 100%, or auto"),
+    ("6 parsecs", "unknown unit 'parsecs': use B, KiB, MiB, GiB, TiB or %, or write auto"),
+    ("autox", "'autox' is not a size: write e.g."),
+    (-5, "memory budget -5 is negative: write e.g."),
+])
+def test_bad_budgets_say_what_to_write(text, says):
+    with pytest.raises(ZipmoeError) as e:
+        parse_budget(text, total=1000)
+    message = str(e.value)
+    assert says in message and "\n" not in message
+
+
+def test_zero_is_a_budget():
+    """Not an error: the runtime then keeps no expert and decodes on every use (test_llama runs it)."""
+    assert parse_budget("0") == 0 and parse_budget(0) == 0 and parse_budget("0%", total=1000) == 0

@@ -1,0 +1,454 @@
+"""The tier planner (pyzipmoe/planner.py) and `zipmoe plan` (pyzipmoe/cli_plan.py).
+
+The planner's numbers are checked against brute force: enumeration of every routed set for small layers (the
+conditional Poisson design, the tier-count distribution, the expected delay), every slot allocation for a tiny
+two-layer model (the dynamic programme), and sampling (the delay, independently of the enumeration).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pyzipmoe import cli_plan, planner
+from pyzipmoe.errors import ZipmoeError
+from pyzipmoe.planner import Costs, ModelGeometry, PlanInputError, TierSeconds
+
+SECONDS = TierSeconds(decode=0.3, read_sm=0.7, read_cold=1.1)  # reads and decoding both matter in the max
+
+
+def skewed(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Zipf-like frequencies, shuffled, sometimes with an expert never used."""
+    f = rng.permutation(1.0 / np.arange(1, n + 1) ** rng.uniform(0.3, 2.5))
+    if rng.random() < 0.3:
+        f[rng.integers(n)] = 0
+    return f
+
+
+def splits(n: int):
+    return [(h, w, s) for h in range(n + 1) for w in range(n + 1 - h) for s in range(n + 1 - h - w)]
+
+
+# ------------------------------------------------------------------------------ brute force
+
+
+def routed_sets(p: np.ndarray, k: int) -> list[tuple[tuple[int, ...], float]]:
+    """Every set of k experts with its probability under independent Bernoulli(p) conditioned on k successes."""
+    sets = list(itertools.combinations(range(p.size), k))
+    weights = np.array([np.prod(np.where(np.isin(np.arange(p.size), s), p, 1 - p)) for s in sets])
+    return list(zip(sets, weights / weights.sum()))
+
+
+def brute_inclusion(p: np.ndarray, k: int) -> np.ndarray:
+    pi = np.zeros(p.size)
+    for s, w in routed_sets(p, k):
+        pi[list(s)] += w
+    return pi
+
+
+def brute_tier_counts(p: np.ndarray, k: int, hot: int, warm: int, sm: int) -> np.ndarray:
+    tier = np.repeat([0, 1, 2, 3], [hot, warm, sm, p.size - hot - warm - sm])
+    joint = np.zeros((k + 1,) * 4)
+    for s, w in routed_sets(p, k):
+        joint[tuple(np.bincount(tier[list(s)], minlength=4))] += w
+    return joint
+
+
+def brute_delay(p: np.ndarray, k: int, hot: int, warm: int, sm: int, t: TierSeconds) -> float:
+    joint = brute_tier_counts(p, k, hot, warm, sm)
+    return sum(w * max((b + c + d) * t.decode, c * t.read_sm + d * t.read_cold)
+               for (a, b, c, d), w in np.ndenumerate(joint) if w)
+
+
+# --------------------------------------------------------------------------- the routing design
+
+
+def test_cp_fit_reaches_the_targets_on_random_layers():
+    rng = np.random.default_rng(1)
+    for _ in range(25):
+        n = int(rng.integers(3, 65))
+        k = int(rng.integers(1, min(8, n - 1) + 1))
+        design = planner.layer_design(skewed(rng, n), k)
+        assert design.inclusion.sum() == pytest.approx(k, abs=1e-12)
+        assert ((design.bernoulli >= 0) & (design.bernoulli <= 1)).all()
+        np.testing.assert_allclose(planner.cp_inclusion(design.bernoulli, k), design.inclusion, rtol=0, atol=1e-9)
+        assert (np.diff(design.inclusion) <= 1e-15).all()  # rank order: most used first
+
+
+def test_cp_fit_says_when_it_does_not_converge():
+    with pytest.raises(ZipmoeError, match="did not converge"):
+        planner.conditional_poisson(np.array([0.9, 0.6, 0.3, 0.2]), 2, max_iter=2)
+
+
+def test_inclusion_targets_cap_at_one_and_keep_k():
+    pi = planner.inclusion_targets(np.array([100.0, 1, 1, 1, 1, 0]), 3)
+    assert pi[0] == 1 and pi[5] == 0 and pi.sum() == pytest.approx(3)
+    np.testing.assert_allclose(pi[1:5], 0.5)
+    # fewer experts ever used than routed per token: the rest is spread evenly over the unused ones
+    np.testing.assert_allclose(planner.inclusion_targets(np.array([5.0, 0, 0]), 2), [1, 0.5, 0.5])
+
+
+@pytest.mark.parametrize("n,k", [(n, k) for n in (2, 4, 6, 8) for k in (1, 2, 3) if k < n])
+def test_planner_is_exact_against_enumeration(n: int, k: int):
+    rng = np.random.default_rng(100 * n + k)
+    design = planner.layer_design(skewed(rng, n), k)
+    p = design.bernoulli
+    enumerated = brute_inclusion(p, k)
+    np.testing.assert_allclose(planner.cp_inclusion(p, k), enumerated, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(enumerated, design.inclusion, rtol=0, atol=1e-9)
+    table_hot, table_warm, table_sm, table_delay = planner.split_delays(design, SECONDS)
+    table = {(int(h), int(w), int(s)): d for h, w, s, d in zip(table_hot, table_warm, table_sm, table_delay)}
+    assert len(table) == len(splits(n))
+    for hot, warm, sm in splits(n):
+        joint = planner.tier_count_distribution(design, hot, warm, sm)
+        np.testing.assert_allclose(joint, brute_tier_counts(p, k, hot, warm, sm), rtol=0, atol=1e-12)
+        expected = brute_delay(p, k, hot, warm, sm, SECONDS)
+        assert planner.expected_delay(design, SECONDS, hot, warm, sm) == pytest.approx(expected, rel=1e-12, abs=1e-15)
+        assert table[hot, warm, sm] == pytest.approx(expected, rel=1e-12, abs=1e-15)
+
+
+def test_delay_matches_sampling():
+    rng = np.random.default_rng(7)
+    n, k, (hot, warm, sm) = 16, 4, (3, 4, 5)
+    design = planner.layer_design(skewed(rng, n), k)
+    draws = rng.random((400_000, n)) < design.bernoulli  # conditional Poisson by rejection: keep draws of k
+    routed = draws[draws.sum(axis=1) == k]
+    assert len(routed) > 20_000
+    tier = np.repeat([0, 1, 2, 3], [hot, warm, sm, n - hot - warm - sm])
+    counts = np.stack([routed[:, tier == t].sum(axis=1) for t in range(4)], axis=1)
+    delays = np.maximum(counts[:, 1:].sum(axis=1) * SECONDS.decode,
+                        counts[:, 2] * SECONDS.read_sm + counts[:, 3] * SECONDS.read_cold)
+    standard_error = delays.std() / np.sqrt(len(delays))
+    assert abs(delays.mean() - planner.expected_delay(design, SECONDS, hot, warm, sm)) < 5 * standard_error
+    np.testing.assert_allclose(routed.mean(axis=0), design.inclusion, atol=0.01)
+
+
+# ------------------------------------------------------------------------------------ edge cases
+
+
+def test_one_routed_expert():
+    f = np.array([4.0, 3, 2, 1])
+    design = planner.layer_design(f, 1)
+    np.testing.assert_allclose(design.inclusion, [0.4, 0.3, 0.2, 0.1])
+    np.testing.assert_allclose(brute_inclusion(design.bernoulli, 1), design.inclusion, atol=1e-12)
+    # with k = 1 the routed expert is in exactly one tier: the hit rates are the delay's weights
+    rates = planner.hit_rates(design, 1, 1, 1)
+    expected = rates[1] * SECONDS.decode + rates[2] * max(SECONDS.decode, SECONDS.read_sm) + \
+        rates[3] * max(SECONDS.decode, SECONDS.read_cold)
+    assert planner.expected_delay(design, SECONDS, 1, 1, 1) == pytest.approx(expected, rel=1e-12)
+
+
+def test_equally_likely_experts():
+    design = planner.layer_design(np.ones(6), 2)
+    np.testing.assert_allclose(design.inclusion, 2 / 6)
+    np.testing.assert_allclose(design.bernoulli, design.bernoulli[0])
+    np.testing.assert_array_equal(design.order, np.arange(6))  # ties ranked by id
+
+
+def test_an_expert_always_chosen():
+    design = planner.layer_design(np.array([1000.0, 1, 1, 1, 1]), 2)
+    assert design.inclusion[0] == 1 and design.bernoulli[0] == 1
+    np.testing.assert_allclose(brute_inclusion(design.bernoulli, 2), design.inclusion, atol=1e-12)
+    joint = planner.tier_count_distribution(design, 1, 0, 0)
+    assert joint[0].sum() == 0 and joint[1].sum() == pytest.approx(1)  # it is hot and always routed
+
+
+def test_a_never_used_expert_gets_no_slot():
+    geometry = ModelGeometry.uniform(1, 4, 2, hot_bytes=4, warm_bytes=3, sm_bytes=2)
+    counts = np.array([[5, 0, 3, 2]])
+    model = planner.cost_model(geometry, costs(), counts)
+    assert model.designs[0].order[-1] == 1 and model.designs[0].bernoulli[-1] == 0
+    plan = planner.plan_for_budget(model, 12)  # enough for the three used experts, hot
+    assert (plan.layers[0].hot, plan.layers[0].warm, plan.layers[0].sm) == (3, 0, 0)
+    assert plan.delay == 0 and plan.hit_rates["cold"] == 0
+
+
+def test_a_layer_never_used_counts_as_uniform():
+    counts = planner.validate_counts(np.array([[0, 0, 0], [1, 2, 3]]), 2, 3)
+    np.testing.assert_array_equal(counts[0], [1, 1, 1])
+
+
+def costs(**overrides: float) -> Costs:
+    values = {"cores": 2, "t_decode": 1e-3, "disk_bandwidth": 1e3, "read_latency": 1e-4,
+              "base_seconds_per_token": 0.01, **overrides}
+    return Costs(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def small_model() -> planner.CostModel:
+    geometry = ModelGeometry.uniform(3, 8, 2, hot_bytes=40, warm_bytes=27, sm_bytes=20)
+    rng = np.random.default_rng(3)
+    return planner.cost_model(geometry, costs(), rng.integers(0, 50, (3, 8)) ** 2)
+
+
+def test_budgets_from_nothing_to_everything(small_model: planner.CostModel):
+    nothing = planner.plan_for_budget(small_model, 0)
+    assert all((lp.hot, lp.warm, lp.sm, lp.cold) == (0, 0, 0, 8) for lp in nothing.layers)
+    assert nothing.hit_rates["cold"] == pytest.approx(1) and nothing.nbytes == 0
+    everything = planner.plan_for_budget(small_model, small_model.geometry.all_hot_bytes)
+    assert all((lp.hot, lp.cold) == (8, 0) for lp in everything.layers)
+    assert everything.delay == 0 and everything.hit_rates["hot"] == pytest.approx(1)
+    assert everything.tokens_per_second == pytest.approx(1 / small_model.costs.base_seconds_per_token)
+    previous = nothing
+    for budget in range(0, small_model.geometry.all_hot_bytes + 1, 37):
+        between = planner.plan_for_budget(small_model, budget)
+        assert between.nbytes <= budget
+        assert everything.delay <= between.delay <= previous.delay + 1e-15  # more memory never hurts
+        previous = between
+    assert 0 < previous.delay < nothing.delay
+
+
+def test_coarse_budget_steps_stay_within_the_budget(small_model: planner.CostModel):
+    for budget in (55, 333, 700):
+        plan = planner.plan_for_budget(small_model, budget, steps=7)
+        assert plan.nbytes <= budget
+        assert plan.delay >= planner.plan_for_budget(small_model, budget).delay - 1e-15
+
+
+def test_dynamic_programme_matches_every_allocation():
+    geometry = ModelGeometry(n_layer=3, n_expert=4, n_expert_used=2, layers=(0, 2), hot_bytes=(4, 5),
+                             warm_bytes=(3, 3), sm_bytes=(2, 2))
+    counts = np.array([[9, 1, 4, 2], [0, 0, 0, 0], [1, 1, 6, 3]])  # block 1 is dense: its row is never read
+    model = planner.cost_model(geometry, costs(disk_bandwidth=40.0, read_latency=0.002), counts)
+    seconds = [planner.tier_seconds(geometry, model.costs, i) for i in range(2)]
+    layer_options = [[(h * geometry.hot_bytes[i] + w * geometry.warm_bytes[i] + s * geometry.sm_bytes[i],
+                       planner.expected_delay(model.designs[i], seconds[i], h, w, s)) for h, w, s in splits(4)]
+                     for i in range(2)]
+    for budget in range(geometry.all_hot_bytes + 1):
+        best = min(d0 + d1 for (b0, d0), (b1, d1) in itertools.product(*layer_options) if b0 + b1 <= budget)
+        plan = planner.plan_for_budget(model, budget)
+        assert plan.nbytes <= budget
+        assert plan.delay == pytest.approx(best, rel=1e-9, abs=1e-15), budget
+    assert [lp.layer for lp in plan.layers] == [0, 2]
+
+
+def test_fixed_split_plan(small_model: planner.CostModel):
+    budget = 600
+    fixed = planner.fixed_split_plan(small_model, budget, 0.5, 0.3, 0.2)
+    per_layer = {(lp.hot, lp.warm, lp.sm) for lp in fixed.layers}
+    assert per_layer == {(600 // 2 // 120, int(0.3 * 600) // 81, int(0.2 * 600) // 60)}  # the same slots everywhere
+    assert fixed.nbytes <= budget
+    assert planner.plan_for_budget(small_model, budget).delay <= fixed.delay
+    all_hot = planner.fixed_split_plan(small_model, 10**6, 1, 0, 0)
+    assert all(lp.hot == 8 for lp in all_hot.layers) and all_hot.delay == 0
+    with pytest.raises(ZipmoeError, match="shares"):
+        planner.fixed_split_plan(small_model, budget, 0.8, 0.3, 0)
+
+
+def test_plan_string_and_environment(small_model: planner.CostModel):
+    plan = planner.plan_for_budget(small_model, 300)
+    text = plan.encode()
+    assert plan.to_env() == {"ZIPMOE_PLAN": text}
+    assert planner.decode_plan(text) == {lp.layer: (lp.hot, lp.warm, lp.sm) for lp in plan.layers}
+    assert planner.decode_plan("0:12,4,0;1:10,6,2") == {0: (12, 4, 0), 1: (10, 6, 2)}
+    for bad in ("0:1,2", "0:1,2,3;0:1,1,1", "x:1,2,3"):
+        with pytest.raises(ZipmoeError):
+            planner.decode_plan(bad)
+    data = plan.to_dict()
+    assert data["plan"] == text and json.loads(json.dumps(data)) == data
+    assert sum(data["hit_rates"].values()) == pytest.approx(1)
+
+
+# ------------------------------------------------------------------------------------------ inputs
+
+
+def test_trace_files(tmp_path: Path):
+    counts = np.zeros((3, 2, 4), np.int64)
+    counts[:, 0] = [[5, 1, 0, 2], [1, 1, 0, 0], [0, 0, 0, 1]]
+    np.savez(tmp_path / "t.npz", counts=counts)
+    np.save(tmp_path / "t.npy", counts)
+    for name in ("t.npz", "t.npy"):
+        got = planner.counts_from_trace(tmp_path / name, 2, 4)
+        np.testing.assert_array_equal(got, [[6, 2, 0, 3], [1, 1, 1, 1]])  # layer 1 never used: uniform
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"not numpy at all", "not a readable numpy file"),
+    (b"", "not a readable numpy file"),
+    (b"PK\x03\x04 a damaged zip", "not a readable numpy file"),
+    ("wrong key", "no key 'counts'"),
+    (np.zeros((2, 4), np.int64) + 1, "dimension"),
+    (np.ones((1, 3, 4), np.int64), r"shape \(1, 3, 4\)"),
+    (-np.ones((1, 2, 4), np.int64), "negative"),
+    (np.zeros((1, 2, 4), np.int64), "every count is zero"),
+    (np.ones((1, 2, 4)) / 2, "integers"),
+])
+def test_bad_traces(tmp_path: Path, content, message: str):
+    path = tmp_path / "trace.npz"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif isinstance(content, str):
+        np.savez(path, activations=np.ones((1, 2, 4), np.int64))
+    else:
+        np.savez(path, counts=content)
+    with pytest.raises(PlanInputError, match=message) as e:
+        planner.counts_from_trace(path, 2, 4)
+    assert "\n" not in str(e.value) and e.value.exit_code == 1
+
+
+def test_missing_trace(tmp_path: Path):
+    with pytest.raises(PlanInputError, match="expected an .npz"):
+        planner.counts_from_trace(tmp_path / "nope.npz", 2, 4)
+
+
+def test_costs_validation(tmp_path: Path):
+    defaults = costs()
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"cores": 8, "disk_bandwidth": 2e9}))
+    loaded = planner.costs_from_file(path, defaults=defaults)
+    assert (loaded.cores, loaded.disk_bandwidth, loaded.t_decode) == (8, 2e9, defaults.t_decode)
+    for text, message in (('{"cores": 0}', "cores"), ('{"t_decde": 1}', "unknown key"), ("[1]", "JSON object"),
+                          ("{", "not JSON"), ('{"disk_bandwidth": -5}', "disk_bandwidth")):
+        path.write_text(text)
+        with pytest.raises(PlanInputError, match=message):
+            planner.costs_from_file(path, defaults=defaults)
+    calibration = {"t_decode": 2e-3, "base_seconds_per_token": 0.5, "codec": "huff"}  # extra keys are skipped
+    assert planner.costs_from_dict(calibration, defaults=defaults, label="c", strict=False).t_decode == 2e-3
+
+
+# ------------------------------------------------------------------------------ a real zipmoe file
+
+
+@pytest.fixture(scope="module")
+def tiny_zipmoe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from pyzipmoe import convert, synth
+
+    root = tmp_path_factory.mktemp("plan")
+    synth.write_config(root / "tiny.gguf", synth.PRESETS["tiny"])
+    convert.convert(root / "tiny.gguf", root / "tiny.zipmoe.gguf", threads=1)
+    return root / "tiny.zipmoe.gguf"
+
+
+def test_geometry_from_a_zipmoe_file(tiny_zipmoe: Path):
+    g = planner.geometry_from_gguf(tiny_zipmoe)
+    tiny = __import__("pyzipmoe.synth", fromlist=["PRESETS"]).PRESETS["tiny"]
+    values = 3 * tiny.n_embd * tiny.n_ff_exp  # gate, up and down
+    assert (g.n_layer, g.n_expert, g.n_expert_used, g.layers) == (tiny.n_layer, tiny.n_expert, tiny.n_expert_used,
+                                                                  tuple(range(tiny.n_layer)))
+    assert g.hot_bytes == (2 * values,) * tiny.n_layer and g.sm_bytes == (values,) * tiny.n_layer
+    assert all(values < w < 2 * values for w in g.warm_bytes)
+    assert g.dense_bytes > 0
+    with pytest.raises(PlanInputError, match="not a zipmoe file"):
+        planner.geometry_from_gguf(tiny_zipmoe.with_name("tiny.gguf"))
+
+
+@pytest.fixture
+def no_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def whole(model: Path, tier_bytes: int) -> str:
+    """The --memory-budget that leaves tier_bytes for the tiers (the budget also holds the weights that are not
+    experts and one layer's experts in flight)."""
+    from pyzipmoe.budget import model_memory
+
+    return str(model_memory(model).minimum + tier_bytes)
+
+
+def run_plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = cli_plan.main(["plan", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_table(tiny_zipmoe: Path, capsys: pytest.CaptureFixture[str], no_calibration: None):
+    code, out, err = run_plan(capsys, str(tiny_zipmoe), "--memory-budget", whole(tiny_zipmoe, 60 << 10))
+    assert code == 0 and err == ""
+    assert "uniform (no --trace" in out and "conservative" in out
+    assert "predicted generation:" in out and "tokens/s" in out
+    plan_line = [line for line in out.splitlines() if line.startswith("ZIPMOE_PLAN=")]
+    assert len(plan_line) == 1 and set(planner.decode_plan(plan_line[0].split("=", 1)[1])) == {0, 1}
+    header = next(line for line in out.splitlines() if line.startswith("layer"))
+    assert all(word in header for word in ("hot", "warm", "sm", "cold", "bytes", "delay"))
+
+
+def test_cli_json_with_trace_and_costs(tiny_zipmoe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                       no_calibration: None):
+    counts = np.zeros((1, 2, 8), np.int64)
+    counts[0, :, :3] = [50, 30, 20]
+    np.savez(tmp_path / "trace.npz", counts=counts)
+    (tmp_path / "costs.json").write_text(json.dumps({"cores": 4, "base_seconds_per_token": 0.02}))
+    code, out, err = run_plan(capsys, str(tiny_zipmoe), "--memory-budget", whole(tiny_zipmoe, 60000), "--json",
+                              "--trace", str(tmp_path / "trace.npz"), "--costs", str(tmp_path / "costs.json"))
+    assert code == 0 and err == ""
+    data = json.loads(out)
+    assert data["budget"] == 60000 and data["bytes"] <= 60000  # the tiers' part
+    assert data["memory"]["budget"] == int(whole(tiny_zipmoe, 60000))
+    assert data["costs"]["cores"] == 4
+    assert (data["frequencies"], data["trace"]) == ("trace", str(tmp_path / "trace.npz"))
+    assert data["env"] == {"ZIPMOE_PLAN": data["plan"]}
+    assert data["tokens_per_second"] <= data["all_hot_tokens_per_second"] == pytest.approx(50)
+    assert data["hit_rates"]["cold"] == pytest.approx(0)  # room for the three experts that take all routing
+    assert [layer["hot"] + layer["warm"] + layer["sm"] + layer["cold"] for layer in data["layers"]] == [8, 8]
+
+
+@pytest.mark.parametrize("budget,message", [("-1", "negative"), ("abc", "not a size"), ("200%", "at most 100%")])
+def test_cli_bad_budgets(tiny_zipmoe: Path, capsys: pytest.CaptureFixture[str], budget: str, message: str):
+    code, out, err = run_plan(capsys, str(tiny_zipmoe), "--memory-budget", budget)
+    assert code == 2 and out == ""
+    assert err.startswith("zipmoe: error:") and message in err and err.count("\n") == 1
+
+
+def test_cli_bad_files(tiny_zipmoe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                       no_calibration: None):
+    garbage = tmp_path / "garbage.npz"
+    garbage.write_bytes(b"\x00" * 100)
+    np.save(tmp_path / "shape.npy", np.ones((1, 5, 8), np.int64))
+    (tmp_path / "costs.json").write_text('{"cores": -1}')
+    cases = [
+        (["--trace", str(garbage)], "trace"),
+        (["--trace", str(tmp_path / "shape.npy")], "(1, 5, 8)"),
+        (["--costs", str(tmp_path / "costs.json")], "cores"),
+    ]
+    for extra, message in cases:
+        code, out, err = run_plan(capsys, str(tiny_zipmoe), "--memory-budget", "1MiB", *extra)
+        assert code == 1 and out == "" and message in err and err.count("\n") == 1, err
+    code, _, err = run_plan(capsys, str(tiny_zipmoe.with_name("tiny.gguf")), "--memory-budget", "1MiB")
+    assert code == 1 and "not a zipmoe file" in err and "Traceback" not in err
+
+
+def test_cli_usage(capsys: pytest.CaptureFixture[str], tiny_zipmoe: Path):
+    code, out, _ = run_plan(capsys, "--help")
+    assert code == 0 and "examples:" in out and "ZIPMOE_PLAN" in out
+    code, _, err = run_plan(capsys, str(tiny_zipmoe))  # no --memory-budget
+    assert code == 2 and "--memory-budget" in err
+
+
+def test_register_keeps_the_budget_away_from_the_runtime_environment():
+    """cli.main exports an attribute `memory_budget` to the runtime's environment: planning must not."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="zipmoe")
+    cli_plan.register(parser.add_subparsers())
+    args = parser.parse_args(["plan", "m.gguf", "--memory-budget", "1GiB"])
+    assert args.plan_budget == "1GiB" and not hasattr(args, "memory_budget") and args.run is cli_plan.cmd_plan
+
+
+def test_cli_costs_from_a_calibration(tiny_zipmoe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                      monkeypatch: pytest.MonkeyPatch):
+    """A calibration (pyzipmoe.calibrate, faked here) gives what it measured; what it could not stays estimated,
+    and --costs overrides both."""
+    import sys
+    import types
+
+    class Calibration:
+        def as_costs_dict(self) -> dict[str, object]:
+            return {"cores": 3, "t_decode": 2e-4, "disk_bandwidth": 1e9, "read_latency": 5e-5,
+                    "base_seconds_per_token": None}
+
+    fake = types.ModuleType("pyzipmoe.calibrate")
+    fake.load_calibration = lambda path: Calibration()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pyzipmoe.calibrate", fake)
+    code, out, _ = run_plan(capsys, str(tiny_zipmoe), "--memory-budget", whole(tiny_zipmoe, 60 << 10), "--json")
+    data = json.loads(out)
+    assert code == 0 and data["costs"]["cores"] == 3 and data["costs"]["t_decode"] == 2e-4
+    assert data["costs"]["base_seconds_per_token"] > 0 and "base_seconds_per_token: conservative" in data["costs_source"]
+    (tmp_path / "costs.json").write_text('{"cores": 5}')
+    code, out, _ = run_plan(capsys, str(tiny_zipmoe), "--memory-budget", whole(tiny_zipmoe, 60 << 10), "--json",
+                            "--costs", str(tmp_path / "costs.json"))
+    data = json.loads(out)
+    assert (data["costs"]["cores"], data["costs"]["t_decode"]) == (5, 2e-4)

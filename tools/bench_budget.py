@@ -1,0 +1,804 @@
+#!/usr/bin/env python3
+"""zipmoe against stock llama.cpp inside the same memory limit: tokens/s when the model does not fit in RAM.
+
+What it measures. A BF16 MoE GGUF that is larger than the memory a process may use runs, in stock llama.cpp,
+from its mmap: the kernel keeps what fits of the file in the page cache and reads the rest again whenever a
+token needs it (thrashing, at disk speed). zipmoe runs the converted GGUF (experts ~2/3 of BF16, bit-exact)
+with a tiered expert cache sized to a budget. This benchmark puts both, one run at a time, in a cgroup v1
+memory limit of a fraction of the BF16 file's size (--budgets, default 40,60,80,93,100,150 %), plus one run
+without a limit, for a model with uniform and one with skewed routing, and measures
+
+  tg  `llama-simple -m MODEL -n GEN PROMPT`: greedy generation from a fixed prompt, its own "decoded N tokens
+      in X s, speed: Y t/s" line (the issue's reference numbers: stock llama.cpp, mmap, llama-simple, 32
+      tokens, cold page cache; its timer covers the prompt's batch and GEN - 1 single-token steps). The
+      generated text must be the same for zipmoe and stock: MATCH / DIFF.
+  pp  `llama-bench -m MODEL -p PP -n 0 -r 1 -t THREADS -o json -v`: prompt processing, tokens/s (-v: so that
+      its stderr says why a model did not load).
+
+and, for every run, the cgroup's peak usage (memory.max_usage_in_bytes: anonymous memory and page cache
+charged to it) and the bytes read from disk (the child's rusage ru_inblock x 512), shown per generated token.
+Every run starts cold: `sync; echo 1 > /proc/sys/vm/drop_caches` before it, in a fresh cgroup, so the file
+pages it reads are charged to its own limit. A run killed by the kernel's OOM killer is reported as OOM, one
+that exceeds --timeout as timeout; the benchmark goes on.
+
+zipmoe is told its budget with ZIPMOE_MEMORY_BUDGET = limit - --overhead (default 256 MiB: KV cache, compute
+buffers, the program, allocator slack; printed with the results). The budget means everything the model keeps
+resident (non-expert weights, expert cache tiers, one layer's working set); a budget the runtime refuses as too
+small is reported as such. --zipmoe-env passes more variables (policy, tier shares, a plan) to zipmoe runs.
+Stock runs get no ZIPMOE_* variables.
+
+The models are synthetic (random weights, made by tools/make_synth.py --preset PRESET [--routing skewed] and
+converted with `python -m pyzipmoe convert`), kept in --workdir and reused while they exist. The output labels
+them synthetic. llama-simple has no thread option: it computes with llama.cpp's default of 4 threads.
+llama-bench uses --threads (default 2, the issue's reference setting).
+
+Needs root (cgroups, drop_caches) and the cgroup v1 memory controller (/sys/fs/cgroup/memory). The cgroups
+are made under this process's own memory cgroup (--cgroup-parent to choose another), named
+zipmoe-bench-<pid>-<n>, and removed after each run.
+
+The issue's targets (tg, zipmoe / stock at the same limit): >= 5x at ~75 %, >= 4x at ~60 %, >= 2x at ~40 %,
+>= 1.5x at ~93 %, within 3 % at 150 % (at least 0.97x), never slower (>= 1x below 150 %; pp shown too).
+Each is checked at the measured budget nearest to it (within 7 points) and printed as met / NOT met.
+
+Examples:
+  sudo .venv/bin/python tools/bench_budget.py                        # 2.8g preset, both routings, about an hour
+  sudo .venv/bin/python tools/bench_budget.py --budgets 40,60,75,80,93,100,150 --json budget.json --plot budget.png
+  sudo .venv/bin/python tools/bench_budget.py --routings skewed --tests tg --zipmoe-env ZIPMOE_CACHE_POLICY=lru
+  sudo .venv/bin/python tools/bench_budget.py --preset small --overhead 16MiB --gen 16 --pp 64   # smoke, ~1 min
+  .venv/bin/python tools/bench_budget.py --report budget.json --plot budget.png   # the tables again, no runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+DEFAULT_WORKDIR = REPO / "build" / "bench-budget"
+DEFAULT_BUDGETS = "40,60,80,93,100,150"
+DEFAULT_PROMPT = "Once upon a time"
+RUNTIME_ENV = ("ZIPMOE_CACHE", "ZIPMOE_MEMORY_BUDGET", "ZIPMOE_HOT_SHARE", "ZIPMOE_CACHE_POLICY", "ZIPMOE_SM_SHARE",
+               "ZIPMOE_PLAN")
+MIB = 1 << 20
+# (budget % of the BF16 file, least tg speed-up of zipmoe over stock)
+SPEEDUP_TARGETS = ((75, 5.0), (60, 4.0), (40, 2.0), (93, 1.5))
+PARITY_BUDGET, PARITY_TOLERANCE = 150, 0.03  # "within 3 % at 150 %": at least 0.97x
+TARGET_SLACK = 7  # a target at ~P % is checked at the measured budget nearest to P, if within this many points
+TG_LINE = re.compile(r"decoded (\d+) tokens in ([0-9.]+) s, speed: ([0-9.]+) t/s")
+PERF_LINE = re.compile(r"(prompt eval|eval) time =\s*([0-9.]+) ms /\s*(\d+) (?:tokens|runs)")
+MIN_SIZE = re.compile(r"(?:min(?:imum)?|at least|needs?|requires?)\D{0,24}?(\d+(?:\.\d+)?)\s*([KMGT]i?B|bytes|B)?",
+                      re.IGNORECASE)
+
+
+class BenchError(Exception):
+    pass
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def parse_size(text: str) -> int:
+    from pyzipmoe.budget import parse_budget
+
+    if text.strip().endswith("%") or text.strip().lower() == "auto":
+        raise BenchError(f"{text!r}: give a size (e.g. 256MiB)")
+    return parse_budget(text)
+
+
+# --------------------------------------------------------------------------------------- cgroup v1 memory
+
+
+def memory_mount() -> Path:
+    """Where the cgroup v1 memory controller is mounted; BenchError if it is not."""
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 4 and fields[2] == "cgroup" and "memory" in fields[3].split(","):
+                    return Path(fields[1])
+    except OSError as e:
+        raise BenchError(f"cannot read /proc/mounts: {e}") from e
+    raise BenchError("the cgroup v1 memory controller is not mounted (no `cgroup` mount with the memory option in "
+                     "/proc/mounts; on a cgroup v2-only system, boot with systemd.unified_cgroup_hierarchy=0 or "
+                     "mount it: mount -t cgroup -o memory none /sys/fs/cgroup/memory)")
+
+
+def own_memory_cgroup() -> str:
+    """This process's cgroup in the v1 memory hierarchy ("/" when none is listed)."""
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            parts = line.rstrip("\n").split(":", 2)
+            if len(parts) == 3 and "memory" in parts[1].split(","):
+                return parts[2] or "/"
+    return "/"
+
+
+def check_environment(parent_arg: str | None) -> Path:
+    """The directory the benchmark's cgroups are made in; BenchError when it cannot work here."""
+    if os.geteuid() != 0:
+        raise BenchError("must run as root: it makes cgroups and drops the page cache "
+                         "(sudo .venv/bin/python tools/bench_budget.py ...)")
+    mount = memory_mount()
+    if parent_arg is None:
+        parent = mount / own_memory_cgroup().lstrip("/")
+    else:
+        p = Path(parent_arg)
+        parent = p if str(p).startswith(str(mount)) else mount / str(p).lstrip("/")
+    for name in ("memory.limit_in_bytes", "memory.max_usage_in_bytes", "cgroup.procs"):
+        if not (parent / name).exists():
+            raise BenchError(f"{parent} is not a cgroup v1 memory cgroup (no {name})")
+    if not os.access(parent, os.W_OK):
+        raise BenchError(f"cannot make cgroups in {parent}")
+    try:
+        with open("/proc/sys/vm/drop_caches", "w"):
+            pass
+    except OSError as e:
+        raise BenchError(f"cannot drop the page cache (/proc/sys/vm/drop_caches: {e.strerror or e})") from e
+    return parent
+
+
+def ancestor_limit(parent: Path, mount: Path) -> int:
+    """The smallest memory limit on the way from parent up to the hierarchy's root."""
+    least = 1 << 62
+    d = parent
+    while True:
+        try:
+            least = min(least, int((d / "memory.limit_in_bytes").read_text()))
+        except (OSError, ValueError):
+            pass
+        if d == mount or d == d.parent:
+            return least
+        d = d.parent
+
+
+def swap_total() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("SwapTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def drop_page_cache() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("1\n")
+
+
+class Cgroup:
+    """One fresh memory cgroup: made with its limit, the child attached by writing its pid to cgroup.procs,
+    removed afterwards."""
+
+    count = 0
+
+    def __init__(self, parent: Path, limit: int | None) -> None:
+        Cgroup.count += 1
+        self.path = parent / f"zipmoe-bench-{os.getpid()}-{Cgroup.count}"
+        self.path.mkdir()
+        try:
+            if limit is not None:
+                (self.path / "memory.limit_in_bytes").write_text(str(limit))
+                memsw = self.path / "memory.memsw.limit_in_bytes"
+                if memsw.exists():  # no swap either (memsw >= limit, so after it)
+                    memsw.write_text(str(limit))
+        except OSError:
+            self.remove()
+            raise
+        self.procs = str(self.path / "cgroup.procs")
+
+    def read(self, name: str) -> str:
+        try:
+            return (self.path / name).read_text()
+        except OSError:
+            return ""
+
+    def stats(self) -> dict[str, int]:
+        out = {}
+        for key, name in (("peak_bytes", "memory.max_usage_in_bytes"), ("failcnt", "memory.failcnt"),
+                          ("cgroup_limit_bytes", "memory.limit_in_bytes")):
+            try:
+                out[key] = int(self.read(name).strip())
+            except ValueError:
+                pass
+        for line in self.read("memory.oom_control").splitlines():
+            k, _, v = line.partition(" ")
+            if k == "oom_kill" and v.strip().isdigit():
+                out["oom_kill"] = int(v)
+        return out
+
+    def remove(self) -> None:
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.1)  # the last task may take a moment to leave
+        say(f"warning: could not remove {self.path}")
+
+
+def run_limited(argv: list[str], env: dict[str, str], parent: Path, limit: int | None, timeout: float,
+                log_stem: Path, drop_cache: bool = True) -> dict[str, Any]:
+    """Runs argv in a fresh cgroup with the given memory limit (None: no limit), cold unless drop_cache is
+    false, and returns what happened: status ok / oom / timeout / failed / too-small, exit code or signal, wall
+    time, the cgroup's peak usage and failcnt, the rusage, zipmoe's budget line, and stdout and stderr (also
+    kept in log_stem.out / .err)."""
+    out_path, err_path = log_stem.with_suffix(".out"), log_stem.with_suffix(".err")
+    cg = Cgroup(parent, limit)
+    pid = None
+    try:
+        if drop_cache:
+            drop_page_cache()
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            t0 = time.monotonic()
+            # the shell puts itself in the cgroup, then becomes argv (same pid: wait4's rusage is argv's)
+            proc = subprocess.Popen(["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', cg.procs, *argv], env=env,
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
+            pid = proc.pid
+            timed_out = False
+            while True:
+                wpid, status, ru = os.wait4(pid, os.WNOHANG)
+                if wpid == pid:
+                    break
+                if time.monotonic() - t0 > timeout:
+                    timed_out = True
+                    os.killpg(pid, signal.SIGKILL)
+                    _, status, ru = os.wait4(pid, 0)
+                    break
+                time.sleep(0.05)
+            wall = time.monotonic() - t0
+            proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+            pid = None
+        stats = cg.stats()
+    finally:
+        if pid is not None:  # interrupted: leave nothing behind
+            try:
+                os.killpg(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except OSError:
+                pass
+        cg.remove()
+    stdout = out_path.read_text(errors="replace")
+    stderr = err_path.read_text(errors="replace")
+    res: dict[str, Any] = {
+        "argv": argv, "limit_bytes": limit, "wall_s": wall, "timeout_s": timeout,
+        "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+        "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+        "disk_read_bytes": ru.ru_inblock * 512, "major_faults": ru.ru_majflt, "maxrss_bytes": ru.ru_maxrss * 1024,
+        "user_s": ru.ru_utime, "sys_s": ru.ru_stime, **stats, "log": str(log_stem),
+    }
+    plan = [ln.strip() for ln in stderr.splitlines() if "zipmoe: memory budget" in ln]
+    if plan:
+        res["zipmoe_budget_line"] = plan[0]
+    too_small = [ln.strip() for ln in stderr.splitlines()
+                 if "too small" in ln.lower() and "destination buffer" not in ln.lower()]
+    if timed_out:
+        res["status"] = "timeout"
+    elif stats.get("oom_kill", 0) > 0 and res["exit_code"] != 0:
+        res["status"] = "oom"
+    elif res["exit_code"] == 0:
+        res["status"] = "ok"
+    elif too_small:
+        res["status"] = "too-small"
+        res["message"] = too_small[0]
+        m = MIN_SIZE.search(too_small[0])
+        if m:
+            res["min_budget"] = m.group(1) + (m.group(2) or "")
+    else:
+        res["status"] = "failed"
+        lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+        errors = [ln for ln in lines if "error" in ln.lower() or "failed" in ln.lower()]
+        res["message"] = (errors or lines or [f"exit {res['exit_code']}, signal {res['signal']}"])[-1]
+    res["stdout"], res["stderr_tail"] = stdout, stderr[-4000:]
+    return res
+
+
+# ------------------------------------------------------------------------------------------ the models
+
+
+def ensure_models(workdir: Path, preset: str, routing: str, threads: int, regenerate: bool) -> tuple[Path, Path]:
+    """workdir/PRESET-ROUTING.gguf and its .zipmoe.gguf, made when missing (or asked to), reused otherwise."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    bf16 = workdir / f"{preset}-{routing}.gguf"
+    packed = workdir / f"{preset}-{routing}.zipmoe.gguf"
+    if regenerate or not bf16.is_file():
+        part = workdir / f"{preset}-{routing}.part.gguf"
+        say(f"generating {bf16} (synthetic, preset {preset}, {routing} routing) ...")
+        t = time.monotonic()
+        _tool([sys.executable, str(REPO / "tools" / "make_synth.py"), "--preset", preset, "--routing", routing,
+               "--quiet", str(part)])
+        part.replace(bf16)
+        say(f"  {bf16.stat().st_size / 2**30:.2f} GiB in {time.monotonic() - t:.0f} s")
+    if regenerate or not packed.is_file() or packed.stat().st_mtime < bf16.stat().st_mtime:
+        part = workdir / f"{preset}-{routing}.zipmoe.part.gguf"
+        say(f"converting it to {packed} ...")
+        t = time.monotonic()
+        _tool([sys.executable, "-m", "pyzipmoe", "convert", "--quiet", "--threads", str(threads), str(bf16),
+               str(part)])
+        part.replace(packed)
+        say(f"  {packed.stat().st_size / 2**30:.2f} GiB in {time.monotonic() - t:.0f} s")
+    return bf16, packed
+
+
+def _tool(argv: list[str]) -> None:
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        lines = [ln for ln in (done.stderr + done.stdout).splitlines() if ln.strip()]
+        raise BenchError(f"{' '.join(argv[1:3])} failed: {lines[-1] if lines else done.returncode}")
+
+
+# -------------------------------------------------------------------------------------- measurements
+
+
+def parse_tg(res: dict[str, Any]) -> None:
+    """llama-simple's speed line, its perf counters and the generated text, into res."""
+    stderr = res.pop("stderr_tail")
+    res["stderr_tail"] = stderr[-1500:]
+    m = TG_LINE.search(stderr)
+    if res["status"] == "ok" and not m:
+        res["status"], res["message"] = "failed", "no 'decoded N tokens' line in llama-simple's output"
+    if m:
+        res["tokens"], res["decode_s"], res["tps"] = int(m.group(1)), float(m.group(2)), float(m.group(3))
+    for kind, ms, n in PERF_LINE.findall(stderr):
+        key = "prompt_eval" if kind == "prompt eval" else "eval"
+        res[f"{key}_ms"], res[f"{key}_n"] = float(ms), int(n)
+    res["text"] = res.pop("stdout").rstrip("\n")
+
+
+def parse_pp(res: dict[str, Any], n_prompt: int) -> None:
+    stdout = res.pop("stdout")
+    res["stderr_tail"] = res["stderr_tail"][-1500:]
+    if res["status"] != "ok":
+        return
+    try:
+        rows = json.loads(stdout[stdout.index("["):])
+        row = next(r for r in rows if r.get("n_prompt") == n_prompt and r.get("n_gen") == 0)
+        res["tps"] = float(row["avg_ts"])
+        res["tokens"] = n_prompt
+    except (ValueError, StopIteration, KeyError, TypeError):
+        res["status"], res["message"] = "failed", "no pp result in llama-bench's JSON output"
+
+
+def cell(res: dict[str, Any] | None, value: str) -> str:
+    """A table cell: the value of a run that worked, else what went wrong."""
+    if res is None:
+        return "-"
+    status = res["status"]
+    if status == "ok":
+        return value
+    if status == "too-small":
+        return f"too small (min {res['min_budget']})" if res.get("min_budget") else "too small"
+    if status == "skipped":
+        return res.get("short", "skipped")
+    return {"oom": "OOM", "timeout": "timeout", "failed": "failed"}.get(status, status)
+
+
+def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
+    """zipmoe / stock tokens/s when both ran."""
+    if a and b and a["status"] == "ok" and b["status"] == "ok" and b.get("tps"):
+        return a["tps"] / b["tps"]
+    return None
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from pyzipmoe import runner
+
+    parent = check_environment(args.cgroup_parent)
+    mount = memory_mount()
+    simple, bench = runner.program("llama-simple"), runner.program("llama-bench")
+    base = {k: v for k, v in os.environ.items() if k not in RUNTIME_ENV}
+    stock_env = runner.environment(base=base)
+    zipmoe_extra = dict(args.zipmoe_env)
+    logdir = args.workdir / "logs"
+    logdir.mkdir(parents=True, exist_ok=True)
+    if swap_total() and not (parent / "memory.memsw.limit_in_bytes").exists():
+        say("warning: this machine has swap and no memory.memsw (swap accounting off): a limited run may swap "
+            "instead of thrashing or being OOM-killed")
+
+    models: dict[str, dict[str, Any]] = {}
+    for routing in args.routings:
+        bf16, packed = ensure_models(args.workdir, args.preset, routing, args.threads, args.regenerate)
+        models[routing] = {"bf16": str(bf16), "bf16_bytes": bf16.stat().st_size, "zipmoe": str(packed),
+                           "zipmoe_bytes": packed.stat().st_size}
+    largest = max(int(m["bf16_bytes"] * max(args.budgets) / 100) for m in models.values())
+    above = ancestor_limit(parent, mount)
+    if above < largest:
+        say(f"warning: a cgroup above {parent} limits memory to {above / MIB:.0f} MiB, less than the largest "
+            f"limit here ({largest / MIB:.0f} MiB): those runs are limited by it")
+
+    runs: list[dict[str, Any]] = []
+    res = {"synthetic": True, "preset": args.preset, "models": models, "budgets_pct": args.budgets,
+           "overhead_bytes": args.overhead, "gen_tokens": args.gen, "pp_tokens": args.pp, "prompt": args.prompt,
+           "threads_llama_bench": args.threads, "threads_llama_simple": "llama.cpp default (4)",
+           "timeout_s": args.timeout, "zipmoe_env": zipmoe_extra, "tests": args.tests,
+           "cgroup_parent": str(parent), "swap_bytes": swap_total(), "cpus": os.cpu_count(),
+           "bin_dir": str(runner.bin_dir()), "runs": runs}
+
+    def checkpoint() -> None:
+        """--json FILE holds the runs so far (a long benchmark stopped half-way keeps them)."""
+        if args.json:
+            args.json.write_text(json.dumps({**res, "partial": True}, indent=2) + "\n")
+
+    n_total = len(args.routings) * (len(args.budgets) + 1) * 2 * len(args.tests)
+    for routing in args.routings:
+        m = models[routing]
+        for budget in [None, *args.budgets]:
+            limit = None if budget is None else int(m["bf16_bytes"] * budget / 100)
+            for test in args.tests:
+                for engine in ("stock", "zipmoe"):
+                    model = m["bf16"] if engine == "stock" else m["zipmoe"]
+                    label = "unconstrained" if budget is None else f"{budget:g}%"
+                    rec: dict[str, Any] = {"routing": routing, "budget_pct": budget, "engine": engine, "test": test}
+                    env = dict(stock_env)
+                    if engine == "zipmoe":
+                        env.update(zipmoe_extra)
+                        if limit is not None:
+                            zbudget = limit - args.overhead
+                            rec["zipmoe_budget_bytes"] = zbudget
+                            if zbudget <= 0:
+                                rec.update(status="skipped", short="limit < overhead",
+                                           message=f"the limit ({limit / MIB:.0f} MiB) is not above --overhead "
+                                                   f"({args.overhead / MIB:.0f} MiB)", limit_bytes=limit)
+                                runs.append(rec)
+                                checkpoint()
+                                say(f"[{len(runs)}/{n_total}] {routing} {label} {engine} {test}: skipped, "
+                                    f"{rec['message']}")
+                                continue
+                            env["ZIPMOE_MEMORY_BUDGET"] = str(zbudget)
+                    if test == "tg":
+                        argv = [str(simple), "-m", model, "-n", str(args.gen), args.prompt]
+                    else:
+                        argv = [str(bench), "-m", model, "-p", str(args.pp), "-n", "0", "-r", "1",
+                                "-t", str(args.threads), "-o", "json", "-v"]
+                    stem = logdir / f"{args.preset}-{routing}-{label.rstrip('%')}-{engine}-{test}"
+                    one = run_limited(argv, env, parent, limit, args.timeout, stem)
+                    if test == "tg":
+                        parse_tg(one)
+                    else:
+                        parse_pp(one, args.pp)
+                    rec.update(one)
+                    rec["env"] = {k: v for k, v in env.items() if k.startswith("ZIPMOE_")}
+                    runs.append(rec)
+                    checkpoint()
+                    what = (f"{rec['tps']:.2f} t/s" if rec["status"] == "ok" else
+                            f"{rec['status']}{': ' + rec['message'] if rec.get('message') else ''}")
+                    say(f"[{len(runs)}/{n_total}] {routing} {label} {engine} {test}: {what}, "
+                        f"peak {rec.get('peak_bytes', 0) / MIB:.0f} MiB, read {rec['disk_read_bytes'] / MIB:.0f} MiB, "
+                        f"{rec['wall_s']:.1f} s")
+    return res
+
+
+# ------------------------------------------------------------------------------------------ the report
+
+
+def _find(runs: list[dict[str, Any]], routing: str, budget: float | None, engine: str,
+          test: str) -> dict[str, Any] | None:
+    for r in runs:
+        if (r["routing"], r["budget_pct"], r["engine"], r["test"]) == (routing, budget, engine, test):
+            return r
+    return None
+
+
+def summarize(res: dict[str, Any]) -> None:
+    """Adds the per-routing rows (ratios, matches) and the targets to res."""
+    runs = res["runs"]
+    res["rows"], res["targets"] = {}, {}
+    for routing in res["models"]:
+        rows = []
+        for budget in [None, *res["budgets_pct"]]:
+            def get(engine: str, test: str, b: float | None = budget, rt: str = routing) -> dict[str, Any] | None:
+                return _find(runs, rt, b, engine, test)
+
+            row: dict[str, Any] = {"budget_pct": budget}
+            for test in ("tg", "pp"):
+                row[f"{test}_ratio"] = ratio(get("zipmoe", test), get("stock", test))
+            z = get("zipmoe", "tg")
+            refs = [r for r in (get("stock", "tg"), get("stock", "tg", None)) if r and r["status"] == "ok"]
+            if z is None or z["status"] != "ok" or not refs:
+                row["match"] = None
+            else:
+                row["match"] = all(z["text"] == r["text"] for r in refs)
+            s_at, s_free = get("stock", "tg"), get("stock", "tg", None)
+            if s_at and s_free and s_at["status"] == s_free["status"] == "ok" and s_at["text"] != s_free["text"]:
+                row["stock_differs_from_unconstrained"] = True
+            rows.append(row)
+        res["rows"][routing] = rows
+        res["targets"][routing] = check_targets(rows, res["budgets_pct"])
+
+
+def check_targets(rows: list[dict[str, Any]], budgets: list[float]) -> list[dict[str, Any]]:
+    by_budget = {r["budget_pct"]: r for r in rows}
+
+    def nearest(pct: float) -> float | None:
+        near = sorted(budgets, key=lambda b: abs(b - pct))
+        return near[0] if near and abs(near[0] - pct) <= TARGET_SLACK else None
+
+    out = []
+    for pct, least in SPEEDUP_TARGETS:
+        b = nearest(pct)
+        r = None if b is None else by_budget[b]["tg_ratio"]
+        out.append({"target": f">= {least:g}x at ~{pct}%", "budget_pct": b, "ratio": r,
+                    "met": None if r is None else r >= least})
+    b = nearest(PARITY_BUDGET)
+    r = None if b is None else by_budget[b]["tg_ratio"]
+    out.append({"target": f"within {PARITY_TOLERANCE:.0%} at ~{PARITY_BUDGET}%", "budget_pct": b, "ratio": r,
+                "met": None if r is None else r >= 1 - PARITY_TOLERANCE})
+    for test in ("tg", "pp"):
+        measured = [(row["budget_pct"], row[f"{test}_ratio"]) for row in rows
+                    if row["budget_pct"] is not None and row["budget_pct"] < PARITY_BUDGET - TARGET_SLACK
+                    and row[f"{test}_ratio"] is not None]
+        slower = [(b, x) for b, x in measured if x < 1]
+        out.append({"target": f"never slower ({test}, below ~{PARITY_BUDGET}%)",
+                    "budget_pct": slower[0][0] if slower else None,
+                    "ratio": min((x for _, x in measured), default=None),
+                    "met": None if not measured else not slower})
+    return out
+
+
+def _fmt_tps(r: dict[str, Any] | None) -> str:
+    return cell(r, f"{r['tps']:.2f}" if r and r.get("tps") is not None else "")
+
+
+def _fmt_ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def _mib(r: dict[str, Any] | None, key: str) -> str:
+    return "-" if not r or r.get(key) is None else f"{r[key] / MIB:.0f}"
+
+
+def _per_token(r: dict[str, Any] | None) -> str:
+    if not r or r["status"] != "ok" or not r.get("tokens"):
+        return "-"
+    return f"{r['disk_read_bytes'] / MIB / r['tokens']:.1f}"
+
+
+def print_report(res: dict[str, Any]) -> None:
+    runs = res["runs"]
+    print(f"SYNTHETIC models (random weights, preset {res['preset']}): stock llama.cpp (BF16 GGUF, mmap) vs zipmoe "
+          f"(converted GGUF), same build, same cgroup v1 memory limit, cold page cache")
+    print(f"tg: llama-simple -n {res['gen_tokens']} {res['prompt']!r} (llama.cpp's default threads); "
+          f"pp: llama-bench -p {res['pp_tokens']} -n 0 -r 1 -t {res['threads_llama_bench']}; "
+          f"timeout {res['timeout_s']:g} s per run")
+    print(f"zipmoe: ZIPMOE_MEMORY_BUDGET = limit - overhead, overhead = {res['overhead_bytes'] / MIB:.0f} MiB"
+          + (f"; also {' '.join(f'{k}={v}' for k, v in res['zipmoe_env'].items())}" if res["zipmoe_env"] else ""))
+    if res.get("partial"):
+        print("PARTIAL: the benchmark stopped before every run was made")
+    for routing, model in res["models"].items():
+        print()
+        print(f"== {routing} routing (synthetic): BF16 {model['bf16_bytes'] / MIB:.0f} MiB, zipmoe "
+              f"{model['zipmoe_bytes'] / MIB:.0f} MiB ({model['zipmoe_bytes'] / model['bf16_bytes']:.1%})")
+        header = ("budget", "limit MiB", "zipmoe budget", "stock tg", "zipmoe tg", "tg ratio", "stock pp",
+                  "zipmoe pp", "pp ratio", "peak stock", "peak zipmoe", "disk/tok stock", "disk/tok zipmoe", "match")
+        lines = []
+        for row in res["rows"][routing]:
+            b = row["budget_pct"]
+
+            def get(engine: str, test: str, b: float | None = b, rt: str = routing) -> dict[str, Any] | None:
+                return _find(runs, rt, b, engine, test)
+
+            peaks = {e: [r.get("peak_bytes") for r in (get(e, "tg"), get(e, "pp")) if r and r.get("peak_bytes")]
+                     for e in ("stock", "zipmoe")}
+            z = get("zipmoe", "tg") or get("zipmoe", "pp")
+            zb = z.get("zipmoe_budget_bytes") if z else None
+            match = {None: "-", True: "MATCH", False: "DIFF"}[row["match"]]
+            if row.get("stock_differs_from_unconstrained"):
+                match += " (stock differs from unconstrained!)"
+            lines.append((
+                "unconstrained" if b is None else f"{b:g}%",
+                "-" if b is None else f"{int(model['bf16_bytes'] * b / 100) / MIB:.0f}",
+                "unbounded" if b is None else ("-" if zb is None or zb <= 0 else f"{zb / MIB:.0f}"),
+                _fmt_tps(get("stock", "tg")), _fmt_tps(get("zipmoe", "tg")), _fmt_ratio(row["tg_ratio"]),
+                _fmt_tps(get("stock", "pp")), _fmt_tps(get("zipmoe", "pp")), _fmt_ratio(row["pp_ratio"]),
+                f"{max(peaks['stock']) / MIB:.0f}" if peaks["stock"] else "-",
+                f"{max(peaks['zipmoe']) / MIB:.0f}" if peaks["zipmoe"] else "-",
+                _per_token(get("stock", "tg")), _per_token(get("zipmoe", "tg")), match))
+        widths = [max(len(x[i]) for x in [header, *lines]) for i in range(len(header))]
+        for line in [header, *lines]:
+            print("  ".join([f"{line[0]:<{widths[0]}}", *(f"{c:>{w}}" for c, w in zip(line[1:-1], widths[1:-1])),
+                             line[-1]]))
+        print("tg, pp: tokens/s; ratio: zipmoe / stock; peak: the cgroup's max usage (anonymous + page cache) over "
+              "the tg and pp runs, MiB; disk/tok: MiB read from disk per generated token (load and prompt "
+              "included); match: zipmoe's generated text against stock's at that limit and without a limit")
+        print("targets (zipmoe / stock, tg unless stated):")
+        for t in res["targets"][routing]:
+            verdict = {None: "not measured", True: "met", False: "NOT met"}[t["met"]]
+            at = "" if t["budget_pct"] is None else f" at {t['budget_pct']:g}%"
+            if t["target"].startswith("never slower"):
+                worst = "" if t["ratio"] is None else f" (lowest {t['ratio']:.2f}x{at if t['met'] is False else ''})"
+                print(f"  {t['target']:<32} {verdict}{worst}")
+            else:
+                value = "" if t["ratio"] is None else f": {t['ratio']:.2f}x"
+                print(f"  {t['target']:<32} {verdict}{value}{at}")
+    problems = [r for r in runs if r["status"] != "ok"]
+    if problems:
+        print()
+        print("runs that did not complete (the messages below):")
+        messages: dict[str, int] = {}
+        for r in problems:
+            b = "unconstrained" if r["budget_pct"] is None else f"{r['budget_pct']:g}%"
+            note = ""
+            if r.get("message"):
+                note = f" [{messages.setdefault(r['message'], len(messages) + 1)}]"
+            log = f", log {r['log']}.err" if r.get("log") else ""
+            print(f"  {r['routing']} {b} {r['engine']} {r['test']}: {cell(r, '')}{note}{log}")
+        for text, n in messages.items():
+            print(f"  [{n}] {text}")
+
+
+def plot(res: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        say(f"--plot needs matplotlib, which is not installed: .venv/bin/pip install matplotlib "
+            f"(the plot {path} was not drawn; --json keeps the numbers)")
+        return False
+    tests = [t for t in ("tg", "pp") if t in res["tests"]]
+    fig, axes = plt.subplots(1, len(tests), figsize=(6.5 * len(tests), 4.5), squeeze=False)
+    for ax, test in zip(axes[0], tests):
+        for i, routing in enumerate(res["models"]):
+            for engine, style in (("stock", "--"), ("zipmoe", "-")):
+                pts = [(r["budget_pct"], r["tps"]) for r in res["runs"]
+                       if (r["routing"], r["engine"], r["test"]) == (routing, engine, test)
+                       and r["budget_pct"] is not None and r["status"] == "ok"]
+                pts.sort()
+                color = f"C{i}"
+                if pts:
+                    ax.plot(*zip(*pts), style, marker="s" if engine == "stock" else "o", color=color,
+                            label=f"{engine}, {routing}")
+                free = _find(res["runs"], routing, None, engine, test)
+                if free and free["status"] == "ok":
+                    ax.axhline(free["tps"], linestyle=":", color=color, alpha=0.5 if engine == "stock" else 0.9,
+                               linewidth=1)
+        ax.set_xlabel("memory limit, % of the BF16 model file")
+        ax.set_ylabel("tokens/s")
+        ax.set_yscale("log")
+        ax.set_title(f"{test}: {'llama-simple' if test == 'tg' else 'llama-bench pp' + str(res['pp_tokens'])}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"zipmoe vs stock llama.cpp under a cgroup memory limit — SYNTHETIC model ({res['preset']}); "
+                 f"dotted: no limit", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    say(f"wrote {path}")
+    return True
+
+
+# --------------------------------------------------------------------------------------------- main
+
+
+def _budgets(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of percentages") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError("budgets are positive percentages of the BF16 file size, e.g. 40,60,80")
+    return sorted(set(values))
+
+
+def _choices(allowed: tuple[str, ...]) -> Any:
+    def parse(text: str) -> list[str]:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in items if x not in allowed]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(allowed)} (comma-separated)")
+        return list(dict.fromkeys(items))
+    return parse
+
+
+def _size(text: str) -> int:
+    from pyzipmoe.errors import ZipmoeError
+
+    try:
+        return parse_size(text)
+    except (BenchError, ZipmoeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    key, eq, value = text.partition("=")
+    if not eq or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    if key == "ZIPMOE_MEMORY_BUDGET":
+        raise argparse.ArgumentTypeError("ZIPMOE_MEMORY_BUDGET is set by the benchmark (limit - --overhead)")
+    return key, value
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from pyzipmoe.synth import PRESETS
+
+    p.add_argument("--preset", choices=sorted(PRESETS), default="2.8g",
+                   help="synthetic model size (default: %(default)s; small (~64 MB) for a smoke test)")
+    p.add_argument("--budgets", type=_budgets, default=_budgets(DEFAULT_BUDGETS), metavar="P,P,...",
+                   help=f"memory limits in %% of the BF16 file size (default: {DEFAULT_BUDGETS})")
+    p.add_argument("--routings", type=_choices(("uniform", "skewed")), default=["uniform", "skewed"],
+                   metavar="R,R", help="uniform, skewed or both (default: both)")
+    p.add_argument("--tests", type=_choices(("tg", "pp")), default=["tg", "pp"], metavar="T,T",
+                   help="tg, pp or both (default: both)")
+    p.add_argument("--overhead", type=_size, default=256 * MIB, metavar="SIZE",
+                   help="what the process needs besides the model (KV cache, compute buffers, program, slack): "
+                        "zipmoe's budget is the limit minus this (default: 256MiB)")
+    p.add_argument("--zipmoe-env", type=_env_pair, action="append", default=[], metavar="KEY=VAL",
+                   help="an environment variable for zipmoe runs, e.g. ZIPMOE_CACHE_POLICY=lru (repeatable)")
+    p.add_argument("--gen", type=int, default=32, help="tokens llama-simple generates (default: %(default)s)")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="llama-simple's prompt (default: %(default)r)")
+    p.add_argument("--pp", type=int, default=512, help="prompt tokens of llama-bench's pp test (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=2, help="llama-bench threads (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=600, metavar="S",
+                   help="seconds one run may take before it is killed and reported as timeout (default: %(default)g)")
+    p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR,
+                   help="where the models and the runs' logs are kept (default: %(default)s)")
+    p.add_argument("--regenerate", action="store_true", help="generate and convert the models again")
+    p.add_argument("--cgroup-parent", metavar="PATH",
+                   help="the memory cgroup to make the runs' cgroups in (default: this process's own)")
+    p.add_argument("--json", type=Path, metavar="FILE",
+                   help="write every run's raw results to FILE (rewritten after each run, so a stopped benchmark "
+                        "keeps what it measured; --report prints it)")
+    p.add_argument("--plot", type=Path, metavar="FILE.png", help="draw tokens/s against the limit (needs matplotlib)")
+    p.add_argument("--report", type=Path, metavar="FILE",
+                   help="run nothing: print the tables (and --plot) from a FILE written by --json")
+    args = p.parse_args(argv)
+    if args.report:
+        try:
+            res = json.loads(args.report.read_text())
+        except (OSError, ValueError) as e:
+            print(f"bench_budget: error: cannot read {args.report}: {e}", file=sys.stderr)
+            return 1
+        summarize(res)
+        if args.plot:
+            plot(res, args.plot)
+        print_report(res)
+        return 0
+    for name in ("gen", "pp", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1")
+    if args.timeout <= 0:
+        p.error("--timeout must be positive")
+    args.workdir = args.workdir.resolve()
+    try:
+        res = run(args)
+    except BenchError as e:
+        print(f"bench_budget: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("bench_budget: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # ZipmoeError and friends: one line
+        if type(e).__module__.startswith("pyzipmoe"):
+            print(f"bench_budget: error: {e}", file=sys.stderr)
+            return 1
+        raise
+    summarize(res)
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2) + "\n")
+        say(f"wrote {args.json}")
+    if args.plot:
+        plot(res, args.plot)
+    print()
+    print_report(res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
