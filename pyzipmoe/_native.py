@@ -113,6 +113,7 @@ typedef struct {
     uint64_t hits_sm;
     uint64_t stall_ns;
     uint64_t peak_resident_bytes;
+    uint64_t staging_bytes;
 } zipmoe_stats;
 void zipmoe_stats_get(zipmoe_stats * out);
 void zipmoe_stats_reset(void);

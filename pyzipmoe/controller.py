@@ -111,10 +111,12 @@ class MemoryMonitor:
     """Re-plans a running model's tiers when the memory available to the process changes.
 
     Every `interval` seconds it reads the memory (pyzipmoe.memory.read_memory: psutil and the cgroup limit) and
-    computes the budget the model could have now: what it holds (its weights that are not experts, one layer in
-    flight, the tiers' resident bytes) plus what could still be allocated, less the safety margin of
-    `--memory-budget auto` (so less than it holds when others ate into the margin), never less than the model's
-    minimum nor more than `ceiling` (the user's budget, if one was given). Hysteresis keeps it
+    computes the budget the model could have now: what it holds (its weights that are not experts and the tiers'
+    resident bytes, which include the experts of the layer in flight) plus what could still be allocated, less
+    the safety margin of `--memory-budget auto` (so less than it holds when others ate into the margin), never
+    less than the model's minimum nor more than `ceiling` (the user's budget, if one was given). As with "auto"
+    at load, the budget's reserve for one layer in flight comes out of that memory, not out of the margin: it is
+    not held between tokens (decoded, those experts are resident bytes). Hysteresis keeps it
     from chasing noise: it shrinks when that budget falls more than `threshold` below the current one, and grows
     only when it rises more than twice `threshold` above it. A re-plan only sets slots; the stores evict at their
     next invocation (between tokens, a madvise per expert), so there is no stall beyond a token.
@@ -142,7 +144,7 @@ class MemoryMonitor:
         from . import memory
 
         reading = self._read()
-        held = self.planned.need.minimum + resident_bytes(self._lib)
+        held = self.planned.need.other_bytes + resident_bytes(self._lib)
         # less than held when the margin is eaten into: the tiers give memory back
         target = held + reading.headroom - memory.safety_margin(reading)
         return min(target, self.ceiling) if self.ceiling is not None else target

@@ -251,6 +251,7 @@ typedef struct {
     uint64_t hits_sm;           /* routed experts found as a sign+mantissa plane (codes read) */
     uint64_t stall_ns;          /* wall time of invocations that decoded, plan to publish */
     uint64_t peak_resident_bytes; /* most hot + warm + sm bytes at once since the last reset */
+    uint64_t staging_bytes;     /* the reader's buffer for compressed bytes no tier keeps (transient) */
 } zipmoe_stats;
 
 ZIPMOE_API void zipmoe_stats_get(zipmoe_stats * out);

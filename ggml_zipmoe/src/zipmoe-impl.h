@@ -4,6 +4,8 @@
 
 #include "zipmoe.h"
 
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -93,5 +95,42 @@ static inline uint32_t zipmoe_load32le(const uint8_t * p) {
 static inline void zipmoe_store32le(uint8_t * p, uint32_t v) { memcpy(p, &v, sizeof v); }
 
 static inline size_t zipmoe_align_up(size_t x, size_t a) { return (x + a - 1) & ~(a - 1); }
+
+/* reader.c: reading a plan's compressed bytes on the reader thread (see reader.c). An item lists up to two
+ * segments (offset from the data companion, size, destination); `ready` becomes 1 once they are read, -1 on an
+ * error or a cancel. */
+typedef struct {
+    uint64_t  offset;
+    uint64_t  size;
+    uint8_t * dst;
+} zipmoe_read_seg;
+
+typedef struct {
+    zipmoe_read_seg seg[2];
+    int             n_seg;
+    _Atomic int     ready;
+} zipmoe_read_item;
+
+typedef struct zipmoe_read_job {
+    int                      fd;
+    uint64_t                 base;    /* file offset of the data companion */
+    int64_t                  n_items;
+    zipmoe_read_item *       items;
+    _Atomic int              cancel;
+    int                      busy;    /* under mu: submitted and not finished */
+    pthread_mutex_t          mu;
+    pthread_cond_t           cv;
+    struct zipmoe_store *    collapse; /* instead of reads: zipmoe_store_collapse(collapse) */
+    struct zipmoe_read_job * next;
+} zipmoe_read_job;
+
+int  zipmoe_reader_submit(zipmoe_read_job * job);              /* ZIPMOE_OK, or an error: read synchronously */
+int  zipmoe_reader_wait_item(zipmoe_read_job * job, int64_t i); /* ZIPMOE_OK once item i is read */
+void zipmoe_reader_finish(zipmoe_read_job * job, int cancel);   /* waits until the reader is done with job */
+int  zipmoe_pread_all(int fd, uint64_t offset, void * buf, size_t size);
+/* store.c: huge pages for a store's settled decoded experts (run by the reader thread) */
+void zipmoe_store_collapse(struct zipmoe_store * s);
+/* store.c: counts a read in zipmoe_stats */
+void zipmoe_stats_add_read(uint64_t bytes, uint64_t ns);
 
 #endif /* ZIPMOE_IMPL_H */

@@ -1,0 +1,155 @@
+/* reader.c - the disk side of cache-affinity scheduling: one thread, created on first use and kept, that
+ * reads the compressed bytes a plan needs from the model file, item after item in the plan's order, while
+ * the engine's threads decode what is already in RAM. Decoders wait only for the item they are about to
+ * decode. One large pread per region instead of two small ones per chunk keeps the disk at its sequential
+ * speed, and a hint for the next item keeps a request in flight while the current one is copied. */
+#define _GNU_SOURCE
+#include "zipmoe-impl.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <time.h>
+#include <unistd.h>
+
+static pthread_mutex_t    g_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t     g_cv = PTHREAD_COND_INITIALIZER;
+static zipmoe_read_job *  g_head, *g_tail;
+static int                g_started;
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t) ts.tv_sec * 1000000000u + (uint64_t) ts.tv_nsec;
+}
+
+int zipmoe_pread_all(int fd, uint64_t offset, void * buf, size_t size) {
+    const uint64_t t0   = now_ns();
+    size_t         done = 0;
+    while (done < size) {
+        const ssize_t n = pread(fd, (uint8_t *) buf + done, size - done, (off_t) (offset + done));
+        if (n < 0 && errno == EINTR) {
+            continue;
+        }
+        if (n <= 0) {
+            return ZIPMOE_ERR_IO;
+        }
+        done += (size_t) n;
+    }
+    zipmoe_stats_add_read(size, now_ns() - t0);
+    return ZIPMOE_OK;
+}
+
+static void hint(const zipmoe_read_job * job, const zipmoe_read_item * it) {
+    for (int k = 0; k < it->n_seg; k++) {
+        posix_fadvise(job->fd, (off_t) (job->base + it->seg[k].offset), (off_t) it->seg[k].size, POSIX_FADV_WILLNEED);
+    }
+}
+
+static void mark(zipmoe_read_job * job, zipmoe_read_item * it, int status) {
+    pthread_mutex_lock(&job->mu);
+    atomic_store(&it->ready, status);
+    pthread_cond_broadcast(&job->cv);
+    pthread_mutex_unlock(&job->mu);
+}
+
+static void run(zipmoe_read_job * job) {
+    if (job->collapse) {
+        zipmoe_store_collapse(job->collapse);
+    }
+    int64_t next_hinted = -1;
+    for (int64_t j = 0; j < job->n_items; j++) {
+        zipmoe_read_item * it = &job->items[j];
+        if (it->n_seg == 0) {
+            continue;
+        }
+        for (int64_t h = j + 1; h < job->n_items && h <= j + 1; h++) { /* the next region: one in flight */
+            if (h > next_hinted && job->items[h].n_seg > 0) {
+                hint(job, &job->items[h]);
+                next_hinted = h;
+            }
+        }
+        int status = 1;
+        for (int k = 0; k < it->n_seg && status > 0; k++) {
+            if (atomic_load(&job->cancel) ||
+                zipmoe_pread_all(job->fd, job->base + it->seg[k].offset, it->seg[k].dst, (size_t) it->seg[k].size) < 0) {
+                status = -1;
+            }
+        }
+        mark(job, it, status);
+    }
+    pthread_mutex_lock(&job->mu);
+    job->busy = 0;
+    pthread_cond_broadcast(&job->cv);
+    pthread_mutex_unlock(&job->mu);
+}
+
+static void * reader_main(void * arg) {
+    (void) arg;
+    for (;;) {
+        pthread_mutex_lock(&g_mu);
+        while (!g_head) {
+            pthread_cond_wait(&g_cv, &g_mu);
+        }
+        zipmoe_read_job * job = g_head;
+        g_head = job->next;
+        if (!g_head) {
+            g_tail = NULL;
+        }
+        pthread_mutex_unlock(&g_mu);
+        run(job);
+    }
+    return NULL;
+}
+
+int zipmoe_reader_submit(zipmoe_read_job * job) {
+    pthread_mutex_lock(&g_mu);
+    if (!g_started) {
+        pthread_t      t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        g_started = pthread_create(&t, &attr, reader_main, NULL) == 0;
+        pthread_attr_destroy(&attr);
+        if (!g_started) {
+            pthread_mutex_unlock(&g_mu);
+            return ZIPMOE_ERR_NOMEM; /* the caller reads synchronously instead */
+        }
+    }
+    atomic_store(&job->cancel, 0);
+    job->busy = 1;
+    job->next = NULL;
+    if (g_tail) {
+        g_tail->next = job;
+    } else {
+        g_head = job;
+    }
+    g_tail = job;
+    pthread_cond_signal(&g_cv);
+    pthread_mutex_unlock(&g_mu);
+    return ZIPMOE_OK;
+}
+
+int zipmoe_reader_wait_item(zipmoe_read_job * job, int64_t i) {
+    zipmoe_read_item * it = &job->items[i];
+    int                status = atomic_load(&it->ready);
+    if (status == 0) {
+        pthread_mutex_lock(&job->mu);
+        while ((status = atomic_load(&it->ready)) == 0) {
+            pthread_cond_wait(&job->cv, &job->mu);
+        }
+        pthread_mutex_unlock(&job->mu);
+    }
+    return status > 0 ? ZIPMOE_OK : ZIPMOE_ERR_IO;
+}
+
+void zipmoe_reader_finish(zipmoe_read_job * job, int cancel) {
+    if (cancel) {
+        atomic_store(&job->cancel, 1);
+    }
+    pthread_mutex_lock(&job->mu);
+    while (job->busy) {
+        pthread_cond_wait(&job->cv, &job->mu);
+    }
+    pthread_mutex_unlock(&job->mu);
+}
