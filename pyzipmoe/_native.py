@@ -84,6 +84,7 @@ typedef enum {
 } zipmoe_policy;
 int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, uint64_t sm_bytes, zipmoe_policy policy);
 int64_t zipmoe_cache_set_slots(const char * prefix, int64_t hot, int64_t warm, int64_t sm);
+void    zipmoe_cache_set_reserve(uint64_t bytes);
 int64_t zipmoe_store_open(const char * name, const void * index, size_t index_size, uint64_t data_size,
                           zipmoe_store ** out);
 void    zipmoe_store_free(zipmoe_store * s);
@@ -114,6 +115,7 @@ typedef struct {
     uint64_t stall_ns;
     uint64_t peak_resident_bytes;
     uint64_t staging_bytes;
+    uint64_t pool_bytes;
 } zipmoe_stats;
 void zipmoe_stats_get(zipmoe_stats * out);
 void zipmoe_stats_reset(void);

@@ -35,6 +35,7 @@ class Store:
         with open(path, "rb") as f:
             f.seek(ct.index.file_offset)
             self._index = f.read(ct.index.nbytes)
+            self.keys: list = []
             out = ffi.new("zipmoe_store **")
             assert lib.zipmoe_store_open(ct.name.encode(), self._index, len(self._index), ct.data.nbytes, out) == 0
             self.handle = ffi.gc(out[0], lib.zipmoe_store_free)
@@ -45,7 +46,11 @@ class Store:
 
     def materialize(self, ids: np.ndarray, nth: int, key=None) -> list[int]:
         """Calls materialize from nth threads at once, as ggml does; returns each thread's status."""
+        # a new invocation has a new key, as each graph node is one; kept alive so that no later call's key
+        # reuses the address (the store takes a thread arriving with the last key, and no other op since, for a
+        # late sibling of that invocation)
         key = key or ffi.new("char[1]")
+        self.keys.append(key)
         ids = np.ascontiguousarray(ids, np.int32)
         results = [0] * nth
         start = threading.Barrier(nth)

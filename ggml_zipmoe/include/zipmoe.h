@@ -206,6 +206,11 @@ ZIPMOE_API int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_byte
  * budgets. prefix NULL removes every rule. Takes effect like zipmoe_cache_configure. */
 ZIPMOE_API int64_t zipmoe_cache_set_slots(const char * prefix, int64_t hot, int64_t warm, int64_t sm);
 
+/* What the budget holds for the layer in flight (its routed experts, decoded beyond the tiers' limits). The
+ * memory of evicted experts is kept within it (slots.c), for the next experts decoded: they then neither fault
+ * nor zero their pages. Default 0: evicted experts' pages are freed. */
+ZIPMOE_API void    zipmoe_cache_set_reserve(uint64_t bytes);
+
 /* Opens a store from an index (validated as zipmoe_tensor_open does). */
 ZIPMOE_API int64_t zipmoe_store_open(const char * name, const void * index, size_t index_size, uint64_t data_size,
                                      zipmoe_store ** out);
@@ -252,6 +257,7 @@ typedef struct {
     uint64_t stall_ns;          /* wall time of invocations that decoded, plan to publish */
     uint64_t peak_resident_bytes; /* most hot + warm + sm bytes at once since the last reset */
     uint64_t staging_bytes;     /* the reader's buffer for compressed bytes no tier keeps (transient) */
+    uint64_t pool_bytes;        /* pages of evicted experts kept for the next decodes (zipmoe_cache_set_reserve) */
 } zipmoe_stats;
 
 ZIPMOE_API void zipmoe_stats_get(zipmoe_stats * out);

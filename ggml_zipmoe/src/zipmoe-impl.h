@@ -128,6 +128,12 @@ int  zipmoe_reader_submit(zipmoe_read_job * job);              /* ZIPMOE_OK, or 
 int  zipmoe_reader_wait_item(zipmoe_read_job * job, int64_t i); /* ZIPMOE_OK once item i is read */
 void zipmoe_reader_finish(zipmoe_read_job * job, int cancel);   /* waits until the reader is done with job */
 int  zipmoe_pread_all(int fd, uint64_t offset, void * buf, size_t size);
+/* slots.c: memfd slots that keep decoded experts' pages from one expert to the next */
+void     zipmoe_slots_set_keep(uint64_t bytes);           /* free slots keep their pages up to this */
+uint64_t zipmoe_slots_kept(void);
+int      zipmoe_slots_usable(const void * addr, size_t size); /* page-aligned, and memfds work */
+int64_t  zipmoe_slots_attach(void * addr, size_t size);   /* a slot mapped over [addr, +size), or -1 */
+int      zipmoe_slots_detach(void * addr, size_t size, int64_t slot); /* [addr, +size) empty again */
 /* store.c: huge pages for a store's settled decoded experts (run by the reader thread) */
 void zipmoe_store_collapse(struct zipmoe_store * s);
 /* store.c: counts a read in zipmoe_stats */

@@ -17,6 +17,10 @@ static pthread_cond_t     g_cv = PTHREAD_COND_INITIALIZER;
 static zipmoe_read_job *  g_head, *g_tail;
 static int                g_started;
 
+/* Regions hinted (POSIX_FADV_WILLNEED) ahead of the one being read: requests in flight keep the disk busy
+ * while a pread copies; a few, so that the page cache they pass through stays small. */
+#define READ_AHEAD 4
+
 static uint64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -63,7 +67,7 @@ static void run(zipmoe_read_job * job) {
         if (it->n_seg == 0) {
             continue;
         }
-        for (int64_t h = j + 1; h < job->n_items && h <= j + 1; h++) { /* the next region: one in flight */
+        for (int64_t h = j + 1; h < job->n_items && h <= j + READ_AHEAD; h++) { /* the next regions: in flight meanwhile */
             if (h > next_hinted && job->items[h].n_seg > 0) {
                 hint(job, &job->items[h]);
                 next_hinted = h;
@@ -71,10 +75,12 @@ static void run(zipmoe_read_job * job) {
         }
         int status = 1;
         for (int k = 0; k < it->n_seg && status > 0; k++) {
-            if (atomic_load(&job->cancel) ||
-                zipmoe_pread_all(job->fd, job->base + it->seg[k].offset, it->seg[k].dst, (size_t) it->seg[k].size) < 0) {
+            const zipmoe_read_seg * g = &it->seg[k];
+            if (atomic_load(&job->cancel) || zipmoe_pread_all(job->fd, job->base + g->offset, g->dst, (size_t) g->size) < 0) {
                 status = -1;
             }
+            /* copied out: the page cache must not keep a second copy, which the budget does not count */
+            posix_fadvise(job->fd, (off_t) (job->base + g->offset), (off_t) g->size, POSIX_FADV_DONTNEED);
         }
         mark(job, it, status);
     }

@@ -50,6 +50,7 @@ typedef struct {
     uint8_t * region;    /* RES_SM: the sign+mantissa plane; RES_FULL: the whole region; else NULL */
     uint8_t   res;       /* RES_* */
     uint8_t   hot;       /* decoded in dst */
+    int64_t   slot;      /* the memfd slot mapped over its range (slots.c), or -1: anonymous pages */
     uint32_t  routed;    /* tokens routed to it by the invocation in flight: pinned while non-zero */
     uint64_t  last_use;  /* policy metadata: tick of the last use, */
     uint64_t  uses;      /* uses (LFU) or tokens routed (token-weighted LFU), */
@@ -88,6 +89,8 @@ struct zipmoe_store {
     int             plan_failed;
     _Atomic int64_t next_chunk; /* the next chunk of the plan to claim: expert j * n_chunks + chunk */
     uint64_t        plan_t0;
+    const void *    last_key;  /* the last plan's key and the g_op_seq it began at */
+    uint64_t        last_seq;
     int64_t         plan_n;
     plan_item *     plan;
     zipmoe_read_job job;        /* the plan's reads, items parallel to plan */
@@ -103,6 +106,7 @@ struct zipmoe_store {
     uint64_t        hot_limit, warm_limit, sm_limit; /* refreshed when the configuration changes */
     _Atomic uint64_t cfg_gen;
     zipmoe_policy   policy;
+    int             use_slots;   /* decode into memfd slots (slots.c): the hot tier cannot hold every expert */
     _Atomic int     fast_ok;     /* limits current and the last publish kept within them: a lock-free */
                                  /* fast path may serve invocations whose experts are all hot         */
     pthread_mutex_t err_mu;      /* the first decoding error not yet taken; per store, so that an engine */
@@ -130,6 +134,7 @@ static int              g_n_rules;
 static _Atomic uint64_t g_cfg_gen = 1; /* bumped by every change: stores refresh their limits */
 static _Atomic uint64_t g_bf16_total;  /* BF16 bytes of all open stores: the shares of the budgets */
 static _Atomic uint64_t g_tick;
+static _Atomic uint64_t g_op_seq; /* invocations begun, of any store: tells a late sibling from a new invocation */
 
 static pthread_mutex_t g_list_mu = PTHREAD_MUTEX_INITIALIZER; /* the open stores, for cross-layer trims */
 static zipmoe_store *  g_list;
@@ -147,6 +152,8 @@ int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, uint64_t
     pthread_mutex_unlock(&g_cfg_mu);
     return ZIPMOE_OK;
 }
+
+void zipmoe_cache_set_reserve(uint64_t bytes) { zipmoe_slots_set_keep(bytes); }
 
 int64_t zipmoe_cache_set_slots(const char * prefix, int64_t hot, int64_t warm, int64_t sm) {
     pthread_mutex_lock(&g_cfg_mu);
@@ -218,6 +225,8 @@ static void refresh_limits(zipmoe_store * s) {
         s->sm_limit   = quota(s, g_sm_budget);
     }
     s->policy  = g_policy;
+    /* slots pay when experts come and go; an unbounded hot tier keeps anonymous pages, which may become huge */
+    s->use_slots = s->hot_limit < (uint64_t) s->info.n_expert * s->hot_size;
     s->cfg_gen = atomic_load(&g_cfg_gen);
     pthread_mutex_unlock(&g_cfg_mu);
 }
@@ -254,6 +263,7 @@ void zipmoe_stats_get(zipmoe_stats * out) {
     out->stall_ns            = atomic_load(&g_stall_ns);
     out->peak_resident_bytes = atomic_load(&g_peak_resident);
     out->staging_bytes       = atomic_load(&g_staging_bytes);
+    out->pool_bytes          = zipmoe_slots_kept();
 }
 
 void zipmoe_stats_reset(void) {
@@ -396,6 +406,9 @@ int64_t zipmoe_store_open(const char * name, const void * index, size_t index_si
         zipmoe_store_free(s);
         return ZIPMOE_ERR_NOMEM;
     }
+    for (int64_t e = 0; e < s->info.n_expert; e++) {
+        s->experts[e].slot = -1;
+    }
     atomic_fetch_add(&g_stores, 1);
     atomic_fetch_add(&g_bf16_total, (uint64_t) s->info.n_expert * s->hot_size);
     atomic_fetch_add(&g_cfg_gen, 1); /* the shares of every store changed */
@@ -429,6 +442,9 @@ void zipmoe_store_free(zipmoe_store * s) {
         atomic_fetch_sub(&g_sm_bytes, s->sm_used);
         for (int64_t e = 0; e < s->info.n_expert; e++) {
             free(s->experts[e].region);
+            if (s->experts[e].slot >= 0) { /* the slot, and its pages, to the next store */
+                zipmoe_slots_detach(s->dst + e * s->info.n_per_expert, (size_t) s->hot_size, s->experts[e].slot);
+            }
         }
     }
     if (s->fd >= 0) {
@@ -650,7 +666,10 @@ static void release_hot(zipmoe_store * s, int64_t e) {
     if (e > 0 && !s->experts[e - 1].hot && (begin & (page - 1)) && begin - (begin & (page - 1)) >= (uintptr_t) s->dst) {
         lo = begin & ~(uintptr_t) (page - 1); /* the shared first page holds nothing hot */
     }
-    if (hi > lo) {
+    expert_state * x = &s->experts[e];
+    if (x->slot >= 0 && zipmoe_slots_detach((void *) begin, bytes, x->slot)) {
+        x->slot = -1; /* its pages serve the next expert decoded */
+    } else if (hi > lo) {
         madvise((void *) lo, hi - lo, MADV_DONTNEED);
     }
     for (uintptr_t p = begin & ~(HUGE_PAGE - 1); p < begin + bytes; p += HUGE_PAGE) { /* split by the kernel now */
@@ -844,6 +863,10 @@ static int64_t make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int
             expert_state * x = &s->experts[e];
             if (x->routed && (!x->hot || decode_all) && x->res == want) {
                 plan_expert(s, e, tick, &s->plan[s->plan_n++]);
+                void * range = s->dst + e * s->info.n_per_expert;
+                if (!x->hot && x->slot < 0 && s->use_slots && zipmoe_slots_usable(range, (size_t) s->hot_size)) {
+                    x->slot = zipmoe_slots_attach(range, (size_t) s->hot_size); /* no faults while decoding */
+                }
             }
         }
     }
@@ -1003,7 +1026,7 @@ static void publish(zipmoe_store * s) {
     for (int64_t j = 0; j < s->plan_n; j++) {
         const plan_item * it = &s->plan[j];
         expert_state *    x  = &s->experts[it->expert];
-        if (it->read_sm || it->read_codes) {
+        if (!it->staged && (it->read_sm || it->read_codes)) { /* (the reader drops what it reads itself) */
             /* the budget counts what zipmoe keeps: the kernel must not keep a second, uncounted copy */
             zipmoe_expert_span span;
             zipmoe_tensor_expert_span(s->tensor, it->expert, &span);
@@ -1024,6 +1047,10 @@ static void discard_plan(zipmoe_store * s) {
     for (int64_t j = 0; j < s->plan_n; j++) {
         const plan_item * it = &s->plan[j];
         expert_state *    x  = &s->experts[it->expert];
+        if (!x->hot && x->slot >= 0 &&
+            zipmoe_slots_detach(s->dst + it->expert * s->info.n_per_expert, (size_t) s->hot_size, x->slot)) {
+            x->slot = -1;
+        }
         if (it->read_sm && x->res != RES_NONE) {
             drop_region(s, it->expert);
         } else if (it->read_codes && x->res == RES_FULL) {
@@ -1079,6 +1106,7 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
     if (atomic_load(&s->fast_ok) && atomic_load(&g_cfg_gen) == s->cfg_gen && s->hot_limit > 0 &&
         all_routed_hot(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1)) {
         if (ith == 0) {
+            atomic_fetch_add(&g_op_seq, 1);
             note_hits(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1);
             if (atomic_fetch_add(&s->streak, 1) + 1 == COLLAPSE_AFTER && s->n_hp > 0 &&
                 !atomic_exchange(&s->collapse_queued, 1) && zipmoe_reader_submit(&s->collapse_job) != ZIPMOE_OK) {
@@ -1097,6 +1125,15 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
         s->plan_failed = 0;
         s->plan_t0     = now_ns();
         atomic_store(&s->next_chunk, 0);
+    }
+    if (s->plan_in == 0 && key == s->last_key && atomic_load(&g_op_seq) == s->last_seq && s->plan_n > 0 &&
+        all_routed_hot(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1)) {
+        /* a sibling that arrives after the others finished this invocation (no other op began since, as the
+         * engine's barrier holds them all): its experts are decoded; it must not decode or count them again */
+        s->plan_n = 0;
+    } else if (s->plan_in == 0) {
+        s->last_key = key;
+        s->last_seq = atomic_fetch_add(&g_op_seq, 1) + 1;
         const int64_t bad = make_plan(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1);
         if (bad != -1) {
             record_error(s, bad, ZIPMOE_ERR_ARG);

@@ -208,6 +208,8 @@ bool zipmoe_llama_configure(uint64_t other_bytes, std::string & info, std::strin
         zipmoe_cache_set_slots(nullptr, 0, 0, 0);
     }
     zipmoe_cache_configure(hot, warm, sm, policy);
+    // evicted experts' memory is kept, within the allowance for the layer in flight, for the next decodes
+    zipmoe_cache_set_reserve(working_set);
     return true;
 }
 
