@@ -79,7 +79,10 @@ class Calibration:
     expert_tensors: int  # expert tensors in that layer (gate, up, down: 3)
     expert_values: int  # BF16 values of one expert over those tensors
     expert_compressed_bytes: int  # their regions' bytes in the file
-    t_decode: float  # seconds, one core: one expert of one layer, every tensor, into fresh pages (faults included)
+    t_decode: float  # seconds, one core: one expert of one layer, every tensor, from RAM, through the runtime
+    t_decode_fresh: float  # the same decode alone into freshly mapped memory (page faults included)
+    t_read_sm: float  # seconds the runtime adds when the exponent codes come from disk (page cache dropped)
+    t_read_cold: float  # ... when the whole region comes from disk
     decode_values_per_second: dict[str, float]  # per codec, one core, checksum + exponents + merge
     merge_seconds_per_value: float  # exponent and sign+mantissa planes into BF16, one core
     split_seconds_per_value: float  # the reverse
@@ -96,7 +99,8 @@ class Calibration:
     def as_costs_dict(self) -> dict[str, Any]:
         """The planner's `Costs` fields."""
         return {"cores": self.cores, "t_decode": self.t_decode, "disk_bandwidth": self.disk_bandwidth,
-                "read_latency": self.read_latency, "base_seconds_per_token": self.base_seconds_per_token}
+                "read_latency": self.read_latency, "base_seconds_per_token": self.base_seconds_per_token,
+                "t_read_sm": self.t_read_sm, "t_read_cold": self.t_read_cold}
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -108,7 +112,7 @@ class Calibration:
         """ValueError, KeyError or TypeError when `data` is not a sane calibration (a damaged cache file)."""
         names = {f.name for f in fields(cls)} - {"from_cache"}
         cal = cls(**{k: data[k] for k in names if k in data})
-        positive = [cal.t_decode, cal.disk_bandwidth, cal.read_latency, cal.merge_seconds_per_value,
+        positive = [cal.t_decode, cal.t_decode_fresh, cal.disk_bandwidth, cal.read_latency, cal.merge_seconds_per_value,
                     cal.split_seconds_per_value, *cal.decode_values_per_second.values()]
         if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in positive):
             raise ValueError("calibration numbers must be positive and finite")
@@ -343,6 +347,78 @@ def _into_fresh_memory(experts: Sequence[Any], inputs: Sequence[np.ndarray], ind
 
 
 @dataclass(frozen=True)
+class TierCosts:
+    """Seconds of one thread to make one expert of a layer (every tensor) decoded, through the runtime itself."""
+
+    warm: float  # from its compressed region in RAM: decoding (into pages an evicted expert left)
+    sm: float  # from its sign+mantissa plane in RAM, the exponent codes read from disk
+    cold: float  # from disk
+
+
+class _LayerStores:
+    """The runtime's stores for one layer's expert tensors, reading the model file: what the engine would use."""
+
+    def __init__(self, fd: int, tensors: Sequence[Any], label: str) -> None:
+        from ._native import ffi, lib
+
+        self.ffi, self.lib, self.handles, self.keys = ffi, lib, [], []
+        for c in tensors:
+            index = _pread(fd, c.index.nbytes, c.index.file_offset, label).tobytes()
+            out = ffi.new("zipmoe_store **")
+            if lib.zipmoe_store_open(c.name.encode(), index, len(index), c.data.nbytes, out) < 0:
+                raise CalibrationError(f"{label}: {c.name}: the runtime refused its index")
+            handle = ffi.gc(out[0], lib.zipmoe_store_free)
+            if lib.zipmoe_store_bind(handle, fd, c.data.file_offset, ffi.new("void **"), ffi.new("size_t *")) < 0:
+                raise CalibrationError(f"{label}: {c.name}: the runtime cannot read its data")
+            self.handles.append(handle)
+
+    def materialize(self, expert: int) -> float:
+        """Seconds of wall time to make `expert` decoded in every store of the layer, one thread."""
+        ids = np.array([expert], np.int32)
+        key = self.ffi.new("char[1]")  # a new invocation
+        self.keys.append(key)
+        t0 = time.perf_counter()
+        for h in self.handles:
+            if self.lib.zipmoe_store_materialize(h, key, self.ffi.from_buffer(ids), 1, 1, 4, 4, 0, 1) < 0:
+                raise CalibrationError("the runtime failed to decode an expert while calibrating")
+        return time.perf_counter() - t0
+
+
+def measure_tiers(fd: int, tensors: Sequence[Any], n_expert: int, *, label: str, progress: Progress,
+                  experts: int = 8) -> TierCosts:
+    """Times the runtime's own paths for up to `experts` experts of one layer, one thread, page cache dropped
+    before every disk-bound pass: what a routed expert costs in each tier, reader thread, slots and all. Runs with
+    budgets of its own (the process's budget is changed: calibrate in a process that runs no model)."""
+    from ._native import lib
+
+    unbounded = (1 << 64) - 1
+    layer_bytes = sum(c.expert.info.n_per_expert * 2 for c in tensors) * n_expert
+    lib.zipmoe_cache_set_reserve(layer_bytes)  # as a model loads: evicted pages are reused, as in a run
+    chosen = list(range(min(experts, n_expert)))
+    progress.start("calibrate: tiers", 5 * len(chosen))
+    times: dict[str, float] = {}
+    try:
+        for tier, warm, sm in (("cold", 0, 0), ("warm", unbounded, 0), ("sm", 0, unbounded)):
+            lib.zipmoe_cache_configure(0, warm, sm, lib.ZIPMOE_POLICY_LRU)  # hot 0: every use decodes
+            stores = _LayerStores(fd, tensors, label)
+            if tier != "cold":  # a first pass puts them in the tier
+                for e in chosen:
+                    stores.materialize(e)
+                    progress.advance(1)
+            drop_page_cache(fd)
+            samples = []
+            for e in chosen:
+                samples.append(stores.materialize(e))
+                progress.advance(1)
+            times[tier] = statistics.median(samples)
+            del stores
+    finally:
+        lib.zipmoe_cache_configure(unbounded, 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
+        lib.zipmoe_cache_set_reserve(0)
+    return TierCosts(warm=times["warm"], sm=max(times["sm"], times["warm"]), cold=max(times["cold"], times["warm"]))
+
+
+@dataclass(frozen=True)
 class DiskCosts:
     bandwidth: float
     latency: float
@@ -503,13 +579,19 @@ def calibrate(model_path: str | os.PathLike[str], *, force: bool = False, progre
     regions = [(c.region_file_offset(e), c.expert.span(e).size)
                for c in zf.compressed for e in range(c.expert.info.n_expert)]
     disk = measure_disk(path, regions, read_bytes, progress=progress)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        tiers = measure_tiers(fd, tensors, tensors[0].expert.info.n_expert, label=label, progress=progress)
+    finally:
+        os.close(fd)
     progress.close()
     cal = Calibration(
         model=fingerprint, machine=machine, measured_at=started, seconds=time.perf_counter() - t0,
         codec=zf.meta.codec, chunk_size=zf.meta.chunk_size, layer=layer, expert_tensors=len(tensors),
         expert_values=sum(c.expert.info.n_per_expert for c in tensors),
         expert_compressed_bytes=sum(c.expert.span(expert).size for c in tensors),
-        t_decode=decode.t_decode, decode_values_per_second=decode.values_per_second,
+        t_decode=tiers.warm, t_decode_fresh=decode.t_decode, t_read_sm=tiers.sm - tiers.warm,
+        t_read_cold=tiers.cold - tiers.warm, decode_values_per_second=decode.values_per_second,
         merge_seconds_per_value=decode.merge_seconds_per_value, split_seconds_per_value=decode.split_seconds_per_value,
         disk_bandwidth=disk.bandwidth, read_latency=disk.latency, read_size=disk.read_size, reads=disk.reads,
         bytes_read=disk.bytes_read, page_cache_dropped=disk.page_cache_dropped, cores=usable_cores(),

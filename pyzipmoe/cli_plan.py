@@ -72,7 +72,8 @@ def _costs(args: argparse.Namespace, model_path: str, geometry: planner.ModelGeo
     if calibration is not None:
         costs = planner.costs_from_dict(calibration, defaults=costs, label=f"calibration of {model_path}",
                                         strict=False)
-        estimated = [name for name in planner.COST_FIELDS if name not in calibration]
+        estimated = [name for name in planner.COST_FIELDS
+                     if name not in calibration and name not in planner.OPTIONAL_COST_FIELDS]
         source = "calibration" + (f" ({', '.join(estimated)}: conservative estimate)" if estimated else "")
     if args.costs is not None:
         costs = planner.costs_from_file(args.costs, defaults=costs)

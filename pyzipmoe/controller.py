@@ -67,10 +67,10 @@ def plan_model(model_path: str | os.PathLike[str], budget: int, *, trace: str | 
 def runtime_environment(model_path: str | os.PathLike[str], *, budget: str | int | None = None,
                         policy: str | None = None, hot_share: float | None = None, sm_share: float | None = None,
                         use_planner: bool = True, trace: str | os.PathLike[str] | None = None,
-                        is_zipmoe: bool = True) -> dict[str, str]:
+                        is_zipmoe: bool = True, plan: str | None = None) -> dict[str, str]:
     """The runtime's environment for one model. With a budget and no fixed tier shares, the planner splits it;
     with shares, the runtime splits it by them (hot_share of what the tiers get decoded, sm_share as
-    sign+mantissa planes, the rest compressed)."""
+    sign+mantissa planes, the rest compressed); `plan` (as `zipmoe plan` prints it) gives the slots itself."""
     if budget is None or not is_zipmoe:
         return cache_environment(budget if is_zipmoe else None, policy, hot_share, sm_share)
     need = model_memory(model_path)
@@ -78,7 +78,10 @@ def runtime_environment(model_path: str | os.PathLike[str], *, budget: str | int
         else parse_budget(budget)
     check_budget(nbytes, need)
     env = cache_environment(nbytes, policy, hot_share, sm_share)
-    if use_planner and hot_share is None and sm_share is None:
+    if plan is not None:
+        planner.decode_plan(plan)  # a clear error for a malformed one, before the runtime sees it
+        env[planner.PLAN_ENV] = plan
+    elif use_planner and hot_share is None and sm_share is None:
         env.update(plan_model(model_path, nbytes, trace=trace, need=need).plan.to_env())
     return env
 

@@ -265,6 +265,7 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
         whole compressed experts). Unset: the planner splits the cache per layer (pyzipmoe/planner.py), from this
         machine's calibration (`zipmoe calibrate`) or conservative defaults.
     trace: activation counts for the planner (.npz with "counts" [prompts, layers, experts]); default uniform.
+    plan: slots per tier per layer, as `zipmoe plan` prints them ("0:12,4,0;1:..."), instead of planning.
     adapt: re-plan while running when the memory available changes (pyzipmoe.controller.MemoryMonitor); default:
         on for memory_budget="auto".
     """
@@ -272,7 +273,7 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
     def __init__(self, model_path: str, *args: Any, zipmoe_cache: str = "unbounded",
                  memory_budget: str | int | None = None, cache_policy: str | None = None,
                  hot_share: float | None = None, sm_share: float | None = None, trace: str | None = None,
-                 adapt: bool | None = None, **kwargs: Any) -> None:
+                 plan: str | None = None, adapt: bool | None = None, **kwargs: Any) -> None:
         self._stack = contextlib.ExitStack()  # llama_cpp.Llama.__del__ closes it, also after a failed __init__
         self.zipmoe_monitor = None
         if zipmoe_cache not in CACHE_MODES:
@@ -288,7 +289,7 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
         from .controller import monitor_for, runtime_environment
 
         cache_env = runtime_environment(model_path, budget=memory_budget, policy=cache_policy, hot_share=hot_share,
-                                        sm_share=sm_share, trace=trace, is_zipmoe=self.is_zipmoe)
+                                        sm_share=sm_share, trace=trace, is_zipmoe=self.is_zipmoe, plan=plan)
         mark = _error_log.mark()
         try:
             with contextlib.ExitStack() as env:  # what is not given stays as the environment says
@@ -302,7 +303,8 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
         self._wrap_decode(model_path)
         if adapt is None:
             adapt = memory_budget is not None and str(memory_budget) == "auto"
-        if adapt and self.is_zipmoe and memory_budget is not None and hot_share is None and sm_share is None:
+        if adapt and self.is_zipmoe and memory_budget is not None and hot_share is None and sm_share is None \
+                and plan is None:
             self.zipmoe_monitor = monitor_for(model_path, memory_budget, trace=trace).start()
             self._stack.callback(self.zipmoe_monitor.stop)
 

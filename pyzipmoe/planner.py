@@ -94,6 +94,8 @@ class Costs:
     disk_bandwidth: float  # bytes per second
     read_latency: float  # seconds per read, on top of bytes / bandwidth
     base_seconds_per_token: float  # a generated token with every expert hot
+    t_read_sm: float | None = None  # seconds an sm-tier expert of a layer adds for its codes (measured through the
+    t_read_cold: float | None = None  # runtime by `zipmoe calibrate`); None: from bytes, bandwidth and latency
 
     def __post_init__(self) -> None:
         if isinstance(self.cores, bool) or not isinstance(self.cores, int) or self.cores < 1:
@@ -104,6 +106,11 @@ class Costs:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if not ok or value < lowest or (strict and value == lowest):
                 raise ZipmoeError(f"{name} must be a {'positive' if strict else 'non-negative'} number, got {value!r}")
+        for name in ("t_read_sm", "t_read_cold"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value < 0):
+                raise ZipmoeError(f"{name} must be a non-negative number or absent, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -219,6 +226,7 @@ def default_costs(geometry: ModelGeometry, cores: int | None = None) -> Costs:
 
 
 COST_FIELDS = tuple(f.name for f in fields(Costs))
+OPTIONAL_COST_FIELDS = ("t_read_sm", "t_read_cold")  # measured read times; without them, bytes / bandwidth
 
 
 def costs_from_dict(values: Mapping[str, Any], *, defaults: Costs, label: str, strict: bool = True) -> Costs:
@@ -440,11 +448,14 @@ class TierSeconds:
 
 def tier_seconds(geometry: ModelGeometry, costs: Costs, i: int) -> TierSeconds:
     """The costs of MoE layer i (its index in geometry.layers)."""
-    def read(nbytes: int) -> float:
+    def read(nbytes: int, measured: float | None, measured_bytes: int) -> float:
+        if measured is not None:  # measured through the runtime on the first MoE layer: scaled by size
+            return measured * nbytes / max(1, measured_bytes)
         return nbytes / costs.disk_bandwidth + costs.read_latency
 
-    return TierSeconds(decode=costs.t_decode / costs.cores, read_sm=read(geometry.read_sm_bytes(i)),
-                       read_cold=read(geometry.warm_bytes[i]))
+    return TierSeconds(decode=costs.t_decode / costs.cores,
+                       read_sm=read(geometry.read_sm_bytes(i), costs.t_read_sm, geometry.read_sm_bytes(0)),
+                       read_cold=read(geometry.warm_bytes[i], costs.t_read_cold, geometry.warm_bytes[0]))
 
 
 def _tier_bounds(n: int, hot: int, warm: int, sm: int) -> tuple[int, int, int, int, int]:
