@@ -79,10 +79,10 @@ class Calibration:
     expert_tensors: int  # expert tensors in that layer (gate, up, down: 3)
     expert_values: int  # BF16 values of one expert over those tensors
     expert_compressed_bytes: int  # their regions' bytes in the file
-    t_decode: float  # seconds, one core: one expert of one layer, every tensor, from RAM, through the runtime
-    t_decode_fresh: float  # the same decode alone into freshly mapped memory (page faults included)
-    t_read_sm: float  # seconds the runtime adds when the exponent codes come from disk (page cache dropped)
-    t_read_cold: float  # ... when the whole region comes from disk
+    t_decode: float  # core-seconds the runtime spends to decode one expert of a layer from RAM (wall x cores)
+    t_decode_fresh: float  # the decoder alone into freshly mapped memory, one core (page faults included)
+    t_read_sm: float  # wall seconds per expert when the exponent codes come from disk (page cache dropped)
+    t_read_cold: float  # ... when the whole region comes from disk (read and decode overlapping)
     decode_values_per_second: dict[str, float]  # per codec, one core, checksum + exponents + merge
     merge_seconds_per_value: float  # exponent and sign+mantissa planes into BF16, one core
     split_seconds_per_value: float  # the reverse
@@ -361,7 +361,7 @@ class _LayerStores:
     def __init__(self, fd: int, tensors: Sequence[Any], label: str) -> None:
         from ._native import ffi, lib
 
-        self.ffi, self.lib, self.handles, self.keys = ffi, lib, [], []
+        self.ffi, self.lib, self.handles, self.keys, self.elapsed = ffi, lib, [], [], 0.0
         for c in tensors:
             index = _pread(fd, c.index.nbytes, c.index.file_offset, label).tobytes()
             out = ffi.new("zipmoe_store **")
@@ -372,43 +372,66 @@ class _LayerStores:
                 raise CalibrationError(f"{label}: {c.name}: the runtime cannot read its data")
             self.handles.append(handle)
 
-    def materialize(self, expert: int) -> float:
-        """Seconds of wall time to make `expert` decoded in every store of the layer, one thread."""
-        ids = np.array([expert], np.int32)
-        key = self.ffi.new("char[1]")  # a new invocation
-        self.keys.append(key)
-        t0 = time.perf_counter()
-        for h in self.handles:
-            if self.lib.zipmoe_store_materialize(h, key, self.ffi.from_buffer(ids), 1, 1, 4, 4, 0, 1) < 0:
-                raise CalibrationError("the runtime failed to decode an expert while calibrating")
-        return time.perf_counter() - t0
+    def materialize(self, experts: Sequence[int], threads: int) -> float:
+        """Seconds of wall time to make `experts` decoded in every store of the layer, as one token routing to
+        them would: one invocation per store, `threads` threads calling it at once as the engine's do, the
+        reader reading ahead."""
+        import threading
+
+        ids = np.array(experts, np.int32)
+        failed: list[int] = []
+        for h in self.handles:  # one store after another, like the graph's ops
+            key = self.ffi.new("char[1]")  # a new invocation
+            self.keys.append(key)
+            start = threading.Barrier(threads + 1)
+
+            def run(ith: int, h: Any = h, key: Any = key, start: threading.Barrier = start) -> None:
+                start.wait()
+                if self.lib.zipmoe_store_materialize(h, key, self.ffi.from_buffer(ids), ids.size, 1, 4, ids.size * 4,
+                                                     ith, threads) < 0:
+                    failed.append(ith)
+
+            workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+            for w in workers:
+                w.start()
+            start.wait()
+            t0 = time.perf_counter()
+            for w in workers:
+                w.join()
+            self.elapsed += time.perf_counter() - t0
+        if failed:
+            raise CalibrationError("the runtime failed to decode an expert while calibrating")
+        return self.elapsed
 
 
-def measure_tiers(fd: int, tensors: Sequence[Any], n_expert: int, *, label: str, progress: Progress,
-                  experts: int = 8) -> TierCosts:
-    """Times the runtime's own paths for up to `experts` experts of one layer, one thread, page cache dropped
-    before every disk-bound pass: what a routed expert costs in each tier, reader thread, slots and all. Runs with
-    budgets of its own (the process's budget is changed: calibrate in a process that runs no model)."""
+def measure_tiers(fd: int, tensors: Sequence[Any], n_expert: int, n_used: int, *, threads: int, label: str,
+                  progress: Progress, tokens: int = 4) -> TierCosts:
+    """Times the runtime's own paths for `tokens` groups of `n_used` experts of one layer (what a token routes to),
+    on `threads` threads as the engine calls it, page cache dropped before every disk-bound pass: the wall time a
+    routed expert costs in each tier, reader thread, slots, the cores' sharing and all. Runs with budgets of its
+    own (the process's budget is changed: calibrate in a process that runs no model)."""
     from ._native import lib
 
     unbounded = (1 << 64) - 1
     layer_bytes = sum(c.expert.info.n_per_expert * 2 for c in tensors) * n_expert
     lib.zipmoe_cache_set_reserve(layer_bytes)  # as a model loads: evicted pages are reused, as in a run
-    chosen = list(range(min(experts, n_expert)))
-    progress.start("calibrate: tiers", 5 * len(chosen))
+    n_used = max(1, min(n_used, n_expert))
+    groups = [[(t * n_used + i) % n_expert for i in range(n_used)] for t in range(max(1, min(tokens, n_expert // n_used)))]
+    progress.start("calibrate: tiers", 5 * len(groups))
     times: dict[str, float] = {}
     try:
         for tier, warm, sm in (("cold", 0, 0), ("warm", unbounded, 0), ("sm", 0, unbounded)):
             lib.zipmoe_cache_configure(0, warm, sm, lib.ZIPMOE_POLICY_LRU)  # hot 0: every use decodes
             stores = _LayerStores(fd, tensors, label)
             if tier != "cold":  # a first pass puts them in the tier
-                for e in chosen:
-                    stores.materialize(e)
+                for g in groups:
+                    stores.materialize(g, threads)
                     progress.advance(1)
             drop_page_cache(fd)
             samples = []
-            for e in chosen:
-                samples.append(stores.materialize(e))
+            for g in groups:
+                before = stores.elapsed
+                samples.append((stores.materialize(g, threads) - before) / len(g))
                 progress.advance(1)
             times[tier] = statistics.median(samples)
             del stores
@@ -534,6 +557,14 @@ def _open_model(model_path: str | os.PathLike[str]) -> Any:
     return zf
 
 
+def _experts_used(zf: Any) -> int:
+    """The model's experts per token (<arch>.expert_used_count), or 1 if it does not say."""
+    for key, kv in zf.gguf.kv.items():
+        if key.endswith(".expert_used_count"):
+            return int(kv.value)
+    return 1
+
+
 def _first_layer(compressed: Sequence[Any]) -> tuple[int, list[Any]]:
     """The lowest layer number with compressed expert tensors, and those tensors."""
     layers: dict[int, list[Any]] = {}
@@ -581,7 +612,8 @@ def calibrate(model_path: str | os.PathLike[str], *, force: bool = False, progre
     disk = measure_disk(path, regions, read_bytes, progress=progress)
     fd = os.open(path, os.O_RDONLY)
     try:
-        tiers = measure_tiers(fd, tensors, tensors[0].expert.info.n_expert, label=label, progress=progress)
+        tiers = measure_tiers(fd, tensors, tensors[0].expert.info.n_expert, _experts_used(zf), threads=usable_cores(),
+                              label=label, progress=progress)
     finally:
         os.close(fd)
     progress.close()
@@ -590,8 +622,10 @@ def calibrate(model_path: str | os.PathLike[str], *, force: bool = False, progre
         codec=zf.meta.codec, chunk_size=zf.meta.chunk_size, layer=layer, expert_tensors=len(tensors),
         expert_values=sum(c.expert.info.n_per_expert for c in tensors),
         expert_compressed_bytes=sum(c.expert.span(expert).size for c in tensors),
-        t_decode=tiers.warm, t_decode_fresh=decode.t_decode, t_read_sm=tiers.sm - tiers.warm,
-        t_read_cold=tiers.cold - tiers.warm, decode_values_per_second=decode.values_per_second,
+        # the planner's layer delay is max(decodes * t_decode / cores, sm * t_read_sm + cold * t_read_cold): with
+        # these, a token all in one tier costs what it was measured to cost
+        t_decode=tiers.warm * usable_cores(), t_decode_fresh=decode.t_decode, t_read_sm=tiers.sm,
+        t_read_cold=tiers.cold, decode_values_per_second=decode.values_per_second,
         merge_seconds_per_value=decode.merge_seconds_per_value, split_seconds_per_value=decode.split_seconds_per_value,
         disk_bandwidth=disk.bandwidth, read_latency=disk.latency, read_size=disk.read_size, reads=disk.reads,
         bytes_read=disk.bytes_read, page_cache_dropped=disk.page_cache_dropped, cores=usable_cores(),

@@ -408,7 +408,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                                  cache=cache or "unbounded", out=sys.stdout,
                                  options={"memory_budget": args.memory_budget or params.get("memory_budget"),
                                           "cache_policy": args.policy, "hot_share": args.hot_share,
-                                          "sm_share": args.sm_share, "trace": args.trace})
+                                          "sm_share": args.sm_share, "trace": args.trace,
+                                          "planner": args.planner or None})
     print()
     if args.stats:
         runner.print_completion_stats(completion)
@@ -437,7 +438,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .llama import is_zipmoe_file
 
     zipmoe_models = [m for m in args.models if is_zipmoe_file(m)]
-    if args.memory_budget is not None and len(zipmoe_models) > 1 and args.hot_share is None and args.sm_share is None:
+    if args.planner and args.memory_budget is not None and len(zipmoe_models) > 1:
         raise ZipmoeError("the planner plans one model at a time: bench one zipmoe model under --memory-budget, or "
                           "give --hot-share (and --sm-share) to split every model's budget the same way")
     os.environ.update(_cache_settings(args, zipmoe_models[0] if zipmoe_models else args.models[0]))
@@ -476,7 +477,8 @@ def _cache_settings(args: argparse.Namespace, model: str, package: Any = None) -
     if budget is None and package is not None:
         budget = package.parameters.get("memory_budget")
     return runtime_environment(model, budget=budget, policy=args.policy, hot_share=args.hot_share,
-                               sm_share=args.sm_share, trace=args.trace, is_zipmoe=bool(is_zipmoe_file(model)))
+                               sm_share=args.sm_share, trace=args.trace, is_zipmoe=bool(is_zipmoe_file(model)),
+                               use_planner=args.planner)
 
 
 def _nonnegative(text: str) -> int:
@@ -496,16 +498,19 @@ def _add_llama_options(p: argparse.ArgumentParser, *, ctx: str | None = "default
     p.add_argument("--memory-budget", metavar="SIZE",
                    help="everything the model may keep resident: e.g. 6GiB, 512MiB, 60%%, or auto (what the machine "
                         "or container has free, less a margin). It holds the weights that are not experts, one "
-                        "layer's experts in flight, and the expert cache, split between tiers by the planner "
-                        "(zipmoe plan) unless --hot-share/--sm-share fix it. Too small: an error says the minimum. "
-                        "Default: unbounded. Sets ZIPMOE_MEMORY_BUDGET (and ZIPMOE_PLAN)")
+                        "layer's experts in flight, and the expert cache: decoded experts, unless --hot-share, "
+                        "--sm-share or --planner split it. Too small: an error says the minimum. Default: "
+                        "unbounded. Sets ZIPMOE_MEMORY_BUDGET")
     p.add_argument("--policy", choices=("tlfu", "lru", "lfu", "fifo"),
                    help="eviction under a budget: tlfu (default, the paper's token-weighted LFU), lru, lfu, fifo")
     p.add_argument("--hot-share", type=_fraction, metavar="F",
-                   help="fixed share of the cache for decoded experts, instead of the planner's split")
+                   help="share of the cache for decoded experts (default 1)")
     p.add_argument("--sm-share", type=_fraction, metavar="F",
                    help="fixed share for sign+mantissa planes (their exponents are read from disk); the rest of "
                         "the cache keeps whole compressed experts")
+    p.add_argument("--planner", action="store_true",
+                   help="let the planner split the cache per layer (see zipmoe plan) instead of the shares; off by "
+                        "default, as it measured slower than decoded experts alone on the machine it was tuned on")
     p.add_argument("--trace", metavar="FILE",
                    help="expert activation counts for the planner (.npz with counts[prompts, layers, experts]); "
                         "default: every expert equally likely")

@@ -53,10 +53,10 @@ def calibration_table(cal: Calibration, cache_path: Path | None = None) -> str:
     rows = [
         ("cores", str(cal.cores), "usable by this process (CPU affinity, cgroup CPU quota)"),
         ("t_decode", duration(cal.t_decode),
-         (f"one expert of layer {cal.layer} ({cal.expert_tensors} tensors, {cal.expert_values} values, "
-          f"{_size(cal.expert_compressed_bytes)}) from RAM, one core, through the runtime")),
-        ("t_read_sm", duration(cal.t_read_sm), "what reading its exponent codes from disk adds (sm tier)"),
-        ("t_read_cold", duration(cal.t_read_cold), "what reading its whole region from disk adds (cold)"),
+         (f"core time: one expert of layer {cal.layer} ({cal.expert_tensors} tensors, {cal.expert_values} values, "
+          f"{_size(cal.expert_compressed_bytes)}) from RAM, through the runtime on every core")),
+        ("t_read_sm", duration(cal.t_read_sm), "wall time per expert, exponent codes read from disk (sm tier)"),
+        ("t_read_cold", duration(cal.t_read_cold), "wall time per expert, whole region read from disk (cold)"),
         ("decode, fresh", duration(cal.t_decode_fresh), "the decoder alone into freshly mapped pages"),
     ]
     for name, v in sorted(cal.decode_values_per_second.items(), key=lambda kv: kv[0] != cal.codec):

@@ -19,10 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from . import planner
 from .budget import AUTO, ModelMemory, cache_environment, check_budget, model_memory, parse_budget
 from .errors import ZipmoeError
 
+ROUTING_MIN_TOKENS = 64  # tokens a layer routes between two re-plans from the routing seen
 
 def machine_costs(model_path: str | os.PathLike[str], geometry: planner.ModelGeometry) -> tuple[planner.Costs, str]:
     """The planner's costs: the model's cached calibration (`zipmoe calibrate`) where there is one, else the
@@ -66,11 +69,15 @@ def plan_model(model_path: str | os.PathLike[str], budget: int, *, trace: str | 
 
 def runtime_environment(model_path: str | os.PathLike[str], *, budget: str | int | None = None,
                         policy: str | None = None, hot_share: float | None = None, sm_share: float | None = None,
-                        use_planner: bool = True, trace: str | os.PathLike[str] | None = None,
+                        use_planner: bool = False, trace: str | os.PathLike[str] | None = None,
                         is_zipmoe: bool = True, plan: str | None = None) -> dict[str, str]:
-    """The runtime's environment for one model. With a budget and no fixed tier shares, the planner splits it;
-    with shares, the runtime splits it by them (hot_share of what the tiers get decoded, sm_share as
-    sign+mantissa planes, the rest compressed); `plan` (as `zipmoe plan` prints it) gives the slots itself."""
+    """The runtime's environment for one model. The runtime splits the budget by the shares (hot_share of what
+    the tiers get decoded, default all; sm_share as sign+mantissa planes; the rest compressed), or the planner
+    splits it per layer (use_planner, without shares), or `plan` (as `zipmoe plan` prints it) gives the slots.
+
+    The planner is not the default: on the machine it was measured on its model underrated the decoded tier,
+    whose eviction policy follows a conversation's changing experts, and its plans ran 0.7-0.9x as fast as
+    keeping decoded experts only (docs/notes/tiered-cache.md)."""
     if budget is None or not is_zipmoe:
         return cache_environment(budget if is_zipmoe else None, policy, hot_share, sm_share)
     need = model_memory(model_path)
@@ -97,6 +104,20 @@ def apply_plan(plan: planner.Plan, lib: Any = None) -> None:
         rc = lib.zipmoe_cache_set_slots(f"blk.{lp.layer}.".encode(), lp.hot, lp.warm, lp.sm)
         if rc < 0:
             raise ZipmoeError(f"the runtime refused the slots of layer {lp.layer} (status {rc})")
+
+
+def live_counts(geometry: planner.ModelGeometry, lib: Any = None) -> np.ndarray:
+    """Tokens routed to each expert of each block so far, from the runtime's own counters: [n_layer, n_expert]."""
+    if lib is None:
+        from ._native import lib
+    from ._native import ffi
+
+    counts = np.zeros((geometry.n_layer, geometry.n_expert), np.float64)
+    buf = ffi.new("uint64_t[]", geometry.n_expert)
+    for layer in geometry.layers:
+        if lib.zipmoe_cache_activations(f"blk.{layer}.".encode(), buf, geometry.n_expert) > 0:
+            counts[layer] = list(buf)
+    return counts
 
 
 def resident_bytes(lib: Any = None) -> int:
@@ -127,7 +148,8 @@ class MemoryMonitor:
 
     def __init__(self, planned: Planned, *, ceiling: int | None = None, interval: float = 0.5,
                  threshold: float = 0.05, read: Callable[[], Any] | None = None,
-                 on_change: Callable[[planner.Plan], None] | None = None, lib: Any = None) -> None:
+                 on_change: Callable[[planner.Plan], None] | None = None, lib: Any = None,
+                 split: tuple[float, float, float] | None = None) -> None:
         from . import memory
 
         self.planned = planned
@@ -138,9 +160,11 @@ class MemoryMonitor:
         self._read = read or memory.read_memory
         self._on_change = on_change
         self._lib = lib
+        self.split = split  # fixed (hot, warm, sm) shares of the tiers instead of the planner's split
         self.replans: list[tuple[int, planner.Plan]] = []  # (budget, plan) of every re-plan, for reports and tests
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._routed_at_plan = 0.0  # tokens every layer had routed when the routing last shaped the plan
 
     def target_budget(self) -> int:
         """The budget the model could have now (see the class's docstring)."""
@@ -152,6 +176,29 @@ class MemoryMonitor:
         target = held + reading.headroom - memory.safety_margin(reading)
         return min(target, self.ceiling) if self.ceiling is not None else target
 
+    def refresh_routing(self, min_tokens: int = ROUTING_MIN_TOKENS) -> planner.Plan | None:
+        """Re-plans the current budget from the routing seen so far (the runtime's activation counters), once each
+        layer has routed at least `min_tokens` tokens since the last time; the new plan, or None. A run's routing
+        is far from the uniform or global profile the first plan assumed: a conversation keeps coming back to
+        its own experts."""
+        if self.split is not None:
+            return None
+        g = self.planned.model.geometry
+        counts = live_counts(g, self._lib)
+        seen = counts[list(g.layers)].sum(axis=1) / g.n_expert_used
+        if seen.size == 0 or seen.min() - self._routed_at_plan < min_tokens:
+            return None
+        self._routed_at_plan = float(seen.min())
+        model = planner.cost_model(g, self.planned.model.costs, counts)
+        self.planned = Planned(self.planned.need, self.planned.budget, model,
+                               planner.plan_for_budget(model, self.budget - self.planned.need.minimum),
+                               self.planned.costs_source)
+        apply_plan(self.planned.plan, self._lib)
+        self.replans.append((self.budget, self.planned.plan))
+        if self._on_change:
+            self._on_change(self.planned.plan)
+        return self.planned.plan
+
     def step(self) -> bool:
         """One reading and, past the hysteresis, a re-plan. Whether it re-planned."""
         target = max(self.target_budget(), self.planned.need.minimum)
@@ -159,7 +206,9 @@ class MemoryMonitor:
         grow = target > self.budget * (1 + 2 * self.threshold)
         if not (shrink or grow):
             return False
-        plan = planner.plan_for_budget(self.planned.model, target - self.planned.need.minimum)
+        tiers = target - self.planned.need.minimum
+        plan = planner.fixed_split_plan(self.planned.model, tiers, *self.split) if self.split is not None \
+            else planner.plan_for_budget(self.planned.model, tiers)
         apply_plan(plan, self._lib)
         self.budget = target
         self.replans.append((target, plan))
@@ -170,7 +219,7 @@ class MemoryMonitor:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                self.step()
+                self.step() or self.refresh_routing()
             except Exception as e:  # a monitor must not take the model down; say why it stopped
                 print(f"zipmoe: memory monitor stopped: {e}", file=sys.stderr)
                 return

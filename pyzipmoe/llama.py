@@ -261,19 +261,22 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
         the expert cache, which gets the rest. None: unbounded. Too small a budget raises ZipmoeError saying the
         minimum. The runtime's budget is per process: the last model loaded sets it.
     cache_policy: eviction under a budget: "tlfu" (default, token-weighted LFU), "lru", "lfu" or "fifo".
-    hot_share, sm_share: fixed shares of the cache for decoded experts and sign+mantissa planes (the rest keeps
-        whole compressed experts). Unset: the planner splits the cache per layer (pyzipmoe/planner.py), from this
-        machine's calibration (`zipmoe calibrate`) or conservative defaults.
+    hot_share, sm_share: shares of the cache for decoded experts (default 1) and sign+mantissa planes (default 0);
+        the rest keeps whole compressed experts.
+    planner: let the planner split the cache per layer instead (pyzipmoe/planner.py), from this machine's
+        calibration (`zipmoe calibrate`) and the routing (`trace`, then what the run routes). Off by default: it
+        measured slower than decoded experts alone (docs/notes/tiered-cache.md).
     trace: activation counts for the planner (.npz with "counts" [prompts, layers, experts]); default uniform.
     plan: slots per tier per layer, as `zipmoe plan` prints them ("0:12,4,0;1:..."), instead of planning.
-    adapt: re-plan while running when the memory available changes (pyzipmoe.controller.MemoryMonitor); default:
-        on for memory_budget="auto".
+    adapt: re-plan while running (pyzipmoe.controller.MemoryMonitor): when the memory available changes ("auto"
+        grows up to the model's size, a fixed budget is a ceiling), and from the routing the run has seen. Default:
+        on whenever the planner splits the budget.
     """
 
     def __init__(self, model_path: str, *args: Any, zipmoe_cache: str = "unbounded",
                  memory_budget: str | int | None = None, cache_policy: str | None = None,
                  hot_share: float | None = None, sm_share: float | None = None, trace: str | None = None,
-                 plan: str | None = None, adapt: bool | None = None, **kwargs: Any) -> None:
+                 plan: str | None = None, planner: bool = False, adapt: bool | None = None, **kwargs: Any) -> None:
         self._stack = contextlib.ExitStack()  # llama_cpp.Llama.__del__ closes it, also after a failed __init__
         self.zipmoe_monitor = None
         if zipmoe_cache not in CACHE_MODES:
@@ -289,7 +292,8 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
         from .controller import monitor_for, runtime_environment
 
         cache_env = runtime_environment(model_path, budget=memory_budget, policy=cache_policy, hot_share=hot_share,
-                                        sm_share=sm_share, trace=trace, is_zipmoe=self.is_zipmoe, plan=plan)
+                                        sm_share=sm_share, trace=trace, is_zipmoe=self.is_zipmoe, plan=plan,
+                                        use_planner=planner)
         mark = _error_log.mark()
         try:
             with contextlib.ExitStack() as env:  # what is not given stays as the environment says
@@ -302,10 +306,13 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
             raise self._load_error(model_path, e, _error_log.since(mark)) from e
         self._wrap_decode(model_path)
         if adapt is None:
-            adapt = memory_budget is not None and str(memory_budget) == "auto"
-        if adapt and self.is_zipmoe and memory_budget is not None and hot_share is None and sm_share is None \
-                and plan is None:
-            self.zipmoe_monitor = monitor_for(model_path, memory_budget, trace=trace).start()
+            adapt = memory_budget is not None
+        if adapt and self.is_zipmoe and memory_budget is not None and plan is None:
+            use_planner = planner and hot_share is None and sm_share is None
+            sm = sm_share or 0.0
+            hot = hot_share if hot_share is not None else 1.0 - sm
+            split = None if use_planner else (hot, max(0.0, 1.0 - hot - sm), sm)
+            self.zipmoe_monitor = monitor_for(model_path, memory_budget, trace=trace, split=split).start()
             self._stack.callback(self.zipmoe_monitor.stop)
 
     def _load_error(self, path: str, e: Exception, logged: str) -> ZipmoeLoadError:

@@ -83,7 +83,8 @@ PARAMETERS: Mapping[str, ParamSpec] = MappingProxyType({
     "num_thread": ParamSpec("int", "CPU threads", 1),
     "seed": ParamSpec("int", "sampling seed: the same prompt gives the same text; -1 = random", -1, 2**32 - 1),
     "stop": ParamSpec("str", "stop generating at this text (repeat for several)", repeat=True),
-    "memory_budget": ParamSpec("size", "memory for decoded experts, e.g. 8GiB or 512MiB", 1, zipmoe=True),
+    "memory_budget": ParamSpec("size", "memory the model may keep resident, experts included, e.g. 8GiB or 512MiB", 1,
+                               zipmoe=True),
     "cache_policy": ParamSpec("choice", "zipmoe expert cache: unbounded keeps decoded experts, none decodes on "
                               "every use", choices=CACHE_POLICIES, zipmoe=True),
 })

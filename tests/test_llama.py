@@ -269,7 +269,8 @@ def test_every_budget_and_policy_gives_the_same_logits(logits: Callable, ours: P
     runs, where = [], []
     for policy in ("tlfu", "lru", "lfu", "fifo"):
         for extra, shares in ((16 << 10, {"hot_share": 1.0}), (100 << 10, {"hot_share": 0.3}),
-                              (60 << 10, {"hot_share": 0.2, "sm_share": 0.5}), (60 << 10, {}), (None, {})):
+                              (60 << 10, {"hot_share": 0.2, "sm_share": 0.5}), (60 << 10, {"planner": True}),
+                              (None, {})):
             for i in picks:
                 budget = {} if extra is None else {"memory_budget": str(minimum + extra)}
                 runs.append({"config": CONFIGS[i], "cache": "none" if extra is None else "unbounded",

@@ -2,7 +2,8 @@
 """The planner against every fixed split of the budget between tiers: measured and predicted generation speed.
 
 For each budget (a share of the model's BF16 size, as in tools/bench_budget.py), the zipmoe model generates with
-(a) the planner's per-layer plan and (b) each fixed split of the cache between the hot, warm and sm tiers in
+(a) the planner (its first plan, re-planned after the warm-up from the routing the run has seen, as
+pyzipmoe.Llama's monitor does) and (b) each fixed split of the cache between the hot, warm and sm tiers in
 steps of --step (the same slots in every layer), and the script prints measured tokens/s next to the planner's
 prediction for the same split. Generation is measured in steady state: the model is loaded and warmed up with
 --warmup tokens, then --gen tokens are timed (greedy, one token at a time, through pyzipmoe.Llama in a fresh
@@ -10,7 +11,7 @@ process per run). The runtime enforces the budget itself; no cgroup is needed (t
 under cgroup limits).
 
 The planner's costs are this machine's calibration (`zipmoe calibrate`, run first if missing) and a base time
-per token measured here: the unconstrained model's steady generation with every expert decoded.
+per token measured here: the unconstrained model's generation once every expert is decoded.
 
     .venv/bin/python tools/bench_planner.py                       # the 2.8g synthetic model of bench_budget
     .venv/bin/python tools/bench_planner.py --budgets 60,75 --step 0.25 --json out.json
@@ -34,6 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 DEFAULT_MODEL = REPO / "build" / "bench-budget" / "2.8g-uniform.zipmoe.gguf"
+BASE_WARMUP = 96  # tokens before timing the unconstrained run: by then every expert has been routed and decoded
 
 WORKER = r"""
 import json, os, sys, time
@@ -48,21 +50,29 @@ def step():
     llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
 for _ in range(job["warmup"]):
     step()
+predicted = None
+if llm.zipmoe_monitor is not None:  # the planner: re-plan from the routing this run has seen so far
+    plan = llm.zipmoe_monitor.refresh_routing(min_tokens=1)
+    predicted = plan.tokens_per_second if plan else None
+    llm.zipmoe_monitor.stop()  # nothing else changes while timing
+for _ in range(job["warmup"] // 2):
+    step()
 zipmoe_stats(reset=True)
 t0 = time.perf_counter()
 for _ in range(job["gen"]):
     step()
 dt = time.perf_counter() - t0
 s = zipmoe_stats()
-print(json.dumps({"tps": job["gen"] / dt, "seconds": dt, "stats": s}))
+print(json.dumps({"tps": job["gen"] / dt, "seconds": dt, "stats": s, "predicted_live": predicted}))
 """
 
 
-def run_worker(model: Path, llama_kwargs: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def run_worker(model: Path, llama_kwargs: dict[str, Any], args: argparse.Namespace, warmup: int | None = None
+               ) -> dict[str, Any]:
     from pyzipmoe import runner
 
-    job = {"model": str(model), "llama": llama_kwargs, "threads": args.threads, "warmup": args.warmup,
-           "gen": args.gen}
+    job = {"model": str(model), "llama": llama_kwargs, "threads": args.threads,
+           "warmup": args.warmup if warmup is None else warmup, "gen": args.gen}
     env = runner.environment(base={k: v for k, v in os.environ.items() if not k.startswith("ZIPMOE_")})
     env["LLAMA_CPP_LIB_PATH"] = str(runner.bin_dir())
     done = subprocess.run([sys.executable, "-c", WORKER, json.dumps(job)], env=env, capture_output=True, text=True,
@@ -100,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     bf16 = args.bf16_bytes or open_zipmoe(model).meta.source_size
     print(f"model: {model} (synthetic when made by tools/make_synth.py), BF16 {bf16 / 2**20:.0f} MiB", flush=True)
     cal = calibrate.calibrate(model)
-    base_run = run_worker(model, {}, args)
+    base_run = run_worker(model, {}, args, warmup=BASE_WARMUP)
     if "error" in base_run:
         print(f"the unconstrained run failed: {base_run['error']}", file=sys.stderr)
         return 1
@@ -120,11 +130,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nbudget {pct:g}% = {budget / 2**20:.0f} MiB ({tiers / 2**20:.0f} MiB for the tiers)", flush=True)
         print(f"{'split':<28} {'predicted':>9} {'measured':>9}  plan", flush=True)
         for name, plan in rows:
-            res = run_worker(model, {"memory_budget": str(budget), "plan": plan.encode()}, args, {})
-            res.update(budget_pct=pct, split=name, predicted=plan.tokens_per_second, plan=plan.encode())
+            kwargs = {"memory_budget": str(budget), "planner": True} if name == "planner" else \
+                {"memory_budget": str(budget), "plan": plan.encode()}
+            res = run_worker(model, kwargs, args)
+            predicted = res.get("predicted_live") or plan.tokens_per_second
+            res.update(budget_pct=pct, split=name, predicted=predicted, plan=plan.encode())
             results.append(res)
             got = f"{res['tps']:9.2f}" if "tps" in res else f"{'failed':>9}"
-            print(f"{name:<28} {plan.tokens_per_second:9.2f} {got}  {plan.encode()[:60]}", flush=True)
+            print(f"{name:<28} {predicted:9.2f} {got}  {plan.encode()[:60]}", flush=True)
         ok = [r for r in results if r["budget_pct"] == pct and "tps" in r]
         best = max((r for r in ok if r["split"] != "planner"), key=lambda r: r["tps"], default=None)
         mine = next((r for r in ok if r["split"] == "planner"), None)

@@ -231,6 +231,9 @@ ZIPMOE_API int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, 
 
 /* Tokens routed to each expert so far (counts[n], n >= n_expert): what a planner reads. */
 ZIPMOE_API int64_t zipmoe_store_activations(zipmoe_store * s, uint64_t * counts, int64_t n);
+/* The same for the stores whose name starts with prefix (a layer: "blk.3."; the most of its stores, which
+ * share one router): counts[0..n) zeroed, then filled. Returns the number of experts, 0 if no store matches. */
+ZIPMOE_API int64_t zipmoe_cache_activations(const char * prefix, uint64_t * counts, int64_t n);
 
 /* The first error this store recorded since the last call, with a message naming tensor and expert;
  * ZIPMOE_OK if none. Clears it. */

@@ -1204,6 +1204,28 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
     return status < 0 ? status : chunks;
 }
 
+int64_t zipmoe_cache_activations(const char * prefix, uint64_t * counts, int64_t n) {
+    if (!prefix || !counts || n < 0) {
+        return ZIPMOE_ERR_ARG;
+    }
+    memset(counts, 0, (size_t) n * sizeof *counts);
+    int64_t n_expert = 0;
+    pthread_mutex_lock(&g_list_mu);
+    for (zipmoe_store * s = g_list; s; s = s->next) {
+        if (strncmp(s->name, prefix, strlen(prefix)) != 0) {
+            continue;
+        }
+        pthread_mutex_lock(&s->mu);
+        for (int64_t e = 0; e < s->info.n_expert && e < n; e++) {
+            counts[e] = counts[e] > s->experts[e].activations ? counts[e] : s->experts[e].activations;
+        }
+        pthread_mutex_unlock(&s->mu);
+        n_expert = s->info.n_expert > n_expert ? s->info.n_expert : n_expert;
+    }
+    pthread_mutex_unlock(&g_list_mu);
+    return n_expert;
+}
+
 int64_t zipmoe_store_activations(zipmoe_store * s, uint64_t * counts, int64_t n) {
     if (!s || !counts || n < s->info.n_expert) {
         return ZIPMOE_ERR_ARG;
