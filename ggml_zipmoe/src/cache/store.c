@@ -494,6 +494,13 @@ int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_offset, void *
         s->fd = -1;
         return ZIPMOE_ERR_NOMEM;
     }
+    refresh_limits(s);
+    if (s->hot_limit >= (uint64_t) s->info.n_expert * s->hot_size) {
+        /* every expert will stay decoded, so every byte will be read: the kernel may as well read it all now, at
+         * the disk's sequential speed and while the model loads and computes; the reader then copies from the page
+         * cache (and drops it). Not under a smaller budget, where the page cache would hold what the tiers do not. */
+        posix_fadvise(s->fd, (off_t) data_offset, (off_t) size, POSIX_FADV_WILLNEED);
+    }
     /* the 2 MiB pages wholly inside the reservation, which zipmoe_store_collapse may make huge */
     s->hp_base = zipmoe_align_up((uintptr_t) s->dst, HUGE_PAGE);
     s->n_hp    = (uintptr_t) s->dst + s->dst_size > s->hp_base ? ((uintptr_t) s->dst + s->dst_size - s->hp_base) / HUGE_PAGE : 0;
