@@ -256,3 +256,24 @@ def test_activation_counts_are_tokens_routed(zipmoe_model):
     counts = np.zeros(zf.compressed[0].source.dims[2], np.uint64)
     assert lib.zipmoe_store_activations(store.handle, ffi.cast("uint64_t *", ffi.from_buffer(counts)), counts.size) == counts.size
     assert counts.tolist()[:4] == [0, 3, 2, 1]
+
+
+@pytest.mark.parametrize("hot", ["unbounded", "none"])
+def test_a_late_sibling_neither_decodes_nor_counts_again(zipmoe_model, stats, hot):
+    """ggml may run one thread of an invocation after its siblings finished it (a descheduled thread): that thread
+    must find the experts decoded, not decode them again (ZIPMOE_CACHE=none would) nor count their use twice."""
+    zf = format.open_zipmoe(zipmoe_model)
+    lib.zipmoe_cache_configure(UNBOUNDED if hot == "unbounded" else 0, 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
+    store = Store(zipmoe_model, zf.compressed[0])
+    ids = np.ascontiguousarray([[1, 2]], np.int32)
+    counts = np.zeros(zf.compressed[0].source.dims[2], np.uint64)
+    for step in range(1, 4):
+        lib.zipmoe_stats_reset()
+        key = ffi.new("char[1]")
+        store.keys.append(key)
+        for ith in (1, 0):  # thread 1 does all of the work and publishes; thread 0 comes late
+            assert lib.zipmoe_store_materialize(store.handle, key, ffi.from_buffer(ids), 2, 1, 4, 8, ith, 2) >= 0
+        decoded = stats()["experts_decoded"]
+        assert decoded == (2 if step == 1 or hot == "none" else 0), (step, decoded)
+        lib.zipmoe_store_activations(store.handle, ffi.cast("uint64_t *", ffi.from_buffer(counts)), counts.size)
+        assert counts.tolist()[:3] == [0, step, step]

@@ -89,8 +89,8 @@ struct zipmoe_store {
     int             plan_failed;
     _Atomic int64_t next_chunk; /* the next chunk of the plan to claim: expert j * n_chunks + chunk */
     uint64_t        plan_t0;
-    const void *    last_key;  /* the last plan's key and the g_op_seq it began at */
-    uint64_t        last_seq;
+    _Atomic(const void *) last_key; /* the last plan's key and the g_op_seq it began at: a thread arriving */
+    _Atomic uint64_t      last_seq; /* with both unchanged is a late sibling of that invocation           */
     int64_t         plan_n;
     plan_item *     plan;
     zipmoe_read_job job;        /* the plan's reads, items parallel to plan */
@@ -1112,8 +1112,8 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
      * is over its limits or its configuration changed: then the slow path has evictions to do. */
     if (atomic_load(&s->fast_ok) && atomic_load(&g_cfg_gen) == s->cfg_gen && s->hot_limit > 0 &&
         all_routed_hot(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1)) {
-        if (ith == 0) {
-            atomic_fetch_add(&g_op_seq, 1);
+        if (ith == 0 && !(atomic_load(&s->last_key) == key && atomic_load(&g_op_seq) == atomic_load(&s->last_seq))) {
+            atomic_fetch_add(&g_op_seq, 1); /* (a late sibling of a planned invocation counts nothing again) */
             note_hits(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1);
             if (atomic_fetch_add(&s->streak, 1) + 1 == COLLAPSE_AFTER && s->n_hp > 0 &&
                 !atomic_exchange(&s->collapse_queued, 1) && zipmoe_reader_submit(&s->collapse_job) != ZIPMOE_OK) {
@@ -1133,14 +1133,15 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
         s->plan_t0     = now_ns();
         atomic_store(&s->next_chunk, 0);
     }
-    if (s->plan_in == 0 && key == s->last_key && atomic_load(&g_op_seq) == s->last_seq && s->plan_n > 0 &&
+    if (s->plan_in == 0 && key == atomic_load(&s->last_key) && atomic_load(&g_op_seq) == atomic_load(&s->last_seq) &&
+        s->plan_n > 0 &&
         all_routed_hot(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1)) {
         /* a sibling that arrives after the others finished this invocation (no other op began since, as the
          * engine's barrier holds them all): its experts are decoded; it must not decode or count them again */
         s->plan_n = 0;
     } else if (s->plan_in == 0) {
-        s->last_key = key;
-        s->last_seq = atomic_fetch_add(&g_op_seq, 1) + 1;
+        atomic_store(&s->last_key, key);
+        atomic_store(&s->last_seq, atomic_fetch_add(&g_op_seq, 1) + 1);
         const int64_t bad = make_plan(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1);
         if (bad != -1) {
             record_error(s, bad, ZIPMOE_ERR_ARG);
