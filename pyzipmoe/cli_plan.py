@@ -163,10 +163,8 @@ def _to_json(model_path: str, geometry: planner.ModelGeometry, costs: planner.Co
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .budget import parse_budget
+    from .budget import AUTO, check_budget, model_memory, parse_budget
     from .store import resolve_model
-
-    from .budget import AUTO, check_budget, model_memory
 
     if str(args.plan_budget).strip().lower() != AUTO:
         parse_budget(args.plan_budget)  # a usage error (exit 2) before any file is read

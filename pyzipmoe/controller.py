@@ -220,7 +220,7 @@ class MemoryMonitor:
         while not self._stop.wait(self.interval):
             try:
                 self.step() or self.refresh_routing()
-            except Exception as e:  # a monitor must not take the model down; say why it stopped
+            except Exception as e:  # noqa: BLE001 - a monitor must not take the model down; say why it stopped
                 print(f"zipmoe: memory monitor stopped: {e}", file=sys.stderr)
                 return
 

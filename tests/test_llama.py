@@ -308,7 +308,7 @@ def test_a_budget_below_the_minimum_is_refused_saying_the_minimum(arch: str, zip
     if simple.exists():
         env = {**os.environ, "ZIPMOE_MEMORY_BUDGET": str(small)}
         out = subprocess.run([str(simple), "-m", str(path), "-n", "1", "hi"], env=env, capture_output=True, text=True,
-                             timeout=120)
+                             timeout=120, check=False)
         assert out.returncode != 0
         mib = f"{need.minimum / 2**20:.0f} MiB"
         assert f"too small for this model: it needs at least {mib}" in out.stderr, out.stderr[-2000:]

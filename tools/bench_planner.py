@@ -76,7 +76,7 @@ def run_worker(model: Path, llama_kwargs: dict[str, Any], args: argparse.Namespa
     env = runner.environment(base={k: v for k, v in os.environ.items() if not k.startswith("ZIPMOE_")})
     env["LLAMA_CPP_LIB_PATH"] = str(runner.bin_dir())
     done = subprocess.run([sys.executable, "-c", WORKER, json.dumps(job)], env=env, capture_output=True, text=True,
-                          timeout=args.timeout, cwd=REPO)
+                          timeout=args.timeout, cwd=REPO, check=False)
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
     return json.loads(done.stdout.strip().splitlines()[-1])
