@@ -121,6 +121,7 @@ typedef struct zipmoe_read_job {
     pthread_mutex_t          mu;
     pthread_cond_t           cv;
     struct zipmoe_store *    collapse; /* instead of reads: zipmoe_store_collapse(collapse) */
+    struct zipmoe_store *    prefetch; /* after the reads: zipmoe_store_prefetch(prefetch), or NULL */
     struct zipmoe_read_job * next;
 } zipmoe_read_job;
 
@@ -136,6 +137,8 @@ int64_t  zipmoe_slots_attach(void * addr, size_t size);   /* a slot mapped over 
 int      zipmoe_slots_detach(void * addr, size_t size, int64_t slot); /* [addr, +size) empty again */
 /* store.c: huge pages for a store's settled decoded experts (run by the reader thread) */
 void zipmoe_store_collapse(struct zipmoe_store * s);
+/* store.c: read-ahead hints for a store's experts that a prompt will likely route to (run by the reader thread) */
+void zipmoe_store_prefetch(struct zipmoe_store * s);
 /* store.c: counts a read in zipmoe_stats */
 void zipmoe_stats_add_read(uint64_t bytes, uint64_t ns);
 

@@ -84,6 +84,9 @@ static void run(zipmoe_read_job * job) {
         }
         mark(job, it, status);
     }
+    if (job->prefetch && !atomic_load(&job->cancel)) {
+        zipmoe_store_prefetch(job->prefetch); /* the next store's reads, in flight while this layer computes */
+    }
     pthread_mutex_lock(&job->mu);
     job->busy = 0;
     pthread_cond_broadcast(&job->cv);

@@ -101,6 +101,8 @@ struct zipmoe_store {
     uintptr_t       hp_base;    /* first 2 MiB boundary in dst */
     size_t          n_hp;
     uint8_t *       hp_done;    /* per 2 MiB page: collapsed (or tried) */
+    _Atomic(struct zipmoe_store *) next_store; /* the store invoked after this one last time (the graph's order) */
+    _Atomic uint8_t * hinted;   /* per expert: read-ahead hinted by the previous store's prompt invocation */
     expert_state *  experts;
     uint64_t        hot_used, warm_used, sm_used;
     uint64_t        hot_limit, warm_limit, sm_limit; /* refreshed when the configuration changes */
@@ -138,6 +140,7 @@ static _Atomic uint64_t g_op_seq; /* invocations begun, of any store: tells a la
 
 static pthread_mutex_t g_list_mu = PTHREAD_MUTEX_INITIALIZER; /* the open stores, for cross-layer trims */
 static zipmoe_store *  g_list;
+static _Atomic(zipmoe_store *) g_last_planned; /* the store that planned last: learns the graph's order */
 
 int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, uint64_t sm_bytes, zipmoe_policy policy) {
     if (policy < ZIPMOE_POLICY_TOKEN_LFU || policy > ZIPMOE_POLICY_FIFO) {
@@ -396,13 +399,14 @@ int64_t zipmoe_store_open(const char * name, const void * index, size_t index_si
     s->mean_region = s->info.n_expert ? (s->info.data_size + (uint64_t) s->info.n_expert - 1) / (uint64_t) s->info.n_expert : 0;
     s->plan      = calloc((size_t) s->info.n_expert, sizeof *s->plan);
     s->job.items = calloc((size_t) s->info.n_expert, sizeof *s->job.items);
+    s->hinted    = calloc((size_t) s->info.n_expert, sizeof *s->hinted);
     s->experts   = calloc((size_t) s->info.n_expert, sizeof *s->experts);
     pthread_mutex_init(&s->job.mu, NULL);
     pthread_cond_init(&s->job.cv, NULL);
     pthread_mutex_init(&s->collapse_job.mu, NULL);
     pthread_cond_init(&s->collapse_job.cv, NULL);
     s->collapse_job.collapse = s;
-    if (!s->plan || !s->experts || !s->job.items) {
+    if (!s->plan || !s->experts || !s->job.items || !s->hinted) {
         zipmoe_store_free(s);
         return ZIPMOE_ERR_NOMEM;
     }
@@ -433,6 +437,12 @@ void zipmoe_store_free(zipmoe_store * s) {
                 break;
             }
         }
+        for (zipmoe_store * o = g_list; o; o = o->next) { /* nobody prefetches for it any more */
+            zipmoe_store * me = s;
+            atomic_compare_exchange_strong(&o->next_store, &me, NULL);
+        }
+        zipmoe_store * me = s;
+        atomic_compare_exchange_strong(&g_last_planned, &me, NULL);
         pthread_mutex_unlock(&g_list_mu);
         atomic_fetch_sub(&g_stores, 1);
         atomic_fetch_sub(&g_bf16_total, (uint64_t) s->info.n_expert * s->hot_size);
@@ -456,6 +466,7 @@ void zipmoe_store_free(zipmoe_store * s) {
     zipmoe_tensor_free(s->tensor);
     free(s->plan);
     free(s->job.items);
+    free((void *) s->hinted);
     free(s->experts);
     free(s->hp_done);
     pthread_mutex_destroy(&s->job.mu);
@@ -848,6 +859,17 @@ static int64_t make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int
     }
     atomic_store(&s->streak, 0);
     trim_other_layers(s);
+    zipmoe_store * prev = atomic_exchange(&g_last_planned, s);
+    if (prev && prev != s) {
+        atomic_store(&prev->next_store, s); /* the graph's order, for the next prompt's read-ahead */
+    }
+    for (int64_t e = 0; e < n_expert; e++) { /* read ahead for nothing: the page cache must not keep it */
+        if (atomic_exchange(&s->hinted[e], 0) && !s->experts[e].routed) {
+            zipmoe_expert_span span;
+            zipmoe_tensor_expert_span(s->tensor, e, &span);
+            advise(s, span.offset, span.size, POSIX_FADV_DONTNEED);
+        }
+    }
     const int      decode_all = s->hot_limit == 0; /* no hot tier: decode on every use */
     const uint64_t tick       = atomic_fetch_add(&g_tick, 1);
     for (int64_t e = 0; e < n_expert; e++) {
@@ -995,6 +1017,9 @@ static void schedule_reads(zipmoe_store * s) {
     s->job.fd      = s->fd;
     s->job.base    = s->data_offset;
     s->job.n_items = s->plan_n;
+    /* a prompt routes to most experts of every layer: once this store's reads are done, the reader starts the
+     * next store's, which then overlap this layer's compute instead of following it */
+    s->job.prefetch = 2 * s->plan_n >= s->info.n_expert ? atomic_load(&s->next_store) : NULL;
     if (zipmoe_reader_submit(&s->job) != ZIPMOE_OK) {
         for (int64_t j = 0; j < s->plan_n; j++) { /* no reader thread: read chunk by chunk after all */
             plan_item *          it = &s->plan[j];
@@ -1008,6 +1033,22 @@ static void schedule_reads(zipmoe_store * s) {
         return;
     }
     s->job_active = 1;
+}
+
+void zipmoe_store_prefetch(zipmoe_store * s) {
+    /* runs while the previous store's invocation is still in progress, so no invocation of s is: its state is
+     * stable (and only read here) */
+    for (int64_t e = 0; e < s->info.n_expert; e++) {
+        const expert_state * x = &s->experts[e];
+        if (x->hot || x->res == RES_FULL) {
+            continue;
+        }
+        zipmoe_expert_span span;
+        zipmoe_tensor_expert_span(s->tensor, e, &span);
+        const uint64_t from = x->res == RES_SM ? span.exp_offset : 0;
+        advise(s, span.offset + from, span.size - from, POSIX_FADV_WILLNEED);
+        atomic_store(&s->hinted[e], 1);
+    }
 }
 
 /* Decodes chunk c of a plan item, reading what is not in RAM. */
