@@ -17,7 +17,6 @@ from dataclasses import asdict
 from typing import Any
 
 from . import planner
-from .errors import ZipmoeError
 
 __all__ = ["main", "register"]
 
@@ -51,30 +50,11 @@ exit status: 0 success; 1 a model, trace or costs file that cannot be used, or n
 # ------------------------------------------------------------------------------------------ inputs
 
 
-def _calibration(model_path: str) -> dict[str, Any] | None:
-    """The costs measured for this model on this machine (`zipmoe calibrate`), if any; without the values it could
-    not measure (base_seconds_per_token needs the model running), which stay estimated."""
-    try:
-        from .calibrate import load_calibration
-    except ImportError:
-        return None
-    calibration = load_calibration(model_path)
-    if calibration is None:
-        return None
-    values = calibration.as_costs_dict() if hasattr(calibration, "as_costs_dict") else dict(calibration)
-    return {k: v for k, v in values.items() if v is not None}
-
-
 def _costs(args: argparse.Namespace, model_path: str, geometry: planner.ModelGeometry) -> tuple[planner.Costs, str]:
-    """Defaults, overridden by the calibration, overridden by --costs; and where they came from."""
-    costs, source = planner.default_costs(geometry), "conservative defaults (no calibration)"
-    calibration = _calibration(model_path)
-    if calibration is not None:
-        costs = planner.costs_from_dict(calibration, defaults=costs, label=f"calibration of {model_path}",
-                                        strict=False)
-        estimated = [name for name in planner.COST_FIELDS
-                     if name not in calibration and name not in planner.OPTIONAL_COST_FIELDS]
-        source = "calibration" + (f" ({', '.join(estimated)}: conservative estimate)" if estimated else "")
+    """The calibration (or defaults), overridden by --costs; and where they came from."""
+    from .controller import machine_costs
+
+    costs, source = machine_costs(model_path, geometry)
     if args.costs is not None:
         costs = planner.costs_from_file(args.costs, defaults=costs)
         source = f"{args.costs} (missing keys: {source})"
@@ -213,24 +193,10 @@ def register(sub: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The plan command alone: `main(["plan", MODEL, "--memory-budget", SIZE])`, exit status as `zipmoe plan`."""
-    from .cli import EXIT_BAD_INPUT, EXIT_INTERRUPTED, _fail
+    """`main(["plan", MODEL, "--memory-budget", SIZE])`: the `zipmoe` command, which registers plan."""
+    from .cli import main as zipmoe_main
 
-    parser = argparse.ArgumentParser(prog="zipmoe")
-    register(parser.add_subparsers(title="commands", metavar="COMMAND", required=True))
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # --help, or a usage error argparse has already explained
-        return int(e.code or 0)
-    try:
-        return args.run(args)
-    except ZipmoeError as e:
-        return _fail(str(e), e.exit_code)
-    except OSError as e:
-        where = f": {e.filename}" if e.filename else ""
-        return _fail(f"{e.strerror or e}{where}", EXIT_BAD_INPUT)
-    except KeyboardInterrupt:
-        return _fail("interrupted", EXIT_INTERRUPTED)
+    return zipmoe_main(argv)
 
 
 if __name__ == "__main__":

@@ -28,9 +28,10 @@ from .errors import ZipmoeError
 ROUTING_MIN_TOKENS = 64  # tokens a layer routes between two re-plans from the routing seen
 
 def machine_costs(model_path: str | os.PathLike[str], geometry: planner.ModelGeometry) -> tuple[planner.Costs, str]:
-    """The planner's costs: the model's cached calibration (`zipmoe calibrate`) where there is one, else the
-    planner's conservative defaults; and a word saying which."""
-    defaults = planner.default_costs(geometry)
+    """The planner's costs: the model's cached calibration (`zipmoe calibrate`) where there is one, the planner's
+    conservative defaults for what it lacks (base_seconds_per_token needs the model running); and where they came
+    from."""
+    costs = planner.default_costs(geometry)
     try:
         from .calibrate import load_calibration
 
@@ -38,9 +39,13 @@ def machine_costs(model_path: str | os.PathLike[str], geometry: planner.ModelGeo
     except (ImportError, OSError, ZipmoeError):
         cal = None
     if cal is None:
-        return defaults, "defaults (run `zipmoe calibrate MODEL` to measure this machine)"
-    values = {k: v for k, v in cal.as_costs_dict().items() if v is not None}
-    return planner.costs_from_dict(values, defaults=defaults, label="calibration", strict=False), "calibrated"
+        return costs, "conservative defaults (no calibration)"
+    values = cal.as_costs_dict() if hasattr(cal, "as_costs_dict") else dict(cal)
+    measured = {k: v for k, v in values.items() if v is not None}
+    costs = planner.costs_from_dict(measured, defaults=costs, label=f"calibration of {model_path}", strict=False)
+    estimated = [name for name in planner.COST_FIELDS
+                 if name not in measured and name not in planner.OPTIONAL_COST_FIELDS]
+    return costs, "calibration" + (f" ({', '.join(estimated)}: conservative estimate)" if estimated else "")
 
 
 @dataclass(frozen=True)

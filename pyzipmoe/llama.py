@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from . import _point_llama_cpp_at_our_build, build_dir, llama_lib_dir
+from .budget import CACHE_ENV
 from .errors import NativeLibraryError, UnsupportedError, ZipmoeError
 
 CACHE_MODES = ("unbounded", "none")
-CACHE_ENV = "ZIPMOE_CACHE"
 ZIPMOE_LIB_NAME = "libggml-zipmoe.so"
 
 

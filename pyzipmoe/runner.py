@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from . import build_dir
+from .budget import CACHE_ENV
 from .errors import NativeLibraryError, ZipmoeError
 
 PROGRAMS = ("llama-cli", "llama-completion", "llama-server", "llama-bench", "llama-simple")
-CACHE_ENV = "ZIPMOE_CACHE"
 CACHE_MODES = ("unbounded", "none")
 
 

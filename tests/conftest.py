@@ -137,6 +137,17 @@ def flip_bit() -> Callable[[Path, int], None]:
     return flip
 
 
+def worker_env(lib_dir: Path) -> dict[str, str]:
+    """The environment of a child that runs llama-cpp-python on the libllama in lib_dir, with the runtime's
+    defaults (an unbounded cache): what configures it comes from the test, never from the outside environment."""
+    from pyzipmoe.budget import RUNTIME_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in RUNTIME_ENV}
+    env["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join([str(lib_dir), env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
+    return env
+
+
 @pytest.fixture(scope="session")
 def llama_lib_dir() -> Path:
     """build/bin with zipmoe's libllama and llama-cpp-python's Python part: skip without them, except under CI,

@@ -34,14 +34,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import worker_env
 
 from pyzipmoe import synth
 
 PROMPT = ("the expert model said hello to the world of water and time, and then the people of the world "
           "said hello to the expert")
 N_CTX = 256
-RUNTIME_ENV = ("ZIPMOE_CACHE", "ZIPMOE_MEMORY_BUDGET", "ZIPMOE_HOT_SHARE", "ZIPMOE_CACHE_POLICY", "ZIPMOE_SM_SHARE",
-               "ZIPMOE_PLAN")  # not from outside
 TIMEOUT = 60  # seconds for a worker
 
 # the deterministic test: the shrink comes before generated token SHRINK_AT, the grow before GROW_AT, of N_GEN
@@ -55,11 +54,6 @@ CGROUP_BEFORE, CGROUP_AFTER, CGROUP_N_GEN = 8, 8, 40  # tokens before lowering, 
 CGROUP_THREADS = 2  # both of a 2-core CI machine: the runtime's threads must agree however slots change
 
 
-def _env(lib_dir: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in RUNTIME_ENV}
-    env["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
-    env["LD_LIBRARY_PATH"] = os.pathsep.join([str(lib_dir), env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
-    return env
 
 
 # ------------------------------------------------------------------------------------------ the worker
@@ -219,7 +213,7 @@ print(json.dumps(out))
 
 def start_worker(job: dict[str, Any], lib_dir: Path, prefix: tuple[str, ...] = ()) -> subprocess.Popen[str]:
     """The worker on `job`, its argv after `prefix`, in a session of its own (so that _kill gets all of it)."""
-    return subprocess.Popen([*prefix, sys.executable, "-c", WORKER, json.dumps(job)], env=_env(lib_dir),
+    return subprocess.Popen([*prefix, sys.executable, "-c", WORKER, json.dumps(job)], env=worker_env(lib_dir),
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import worker_env
 
 import pyzipmoe
 from pyzipmoe.format import open_zipmoe
@@ -47,7 +48,6 @@ CONFIGS = [{"n_threads": t, "use_mmap": m, "n_batch": b, "n_ubatch": b}
 CONFIGS.append({"n_threads": 2, "use_mmap": True, "n_batch": 64, "n_ubatch": 5})
 STOCK_BIN = Path(os.environ.get("ZIPMOE_STOCK_LLAMA_BIN", "/tmp/llama-stock/bin"))
 TIMEOUT = 600  # seconds for any one child process (a few on an idle machine; CI machines are often busy)
-RUNTIME_ENV = ("ZIPMOE_CACHE", "ZIPMOE_MEMORY_BUDGET", "ZIPMOE_HOT_SHARE", "ZIPMOE_CACHE_POLICY")  # not from outside
 
 
 # ----------------------------------------------------------------------------------- what the tests need
@@ -86,12 +86,6 @@ def stock() -> Path:
     return STOCK_BIN
 
 
-def _env(lib_dir: Path) -> dict[str, str]:
-    """Children use libllama from lib_dir, and the runtime's defaults (an unbounded cache)."""
-    env = {k: v for k, v in os.environ.items() if k not in RUNTIME_ENV}
-    env["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
-    env["LD_LIBRARY_PATH"] = os.pathsep.join([str(lib_dir), env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
-    return env
 
 
 # ------------------------------------------------------------------------------ llama-cpp-python worker
@@ -152,7 +146,7 @@ def run_worker(model: Path, lib_dir: Path, runs: list[dict[str, Any]], out: Path
     as memory_budget (optional), "attempts": times to evaluate (optional)}; its report has prompt, generated,
     stats (zipmoe), or load_error / errors."""
     job = {"model": str(model), "runs": runs, "prompt": PROMPT, "n_gen": N_GEN, "n_ctx": N_CTX, "out": str(out)}
-    done = subprocess.run([sys.executable, "-c", WORKER, json.dumps(job)], env=_env(lib_dir), capture_output=True,
+    done = subprocess.run([sys.executable, "-c", WORKER, json.dumps(job)], env=worker_env(lib_dir), capture_output=True,
                           text=True, timeout=TIMEOUT, check=False)
     assert done.returncode == 0, f"the worker died (exit status {done.returncode}) on {model}:\n{_tail(done.stderr)}"
     reports = json.loads(done.stdout.strip().splitlines()[-1])["runs"]
@@ -371,14 +365,14 @@ def test_truncated_zipmoe_is_refused_at_load(ours: Path, arch: str, zipmoe_model
     assert err and "ValueError" in err["mro"] and not arrays, reports
     assert str(truncated) in err["message"] and "truncated" in err["message"], err
     done = subprocess.run([str(_program(ours, "llama-simple")), "-m", str(truncated), "-n", "4", "hello"],
-                          env=_env(ours), capture_output=True, text=True, timeout=TIMEOUT, check=False)
+                          env=worker_env(ours), capture_output=True, text=True, timeout=TIMEOUT, check=False)
     assert done.returncode == 1, (done.returncode, _tail(done.stderr))  # an error exit, not a signal
     assert "unable to load model" in done.stderr, _tail(done.stderr)
 
 
 def test_stock_build_refuses_zipmoe_gguf(stock: Path, zipmoe_model: Path, tmp_path: Path) -> None:
     done = subprocess.run([str(stock / "llama-simple"), "-m", str(zipmoe_model), "-n", "4", "hello"],
-                          env=_env(stock), capture_output=True, text=True, timeout=TIMEOUT, check=False)
+                          env=worker_env(stock), capture_output=True, text=True, timeout=TIMEOUT, check=False)
     assert done.returncode == 1, (done.returncode, _tail(done.stderr))
     # this llama.cpp says "check_tensor_dims: tensor '...' not found"; older ones said "missing tensor '...'"
     assert "tensor 'blk.0.ffn_" in done.stderr and ("not found" in done.stderr or "missing tensor" in done.stderr), \
@@ -404,7 +398,7 @@ def _run(argv: list[str | Path], env: dict[str, str]) -> subprocess.CompletedPro
 @pytest.mark.parametrize("arch", ARCHS)
 def test_llama_simple_same_greedy_output(ours: Path, arch: str, tiny_models: dict[str, Path],
                                          zipmoe_models: dict[tuple[str, str], Path]) -> None:
-    outputs = {v: _run([_program(ours, "llama-simple"), "-m", m, "-n", "24", PROMPT], _env(ours)).stdout
+    outputs = {v: _run([_program(ours, "llama-simple"), "-m", m, "-n", "24", PROMPT], worker_env(ours)).stdout
                for v, m in _models(arch, tiny_models, zipmoe_models).items()}
     assert len(outputs["bf16"]) > len(PROMPT) + 8, outputs
     assert outputs["huff"] == outputs["bf16"] and outputs["zstd"] == outputs["bf16"], outputs
@@ -422,7 +416,7 @@ def test_llama_cli_same_greedy_output(ours: Path, arch: str, tiny_models: dict[s
     replies = {}
     for v, m in _models(arch, tiny_models, zipmoe_models).items():
         done = _run([_program(ours, "llama-cli"), "-m", m, "-p", PROMPT, "-n", "16", "-st", "--simple-io", "--temp",
-                     "0", "-t", "2", "-c", str(N_CTX)], _env(ours))
+                     "0", "-t", "2", "-c", str(N_CTX)], worker_env(ours))
         replies[v] = _chat_reply(done.stdout)
     assert replies["bf16"].strip(), replies
     assert replies["huff"] == replies["bf16"] and replies["zstd"] == replies["bf16"], replies
@@ -433,7 +427,7 @@ def _completion(ours: Path, model: Path) -> tuple[str, bool]:
     (the program prints through it), so the tail of stdout can be lost; the perf report that comes last on
     stderr, through the same queue, shows that everything before it was written."""
     done = _run([_program(ours, "llama-completion"), "-m", model, "-p", PROMPT, "-n", "16", "-no-cnv", "--simple-io",
-                 "--temp", "0", "-t", "2", "-c", str(N_CTX), "-s", "0"], _env(ours))
+                 "--temp", "0", "-t", "2", "-c", str(N_CTX), "-s", "0"], worker_env(ours))
     return done.stdout, "total time" in done.stderr
 
 
@@ -490,8 +484,8 @@ def server(ours: Path, tmp_path: Path) -> Iterator[Callable[[Path], str]]:
         log = tmp_path / f"server-{port}.log"  # a file, not a pipe nobody reads: a full pipe would stall the server
         with open(log, "wb") as err:
             proc = subprocess.Popen([sys.executable, "-m", "pyzipmoe", "serve", str(model), "--port", str(port), "-t",
-                                     "2", "--", "-c", str(N_CTX), "-np", "1"], env=_env(ours), stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+                                     "2", "--", "-c", str(N_CTX), "-np", "1"], env=worker_env(ours),
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
         procs.append(proc)
         url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -543,7 +537,7 @@ def test_zipmoe_run_prompt_same_output(ours: Path, tiny_models: dict[str, Path],
     outs = {}
     for v, m in _models("qwen3moe", tiny_models, zipmoe_models).items():
         done = _run([sys.executable, "-m", "pyzipmoe", "run", m, "-p", PROMPT, "-n", "12", "--temp", "0", "-t", "1",
-                     "--stats"], _env(ours))
+                     "--stats"], worker_env(ours))
         outs[v] = done.stdout
         if v != "bf16":
             assert "[zipmoe: 6 expert tensors" in done.stderr, done.stderr
@@ -554,7 +548,7 @@ def test_zipmoe_bench_json(ours: Path, zipmoe_models: dict[tuple[str, str], Path
                            ) -> None:
     _program(ours, "llama-bench")
     done = _run([sys.executable, "-m", "pyzipmoe", "bench", tiny_models["olmoe"], zipmoe_models["olmoe", "huff"],
-                 "-p", "16", "-n", "4", "-r", "1", "-t", "1", "--json"], _env(ours))
+                 "-p", "16", "-n", "4", "-r", "1", "-t", "1", "--json"], worker_env(ours))
     results = json.loads(done.stdout)["results"]
     assert [(r["model"], r["test"]) for r in results] == [
         (str(m), t) for m in (tiny_models["olmoe"], zipmoe_models["olmoe", "huff"]) for t in ("pp16", "tg4")]
@@ -563,7 +557,7 @@ def test_zipmoe_bench_json(ours: Path, zipmoe_models: dict[tuple[str, str], Path
 
 def test_zipmoe_run_missing_model_is_one_line(ours: Path, tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "pyzipmoe", "run", str(tmp_path / "nope.gguf"), "-p", "x"],
-                          env=_env(ours), capture_output=True, text=True, timeout=TIMEOUT, check=False)
+                          env=worker_env(ours), capture_output=True, text=True, timeout=TIMEOUT, check=False)
     assert done.returncode == 2 and done.stderr.startswith("zipmoe: error: ") and done.stderr.count("\n") == 1, \
         done.stderr
 
@@ -602,11 +596,11 @@ def test_stored_model_runs_and_serves_chat_like_its_bf16_source(server: Callable
     modelfile = tmp_path / "Modelfile"
     # no TEMPLATE: both sides then format the chat with llama-server's default, and must agree token for token
     modelfile.write_text(f"FROM {tiny_models['qwen3moe']}\nPARAMETER temperature 0\nPARAMETER seed 0\n")
-    done = _run([sys.executable, "-m", "pyzipmoe", "create", "tinymoe", "-f", modelfile], _env(ours))
+    done = _run([sys.executable, "-m", "pyzipmoe", "create", "tinymoe", "-f", modelfile], worker_env(ours))
     assert done.returncode == 0, done.stderr
 
     runs = {m: _run([sys.executable, "-m", "pyzipmoe", "run", m, "-p", PROMPT, "-n", "12", "--temp", "0", "-t", "1"],
-                    _env(ours)).stdout for m in ("tinymoe", str(tiny_models["qwen3moe"]))}
+                    worker_env(ours)).stdout for m in ("tinymoe", str(tiny_models["qwen3moe"]))}
     assert runs["tinymoe"].strip() and runs["tinymoe"] == runs[str(tiny_models["qwen3moe"])], runs
 
     replies = {}

@@ -67,8 +67,6 @@ sys.path.insert(0, str(REPO))
 DEFAULT_WORKDIR = REPO / "build" / "bench-budget"
 DEFAULT_BUDGETS = "40,60,80,93,100,150"
 DEFAULT_PROMPT = "Once upon a time"
-RUNTIME_ENV = ("ZIPMOE_CACHE", "ZIPMOE_MEMORY_BUDGET", "ZIPMOE_HOT_SHARE", "ZIPMOE_CACHE_POLICY", "ZIPMOE_SM_SHARE",
-               "ZIPMOE_PLAN")
 MIB = 1 << 20
 # (budget % of the BF16 file, least tg speed-up of zipmoe over stock)
 SPEEDUP_TARGETS = ((75, 5.0), (60, 4.0), (40, 2.0), (93, 1.5))
@@ -397,6 +395,7 @@ def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from pyzipmoe import runner
+    from pyzipmoe.budget import RUNTIME_ENV
 
     parent = check_environment(args.cgroup_parent)
     mount = memory_mount()

@@ -45,7 +45,6 @@ sys.path.insert(0, str(REPO))
 
 DEFAULT_WORKDIR = REPO / "build" / "bench-e2e"
 WORKER_TIMEOUT = 3600
-RUNTIME_ENV = ("ZIPMOE_CACHE", "ZIPMOE_MEMORY_BUDGET", "ZIPMOE_HOT_SHARE", "ZIPMOE_CACHE_POLICY")
 
 
 class BenchError(Exception):
@@ -203,6 +202,8 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def measure(job: dict[str, Any], cold: bool) -> dict[str, Any]:
+    from pyzipmoe.budget import RUNTIME_ENV
+
     dropped = drop_page_cache() if cold else "warm"
     env = {k: v for k, v in os.environ.items() if k not in RUNTIME_ENV}  # an unbounded cache, always
     done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True,
