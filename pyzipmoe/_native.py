@@ -94,6 +94,7 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
                                  int64_t ne0, int64_t ne1, size_t nb0, size_t nb1, int ith, int nth);
 int64_t zipmoe_store_activations(zipmoe_store * s, uint64_t * counts, int64_t n);
 int64_t zipmoe_cache_activations(const char * prefix, uint64_t * counts, int64_t n);
+int64_t zipmoe_cache_routing(const char * prefix, uint64_t * masks, int64_t words, int64_t max_tokens);
 int64_t zipmoe_store_take_error(zipmoe_store * s, char * msg, size_t msg_size);
 typedef struct {
     uint64_t stores;

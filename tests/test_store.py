@@ -258,6 +258,35 @@ def test_activation_counts_are_tokens_routed(zipmoe_model):
     assert counts.tolist()[:4] == [0, 3, 2, 1]
 
 
+def routing_log(prefix: str, n_expert: int, max_tokens: int = 1024) -> list[list[int]]:
+    words = (n_expert + 63) // 64
+    masks = np.zeros(max_tokens * words, np.uint64)
+    n = lib.zipmoe_cache_routing(prefix.encode(), ffi.cast("uint64_t *", ffi.from_buffer(masks)), words, max_tokens)
+    assert n >= 0
+    return [[e for e in range(n_expert) if int(masks[t * words + e // 64]) >> (e % 64) & 1] for t in range(n)]
+
+
+def test_routing_log_keeps_generated_tokens_oldest_first(zipmoe_model):
+    """The planner's recency model reads the order in which generated tokens routed: single-row invocations on the
+    slow path and on the lock-free fast path (all routed experts decoded), not a prompt's batches; 512 at most."""
+    zf = format.open_zipmoe(zipmoe_model)
+    ct = zf.compressed[0]
+    n_expert = ct.source.dims[2]
+    store = Store(zipmoe_model, ct)
+    assert routing_log(ct.name, n_expert) == []
+    store.materialize(np.array([[0, 1], [2, 3]]), 2)  # a prompt: not logged
+    store.materialize(np.array([[1, 0]]), 2)  # fast path: both decoded already
+    store.materialize(np.array([[4, 2]]), 1)  # slow path: 4 is new
+    assert routing_log(ct.name, n_expert) == [[0, 1], [2, 4]]
+    assert routing_log(ct.name, n_expert, max_tokens=1) == [[2, 4]]
+    assert routing_log("no.such.tensor", n_expert) == []
+    for t in range(600):
+        store.materialize(np.array([[t % n_expert]]), 1)
+    log = routing_log(ct.name, n_expert)
+    assert len(log) == 512 and log[-1] == [599 % n_expert] and log[0] == [(600 - 512) % n_expert]
+    assert lib.zipmoe_cache_routing(ct.name.encode(), ffi.new("uint64_t[1]"), 0, 1) < 0  # words too few
+
+
 @pytest.mark.parametrize("hot", ["unbounded", "none"])
 def test_a_late_sibling_neither_decodes_nor_counts_again(zipmoe_model, stats, hot):
     """ggml may run one thread of an invocation after its siblings finished it (a descheduled thread): that thread

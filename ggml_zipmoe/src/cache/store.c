@@ -45,6 +45,8 @@ enum { RES_NONE = 0, RES_SM = 1, RES_FULL = 2 }; /* what of an expert's region i
 #endif
 #define HUGE_PAGE      ((uintptr_t) 2 << 20)
 #define COLLAPSE_AFTER 16 /* invocations in a row on the fast path: the resident set has settled */
+#define ROUTE_LOG      512 /* generated tokens whose routing a store remembers, for the planner's recency model */
+#define ROUTE_RING     (ROUTE_LOG + 1) /* one more entry: the one a writer may be filling */
 
 typedef struct {
     uint8_t * region;    /* RES_SM: the sign+mantissa plane; RES_FULL: the whole region; else NULL */
@@ -104,6 +106,9 @@ struct zipmoe_store {
     _Atomic(struct zipmoe_store *) next_store; /* the store invoked after this one last time (the graph's order) */
     _Atomic uint8_t * hinted;   /* per expert: read-ahead hinted by the previous store's prompt invocation */
     expert_state *  experts;
+    uint64_t *       route_log;   /* ring of ROUTE_RING single-token invocations: a bitmask of the routed experts */
+    int64_t          route_words; /* uint64 words per entry */
+    _Atomic uint64_t route_n;     /* entries written, ever: entry i lies at i % ROUTE_RING */
     uint64_t        hot_used, warm_used, sm_used;
     uint64_t        hot_limit, warm_limit, sm_limit; /* refreshed when the configuration changes */
     _Atomic uint64_t cfg_gen;
@@ -401,12 +406,14 @@ int64_t zipmoe_store_open(const char * name, const void * index, size_t index_si
     s->job.items = calloc((size_t) s->info.n_expert, sizeof *s->job.items);
     s->hinted    = calloc((size_t) s->info.n_expert, sizeof *s->hinted);
     s->experts   = calloc((size_t) s->info.n_expert, sizeof *s->experts);
+    s->route_words = (s->info.n_expert + 63) / 64;
+    s->route_log   = calloc((size_t) (ROUTE_RING * s->route_words), sizeof *s->route_log);
     pthread_mutex_init(&s->job.mu, NULL);
     pthread_cond_init(&s->job.cv, NULL);
     pthread_mutex_init(&s->collapse_job.mu, NULL);
     pthread_cond_init(&s->collapse_job.cv, NULL);
     s->collapse_job.collapse = s;
-    if (!s->plan || !s->experts || !s->job.items || !s->hinted) {
+    if (!s->plan || !s->experts || !s->job.items || !s->hinted || !s->route_log) {
         zipmoe_store_free(s);
         return ZIPMOE_ERR_NOMEM;
     }
@@ -468,6 +475,7 @@ void zipmoe_store_free(zipmoe_store * s) {
     free(s->job.items);
     free((void *) s->hinted);
     free(s->experts);
+    free(s->route_log);
     free(s->hp_done);
     pthread_mutex_destroy(&s->job.mu);
     pthread_cond_destroy(&s->job.cv);
@@ -836,6 +844,25 @@ static void plan_expert(zipmoe_store * s, int64_t e, uint64_t tick, plan_item * 
     it->codes = x->res == RES_FULL ? x->region : NULL;
 }
 
+/* Remembers which experts a generated token (an invocation of one row) routed to, by one thread of the
+ * invocation: the entry is written before it is counted, so a reader can tell the ones it may have torn. */
+static void log_route(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int64_t ne1, size_t nb0) {
+    if (ne1 != 1) {
+        return; /* a prompt's batch: the planner predicts generation */
+    }
+    const uint64_t n     = atomic_load_explicit(&s->route_n, memory_order_relaxed);
+    uint64_t *     entry = s->route_log + (n % ROUTE_RING) * (uint64_t) s->route_words;
+    memset(entry, 0, (size_t) s->route_words * sizeof *entry);
+    for (int64_t k = 0; k < ne0; k++) {
+        int32_t e;
+        memcpy(&e, ids + k * nb0, sizeof e);
+        if (e >= 0 && e < s->info.n_expert) {
+            entry[e / 64] |= (uint64_t) 1 << (e % 64);
+        }
+    }
+    atomic_store_explicit(&s->route_n, n + 1, memory_order_release);
+}
+
 /* Under s->mu: the plan of a new invocation. Returns an out-of-range expert id, or -1. */
 static int64_t make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int64_t ne1, size_t nb0, size_t nb1) {
     const int64_t n_expert = s->info.n_expert;
@@ -854,6 +881,7 @@ static int64_t make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int
             s->experts[e].routed++;
         }
     }
+    log_route(s, ids, ne0, ne1, nb0);
     if (s->cfg_gen != atomic_load(&g_cfg_gen)) {
         refresh_limits(s);
     }
@@ -1139,6 +1167,7 @@ static void note_hits(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int64_
             x->activations++;
         }
     }
+    log_route(s, ids, ne0, ne1, nb0);
     atomic_fetch_add(&g_calls, 1);
 }
 
@@ -1273,6 +1302,42 @@ int64_t zipmoe_cache_activations(const char * prefix, uint64_t * counts, int64_t
     }
     pthread_mutex_unlock(&g_list_mu);
     return n_expert;
+}
+
+int64_t zipmoe_cache_routing(const char * prefix, uint64_t * masks, int64_t words, int64_t max_tokens) {
+    if (!prefix || !masks || words < 1 || max_tokens < 0) {
+        return ZIPMOE_ERR_ARG;
+    }
+    int64_t written = 0;
+    pthread_mutex_lock(&g_list_mu);
+    zipmoe_store * s = g_list;
+    while (s && strncmp(s->name, prefix, strlen(prefix)) != 0) {
+        s = s->next;
+    }
+    if (s && words < s->route_words) {
+        written = ZIPMOE_ERR_ARG;
+    } else if (s) {
+        /* the fast path logs without the lock: copy, then keep what no writer can have overwritten since */
+        const uint64_t end   = atomic_load_explicit(&s->route_n, memory_order_acquire);
+        const uint64_t keep  = (uint64_t) max_tokens < ROUTE_LOG ? (uint64_t) max_tokens : ROUTE_LOG;
+        const uint64_t begin = end > keep ? end - keep : 0;
+        for (uint64_t i = begin; i < end; i++) {
+            uint64_t * out = masks + (i - begin) * (uint64_t) words;
+            memset(out, 0, (size_t) words * sizeof *out);
+            memcpy(out, s->route_log + (i % ROUTE_RING) * (uint64_t) s->route_words,
+                   (size_t) s->route_words * sizeof *out);
+        }
+        atomic_thread_fence(memory_order_acquire);
+        const uint64_t now  = atomic_load_explicit(&s->route_n, memory_order_relaxed);
+        const uint64_t safe = now + 1 > ROUTE_RING ? now + 1 - ROUTE_RING : 0; /* entries from here are intact */
+        const uint64_t from = safe > begin ? (safe < end ? safe : end) : begin;
+        if (from > begin) {
+            memmove(masks, masks + (from - begin) * (uint64_t) words, (size_t) ((end - from) * (uint64_t) words) * sizeof *masks);
+        }
+        written = (int64_t) (end - from);
+    }
+    pthread_mutex_unlock(&g_list_mu);
+    return written;
 }
 
 int64_t zipmoe_store_activations(zipmoe_store * s, uint64_t * counts, int64_t n) {
