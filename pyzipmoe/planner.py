@@ -54,11 +54,11 @@ from .errors import FormatError, UnsupportedError, ZipmoeError
 
 __all__ = [
     "COST_FIELDS", "PLAN_ENV", "TIERS", "CostModel", "Costs", "LayerDesign", "LayerPlan", "LayerTable",
-    "ModelGeometry", "Plan", "PlanInputError", "TierSeconds", "conditional_poisson", "cost_model",
+    "ModelGeometry", "Plan", "PlanInputError", "RecencyDesign", "TierSeconds", "conditional_poisson", "cost_model",
     "costs_from_dict", "costs_from_file", "counts_from_trace", "cp_inclusion", "decode_plan", "default_costs",
     "expected_delay", "fixed_split_plan", "geometry_from_gguf", "hit_rates", "inclusion_targets", "layer_design",
-    "layer_table", "plan", "plan_for_budget", "poisson_binomial", "split_delays", "tier_count_distribution",
-    "tier_seconds", "token_delays", "uniform_counts", "validate_counts",
+    "layer_table", "lru_ranks", "plan", "plan_for_budget", "poisson_binomial", "recency_design", "split_delays",
+    "tier_count_distribution", "tier_seconds", "token_delays", "uniform_counts", "validate_counts",
 ]
 
 PLAN_ENV = "ZIPMOE_PLAN"
@@ -425,6 +425,15 @@ class LayerDesign:
     inclusion: np.ndarray  # by rank: the probability that a token routes to the expert
     bernoulli: np.ndarray  # by rank: the conditional Poisson design's p
 
+    def expected_delay(self, seconds: TierSeconds, hot: int, warm: int, sm: int) -> float:
+        return expected_delay(self, seconds, hot, warm, sm)
+
+    def hit_rates(self, hot: int, warm: int, sm: int) -> tuple[float, float, float, float]:
+        return hit_rates(self, hot, warm, sm)
+
+    def split_delays(self, seconds: TierSeconds) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return split_delays(self, seconds)
+
 
 def layer_design(frequencies: np.ndarray, k: int) -> LayerDesign:
     """Ranks a layer's experts by frequency (ties by id) and fits the design that routes k of them per token."""
@@ -432,6 +441,97 @@ def layer_design(frequencies: np.ndarray, k: int) -> LayerDesign:
     order = np.argsort(-f, kind="stable")
     pi = inclusion_targets(f, k)[order]
     return LayerDesign(k=k, order=order, inclusion=pi, bernoulli=conditional_poisson(pi, k))
+
+
+# ---------------------------------------------------------------------------------- the recency design
+
+
+RECENCY_MIN_TOKENS = 16  # generated tokens a layer's routing log must score before the recency model is used
+
+
+def lru_ranks(routing: np.ndarray) -> np.ndarray:
+    """Where each routed expert stood in the runtime's LRU order just before its token: 0 the most recently used.
+
+    routing: bool [tokens, n_expert], the experts each generated token routed to, oldest first. Returns int
+    [tokens, n_expert], -1 where the token did not route to the expert and n_expert where it had not been seen
+    (nothing tells where it stood). Ties are broken as the runtime evicts: among experts last used by the same
+    token, the lower id goes first, so it stands lower."""
+    routing = np.asarray(routing, bool)
+    tokens, n = routing.shape
+    last = np.full(n, -1)
+    ids = np.arange(n)
+    ranks = np.full((tokens, n), -1)
+    for t in range(tokens):
+        for e in np.flatnonzero(routing[t]):
+            if last[e] < 0:
+                ranks[t, e] = n
+            else:
+                ranks[t, e] = np.count_nonzero(last > last[e]) + np.count_nonzero((last == last[e]) & (ids > e))
+        last[routing[t]] = t
+    return ranks
+
+
+@dataclass(frozen=True)
+class RecencyDesign:
+    """A layer's routing as the order in which a run's tokens routed, under the runtime's LRU policy.
+
+    The tiers are modelled as one LRU stack: an expert that stood at LRU rank r before its token is hot when
+    r < hot, warm when r < hot + warm, sm when r < hot + warm + sm, else cold (misses demote hot experts to the
+    compressed tiers and those to cold, most recent first). Unlike the frequency design it sees that a
+    conversation keeps coming back to the experts it used last, which is what keeps a small hot tier useful.
+    Delays and hit rates are the means over the scored tokens."""
+
+    k: int
+    n_expert: int
+    ranks: np.ndarray  # [tokens, k]: the LRU ranks of each scored token's routed experts (n_expert: never seen)
+
+    def tier_counts(self, hot: int, warm: int, sm: int) -> np.ndarray:
+        """[tokens, 4]: how many of each token's routed experts were hot, warm, sm and cold."""
+        _tier_bounds(self.n_expert, hot, warm, sm)
+        below = [np.count_nonzero(self.ranks < x, axis=1) for x in (hot, hot + warm, hot + warm + sm)]
+        return np.stack([below[0], below[1] - below[0], below[2] - below[1], self.k - below[2]], axis=1)
+
+    def expected_delay(self, seconds: TierSeconds, hot: int, warm: int, sm: int) -> float:
+        _, b, c, d = self.tier_counts(hot, warm, sm).T
+        return float(np.maximum((b + c + d) * seconds.decode, c * seconds.read_sm + d * seconds.read_cold).mean())
+
+    def hit_rates(self, hot: int, warm: int, sm: int) -> tuple[float, float, float, float]:
+        rates = self.tier_counts(hot, warm, sm).sum(axis=0) / self.ranks.size
+        return float(rates[0]), float(rates[1]), float(rates[2]), float(rates[3])
+
+    def split_delays(self, seconds: TierSeconds) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(hot, warm, sm, delay) for every split of the layer, as expected_delay gives each."""
+        n = self.n_expert
+        below = (self.ranks[:, :, None] < np.arange(n + 1)).sum(axis=1)  # [tokens, x]: routed experts ranked < x
+        hot, warm, sm, delay = [], [], [], []
+        for x2 in range(n + 1):
+            x1, x3 = np.arange(x2 + 1), np.arange(x2, n + 1)
+            not_hot = self.k - below[:, x1]  # [tokens, x1]
+            c = below[:, x3] - below[:, [x2]]  # [tokens, x3]
+            d = self.k - below[:, x3]
+            reads = c * seconds.read_sm + d * seconds.read_cold
+            delays = np.maximum(not_hot[:, :, None] * seconds.decode, reads[:, None, :]).mean(axis=0)
+            g1, g3 = np.meshgrid(x1, x3, indexing="ij")
+            hot.append(g1.ravel())
+            warm.append(x2 - g1.ravel())
+            sm.append(g3.ravel() - x2)
+            delay.append(delays.ravel())
+        return np.concatenate(hot), np.concatenate(warm), np.concatenate(sm), np.concatenate(delay)
+
+
+def recency_design(routing: np.ndarray, k: int, *, history: int | None = None) -> RecencyDesign | None:
+    """The recency design of a layer from its routing log (bool [tokens, n_expert], oldest first): the first
+    `history` tokens (default a quarter) only tell where the experts stand; the rest are scored. None when fewer
+    than RECENCY_MIN_TOKENS would be scored, or a token did not route to k experts (not a generated token)."""
+    routing = np.asarray(routing, bool)
+    if routing.ndim != 2:
+        raise PlanInputError(f"a routing log must be [tokens, n_expert], got shape {routing.shape}")
+    history = routing.shape[0] // 4 if history is None else history
+    if routing.shape[0] - history < RECENCY_MIN_TOKENS or (routing.sum(axis=1) != k).any():
+        return None
+    ranks = lru_ranks(routing)[history:]
+    scored = np.sort(np.where(ranks >= 0, ranks, np.iinfo(np.int64).max), axis=1)[:, :k]
+    return RecencyDesign(k=k, n_expert=routing.shape[1], ranks=scored)
 
 
 # ------------------------------------------------------------------------------------ delay of a split
@@ -559,10 +659,10 @@ class LayerTable:
     delay: np.ndarray
 
 
-def layer_table(design: LayerDesign, seconds: TierSeconds, hot_bytes: int, warm_bytes: int,
+def layer_table(design: LayerDesign | RecencyDesign, seconds: TierSeconds, hot_bytes: int, warm_bytes: int,
                 sm_bytes: int) -> LayerTable:
     """The Pareto frontier (bytes, delay) of a layer's splits; its first entry costs no bytes (no slots)."""
-    hot, warm, sm, delay = split_delays(design, seconds)
+    hot, warm, sm, delay = design.split_delays(seconds)
     nbytes = hot.astype(np.int64) * hot_bytes + warm.astype(np.int64) * warm_bytes + sm.astype(np.int64) * sm_bytes
     order = np.argsort(nbytes)  # splits of equal bytes come in any order: the last kept of each is their best
     d = delay[order]
@@ -578,16 +678,31 @@ class CostModel:
 
     geometry: ModelGeometry
     costs: Costs
-    designs: tuple[LayerDesign, ...]  # per MoE layer
+    designs: tuple[LayerDesign | RecencyDesign, ...]  # per MoE layer
     tables: tuple[LayerTable, ...]
 
+    @property
+    def recency(self) -> bool:
+        """Whether every layer is planned from the order of a run's routing (its plans assume the LRU policy)."""
+        return all(isinstance(d, RecencyDesign) for d in self.designs)
 
-def cost_model(geometry: ModelGeometry, costs: Costs, counts: np.ndarray | None = None) -> CostModel:
-    """Fits each MoE layer's routing design to the activation counts [n_layer, n_expert] (None: uniform) and
-    tabulates its splits. The expensive part of planning; plans for many budgets share it."""
+
+def cost_model(geometry: ModelGeometry, costs: Costs, counts: np.ndarray | None = None,
+               routing: Mapping[int, np.ndarray] | None = None) -> CostModel:
+    """Fits each MoE layer's routing design and tabulates its splits: the recency design where `routing` (block ->
+    bool [tokens, n_expert], the order generated tokens routed in) has enough tokens, else the frequency design
+    of the activation counts [n_layer, n_expert] (None: uniform). The expensive part of planning; plans for many
+    budgets share it."""
     g = geometry
     counts = uniform_counts(g) if counts is None else validate_counts(counts, g.n_layer, g.n_expert)
-    designs = tuple(layer_design(counts[block], g.n_expert_used) for block in g.layers)
+    routing = routing or {}
+
+    def design(block: int) -> LayerDesign | RecencyDesign:
+        log = routing.get(block)
+        recent = recency_design(log, g.n_expert_used) if log is not None else None
+        return recent if recent is not None else layer_design(counts[block], g.n_expert_used)
+
+    designs = tuple(design(block) for block in g.layers)
     tables = tuple(layer_table(designs[i], tier_seconds(g, costs, i), g.hot_bytes[i], g.warm_bytes[i], g.sm_bytes[i])
                    for i in range(len(g.layers)))
     return CostModel(g, costs, designs, tables)
@@ -729,8 +844,8 @@ def _plan_from_splits(model: CostModel, splits: Sequence[tuple[int, int, int]], 
         layers.append(LayerPlan(
             layer=g.layers[i], hot=hot, warm=warm, sm=sm, cold=g.n_expert - hot - warm - sm,
             nbytes=hot * g.hot_bytes[i] + warm * g.warm_bytes[i] + sm * g.sm_bytes[i],
-            delay=expected_delay(design, tier_seconds(g, model.costs, i), hot, warm, sm),
-            hit_rates=hit_rates(design, hot, warm, sm)))
+            delay=design.expected_delay(tier_seconds(g, model.costs, i), hot, warm, sm),
+            hit_rates=design.hit_rates(hot, warm, sm)))
     return Plan(tuple(layers), budget, model.costs.base_seconds_per_token)
 
 

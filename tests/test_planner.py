@@ -178,6 +178,84 @@ def costs(**overrides: float) -> Costs:
     return Costs(**values)  # type: ignore[arg-type]
 
 
+# ------------------------------------------------------------------------------ the recency design
+
+
+def local_routing(rng: np.random.Generator, tokens: int, n: int, k: int, stay: float = 0.7) -> np.ndarray:
+    """Routing with locality: each token keeps each of the last token's experts with probability `stay`."""
+    out = np.zeros((tokens, n), bool)
+    last = rng.choice(n, k, replace=False)
+    for t in range(tokens):
+        keep = [e for e in last if rng.random() < stay]
+        fresh = rng.choice(np.setdiff1d(np.arange(n), keep), k - len(keep), replace=False)
+        last = np.array(keep + list(fresh), int)
+        out[t, last] = True
+    return out
+
+
+def brute_lru_ranks(routing: np.ndarray) -> np.ndarray:
+    """An explicit LRU list: most recent first, a token's experts in descending id (the runtime evicts the lower id
+    of a tie first)."""
+    tokens, n = routing.shape
+    order: list[int] = []
+    ranks = np.full((tokens, n), -1)
+    for t in range(tokens):
+        used = [int(e) for e in np.flatnonzero(routing[t])]
+        for e in used:
+            ranks[t, e] = order.index(e) if e in order else n
+        order = sorted(used, reverse=True) + [e for e in order if e not in used]
+    return ranks
+
+
+def test_lru_ranks_match_an_explicit_lru_list():
+    rng = np.random.default_rng(3)
+    for n, k in ((5, 1), (8, 2), (12, 4)):
+        routing = local_routing(rng, 60, n, k, stay=0.5)
+        assert (planner.lru_ranks(routing) == brute_lru_ranks(routing)).all()
+
+
+def test_recency_split_delays_match_each_split():
+    rng = np.random.default_rng(4)
+    design = planner.recency_design(local_routing(rng, 80, 7, 2), 2)
+    assert design is not None and design.ranks.shape == (60, 2)
+    hot, warm, sm, delay = design.split_delays(SECONDS)
+    assert len(hot) == len(splits(7))
+    for h, w, s, d in zip(hot, warm, sm, delay):
+        assert d == pytest.approx(design.expected_delay(SECONDS, int(h), int(w), int(s)))
+        counts = design.tier_counts(int(h), int(w), int(s))
+        assert (counts.sum(axis=1) == 2).all()
+    assert sum(design.hit_rates(7, 0, 0)) == pytest.approx(1)
+    assert design.expected_delay(SECONDS, 0, 0, 0) == pytest.approx(2 * SECONDS.read_cold)
+
+
+def test_recency_design_needs_enough_generated_tokens():
+    rng = np.random.default_rng(5)
+    assert planner.recency_design(local_routing(rng, 20, 8, 2), 2) is None  # 15 scored < RECENCY_MIN_TOKENS
+    prompt_like = local_routing(rng, 40, 8, 2)
+    prompt_like[3] = True  # not one token's routing
+    assert planner.recency_design(prompt_like, 2) is None
+    with pytest.raises(PlanInputError):
+        planner.recency_design(np.zeros(8, bool), 2)
+
+
+def test_recency_sees_what_frequencies_miss():
+    """Every expert equally frequent overall, but a token mostly reuses the last token's experts: one hot slot
+    per routed expert serves most of the routing, which the frequency design cannot know."""
+    rng = np.random.default_rng(6)
+    n, k = 16, 2
+    routing = local_routing(rng, 400, n, k, stay=0.9)
+    geometry = ModelGeometry.uniform(1, n, k, hot_bytes=100, warm_bytes=60, sm_bytes=50)
+    by_frequency = planner.cost_model(geometry, costs(), routing.sum(axis=0, keepdims=True))
+    by_recency = planner.cost_model(geometry, costs(), routing={0: routing})
+    assert by_recency.recency and not by_frequency.recency
+    frequency_hot = by_frequency.designs[0].hit_rates(k, 0, 0)[0]
+    recency_hot = by_recency.designs[0].hit_rates(k, 0, 0)[0]
+    assert frequency_hot < 0.3 and recency_hot > 0.85
+    plan = planner.plan_for_budget(by_recency, 2 * 100)  # two hot slots, or three warm
+    assert plan.hit_rates["cold"] < 0.15
+    assert plan.delay < planner.plan_for_budget(by_frequency, 2 * 100).delay / 3
+
+
 @pytest.fixture(scope="module")
 def small_model() -> planner.CostModel:
     geometry = ModelGeometry.uniform(3, 8, 2, hot_bytes=40, warm_bytes=27, sm_bytes=20)

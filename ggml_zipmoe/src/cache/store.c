@@ -1204,7 +1204,6 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
         atomic_store(&s->next_chunk, 0);
     }
     if (s->plan_in == 0 && key == atomic_load(&s->last_key) && atomic_load(&g_op_seq) == atomic_load(&s->last_seq) &&
-        s->plan_n > 0 &&
         all_routed_hot(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1)) {
         /* a sibling that arrives after the others finished this invocation (no other op began since, as the
          * engine's barrier holds them all): its experts are decoded; it must not decode or count them again */
