@@ -118,6 +118,7 @@ typedef struct {
     uint64_t peak_resident_bytes;
     uint64_t staging_bytes;
     uint64_t pool_bytes;
+    uint64_t reading_calls;
 } zipmoe_stats;
 void zipmoe_stats_get(zipmoe_stats * out);
 void zipmoe_stats_reset(void);

@@ -3,13 +3,25 @@
 The planner needs a few numbers it cannot know from the file alone (`Calibration.as_costs_dict()`):
 
   cores                  CPUs this process may use: its affinity mask, capped by its cgroup's CPU quota
-  t_decode               seconds one core takes to decode one expert of one layer (every expert tensor of the
-                         layer: gate, up and down), from the model's own compressed data, checksums checked
+  t_decode               core-seconds the engine spends to decode one expert of one layer (every expert tensor of
+                         the layer: gate, up and down) from RAM: wall time per expert on all cores x cores
+  t_read_sm, t_read_cold wall seconds an expert of a layer costs when its exponent codes, or its whole region,
+                         come from disk
   read_latency           seconds of a cold read of one page of the model file (median)
   disk_bandwidth         bytes/s of cold reads of whole expert regions, one read at a time, net of read_latency:
                          reading S bytes takes read_latency + S / disk_bandwidth
-  base_seconds_per_token what a token costs without any expert decoding or reading: it needs the model running,
-                         so calibration does not measure it; None unless the caller gives it
+  base_seconds_per_token what a generated token costs with every expert decoded
+
+  t_layer                wall seconds a layer adds per token whenever it reads from disk: the wait for its
+                         first read, which no decoding overlaps
+
+Those are measured through the engine (`engine=True`, the default; pyzipmoe.timing): the model generates greedily
+in fresh processes, with every expert decoded (the base), with k hot slots per layer and the rest of the experts
+warm, sm or cold, and with half the experts hot and the rest cold; each run's time per token is the base plus
+the layers that decoded and the experts the runtime counted in each tier times their costs, which the five runs
+determine. That is what the planner predicts with; on the 2.8g bench model the
+runtime's stores driven directly from Python (`engine=False`: quicker, no engine needed) cost 3x as much per
+expert as the engine pays, and the planner's predictions were off by as much.
 
 Besides those: decode throughput of each codec (huff and zstd, the one the file does not use measured on the same
 expert re-encoded), and the per-value cost of splitting and merging the BF16 planes.
@@ -35,6 +47,7 @@ import platform
 import random
 import re
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -49,7 +62,7 @@ from .errors import FormatError, UnsupportedError, ZipmoeError
 from .memory import CGROUP_ROOT, PROC_SELF, cgroup_dirs
 from .progress import Progress, Silent
 
-SCHEMA = 1  # of the cache files; another value is measured again
+SCHEMA = 2  # of the cache files; another value is measured again (1: tier costs from the stores alone)
 DEFAULT_READ_BYTES = 256 << 20  # a few hundred MiB: enough reads for a stable median, a few seconds on an SSD
 DEFAULT_MIN_SECONDS = 0.25  # of CPU time per timing: enough batches for a stable median
 _BATCH_SECONDS = 1e-3  # a timed batch lasts at least this: far above the clock's resolution and call overhead
@@ -93,14 +106,16 @@ class Calibration:
     bytes_read: int
     page_cache_dropped: bool  # False where posix_fadvise is missing: the reads may have been warm
     cores: int  # usable now (re-read when loaded from the cache: a container's quota can change)
-    base_seconds_per_token: float | None = None  # not measurable here; given by the caller, or None
+    base_seconds_per_token: float | None = None  # measured through the engine, or given by the caller, or None
+    t_layer: float | None = None  # wall seconds a layer adds per token whenever it reads (engine only)
+    tier_source: str = "stores"  # "engine": tier costs and base from generating; "stores": the stores alone
     from_cache: bool = field(default=False, compare=False)  # not stored
 
     def as_costs_dict(self) -> dict[str, Any]:
         """The planner's `Costs` fields."""
         return {"cores": self.cores, "t_decode": self.t_decode, "disk_bandwidth": self.disk_bandwidth,
                 "read_latency": self.read_latency, "base_seconds_per_token": self.base_seconds_per_token,
-                "t_read_sm": self.t_read_sm, "t_read_cold": self.t_read_cold}
+                "t_read_sm": self.t_read_sm, "t_read_cold": self.t_read_cold, "t_layer": self.t_layer}
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -348,7 +363,7 @@ def _into_fresh_memory(experts: Sequence[Any], inputs: Sequence[np.ndarray], ind
 
 @dataclass(frozen=True)
 class TierCosts:
-    """Seconds of one thread to make one expert of a layer (every tensor) decoded, through the runtime itself."""
+    """Wall seconds, on all cores, to make one expert of a layer (every tensor) decoded."""
 
     warm: float  # from its compressed region in RAM: decoding (into pages an evicted expert left)
     sm: float  # from its sign+mantissa plane in RAM, the exponent codes read from disk
@@ -439,6 +454,76 @@ def measure_tiers(fd: int, tensors: Sequence[Any], n_expert: int, n_used: int, *
         lib.zipmoe_cache_configure(unbounded, 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
         lib.zipmoe_cache_set_reserve(0)
     return TierCosts(warm=times["warm"], sm=max(times["sm"], times["warm"]), cold=max(times["cold"], times["warm"]))
+
+
+@dataclass(frozen=True)
+class EngineCosts:
+    """Wall seconds per generated token with every expert decoded, and per routed expert of a layer in each
+    tier, as the engine pays them on all cores."""
+
+    base: float
+    layer: float  # once per layer that reads at all, per token
+    warm: float
+    sm: float
+    cold: float
+
+
+ENGINE_WARMUP, ENGINE_TOKENS = 32, 32  # tokens before timing (the experts settle in their tiers), tokens timed
+ENGINE_BASE_WARMUP = 200  # every expert decoded, and its huge pages collapsed (that takes ~100 tokens on 2 cores)
+
+
+def measure_engine(model_path: Path, *, threads: int, expert_tensors: int, progress: Progress) -> EngineCosts | None:
+    """The tier costs the engine pays, from four timed generations (see the module's docstring); None when a tier
+    saw too few experts to tell its cost (a model whose k hot slots hold every expert)."""
+    from .budget import model_memory
+    from .planner import geometry_from_gguf
+    from .timing import time_generation
+
+    geometry = geometry_from_gguf(model_path)
+    need = model_memory(model_path)
+    budget = str(need.minimum + need.expert_bytes)  # room for every plan below
+    k, n = geometry.n_expert_used, geometry.n_expert
+    if 2 * k > n:
+        return None
+
+    def timed(hot: int | None, warm: int = 0, sm: int = 0) -> dict[str, Any]:
+        llama: dict[str, Any] = {}  # no budget: every expert stays decoded
+        if hot is not None:
+            llama = {"memory_budget": budget, "cache_policy": "lru",
+                     "plan": ";".join(f"{b}:{hot},{warm},{sm}" for b in geometry.layers)}
+        fd = os.open(model_path, os.O_RDONLY)
+        try:
+            drop_page_cache(fd)  # cold reads come from the disk
+        finally:
+            os.close(fd)
+        run = time_generation(model_path, llama=llama, warmup=ENGINE_WARMUP if hot is not None else ENGINE_BASE_WARMUP,
+                              gen=ENGINE_TOKENS, threads=threads)
+        progress.advance(1)
+        return run
+
+    def per_token(run: dict[str, Any], key: str) -> float:
+        """Experts of a layer per generated token (the runtime counts every expert tensor: gate, up, down)."""
+        return float(run["stats"][key]) / expert_tensors / ENGINE_TOKENS
+
+    progress.start("calibrate: engine", 6)
+    # all decoded; k hot slots and the rest cold, warm or sm; half the experts hot and the rest cold or warm
+    # (fewer experts per layer that reads: what tells the wait for a layer's first read from its experts')
+    half = n // 2
+    runs = [timed(None), timed(k), timed(k, n - k), timed(k, 0, n - k), timed(half), timed(half, n - half)]
+    # every run's seconds per token = base + t_layer * layers that read + warm, sm and cold experts times their
+    # costs, per token: six runs, five unknowns, least squares (the all-decoded run still meets a few experts for
+    # the first time)
+    counts = np.array([[1.0, *(per_token(r, key) for key in ("reading_calls", "hits_warm", "hits_sm", "misses"))]
+                       for r in runs])
+    seconds = np.array([r["seconds"] / ENGINE_TOKENS for r in runs])
+    if min(counts[1, 4], counts[2, 2], counts[3, 3], counts[4, 4], counts[5, 2]) < 1:
+        return None
+    base, layer, warm, sm, cold = (float(x) for x in np.linalg.lstsq(counts, seconds, rcond=None)[0])
+    if os.environ.get("ZIPMOE_CALIBRATE_DEBUG"):
+        print(counts, seconds, base, layer, warm, sm, cold, file=sys.stderr)
+    tiny = 1e-7  # no tier may look free: every split would tie
+    warm = max(warm, tiny)
+    return EngineCosts(base=max(base, tiny), layer=max(layer, 0.0), warm=warm, sm=max(sm, warm), cold=max(cold, warm))
 
 
 @dataclass(frozen=True)
@@ -577,19 +662,25 @@ def _first_layer(compressed: Sequence[Any]) -> tuple[int, list[Any]]:
 
 def calibrate(model_path: str | os.PathLike[str], *, force: bool = False, progress: Progress | None = None,
               read_bytes: int = DEFAULT_READ_BYTES, min_seconds: float = DEFAULT_MIN_SECONDS,
-              base_seconds_per_token: float | None = None) -> Calibration:
+              base_seconds_per_token: float | None = None, engine: bool = True) -> Calibration:
     """The costs of running the zipmoe model at `model_path` on this machine: from the cache when it holds a
     calibration of this very file on this machine (unless `force`), else measured (a few seconds) and cached.
 
     read_bytes: how much of the file the disk measurement reads (everything if the file's experts hold less).
     min_seconds: CPU time spent on each decode timing (there are four: two codecs, split, merge).
-    base_seconds_per_token: recorded as given (calibration cannot measure it); None keeps the cached value, if any.
+    base_seconds_per_token: recorded as given; None: measured through the engine, else the cached value, if any.
+    engine: measure tier costs and the base through the engine (generating; some tens of seconds), else through
+    the stores alone (seconds; no base). A cached calibration measured without the engine is measured again
+    when the engine is asked for.
     """
     progress = progress or Silent()
     path = Path(model_path).expanduser()
     cached = load_calibration(path)
+    given_base = base_seconds_per_token
     if base_seconds_per_token is None and cached is not None:
         base_seconds_per_token = cached.base_seconds_per_token
+    if cached is not None and engine and cached.tier_source != "engine":
+        cached = None
     if cached is not None and not force:
         if base_seconds_per_token != cached.base_seconds_per_token:
             cached = replace(cached, base_seconds_per_token=base_seconds_per_token)
@@ -610,12 +701,24 @@ def calibrate(model_path: str | os.PathLike[str], *, force: bool = False, progre
     regions = [(c.region_file_offset(e), c.expert.span(e).size)
                for c in zf.compressed for e in range(c.expert.info.n_expert)]
     disk = measure_disk(path, regions, read_bytes, progress=progress)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        tiers = measure_tiers(fd, tensors, tensors[0].expert.info.n_expert, _experts_used(zf), threads=usable_cores(),
-                              label=label, progress=progress)
-    finally:
-        os.close(fd)
+    measured = None
+    if engine:
+        from .timing import TimingError
+
+        try:
+            measured = measure_engine(path, threads=usable_cores(), expert_tensors=len(tensors), progress=progress)
+        except TimingError as e:
+            warnings.warn(f"{e}; tier costs are measured through the stores alone", stacklevel=2)
+    if measured is not None:
+        tiers = TierCosts(warm=measured.warm, sm=measured.sm, cold=measured.cold)
+        base_seconds_per_token = measured.base if given_base is None else given_base
+    else:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            tiers = measure_tiers(fd, tensors, tensors[0].expert.info.n_expert, _experts_used(zf),
+                                  threads=usable_cores(), label=label, progress=progress)
+        finally:
+            os.close(fd)
     progress.close()
     cal = Calibration(
         model=fingerprint, machine=machine, measured_at=started, seconds=time.perf_counter() - t0,
@@ -629,7 +732,8 @@ def calibrate(model_path: str | os.PathLike[str], *, force: bool = False, progre
         merge_seconds_per_value=decode.merge_seconds_per_value, split_seconds_per_value=decode.split_seconds_per_value,
         disk_bandwidth=disk.bandwidth, read_latency=disk.latency, read_size=disk.read_size, reads=disk.reads,
         bytes_read=disk.bytes_read, page_cache_dropped=disk.page_cache_dropped, cores=usable_cores(),
-        base_seconds_per_token=base_seconds_per_token,
+        base_seconds_per_token=base_seconds_per_token, tier_source="engine" if measured is not None else "stores",
+        t_layer=measured.layer if measured is not None else None,
     )
     _save_quietly(cal, cache_file(path, machine))
     return cal

@@ -87,7 +87,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from .calibrate import cache_file, calibrate
     from .progress import for_terminal
 
-    cal = calibrate(args.model, force=args.force, progress=for_terminal(args.json), read_bytes=args.read)
+    cal = calibrate(args.model, force=args.force, progress=for_terminal(args.json), read_bytes=args.read,
+                    engine=not args.no_engine)
     where = cache_file(cal.model["path"], cal.machine)
     if args.json:
         print(json.dumps({**cal.to_dict(), "from_cache": cal.from_cache, "costs": cal.as_costs_dict(),
@@ -117,13 +118,15 @@ def register(sub: Any) -> None:
         "calibrate", formatter_class=argparse.RawDescriptionHelpFormatter,
         help="measure what decoding and reading experts cost on this machine",
         description=_para(
-            "Measure, for MODEL (a zipmoe GGUF) on this machine: how long one core takes to decode one expert of "
-            "a layer (t_decode), each codec's decode speed, the cost of merging BF16 planes, and cold reads of the "
-            "file (latency of a read, bandwidth of expert-sized reads; the file is dropped from the page cache "
-            "first and after). The result is cached per machine and model file under "
-            "$XDG_CACHE_HOME/zipmoe/calibration (default ~/.cache/zipmoe/calibration) and measured again when "
-            "either changes; the memory-budget planner uses it. base time/token needs the model running and is "
-            "not measured here."),
+            "Measure, for MODEL (a zipmoe GGUF) on this machine, what the memory-budget planner predicts with: "
+            "the time a generated token takes with every expert decoded (base time/token) and what one expert of "
+            "a layer adds when it comes from each tier: decoded from RAM (t_decode), its exponent codes read from "
+            "disk (sm), all of it read from disk (cold). These are measured through the engine, by generating "
+            "with the model four times (some tens of seconds on a 3 GB model). Also, for information: each "
+            "codec's decode speed, the cost of merging BF16 planes, and cold reads of the file (latency, "
+            "bandwidth; the file is dropped from the page cache first and after). The result is cached per "
+            "machine and model file under $XDG_CACHE_HOME/zipmoe/calibration (default "
+            "~/.cache/zipmoe/calibration) and measured again when either changes."),
         epilog="examples:\n"
                "  zipmoe calibrate model.zipmoe.gguf\n"
                "  zipmoe calibrate model.zipmoe.gguf --force --read 1GiB   measure again, reading more of the file\n"
@@ -134,5 +137,8 @@ def register(sub: Any) -> None:
     p.add_argument("--read", type=_read_size, default=DEFAULT_READ_BYTES, metavar="SIZE",
                    help="how much of the file the disk measurement reads (default: 256MiB, or all of the experts "
                         "if they hold less); applies when measuring")
+    p.add_argument("--no-engine", action="store_true",
+                   help="time the tiers through the runtime's stores alone, without generating (seconds instead of "
+                        "tens of seconds; no base time/token; on the machine measured it overstated some costs)")
     p.add_argument("--json", action="store_true", help="print the calibration as one JSON object")
     p.set_defaults(run=cmd_calibrate)

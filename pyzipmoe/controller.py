@@ -22,10 +22,12 @@ from typing import Any
 import numpy as np
 
 from . import planner
-from .budget import AUTO, ModelMemory, cache_environment, check_budget, model_memory, parse_budget
+from .budget import AUTO, POLICY_ENV, ModelMemory, cache_environment, check_budget, model_memory, parse_budget
 from .errors import ZipmoeError
 
 ROUTING_MIN_TOKENS = 64  # tokens a layer routes between two re-plans from the routing seen
+ROUTING_LOG_TOKENS = 512  # generated tokens whose routing the runtime remembers per store (store.c: ROUTE_LOG)
+PLANNED_POLICY = "lru"  # the policy the planner's recency model predicts exactly (tests/test_store.py)
 
 def machine_costs(model_path: str | os.PathLike[str], geometry: planner.ModelGeometry) -> tuple[planner.Costs, str]:
     """The planner's costs: the model's cached calibration (`zipmoe calibrate`) where there is one, the planner's
@@ -95,6 +97,8 @@ def runtime_environment(model_path: str | os.PathLike[str], *, budget: str | int
         env[planner.PLAN_ENV] = plan
     elif use_planner and hot_share is None and sm_share is None:
         env.update(plan_model(model_path, nbytes, trace=trace, need=need).plan.to_env())
+        if policy is None:  # the policy whose hits the planner's re-plans predict
+            env[POLICY_ENV] = PLANNED_POLICY
     return env
 
 
@@ -123,6 +127,25 @@ def live_counts(geometry: planner.ModelGeometry, lib: Any = None) -> np.ndarray:
         if lib.zipmoe_cache_activations(f"blk.{layer}.".encode(), buf, geometry.n_expert) > 0:
             counts[layer] = list(buf)
     return counts
+
+
+def live_routing(geometry: planner.ModelGeometry, lib: Any = None) -> dict[int, np.ndarray]:
+    """The experts each of the last generated tokens routed to, per MoE block, oldest first (the runtime remembers
+    512): block -> bool [tokens, n_expert]. Blocks whose stores are not open are left out."""
+    if lib is None:
+        from ._native import lib
+    from ._native import ffi
+
+    words = (geometry.n_expert + 63) // 64
+    masks = np.zeros(ROUTING_LOG_TOKENS * words, np.uint64)
+    routing = {}
+    for layer in geometry.layers:
+        n = lib.zipmoe_cache_routing(f"blk.{layer}.".encode(), ffi.cast("uint64_t *", ffi.from_buffer(masks)), words,
+                                     ROUTING_LOG_TOKENS)
+        if n > 0:
+            bits = np.unpackbits(masks[: n * words].view(np.uint8), bitorder="little").reshape(n, words * 64)
+            routing[layer] = bits[:, : geometry.n_expert].astype(bool)
+    return routing
 
 
 def resident_bytes(lib: Any = None) -> int:
@@ -182,10 +205,11 @@ class MemoryMonitor:
         return min(target, self.ceiling) if self.ceiling is not None else target
 
     def refresh_routing(self, min_tokens: int = ROUTING_MIN_TOKENS) -> planner.Plan | None:
-        """Re-plans the current budget from the routing seen so far (the runtime's activation counters), once each
-        layer has routed at least `min_tokens` tokens since the last time; the new plan, or None. A run's routing
-        is far from the uniform or global profile the first plan assumed: a conversation keeps coming back to
-        its own experts."""
+        """Re-plans the current budget from the routing seen so far, once each layer has routed at least
+        `min_tokens` tokens since the last time; the new plan, or None. A run's routing is far from the uniform or
+        global profile the first plan assumed: a conversation keeps coming back to its own experts. The order
+        of the last generated tokens' routing (the recency model) where there is enough of it, else the
+        activation counters (the frequency model)."""
         if self.split is not None:
             return None
         g = self.planned.model.geometry
@@ -194,7 +218,7 @@ class MemoryMonitor:
         if seen.size == 0 or seen.min() - self._routed_at_plan < min_tokens:
             return None
         self._routed_at_plan = float(seen.min())
-        model = planner.cost_model(g, self.planned.model.costs, counts)
+        model = planner.cost_model(g, self.planned.model.costs, counts, routing=live_routing(g, self._lib))
         self.planned = Planned(self.planned.need, self.planned.budget, model,
                                planner.plan_for_budget(model, self.budget - self.planned.need.minimum),
                                self.planned.costs_source)

@@ -56,7 +56,7 @@ __all__ = [
     "COST_FIELDS", "PLAN_ENV", "TIERS", "CostModel", "Costs", "LayerDesign", "LayerPlan", "LayerTable",
     "ModelGeometry", "Plan", "PlanInputError", "RecencyDesign", "TierSeconds", "conditional_poisson", "cost_model",
     "costs_from_dict", "costs_from_file", "counts_from_trace", "cp_inclusion", "decode_plan", "default_costs",
-    "expected_delay", "fixed_split_plan", "geometry_from_gguf", "hit_rates", "inclusion_targets", "layer_design",
+    "expected_delay", "fixed_split_plan", "geometry_from_gguf", "hit_rates", "inclusion_targets", "layer_delay", "layer_design",
     "layer_table", "lru_ranks", "plan", "plan_for_budget", "poisson_binomial", "recency_design", "split_delays",
     "tier_count_distribution", "tier_seconds", "token_delays", "uniform_counts", "validate_counts",
 ]
@@ -96,6 +96,8 @@ class Costs:
     base_seconds_per_token: float  # a generated token with every expert hot
     t_read_sm: float | None = None  # seconds an sm-tier expert of a layer adds for its codes (measured through the
     t_read_cold: float | None = None  # runtime by `zipmoe calibrate`); None: from bytes, bandwidth and latency
+    t_layer: float | None = None  # seconds a layer adds whenever it reads from disk: the first read, which no
+                                  # decoding overlaps; None: 0
 
     def __post_init__(self) -> None:
         if isinstance(self.cores, bool) or not isinstance(self.cores, int) or self.cores < 1:
@@ -106,7 +108,7 @@ class Costs:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if not ok or value < lowest or (strict and value == lowest):
                 raise ZipmoeError(f"{name} must be a {'positive' if strict else 'non-negative'} number, got {value!r}")
-        for name in ("t_read_sm", "t_read_cold"):
+        for name in ("t_read_sm", "t_read_cold", "t_layer"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value) or value < 0):
@@ -226,7 +228,8 @@ def default_costs(geometry: ModelGeometry, cores: int | None = None) -> Costs:
 
 
 COST_FIELDS = tuple(f.name for f in fields(Costs))
-OPTIONAL_COST_FIELDS = ("t_read_sm", "t_read_cold")  # measured read times; without them, bytes / bandwidth
+# measured through the engine; without them, reads take bytes / bandwidth and a layer's invocation costs nothing
+OPTIONAL_COST_FIELDS = ("t_read_sm", "t_read_cold", "t_layer")
 
 
 def costs_from_dict(values: Mapping[str, Any], *, defaults: Costs, label: str, strict: bool = True) -> Costs:
@@ -493,7 +496,7 @@ class RecencyDesign:
 
     def expected_delay(self, seconds: TierSeconds, hot: int, warm: int, sm: int) -> float:
         _, b, c, d = self.tier_counts(hot, warm, sm).T
-        return float(np.maximum((b + c + d) * seconds.decode, c * seconds.read_sm + d * seconds.read_cold).mean())
+        return float(layer_delay(b, c, d, seconds).mean())
 
     def hit_rates(self, hot: int, warm: int, sm: int) -> tuple[float, float, float, float]:
         rates = self.tier_counts(hot, warm, sm).sum(axis=0) / self.ranks.size
@@ -510,7 +513,9 @@ class RecencyDesign:
             c = below[:, x3] - below[:, [x2]]  # [tokens, x3]
             d = self.k - below[:, x3]
             reads = c * seconds.read_sm + d * seconds.read_cold
-            delays = np.maximum(not_hot[:, :, None] * seconds.decode, reads[:, None, :]).mean(axis=0)
+            first_read = np.where(self.k - below[:, x2] > 0, seconds.layer, 0.0)  # sm or cold: ranked >= x2
+            delays = (np.maximum(not_hot[:, :, None] * seconds.decode, reads[:, None, :]) +
+                      first_read[:, None, None]).mean(axis=0)
             g1, g3 = np.meshgrid(x1, x3, indexing="ij")
             hot.append(g1.ravel())
             warm.append(x2 - g1.ravel())
@@ -544,6 +549,7 @@ class TierSeconds:
     decode: float  # t_decode / cores: decoding shares the cores
     read_sm: float  # reading an sm-tier expert's exponent codes
     read_cold: float  # reading a cold expert's region
+    layer: float = 0.0  # once per token when any routed expert of the layer is read (sm or cold)
 
 
 def tier_seconds(geometry: ModelGeometry, costs: Costs, i: int) -> TierSeconds:
@@ -555,7 +561,8 @@ def tier_seconds(geometry: ModelGeometry, costs: Costs, i: int) -> TierSeconds:
 
     return TierSeconds(decode=costs.t_decode / costs.cores,
                        read_sm=read(geometry.read_sm_bytes(i), costs.t_read_sm, geometry.read_sm_bytes(0)),
-                       read_cold=read(geometry.warm_bytes[i], costs.t_read_cold, geometry.warm_bytes[0]))
+                       read_cold=read(geometry.warm_bytes[i], costs.t_read_cold, geometry.warm_bytes[0]),
+                       layer=costs.t_layer or 0.0)
 
 
 def _tier_bounds(n: int, hot: int, warm: int, sm: int) -> tuple[int, int, int, int, int]:
@@ -580,11 +587,17 @@ def tier_count_distribution(design: LayerDesign, hot: int, warm: int, sm: int) -
     return joint / joint.sum()
 
 
+def layer_delay(b: Any, c: Any, d: Any, seconds: TierSeconds) -> Any:
+    """A layer's delay for a token with b warm, c sm and d cold routed experts: every one of them is decoded, the
+    sm and cold ones read first, decoding overlaps the reads; and the wait for the first read, if any."""
+    return np.maximum((b + c + d) * seconds.decode, c * seconds.read_sm + d * seconds.read_cold) + \
+        np.where(c + d > 0, seconds.layer, 0.0)
+
+
 def token_delays(k: int, seconds: TierSeconds) -> np.ndarray:
-    """A layer's delay for each (N_hot, N_warm, N_sm, N_cold), shape (k+1,)*4: every non-hot expert is decoded,
-    the sm and cold ones read first, and decoding overlaps the reads."""
+    """A layer's delay for each (N_hot, N_warm, N_sm, N_cold), shape (k+1,)*4 (layer_delay)."""
     _, b, c, d = np.indices((k + 1,) * 4)
-    return np.maximum((b + c + d) * seconds.decode, c * seconds.read_sm + d * seconds.read_cold)
+    return layer_delay(b, c, d, seconds)
 
 
 def expected_delay(design: LayerDesign, seconds: TierSeconds, hot: int, warm: int, sm: int) -> float:
@@ -626,7 +639,7 @@ def split_delays(design: LayerDesign, seconds: TierSeconds) -> tuple[np.ndarray,
     total = r[0, n, k]  # every split's joint pmf sums to this
     a, c, d = np.indices((k + 1,) * 3)
     b = k - a - c - d
-    delay_acd = np.where(b >= 0, np.maximum((k - a) * seconds.decode, c * seconds.read_sm + d * seconds.read_cold), 0)
+    delay_acd = np.where(b >= 0, layer_delay(b, c, d, seconds), 0)
     hot_warm = np.zeros((n + 1, n + 1, k + 1, k + 1))  # H[x1, x2, c, d] = sum over a of R[0, x1](a) R[x1, x2](b) delay
     for hot_count in range(k + 1):
         warm_count = np.clip(b[hot_count], 0, k)

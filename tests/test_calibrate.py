@@ -26,8 +26,10 @@ from pyzipmoe.calibrate import (
 )
 from pyzipmoe.cli_calibrate import calibration_table, duration, register
 
-FAST = {"read_bytes": 16 << 10, "min_seconds": 0.005}  # a few reads, a few ms per timing: tests stay quick
-COSTS = {"cores", "t_decode", "disk_bandwidth", "read_latency", "base_seconds_per_token", "t_read_sm", "t_read_cold"}
+# a few reads, a few ms per timing, tier costs through the stores (the engine's are tested once): tests stay quick
+FAST = {"read_bytes": 16 << 10, "min_seconds": 0.005, "engine": False}
+COSTS = {"cores", "t_decode", "disk_bandwidth", "read_latency", "base_seconds_per_token", "t_read_sm", "t_read_cold",
+         "t_layer"}
 
 
 @pytest.fixture(autouse=True)
@@ -58,6 +60,20 @@ def positive(x: float) -> bool:
 # ------------------------------------------------------------------------------------------ measuring
 
 
+def test_the_engine_measures_tier_costs_and_the_base(model: Path) -> None:
+    """Through the engine: four generations (all decoded; k hot slots with the rest cold, warm, sm), solved for
+    the base and each tier's cost per expert of a layer. A calibration made without the engine does not count
+    as one when the engine is asked for."""
+    without = calibrate(model, **FAST)
+    cal = calibrate(model, **{**FAST, "engine": True})
+    assert not cal.from_cache and cal.tier_source == "engine", cal
+    assert positive(cal.base_seconds_per_token) and cal.base_seconds_per_token < 1
+    assert positive(cal.t_decode) and min(cal.t_read_sm, cal.t_read_cold) >= cal.t_decode / cal.cores
+    assert without.tier_source == "stores"
+    assert calibrate(model, **{**FAST, "engine": True}).from_cache
+    assert calibrate(model, **FAST).from_cache  # an engine calibration serves a quick request too
+
+
 @pytest.mark.parametrize("codec", ["huff", "zstd"])
 def test_numbers_are_positive_and_finite(zipmoe_models: dict, codec: str) -> None:
     path = zipmoe_models["qwen3moe", codec]
@@ -73,7 +89,7 @@ def test_numbers_are_positive_and_finite(zipmoe_models: dict, codec: str) -> Non
     # the decoder alone, into fresh memory, is no faster than its own speed allows
     assert cal.t_decode_fresh >= cal.expert_values / cal.decode_values_per_second[codec] * 0.5
     assert cal.cores >= 1 and cal.reads >= 1 and cal.bytes_read >= cal.read_size > 0
-    assert cal.base_seconds_per_token is None  # cannot be measured without running the model
+    assert cal.base_seconds_per_token is None and cal.tier_source == "stores"  # needs the model running
     costs = cal.as_costs_dict()
     assert set(costs) == COSTS and costs["t_decode"] == cal.t_decode
     assert cal.model["path"] == os.path.realpath(path) and cal.model["size"] == path.stat().st_size
@@ -263,7 +279,8 @@ def zipmoe(argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capt
 
     monkeypatch.setattr(cli, "build_parser", build)
     quick = cal_mod.calibrate
-    monkeypatch.setattr(cal_mod, "calibrate", lambda *a, **kw: quick(*a, **{**kw, "min_seconds": FAST["min_seconds"]}))
+    monkeypatch.setattr(cal_mod, "calibrate", lambda *a, **kw: quick(*a, **{**kw, "min_seconds": FAST["min_seconds"],
+                                                                             "engine": False}))
     code = cli.main(argv)
     out, err = capsys.readouterr()
     return code, out, err

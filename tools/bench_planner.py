@@ -2,20 +2,20 @@
 """The planner against every fixed split of the budget between tiers: measured and predicted generation speed.
 
 For each budget (a share of the model's BF16 size, as in tools/bench_budget.py), the zipmoe model generates with
-(a) the planner (its first plan, re-planned after the warm-up from the routing the run has seen, as
-pyzipmoe.Llama's monitor does) and (b) each fixed split of the cache between the hot, warm and sm tiers in
-steps of --step (the same slots in every layer), and the script prints measured tokens/s next to the planner's
-prediction for the same split. Generation is measured in steady state: the model is loaded and warmed up with
---warmup tokens, then --gen tokens are timed (greedy, one token at a time, through pyzipmoe.Llama in a fresh
-process per run). The runtime enforces the budget itself; no cgroup is needed (tools/bench_budget.py measures
+(a) the planner, as pyzipmoe.Llama(planner=True) runs it: a first plan, then, after --warmup tokens, a re-plan
+from the order in which those tokens routed (the recency model), --warmup/2 tokens to settle; and (b) each fixed
+split of the cache between the hot, warm and sm tiers in steps of --step (the same slots in every layer, the
+default policy). --gen tokens are timed in steady state (greedy, one token at a time, a fresh process per run,
+pyzipmoe.timing). The runtime enforces the budget itself; no cgroup is needed (tools/bench_budget.py measures
 under cgroup limits).
 
-The planner's costs are this machine's calibration (`zipmoe calibrate`, run first if missing) and a base time
-per token measured here: the unconstrained model's generation once every expert is decoded.
+Predictions come from this machine's calibration (`zipmoe calibrate`: tier costs and the base time per token
+measured through the engine; measured first if missing) and the routing of the warm-up's tokens, which is the
+same in every run (the outputs are bit-exact, so every run generates the same tokens).
 
     .venv/bin/python tools/bench_planner.py                       # the 2.8g synthetic model of bench_budget
     .venv/bin/python tools/bench_planner.py --budgets 60,75 --step 0.25 --json out.json
-    .venv/bin/python tools/bench_planner.py --model m.zipmoe.gguf --trace routing.npz
+    .venv/bin/python tools/bench_planner.py --model m.zipmoe.gguf --repeat 3
 
 Acceptance (the planner's issue): measured tokens/s with the planner within 10% of the best fixed split at
 every budget, and predicted within 25% of measured.
@@ -25,61 +25,33 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 DEFAULT_MODEL = REPO / "build" / "bench-budget" / "2.8g-uniform.zipmoe.gguf"
-BASE_WARMUP = 96  # tokens before timing the unconstrained run: by then every expert has been routed and decoded
-
-WORKER = r"""
-import json, os, sys, time
-import numpy as np
-job = json.loads(sys.argv[1])
-from pyzipmoe.llama import Llama, zipmoe_stats
-llm = Llama(job["model"], n_ctx=512, n_threads=job["threads"], n_threads_batch=job["threads"], verbose=False,
-            **job["llama"])
-tokens = llm.tokenize(b"Once upon a time, in a land far away")
-llm.eval(tokens)
-def step():
-    llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
-for _ in range(job["warmup"]):
-    step()
-predicted = None
-if llm.zipmoe_monitor is not None:  # the planner: re-plan from the routing this run has seen so far
-    plan = llm.zipmoe_monitor.refresh_routing(min_tokens=1)
-    predicted = plan.tokens_per_second if plan else None
-    llm.zipmoe_monitor.stop()  # nothing else changes while timing
-for _ in range(job["warmup"] // 2):
-    step()
-zipmoe_stats(reset=True)
-t0 = time.perf_counter()
-for _ in range(job["gen"]):
-    step()
-dt = time.perf_counter() - t0
-s = zipmoe_stats()
-print(json.dumps({"tps": job["gen"] / dt, "seconds": dt, "stats": s, "predicted_live": predicted}))
-"""
 
 
-def run_worker(model: Path, llama_kwargs: dict[str, Any], args: argparse.Namespace, warmup: int | None = None
-               ) -> dict[str, Any]:
-    from pyzipmoe import runner
+def measure(model: Path, llama: dict[str, Any], args: argparse.Namespace, **kwargs: Any) -> dict[str, Any]:
+    """The median of --repeat timed runs (by tokens/s), or {"error": ...}."""
+    from pyzipmoe.timing import TimingError, time_generation
 
-    job = {"model": str(model), "llama": llama_kwargs, "threads": args.threads,
-           "warmup": args.warmup if warmup is None else warmup, "gen": args.gen}
-    env = runner.environment(base={k: v for k, v in os.environ.items() if not k.startswith("ZIPMOE_")})
-    env["LLAMA_CPP_LIB_PATH"] = str(runner.bin_dir())
-    done = subprocess.run([sys.executable, "-c", WORKER, json.dumps(job)], env=env, capture_output=True, text=True,
-                          timeout=args.timeout, cwd=REPO, check=False)
-    if done.returncode != 0:
-        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    runs = []
+    for _ in range(args.repeat):
+        try:
+            runs.append(time_generation(model, llama=llama, warmup=args.warmup, gen=args.gen, threads=args.threads,
+                                        timeout=args.timeout, **kwargs))
+        except TimingError as e:
+            return {"error": str(e)}
+    runs.sort(key=lambda r: r["tps"])
+    median = runs[len(runs) // 2]
+    median["all_tps"] = [r["tps"] for r in runs]
+    return median
 
 
 def splits(step: float) -> list[tuple[float, float, float]]:
@@ -95,10 +67,11 @@ def main(argv: list[str] | None = None) -> int:
                                                   "GGUF's size, from the zipmoe file's header)")
     p.add_argument("--budgets", default="40,60,75,93", help="budgets in %% of the BF16 size (default: %(default)s)")
     p.add_argument("--step", type=float, default=0.1, help="fixed splits in steps of this share (default: 0.1)")
-    p.add_argument("--trace", help="activation counts for the planner (.npz counts[prompts, layers, experts])")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=16, help="tokens generated before timing (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=32, help="tokens generated before timing, and the routing the "
+                                                          "planner re-plans from (default: %(default)s)")
     p.add_argument("--gen", type=int, default=24, help="tokens timed (default: %(default)s)")
+    p.add_argument("--repeat", type=int, default=1, help="runs per row; the median counts (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json", type=Path, help="write every run here")
     args = p.parse_args(argv)
@@ -110,30 +83,38 @@ def main(argv: list[str] | None = None) -> int:
     bf16 = args.bf16_bytes or open_zipmoe(model).meta.source_size
     print(f"model: {model} (synthetic when made by tools/make_synth.py), BF16 {bf16 / 2**20:.0f} MiB", flush=True)
     cal = calibrate.calibrate(model)
-    base_run = run_worker(model, {}, args, warmup=BASE_WARMUP)
-    if "error" in base_run:
-        print(f"the unconstrained run failed: {base_run['error']}", file=sys.stderr)
+    print(f"costs ({cal.tier_source}): {cal.as_costs_dict()}", flush=True)
+    probe = measure(model, {}, args, routing=True)
+    if "error" in probe:
+        print(f"the unconstrained run failed: {probe['error']}", file=sys.stderr)
         return 1
-    base = base_run["seconds"] / args.gen
-    calibrate.calibrate(model, base_seconds_per_token=base)
-    print(f"costs: {cal.as_costs_dict()}; base {base * 1000:.1f} ms/token measured (all experts decoded: "
-          f"{1 / base:.1f} tokens/s)", flush=True)
+    geometry = planner.geometry_from_gguf(model)
+    routing = {}
+    for block, log in probe["routing"].items():
+        routing[int(block)] = np.zeros((len(log), geometry.n_expert), bool)
+        for t, experts in enumerate(log):
+            routing[int(block)][t, experts] = True
+    print(f"unconstrained: {probe['tps']:.2f} tokens/s; routing of {len(next(iter(routing.values())))} warm-up "
+          f"tokens per layer", flush=True)
     results: list[dict[str, Any]] = []
     for pct in (float(b) for b in args.budgets.split(",")):
         budget = int(bf16 * pct / 100)
-        planned = controller.plan_model(model, budget, trace=args.trace)
+        planned = controller.plan_model(model, budget)
         tiers = budget - planned.need.minimum
-        rows = [("planner", planned.plan)]
+        recency = planner.cost_model(geometry, planned.model.costs, routing=routing)
+        rows = [("planner", planner.plan_for_budget(recency, tiers))]
         for h, w, s in splits(args.step):
-            fixed = planner.fixed_split_plan(planned.model, tiers, h, w, s)
-            rows.append((f"hot {h:.0%} warm {w:.0%} sm {s:.0%}", fixed))
+            rows.append((f"hot {h:.0%} warm {w:.0%} sm {s:.0%}", planner.fixed_split_plan(recency, tiers, h, w, s)))
         print(f"\nbudget {pct:g}% = {budget / 2**20:.0f} MiB ({tiers / 2**20:.0f} MiB for the tiers)", flush=True)
         print(f"{'split':<28} {'predicted':>9} {'measured':>9}  plan", flush=True)
         for name, plan in rows:
-            kwargs = {"memory_budget": str(budget), "planner": True} if name == "planner" else \
-                {"memory_budget": str(budget), "plan": plan.encode()}
-            res = run_worker(model, kwargs, args)
-            predicted = res.get("predicted_live") or plan.tokens_per_second
+            if name == "planner":
+                res = measure(model, {"memory_budget": str(budget), "planner": True}, args, replan=True)
+                predicted = res.get("predicted_live") or plan.tokens_per_second
+            else:
+                res = measure(model, {"memory_budget": str(budget), "plan": plan.encode()}, args)
+                predicted = plan.tokens_per_second
+            res.pop("routing", None)
             res.update(budget_pct=pct, split=name, predicted=predicted, plan=plan.encode())
             results.append(res)
             got = f"{res['tps']:9.2f}" if "tps" in res else f"{'failed':>9}"
@@ -146,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"({best['split']}, {best['tps']:.2f}); predicted/measured {mine['predicted'] / mine['tps']:.2f}",
                   flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"model": str(model), "base_seconds_per_token": base,
-                                         "costs": cal.as_costs_dict(), "runs": results}, indent=2) + "\n")
+        args.json.write_text(json.dumps({"model": str(model), "calibration": cal.to_dict(),
+                                         "unconstrained_tps": probe["tps"], "runs": results}, indent=2) + "\n")
     return 0
 
 

@@ -266,6 +266,8 @@ typedef struct {
     uint64_t peak_resident_bytes; /* most hot + warm + sm bytes at once since the last reset */
     uint64_t staging_bytes;     /* the reader's buffer for compressed bytes no tier keeps (transient) */
     uint64_t pool_bytes;        /* pages of evicted experts kept for the next decodes (zipmoe_cache_set_reserve) */
+    uint64_t reading_calls;     /* invocations that read from the file: the first read is waited for, with */
+                                /* nothing to overlap it (the planner's t_layer)                          */
 } zipmoe_stats;
 
 ZIPMOE_API void zipmoe_stats_get(zipmoe_stats * out);

@@ -121,7 +121,8 @@ typedef struct zipmoe_read_job {
     pthread_mutex_t          mu;
     pthread_cond_t           cv;
     struct zipmoe_store *    collapse; /* instead of reads: zipmoe_store_collapse(collapse) */
-    struct zipmoe_store *    prefetch; /* after the reads: zipmoe_store_prefetch(prefetch), or NULL */
+    struct zipmoe_store *    prefetch; /* after the reads: zipmoe_store_prefetch(prefetch, prefetch_like), */
+    struct zipmoe_store *    prefetch_like; /* or nothing when prefetch is NULL                             */
     struct zipmoe_read_job * next;
 } zipmoe_read_job;
 
@@ -129,16 +130,20 @@ int  zipmoe_reader_submit(zipmoe_read_job * job);              /* ZIPMOE_OK, or 
 int  zipmoe_reader_wait_item(zipmoe_read_job * job, int64_t i); /* ZIPMOE_OK once item i is read */
 void zipmoe_reader_finish(zipmoe_read_job * job, int cancel);   /* waits until the reader is done with job */
 int  zipmoe_pread_all(int fd, uint64_t offset, void * buf, size_t size);
+int  zipmoe_reader_reads_waiting(void); /* a job of reads is queued: background work (collapse) should yield */
 /* slots.c: memfd slots that keep decoded experts' pages from one expert to the next */
 void     zipmoe_slots_set_keep(uint64_t bytes);           /* free slots keep their pages up to this */
 uint64_t zipmoe_slots_kept(void);
 int      zipmoe_slots_usable(const void * addr, size_t size); /* page-aligned, and memfds work */
 int64_t  zipmoe_slots_attach(void * addr, size_t size);   /* a slot mapped over [addr, +size), or -1 */
 int      zipmoe_slots_detach(void * addr, size_t size, int64_t slot); /* [addr, +size) empty again */
-/* store.c: huge pages for a store's settled decoded experts (run by the reader thread) */
-void zipmoe_store_collapse(struct zipmoe_store * s);
-/* store.c: read-ahead hints for a store's experts that a prompt will likely route to (run by the reader thread) */
-void zipmoe_store_prefetch(struct zipmoe_store * s);
+/* store.c: huge pages for a store's settled decoded experts (run by the reader thread); 0 when it stopped early
+ * for reads waiting, to be submitted again */
+int zipmoe_store_collapse(struct zipmoe_store * s);
+/* store.c: read-ahead hints for a store's experts that its next invocation will likely route to (run by the reader
+ * thread): those routed now in `like` (a store of the same layer, which shares its router), or, when like is NULL,
+ * every one not decoded (a prompt routes to most) */
+void zipmoe_store_prefetch(struct zipmoe_store * s, const struct zipmoe_store * like);
 /* store.c: counts a read in zipmoe_stats */
 void zipmoe_stats_add_read(uint64_t bytes, uint64_t ns);
 

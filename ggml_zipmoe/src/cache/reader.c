@@ -57,9 +57,57 @@ static void mark(zipmoe_read_job * job, zipmoe_read_item * it, int status) {
     pthread_mutex_unlock(&job->mu);
 }
 
+int zipmoe_reader_reads_waiting(void) {
+    pthread_mutex_lock(&g_mu);
+    int waiting = 0;
+    for (const zipmoe_read_job * j = g_head; j && !waiting; j = j->next) {
+        waiting = j->collapse == NULL;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return waiting;
+}
+
+static void enqueue(zipmoe_read_job * job) { /* under g_mu */
+    job->next = NULL;
+    if (g_tail) {
+        g_tail->next = job;
+    } else {
+        g_head = job;
+    }
+    g_tail = job;
+}
+
+/* Under g_mu: the next job to run: reads before huge-page work, which only saves time later, while a token
+ * waits on reads now. */
+static zipmoe_read_job * dequeue(void) {
+    zipmoe_read_job *prev = NULL, *job = g_head;
+    while (job && job->collapse) {
+        prev = job;
+        job  = job->next;
+    }
+    if (!job) {
+        prev = NULL;
+        job  = g_head;
+    }
+    if (prev) {
+        prev->next = job->next;
+    } else {
+        g_head = job->next;
+    }
+    if (g_tail == job) {
+        g_tail = prev;
+    }
+    return job;
+}
+
 static void run(zipmoe_read_job * job) {
     if (job->collapse) {
-        zipmoe_store_collapse(job->collapse);
+        if (!zipmoe_store_collapse(job->collapse)) { /* it yielded to reads: the rest later */
+            pthread_mutex_lock(&g_mu);
+            enqueue(job);
+            pthread_mutex_unlock(&g_mu);
+            return;
+        }
     }
     int64_t next_hinted = -1;
     for (int64_t j = 0; j < job->n_items; j++) {
@@ -85,7 +133,7 @@ static void run(zipmoe_read_job * job) {
         mark(job, it, status);
     }
     if (job->prefetch && !atomic_load(&job->cancel)) {
-        zipmoe_store_prefetch(job->prefetch); /* the next store's reads, in flight while this layer computes */
+        zipmoe_store_prefetch(job->prefetch, job->prefetch_like); /* in flight while this one computes */
     }
     pthread_mutex_lock(&job->mu);
     job->busy = 0;
@@ -100,11 +148,7 @@ static void * reader_main(void * arg) {
         while (!g_head) {
             pthread_cond_wait(&g_cv, &g_mu);
         }
-        zipmoe_read_job * job = g_head;
-        g_head = job->next;
-        if (!g_head) {
-            g_tail = NULL;
-        }
+        zipmoe_read_job * job = dequeue();
         pthread_mutex_unlock(&g_mu);
         run(job);
     }
@@ -127,13 +171,7 @@ int zipmoe_reader_submit(zipmoe_read_job * job) {
     }
     atomic_store(&job->cancel, 0);
     job->busy = 1;
-    job->next = NULL;
-    if (g_tail) {
-        g_tail->next = job;
-    } else {
-        g_head = job;
-    }
-    g_tail = job;
+    enqueue(job);
     pthread_cond_signal(&g_cv);
     pthread_mutex_unlock(&g_mu);
     return ZIPMOE_OK;

@@ -243,7 +243,7 @@ static void refresh_limits(zipmoe_store * s) {
 
 static _Atomic uint64_t g_stores, g_hot_bytes, g_warm_bytes, g_sm_bytes, g_experts, g_chunks, g_bytes, g_ns, g_calls;
 static _Atomic uint64_t g_hits_hot, g_hits_warm, g_hits_sm, g_misses, g_read_bytes, g_read_ns, g_evictions;
-static _Atomic uint64_t g_peak_hot, g_peak_resident, g_stall_ns, g_staging_bytes;
+static _Atomic uint64_t g_peak_hot, g_peak_resident, g_stall_ns, g_staging_bytes, g_reading_calls;
 
 void zipmoe_stats_add_read(uint64_t bytes, uint64_t ns) {
     atomic_fetch_add(&g_read_bytes, bytes);
@@ -272,11 +272,13 @@ void zipmoe_stats_get(zipmoe_stats * out) {
     out->peak_resident_bytes = atomic_load(&g_peak_resident);
     out->staging_bytes       = atomic_load(&g_staging_bytes);
     out->pool_bytes          = zipmoe_slots_kept();
+    out->reading_calls       = atomic_load(&g_reading_calls);
 }
 
 void zipmoe_stats_reset(void) {
     _Atomic uint64_t * counters[] = { &g_experts, &g_chunks, &g_bytes, &g_ns, &g_calls, &g_hits_hot, &g_hits_warm,
-                                      &g_hits_sm, &g_misses, &g_read_bytes, &g_read_ns, &g_evictions, &g_stall_ns };
+                                      &g_hits_sm, &g_misses, &g_read_bytes, &g_read_ns, &g_evictions, &g_stall_ns,
+                                      &g_reading_calls };
     for (size_t i = 0; i < sizeof counters / sizeof counters[0]; i++) {
         atomic_store(counters[i], 0);
     }
@@ -541,10 +543,15 @@ int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_offset, void *
  * matmuls read whole experts, and huge pages spare them TLB misses (generation went from 0.90x to 0.98x of
  * BF16 with them). Not at the first touch: a huge page fault compacts memory and made cold starts 2.5x slower;
  * nor for a page shared with an expert that is not decoded, whose bytes the budget does not count. */
-void zipmoe_store_collapse(zipmoe_store * s) {
-    pthread_mutex_lock(&s->mu);
+int zipmoe_store_collapse(zipmoe_store * s) {
     const uintptr_t dst0 = (uintptr_t) s->dst;
     for (size_t i = 0; i < s->n_hp; i++) {
+        if (zipmoe_reader_reads_waiting()) {
+            return 0; /* a token waits on reads: they go first, the rest of this later */
+        }
+        /* the lock only to choose: collapsing takes milliseconds a page, and the store's invocations must not
+         * wait for it (an expert evicted meanwhile only makes the kernel's collapse fail) */
+        pthread_mutex_lock(&s->mu);
         const uintptr_t lo = s->hp_base + i * HUGE_PAGE;
         const int64_t   e0 = (int64_t) ((lo - dst0) / s->hot_size);
         const int64_t   e1 = (int64_t) ((lo + HUGE_PAGE - 1 - dst0) / s->hot_size);
@@ -553,12 +560,15 @@ void zipmoe_store_collapse(zipmoe_store * s) {
             hot = s->experts[e].hot;
         }
         if (hot) {
-            madvise((void *) lo, HUGE_PAGE, MADV_COLLAPSE); /* a failure (no THP here) leaves small pages */
             s->hp_done[i] = 1;
+        }
+        pthread_mutex_unlock(&s->mu);
+        if (hot) {
+            madvise((void *) lo, HUGE_PAGE, MADV_COLLAPSE); /* a failure (no THP here) leaves small pages */
         }
     }
     atomic_store(&s->collapse_queued, 0);
-    pthread_mutex_unlock(&s->mu);
+    return 1;
 }
 
 /* ---------------------------------------------------------------- tiers and eviction */
@@ -1045,9 +1055,18 @@ static void schedule_reads(zipmoe_store * s) {
     s->job.fd      = s->fd;
     s->job.base    = s->data_offset;
     s->job.n_items = s->plan_n;
-    /* a prompt routes to most experts of every layer: once this store's reads are done, the reader starts the
-     * next store's, which then overlap this layer's compute instead of following it */
-    s->job.prefetch = 2 * s->plan_n >= s->info.n_expert ? atomic_load(&s->next_store) : NULL;
+    /* once this store's reads are done, the reader starts the next store's, which then overlap this store's
+     * compute instead of following it: a prompt routes to most experts of every layer; a store of the same
+     * layer (gate, up, down) routes to exactly these */
+    zipmoe_store * next = atomic_load(&s->next_store);
+    s->job.prefetch      = NULL;
+    s->job.prefetch_like = NULL;
+    if (next && 2 * s->plan_n >= s->info.n_expert) {
+        s->job.prefetch = next;
+    } else if (next && s->layer >= 0 && next->layer == s->layer && next->info.n_expert == s->info.n_expert) {
+        s->job.prefetch      = next;
+        s->job.prefetch_like = s;
+    }
     if (zipmoe_reader_submit(&s->job) != ZIPMOE_OK) {
         for (int64_t j = 0; j < s->plan_n; j++) { /* no reader thread: read chunk by chunk after all */
             plan_item *          it = &s->plan[j];
@@ -1063,12 +1082,12 @@ static void schedule_reads(zipmoe_store * s) {
     s->job_active = 1;
 }
 
-void zipmoe_store_prefetch(zipmoe_store * s) {
-    /* runs while the previous store's invocation is still in progress, so no invocation of s is: its state is
-     * stable (and only read here) */
+void zipmoe_store_prefetch(zipmoe_store * s, const zipmoe_store * like) {
+    /* runs while the previous store's invocation (like's) is still in progress, so no invocation of s is: its
+     * state is stable (and only read here), and so are like's routed counts */
     for (int64_t e = 0; e < s->info.n_expert; e++) {
         const expert_state * x = &s->experts[e];
-        if (x->hot || x->res == RES_FULL) {
+        if (x->hot || x->res == RES_FULL || (like && !like->experts[e].routed)) {
             continue;
         }
         zipmoe_expert_span span;
@@ -1273,6 +1292,13 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
         }
         if (plan_n > 0) {
             atomic_fetch_add(&g_stall_ns, now_ns() - s->plan_t0);
+        }
+        int64_t read = 0;
+        for (int64_t j = 0; j < plan_n && !read; j++) {
+            read = plan[j].read_sm || plan[j].read_codes;
+        }
+        if (read) {
+            atomic_fetch_add(&g_reading_calls, 1);
         }
         s->plan_key = NULL;
         pthread_cond_broadcast(&s->cv);

@@ -1,0 +1,103 @@
+"""Timing generation through the engine: a zipmoe model generates greedily in a fresh process, and its speed and
+the runtime's counters over the timed tokens come back. What calibration's tier costs and tools/bench_planner.py
+measure with: the costs a planner needs are those the engine pays (threads, slots, reads, the matmuls' cache
+pressure), which microbenchmarks of the decoder do not show.
+
+    python -m pyzipmoe.timing '{"model": "m.zipmoe.gguf", "llama": {"memory_budget": "3GiB"}, "warmup": 16,
+                                "gen": 24, "threads": 2}'
+
+prints one JSON line: {"tps", "seconds", "stats", "predicted_live"}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .errors import ZipmoeError
+
+PROMPT = b"Once upon a time, in a land far away"
+
+
+class TimingError(ZipmoeError):
+    """The timed run failed (the model did not load, or generation failed)."""
+
+    exit_code = 1
+
+
+def time_generation(model: str | os.PathLike[str], *, llama: Mapping[str, Any] | None = None, warmup: int = 16,
+                    gen: int = 24, threads: int = 2, replan: bool = False, routing: bool = False,
+                    timeout: float = 600, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Runs `model` in a fresh process (pyzipmoe.Llama(model, **llama)): the prompt, `warmup` greedy tokens,
+    then `gen` timed tokens. With `replan` (a model run with the planner), the monitor re-plans once from the
+    routing of the warm-up, then stops, and `warmup` // 2 more tokens settle the new plan before timing.
+    Returns {"tps", "seconds", "stats" (the runtime's counters over the timed tokens), "predicted_live" (the
+    re-plan's predicted tokens/s, or None), "routing" (with `routing`: {block: [[experts of a token], ...]} of
+    the warm-up's generated tokens, else None)}."""
+    from . import runner
+
+    job = {"model": str(model), "llama": dict(llama or {}), "warmup": warmup, "gen": gen, "threads": threads,
+           "replan": replan, "routing": routing}
+    base = {k: v for k, v in (os.environ if env is None else env).items() if not k.startswith("ZIPMOE_")}
+    run_env = runner.environment(base=base)
+    run_env["LLAMA_CPP_LIB_PATH"] = str(runner.bin_dir())
+    run_env.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's BLAS threads must not spin on the cores we time
+    root = Path(__file__).resolve().parent.parent
+    run_env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [run_env.get("PYTHONPATH")])])
+    try:
+        done = subprocess.run([sys.executable, "-m", "pyzipmoe.timing", json.dumps(job)], env=run_env,
+                              capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise TimingError(f"{model}: timing generation took more than {timeout:g} s") from None
+    if done.returncode != 0:
+        last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit status {done.returncode}"
+        raise TimingError(f"{model}: timing generation failed: {last}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _worker(job: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
+
+    from .llama import Llama, zipmoe_stats
+
+    llm = Llama(job["model"], n_ctx=512, n_threads=job["threads"], n_threads_batch=job["threads"], verbose=False,
+                **job["llama"])
+    llm.eval(llm.tokenize(PROMPT))
+
+    def step() -> None:
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+
+    for _ in range(job["warmup"]):
+        step()
+    routing = None
+    if job["routing"]:
+        from .controller import live_routing
+        from .planner import geometry_from_gguf
+
+        routing = {int(b): [np.flatnonzero(row).tolist() for row in log]
+                   for b, log in live_routing(geometry_from_gguf(job["model"])).items()}
+    predicted = None
+    monitor = getattr(llm, "zipmoe_monitor", None)
+    if job["replan"] and monitor is not None:
+        plan = monitor.refresh_routing(min_tokens=1)
+        predicted = plan.tokens_per_second if plan else None
+        monitor.stop()  # nothing else changes while timing
+        for _ in range(job["warmup"] // 2):
+            step()
+    zipmoe_stats(reset=True)
+    t0 = time.perf_counter()
+    for _ in range(job["gen"]):
+        step()
+    seconds = time.perf_counter() - t0
+    return {"tps": job["gen"] / seconds, "seconds": seconds, "stats": zipmoe_stats(), "predicted_live": predicted,
+            "routing": routing}
+
+
+if __name__ == "__main__":
+    print(json.dumps(_worker(json.loads(sys.argv[1]))))
