@@ -157,11 +157,24 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def runtime_id() -> str:
+    """The native library's build (size and mtime of the file the process loads): the engine's costs change
+    when the runtime does."""
+    from ._native import library_candidates
+
+    for path in library_candidates():
+        if path.is_file():
+            st = path.stat()
+            return f"{st.st_size}-{st.st_mtime_ns}"
+    return "unknown"
+
+
 def machine_id() -> dict[str, Any]:
-    """What makes measurements of one machine invalid on another."""
+    """What makes measurements of one machine (and one build of the runtime) invalid on another."""
     import psutil
 
-    return {"cpu": cpu_model(), "cpu_count": os.cpu_count() or 1, "memory": int(psutil.virtual_memory().total)}
+    return {"cpu": cpu_model(), "cpu_count": os.cpu_count() or 1, "memory": int(psutil.virtual_memory().total),
+            "runtime": runtime_id()}
 
 
 def cgroup_cpu_quota(*, cgroup_root: Path = CGROUP_ROOT, proc_self: Path = PROC_SELF) -> float | None:
@@ -473,8 +486,8 @@ ENGINE_BASE_WARMUP = 200  # every expert decoded, and its huge pages collapsed (
 
 
 def measure_engine(model_path: Path, *, threads: int, expert_tensors: int, progress: Progress) -> EngineCosts | None:
-    """The tier costs the engine pays, from four timed generations (see the module's docstring); None when a tier
-    saw too few experts to tell its cost (a model whose k hot slots hold every expert)."""
+    """The tier costs the engine pays, from six timed generations (see the module's docstring); None when the runs
+    cannot tell them apart (a model whose generation settles on so few experts that a tier is never used)."""
     from .budget import model_memory
     from .planner import geometry_from_gguf
     from .timing import time_generation
@@ -516,9 +529,13 @@ def measure_engine(model_path: Path, *, threads: int, expert_tensors: int, progr
     counts = np.array([[1.0, *(per_token(r, key) for key in ("reading_calls", "hits_warm", "hits_sm", "misses"))]
                        for r in runs])
     seconds = np.array([r["seconds"] / ENGINE_TOKENS for r in runs])
-    if min(counts[1, 4], counts[2, 2], counts[3, 3], counts[4, 4], counts[5, 2]) < 1:
-        return None
-    base, layer, warm, sm, cold = (float(x) for x in np.linalg.lstsq(counts, seconds, rcond=None)[0])
+    if min(counts[1, 4], counts[2, 2], counts[3, 3], counts[4, 4], counts[5, 2]) <= 0:
+        return None  # a tier no run used
+    columns = [0, 1, 2, 3, 4]
+    if np.linalg.matrix_rank(counts) < len(columns):  # every layer that read, read one expert: no telling apart
+        columns = [0, 2, 3, 4]  # the first read's wait then counts in the experts' costs
+    solved = dict(zip(columns, np.linalg.lstsq(counts[:, columns], seconds, rcond=None)[0]))
+    base, layer, warm, sm, cold = (float(solved.get(i, 0.0)) for i in range(5))
     if os.environ.get("ZIPMOE_CALIBRATE_DEBUG"):
         print(counts, seconds, base, layer, warm, sm, cold, file=sys.stderr)
     tiny = 1e-7  # no tier may look free: every split would tie

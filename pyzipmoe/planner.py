@@ -763,7 +763,30 @@ def plan_for_budget(model: CostModel, budget: int, *, steps: int = DEFAULT_BUDGE
     for t, (_, index), pick in zip(model.tables, frontiers, picks):
         j = index[pick]
         splits.append((int(t.hot[j]), int(t.warm[j]), int(t.sm[j])))
-    return _plan_from_splits(model, splits, budget)
+    return _plan_from_splits(model, _spend_leftover(g, splits, budget), budget)
+
+
+def _spend_leftover(g: ModelGeometry, splits: list[tuple[int, int, int]], budget: int) -> list[tuple[int, int, int]]:
+    """Turns what the plan leaves of the budget into hot slots, layer after layer, from cold experts first, then
+    from sm and warm ones: a slot the model sees no use for (a routing log only shows the experts it saw) still
+    serves the experts it did not see, and memory left idle serves nothing."""
+    splits = [list(x) for x in splits]
+    left = budget - sum(h * g.hot_bytes[i] + w * g.warm_bytes[i] + s * g.sm_bytes[i]
+                        for i, (h, w, s) in enumerate(splits))
+    for source, size in ((None, None), (2, g.sm_bytes), (1, g.warm_bytes)):  # cold, sm, warm experts become hot
+        grew = True
+        while grew:
+            grew = False
+            for i, x in enumerate(splits):
+                cost = g.hot_bytes[i] - (size[i] if size else 0)
+                has = g.n_expert - sum(x) if source is None else x[source]
+                if has > 0 and cost <= left:
+                    x[0] += 1
+                    if source is not None:
+                        x[source] -= 1
+                    left -= cost
+                    grew = True
+    return [(h, w, s) for h, w, s in splits]
 
 
 def fixed_split_plan(model: CostModel, budget: int, hot_share: float, warm_share: float,

@@ -259,6 +259,16 @@ def test_recency_sees_what_frequencies_miss():
     assert plan.delay < planner.plan_for_budget(by_frequency, 2 * 100).delay / 3
 
 
+def test_a_plan_spends_what_the_routing_log_leaves():
+    """A log shows only the experts its tokens used; the budget it does not need still buys hot slots."""
+    rng = np.random.default_rng(8)
+    routing = np.zeros((64, 16), bool)
+    routing[:, :4] = local_routing(rng, 64, 4, 2)  # four experts of sixteen seen
+    geometry = ModelGeometry.uniform(1, 16, 2, hot_bytes=100, warm_bytes=60, sm_bytes=50)
+    plan = planner.plan_for_budget(planner.cost_model(geometry, costs(), routing={0: routing}), 10 * 100 + 30)
+    assert plan.layers[0].hot == 10 and plan.nbytes <= 1030
+
+
 @pytest.fixture(scope="module")
 def small_model() -> planner.CostModel:
     geometry = ModelGeometry.uniform(3, 8, 2, hot_bytes=40, warm_bytes=27, sm_bytes=20)
