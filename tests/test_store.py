@@ -325,6 +325,44 @@ def test_the_planners_recency_model_predicts_the_runtimes_hot_hits(zipmoe_model,
         lib.zipmoe_cache_set_slots(ffi.NULL, 0, 0, 0)
 
 
+def test_reading_activations_while_layers_plan_does_not_deadlock(zipmoe_model):
+    """A plan trims the other layers' stores, taking the store list's lock under its own; the controller reads
+    activation counts taking the list's lock, then each store's. Found as a hang of a planner run."""
+    zf = format.open_zipmoe(zipmoe_model)
+    layers = {}
+    for ct in zf.compressed:
+        layers.setdefault(ct.name.split(".")[1], ct)
+    cts = list(layers.values())[:2]
+    for ct in cts:
+        assert lib.zipmoe_cache_set_slots(ct.name.encode(), 1, 0, 0) == 0
+    try:
+        stores = [Store(zipmoe_model, ct) for ct in cts]
+        n_expert = cts[0].source.dims[2]
+        done = threading.Event()
+
+        def read_counts() -> None:
+            counts = ffi.new("uint64_t[]", n_expert)
+            while not done.is_set():
+                for ct in cts:
+                    lib.zipmoe_cache_activations(ct.name.encode(), counts, n_expert)
+
+        def generate() -> None:
+            rng = np.random.default_rng(0)
+            for _ in range(300):
+                for store in stores:
+                    store.materialize(rng.integers(0, n_expert, (1, 2)), 2)
+
+        reader, worker = threading.Thread(target=read_counts, daemon=True), threading.Thread(target=generate, daemon=True)
+        reader.start()
+        worker.start()
+        worker.join(timeout=60)
+        done.set()
+        reader.join(timeout=10)
+        assert not worker.is_alive() and not reader.is_alive(), "deadlock"
+    finally:
+        lib.zipmoe_cache_set_slots(ffi.NULL, 0, 0, 0)
+
+
 @pytest.mark.parametrize("hot", ["unbounded", "none"])
 def test_a_late_sibling_neither_decodes_nor_counts_again(zipmoe_model, stats, hot):
     """ggml may run one thread of an invocation after its siblings finished it (a descheduled thread): that thread

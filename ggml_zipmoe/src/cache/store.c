@@ -761,10 +761,11 @@ static void settle(zipmoe_store * s) {
  * Their matmuls ran before this layer's (one graph computes at a time, layer after layer), so the
  * decoded working set beyond the limits stays one layer's. A store busy with a plan is left alone. */
 static void trim_other_layers(const zipmoe_store * s) {
-    if (s->layer < 0) {
+    /* s->mu is held: the list's lock only if free, as zipmoe_cache_activations takes it before a store's (the
+     * next plan trims instead) */
+    if (s->layer < 0 || pthread_mutex_trylock(&g_list_mu) != 0) {
         return;
     }
-    pthread_mutex_lock(&g_list_mu);
     for (zipmoe_store * o = g_list; o; o = o->next) {
         if (o == s || o->layer < 0 || o->layer == s->layer || atomic_load(&o->fast_ok) || pthread_mutex_trylock(&o->mu) != 0) {
             continue;
