@@ -479,10 +479,14 @@ class RecencyDesign:
     """A layer's routing as the order in which a run's tokens routed, under the runtime's LRU policy.
 
     The tiers are modelled as one LRU stack: an expert that stood at LRU rank r before its token is hot when
-    r < hot, warm when r < hot + warm, sm when r < hot + warm + sm, else cold (misses demote hot experts to the
-    compressed tiers and those to cold, most recent first). Unlike the frequency design it sees that a
-    conversation keeps coming back to the experts it used last, which is what keeps a small hot tier useful.
-    Delays and hit rates are the means over the scored tokens."""
+    r < hot, warm when r < hot + warm, sm when r < hot + warm + sm, else cold. The runtime's tiers are that stack
+    under the LRU policy when a layer keeps hot and sm experts (an expert leaving the hot tier keeps its
+    sign+mantissa plane, taken from its decoded values), or warm and sm ones without a hot tier (decoding on
+    every use; a warm expert gives up its codes for the sm tier): tests/test_store.py checks the runtime's hits
+    against this model token by token. With both hot and warm slots it is not: an expert leaving the hot tier has
+    no exponent codes to become warm with. split_delays therefore offers only the splits it predicts. Unlike the
+    frequency design it sees that a conversation keeps coming back to the experts it used last, which is what
+    keeps a small hot tier useful. Delays and hit rates are the means over the scored tokens."""
 
     k: int
     n_expert: int
@@ -503,12 +507,14 @@ class RecencyDesign:
         return float(rates[0]), float(rates[1]), float(rates[2]), float(rates[3])
 
     def split_delays(self, seconds: TierSeconds) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(hot, warm, sm, delay) for every split of the layer, as expected_delay gives each."""
+        """(hot, warm, sm, delay) for every split of the layer without both hot and warm slots, as expected_delay
+        gives each."""
         n = self.n_expert
         below = (self.ranks[:, :, None] < np.arange(n + 1)).sum(axis=1)  # [tokens, x]: routed experts ranked < x
         hot, warm, sm, delay = [], [], [], []
         for x2 in range(n + 1):
-            x1, x3 = np.arange(x2 + 1), np.arange(x2, n + 1)
+            x1 = np.array([0, x2]) if x2 > 0 else np.array([0])  # no hot slots, or no warm ones (see above)
+            x3 = np.arange(x2, n + 1)
             not_hot = self.k - below[:, x1]  # [tokens, x1]
             c = below[:, x3] - below[:, [x2]]  # [tokens, x3]
             d = self.k - below[:, x3]

@@ -287,11 +287,12 @@ def test_routing_log_keeps_generated_tokens_oldest_first(zipmoe_model):
     assert lib.zipmoe_cache_routing(ct.name.encode(), ffi.new("uint64_t[1]"), 0, 1) < 0  # words too few
 
 
-@pytest.mark.parametrize("hot", [1, 2, 3])
-def test_the_planners_recency_model_predicts_the_runtimes_hot_hits(zipmoe_model, stats, hot):
-    """The planner models the hot tier under LRU as a stack: an expert is hot when fewer than `hot` experts were
-    used since it was. The runtime must agree token by token, ties and all (with fewer hot slots than routed
-    experts, too: another layer's invocation trims this one's between tokens, as in a model)."""
+@pytest.mark.parametrize("slots", [(1, 0, 0), (2, 0, 0), (3, 0, 0), (2, 0, 3), (1, 0, 4), (0, 2, 0), (0, 3, 2)])
+def test_the_planners_recency_model_predicts_the_runtimes_hits(zipmoe_model, stats, slots):
+    """The planner models a layer's tiers under LRU as one stack: an expert is hot when fewer than `hot` experts
+    were used since it was, then sm (or warm, then sm, without a hot tier). The runtime must agree token by
+    token, ties and all (with fewer hot slots than routed experts, too: another layer's invocation trims this
+    one's between tokens, as in a model)."""
     from pyzipmoe import planner
 
     zf = format.open_zipmoe(zipmoe_model)
@@ -299,28 +300,29 @@ def test_the_planners_recency_model_predicts_the_runtimes_hot_hits(zipmoe_model,
     other = next(c for c in zf.compressed if c.name.split(".")[1] != ct.name.split(".")[1])
     n_expert = ct.source.dims[2]
     lib.zipmoe_cache_configure(UNBOUNDED, 0, 0, lib.ZIPMOE_POLICY_LRU)
-    assert lib.zipmoe_cache_set_slots(ct.name.encode(), hot, 0, 0) == 0
+    assert lib.zipmoe_cache_set_slots(ct.name.encode(), *slots) == 0
     assert lib.zipmoe_cache_set_slots(other.name.encode(), 1, 0, 0) == 0  # it plans every token, trimming ct's
     try:
         store, other_layer = Store(zipmoe_model, ct), Store(zipmoe_model, other)
-        rng = np.random.default_rng(hot)
-        routing = np.zeros((48, n_expert), bool)
+        rng = np.random.default_rng(sum(slots))
+        routing = np.zeros((64, n_expert), bool)
         last = [0, 1]
         hits = []
         for t in range(len(routing)):
-            ids = [e if rng.random() < 0.6 else int(rng.integers(n_expert)) for e in last]
+            ids = [e if rng.random() < 0.5 else int(rng.integers(n_expert)) for e in last]
             if ids[0] == ids[1]:
                 ids[1] = (ids[0] + 1) % n_expert
             routing[t, ids] = True
-            before = stats()["hits_hot"]
+            before = stats()
             store.materialize(np.array([ids]), 2)
-            hits.append(stats()["hits_hot"] - before)
+            after = stats()
+            hits.append([after[k] - before[k] for k in ("hits_hot", "hits_warm", "hits_sm", "misses")])
             other_layer.materialize(np.array([ids]), 1)
             last = ids
         assert [[e for e in range(n_expert) if routing[t, e]] for t in range(len(routing))] == \
             routing_log(ct.name, n_expert)
         design = planner.recency_design(routing, 2, history=0)
-        assert design.tier_counts(hot, 0, 0)[:, 0].tolist() == hits
+        assert design.tier_counts(*slots).tolist() == hits
     finally:
         lib.zipmoe_cache_set_slots(ffi.NULL, 0, 0, 0)
 

@@ -95,6 +95,7 @@ struct zipmoe_store {
     _Atomic uint64_t      last_seq; /* with both unchanged is a late sibling of that invocation           */
     int64_t         plan_n;
     plan_item *     plan;
+    int             planning;   /* from make_plan until publish: the plan's compressed regions are in use */
     zipmoe_read_job job;        /* the plan's reads, items parallel to plan */
     int             job_active; /* submitted to the reader, and the staging buffer held */
     zipmoe_read_job collapse_job; /* zipmoe_store_collapse on the reader thread */
@@ -614,7 +615,9 @@ static int64_t victim(const zipmoe_store * s, int tier, uint64_t * worth) {
     uint64_t best_score = UINT64_MAX;
     for (int64_t e = 0; e < s->info.n_expert; e++) {
         const expert_state * x = &s->experts[e];
-        if (x->routed || !in_tier(x, tier)) {
+        /* a routed expert is pinned: decoded, the op's matmul reads it; in a compressed tier, only while a plan
+         * decodes from it (publish and trims come after) */
+        if ((x->routed && (tier == TIER_HOT || s->planning)) || !in_tier(x, tier)) {
             continue;
         }
         const uint64_t sc = tier != TIER_HOT && x->hot ? 0 : score(x, s->policy, tier);
@@ -807,7 +810,11 @@ static void plan_expert(zipmoe_store * s, int64_t e, uint64_t tick, plan_item * 
     expert_state *     x = &s->experts[e];
     zipmoe_expert_span span;
     zipmoe_tensor_expert_span(s->tensor, e, &span);
-    const uint64_t worth = entry_worth(x, s->policy);
+    /* with a hot tier the expert is about to be decoded and kept: what a compressed tier takes of it now is a
+     * copy, worth nothing while it is hot. It takes free room or another copy's, never an expert that only a
+     * compressed tier holds; the expert enters those tiers for good when it leaves the hot one (evict_hot),
+     * so that hot, sm and cold stay one LRU stack, as the planner models them. */
+    const uint64_t worth = s->hot_limit > 0 ? 0 : entry_worth(x, s->policy);
     memset(it, 0, sizeof *it);
     it->expert = e;
     if (x->res == RES_FULL) {
@@ -922,7 +929,8 @@ static int64_t make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int
             x->activations += x->routed;
         }
     }
-    s->plan_n = 0;
+    s->plan_n   = 0;
+    s->planning = 1;
     /* cache affinity: what is in RAM first, fully compressed, then sign+mantissa, then from disk; its
      * chunks keep the cores busy while the reads of the others are in flight */
     for (int pass = 0; pass < 3; pass++) {
@@ -1119,6 +1127,7 @@ static int64_t decode_chunk(zipmoe_store * s, const plan_item * it, int64_t c, t
  * to their limits, never touching an expert this invocation routed (its matmul is still to come). */
 static void publish(zipmoe_store * s) {
     const uint64_t tick = atomic_load(&g_tick);
+    s->planning = 0;
     for (int64_t j = 0; j < s->plan_n; j++) {
         const plan_item * it = &s->plan[j];
         expert_state *    x  = &s->experts[it->expert];
@@ -1140,6 +1149,7 @@ static void publish(zipmoe_store * s) {
 
 /* Under s->mu, after a failed invocation: what was planned is not hot, and what it read may be partial. */
 static void discard_plan(zipmoe_store * s) {
+    s->planning = 0;
     for (int64_t j = 0; j < s->plan_n; j++) {
         const plan_item * it = &s->plan[j];
         expert_state *    x  = &s->experts[it->expert];
