@@ -529,6 +529,7 @@ def measure_engine(model_path: Path, *, threads: int, expert_tensors: int, progr
     counts = np.array([[1.0, *(per_token(r, key) for key in ("reading_calls", "hits_warm", "hits_sm", "misses"))]
                        for r in runs])
     seconds = np.array([r["seconds"] / ENGINE_TOKENS for r in runs])
+    counts[3, 1] *= geometry.read_sm_bytes(0) / max(1, geometry.warm_bytes[0])  # its first reads are codes only
     if min(counts[1, 4], counts[2, 2], counts[3, 3], counts[4, 4], counts[5, 2]) <= 0:
         return None  # a tier no run used
     columns = [0, 1, 2, 3, 4]

@@ -96,8 +96,8 @@ class Costs:
     base_seconds_per_token: float  # a generated token with every expert hot
     t_read_sm: float | None = None  # seconds an sm-tier expert of a layer adds for its codes (measured through the
     t_read_cold: float | None = None  # runtime by `zipmoe calibrate`); None: from bytes, bandwidth and latency
-    t_layer: float | None = None  # seconds a layer adds whenever it reads from disk: the first read, which no
-                                  # decoding overlaps; None: 0
+    t_layer: float | None = None  # seconds a layer adds whenever it reads a cold expert from disk: the wait for
+                                  # the first read, which no decoding overlaps (scaled by bytes for sm codes)
 
     def __post_init__(self) -> None:
         if isinstance(self.cores, bool) or not isinstance(self.cores, int) or self.cores < 1:
@@ -519,9 +519,9 @@ class RecencyDesign:
             c = below[:, x3] - below[:, [x2]]  # [tokens, x3]
             d = self.k - below[:, x3]
             reads = c * seconds.read_sm + d * seconds.read_cold
-            first_read = np.where(self.k - below[:, x2] > 0, seconds.layer, 0.0)  # sm or cold: ranked >= x2
+            first_read = np.where(c > 0, seconds.layer_sm, np.where(d > 0, seconds.layer, 0.0))  # [tokens, x3]
             delays = (np.maximum(not_hot[:, :, None] * seconds.decode, reads[:, None, :]) +
-                      first_read[:, None, None]).mean(axis=0)
+                      first_read[:, None, :]).mean(axis=0)
             g1, g3 = np.meshgrid(x1, x3, indexing="ij")
             hot.append(g1.ravel())
             warm.append(x2 - g1.ravel())
@@ -555,7 +555,8 @@ class TierSeconds:
     decode: float  # t_decode / cores: decoding shares the cores
     read_sm: float  # reading an sm-tier expert's exponent codes
     read_cold: float  # reading a cold expert's region
-    layer: float = 0.0  # once per token when any routed expert of the layer is read (sm or cold)
+    layer: float = 0.0  # once per token when the layer reads a cold expert: the wait for the first read
+    layer_sm: float = 0.0  # the same when its first read is an sm expert's codes (the reader takes those first)
 
 
 def tier_seconds(geometry: ModelGeometry, costs: Costs, i: int) -> TierSeconds:
@@ -568,7 +569,8 @@ def tier_seconds(geometry: ModelGeometry, costs: Costs, i: int) -> TierSeconds:
     return TierSeconds(decode=costs.t_decode / costs.cores,
                        read_sm=read(geometry.read_sm_bytes(i), costs.t_read_sm, geometry.read_sm_bytes(0)),
                        read_cold=read(geometry.warm_bytes[i], costs.t_read_cold, geometry.warm_bytes[0]),
-                       layer=costs.t_layer or 0.0)
+                       layer=costs.t_layer or 0.0,
+                       layer_sm=(costs.t_layer or 0.0) * geometry.read_sm_bytes(i) / max(1, geometry.warm_bytes[i]))
 
 
 def _tier_bounds(n: int, hot: int, warm: int, sm: int) -> tuple[int, int, int, int, int]:
@@ -595,9 +597,10 @@ def tier_count_distribution(design: LayerDesign, hot: int, warm: int, sm: int) -
 
 def layer_delay(b: Any, c: Any, d: Any, seconds: TierSeconds) -> Any:
     """A layer's delay for a token with b warm, c sm and d cold routed experts: every one of them is decoded, the
-    sm and cold ones read first, decoding overlaps the reads; and the wait for the first read, if any."""
+    sm and cold ones read first, decoding overlaps the reads; and the wait for the first read, if any (an sm
+    expert's codes when there is one, the reader's first: the wait scales with the bytes)."""
     return np.maximum((b + c + d) * seconds.decode, c * seconds.read_sm + d * seconds.read_cold) + \
-        np.where(c + d > 0, seconds.layer, 0.0)
+        np.where(c > 0, seconds.layer_sm, np.where(d > 0, seconds.layer, 0.0))
 
 
 def token_delays(k: int, seconds: TierSeconds) -> np.ndarray:

@@ -19,7 +19,7 @@ from pyzipmoe.errors import ZipmoeError
 from pyzipmoe.planner import Costs, ModelGeometry, PlanInputError, TierSeconds
 
 # reads and decoding both matter in the max; a layer that reads at all pays `layer` once
-SECONDS = TierSeconds(decode=0.3, read_sm=0.7, read_cold=1.1, layer=0.25)
+SECONDS = TierSeconds(decode=0.3, read_sm=0.7, read_cold=1.1, layer=0.25, layer_sm=0.1)
 
 
 def skewed(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -61,7 +61,7 @@ def brute_tier_counts(p: np.ndarray, k: int, hot: int, warm: int, sm: int) -> np
 
 def brute_delay(p: np.ndarray, k: int, hot: int, warm: int, sm: int, t: TierSeconds) -> float:
     joint = brute_tier_counts(p, k, hot, warm, sm)
-    return sum(w * (max((b + c + d) * t.decode, c * t.read_sm + d * t.read_cold) + (t.layer if c + d else 0))
+    return sum(w * (max((b + c + d) * t.decode, c * t.read_sm + d * t.read_cold) + (t.layer_sm if c else t.layer if d else 0))
                for (a, b, c, d), w in np.ndenumerate(joint) if w)
 
 
@@ -123,7 +123,7 @@ def test_delay_matches_sampling():
     counts = np.stack([routed[:, tier == t].sum(axis=1) for t in range(4)], axis=1)
     delays = np.maximum(counts[:, 1:].sum(axis=1) * SECONDS.decode,
                         counts[:, 2] * SECONDS.read_sm + counts[:, 3] * SECONDS.read_cold) + \
-        np.where(counts[:, 2] + counts[:, 3] > 0, SECONDS.layer, 0)
+        np.where(counts[:, 2] > 0, SECONDS.layer_sm, np.where(counts[:, 3] > 0, SECONDS.layer, 0))
     standard_error = delays.std() / np.sqrt(len(delays))
     assert abs(delays.mean() - planner.expected_delay(design, SECONDS, hot, warm, sm)) < 5 * standard_error
     np.testing.assert_allclose(routed.mean(axis=0), design.inclusion, atol=0.01)
@@ -140,7 +140,7 @@ def test_one_routed_expert():
     # with k = 1 the routed expert is in exactly one tier: the hit rates are the delay's weights
     rates = planner.hit_rates(design, 1, 1, 1)
     expected = rates[1] * SECONDS.decode + rates[2] * max(SECONDS.decode, SECONDS.read_sm) + \
-        rates[3] * max(SECONDS.decode, SECONDS.read_cold) + (rates[2] + rates[3]) * SECONDS.layer
+        rates[3] * max(SECONDS.decode, SECONDS.read_cold) + rates[2] * SECONDS.layer_sm + rates[3] * SECONDS.layer
     assert planner.expected_delay(design, SECONDS, 1, 1, 1) == pytest.approx(expected, rel=1e-12)
 
 
