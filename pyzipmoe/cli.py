@@ -43,7 +43,7 @@ examples:
   zipmoe run model.zipmoe.gguf -p 'Once upon a time'   complete a prompt with zipmoe's llama.cpp
   zipmoe serve model.zipmoe.gguf                         llama-server on http://127.0.0.1:8080
   zipmoe bench model-bf16.gguf model.zipmoe.gguf         tokens/s of both (llama-bench)
-  zipmoe run model.zipmoe.gguf --memory-budget 6GiB -p 'Hi'  under a memory budget (the planner splits it)
+  zipmoe run model.zipmoe.gguf --memory-budget 6GiB -p 'Hi'  under a memory budget (planned once calibrated)
   zipmoe calibrate model.zipmoe.gguf                     measure this machine's decode and disk costs
   zipmoe plan model.zipmoe.gguf --memory-budget 6GiB     the planner's split of the budget, per layer
 
@@ -409,7 +409,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                                  options={"memory_budget": args.memory_budget or params.get("memory_budget"),
                                           "cache_policy": args.policy, "hot_share": args.hot_share,
                                           "sm_share": args.sm_share, "trace": args.trace,
-                                          "planner": args.planner or None})
+                                          "planner": args.planner})
     print()
     if args.stats:
         runner.print_completion_stats(completion)
@@ -438,7 +438,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .llama import is_zipmoe_file
 
     zipmoe_models = [m for m in args.models if is_zipmoe_file(m)]
-    if args.planner and args.memory_budget is not None and len(zipmoe_models) > 1:
+    if args.planner is True and args.memory_budget is not None and len(zipmoe_models) > 1:
         raise ZipmoeError("the planner plans one model at a time: bench one zipmoe model under --memory-budget, or "
                           "give --hot-share (and --sm-share) to split every model's budget the same way")
     os.environ.update(_cache_settings(args, zipmoe_models[0] if zipmoe_models else args.models[0]))
@@ -470,15 +470,17 @@ def _cache_settings(args: argparse.Namespace, model: str, package: Any = None) -
     """The runtime's environment for MODEL from --memory-budget, --policy, --hot-share, --sm-share and --trace (a
     stored model's memory_budget parameter is the default budget); the planner splits the budget unless shares
     are given."""
-    from .controller import runtime_environment
+    from .controller import planner_by_default, runtime_environment
     from .llama import is_zipmoe_file
 
     budget = args.memory_budget
     if budget is None and package is not None:
         budget = package.parameters.get("memory_budget")
+    is_zipmoe = bool(is_zipmoe_file(model))
+    use_planner = args.planner if args.planner is not None else planner_by_default(
+        model, budget=budget, hot_share=args.hot_share, sm_share=args.sm_share, is_zipmoe=is_zipmoe)
     return runtime_environment(model, budget=budget, policy=args.policy, hot_share=args.hot_share,
-                               sm_share=args.sm_share, trace=args.trace, is_zipmoe=bool(is_zipmoe_file(model)),
-                               use_planner=args.planner)
+                               sm_share=args.sm_share, trace=args.trace, is_zipmoe=is_zipmoe, use_planner=use_planner)
 
 
 def _nonnegative(text: str) -> int:
@@ -508,9 +510,11 @@ def _add_llama_options(p: argparse.ArgumentParser, *, ctx: str | None = "default
     p.add_argument("--sm-share", type=_fraction, metavar="F",
                    help="fixed share for sign+mantissa planes (their exponents are read from disk); the rest of "
                         "the cache keeps whole compressed experts")
-    p.add_argument("--planner", action="store_true",
-                   help="let the planner split the cache per layer (see zipmoe plan) instead of the shares; off by "
-                        "default, as it measured slower than decoded experts alone on the machine it was tuned on")
+    p.add_argument("--planner", action=argparse.BooleanOptionalAction, default=None,
+                   help="let the planner split the cache per layer (see zipmoe plan). Default: on under a budget "
+                        "without shares once `zipmoe calibrate MODEL` has measured this machine, else the cache "
+                        "keeps decoded experts. It re-plans from the order the run's tokens route in with -p "
+                        "(llama-cpp-python); llama-cli and llama-server keep the first plan (from --trace)")
     p.add_argument("--trace", metavar="FILE",
                    help="expert activation counts for the planner (.npz with counts[prompts, layers, experts]); "
                         "default: every expert equally likely")

@@ -74,6 +74,23 @@ def plan_model(model_path: str | os.PathLike[str], budget: int, *, trace: str | 
     return Planned(need, budget, model, planner.plan_for_budget(model, budget - need.minimum), source)
 
 
+def planner_by_default(model_path: str | os.PathLike[str], *, budget: str | int | None, hot_share: float | None,
+                       sm_share: float | None, plan: str | None = None, is_zipmoe: bool = True) -> bool:
+    """Whether a run plans its budget when the user did not say: under a budget without a fixed split or plan,
+    once the model has a calibration measured through the engine (`zipmoe calibrate`). Its costs are what the
+    planner's predictions were checked with (tools/bench_planner.py); without them it would plan from guesses,
+    and the decoded-only split is the better bet."""
+    if budget is None or not is_zipmoe or plan is not None or hot_share is not None or sm_share is not None:
+        return False
+    try:
+        from .calibrate import load_calibration
+
+        cal = load_calibration(model_path)
+    except (ImportError, OSError, ZipmoeError):
+        return False
+    return cal is not None and cal.tier_source == "engine"
+
+
 def runtime_environment(model_path: str | os.PathLike[str], *, budget: str | int | None = None,
                         policy: str | None = None, hot_share: float | None = None, sm_share: float | None = None,
                         use_planner: bool = False, trace: str | os.PathLike[str] | None = None,
@@ -82,9 +99,10 @@ def runtime_environment(model_path: str | os.PathLike[str], *, budget: str | int
     the tiers get decoded, default all; sm_share as sign+mantissa planes; the rest compressed), or the planner
     splits it per layer (use_planner, without shares), or `plan` (as `zipmoe plan` prints it) gives the slots.
 
-    The planner is not the default: on the machine it was measured on its model underrated the decoded tier,
-    whose eviction policy follows a conversation's changing experts, and its plans ran 0.7-0.9x as fast as
-    keeping decoded experts only (docs/notes/tiered-cache.md)."""
+    With the planner, the first tokens run with the trace's plan, or without a trace with decoded experts only: the
+    frequency model underrates the decoded tier, whose LRU eviction follows a conversation's changing experts.
+    The monitor (pyzipmoe.Llama) re-plans from the order the run's tokens route in (the recency model) once the
+    runtime's routing log holds enough of them."""
     if budget is None or not is_zipmoe:
         return cache_environment(budget if is_zipmoe else None, policy, hot_share, sm_share)
     need = model_memory(model_path)
@@ -96,7 +114,8 @@ def runtime_environment(model_path: str | os.PathLike[str], *, budget: str | int
         planner.decode_plan(plan)  # a clear error for a malformed one, before the runtime sees it
         env[planner.PLAN_ENV] = plan
     elif use_planner and hot_share is None and sm_share is None:
-        env.update(plan_model(model_path, nbytes, trace=trace, need=need).plan.to_env())
+        if trace is not None:  # a routing profile to plan the first tokens by; else decoded experts until the run's
+            env.update(plan_model(model_path, nbytes, trace=trace, need=need).plan.to_env())  # own routing tells
         if policy is None:  # the policy whose hits the planner's re-plans predict
             env[POLICY_ENV] = PLANNED_POLICY
     return env

@@ -263,9 +263,10 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
     cache_policy: eviction under a budget: "tlfu" (default, token-weighted LFU), "lru", "lfu" or "fifo".
     hot_share, sm_share: shares of the cache for decoded experts (default 1) and sign+mantissa planes (default 0);
         the rest keeps whole compressed experts.
-    planner: let the planner split the cache per layer instead (pyzipmoe/planner.py), from this machine's
-        calibration (`zipmoe calibrate`) and the routing (`trace`, then what the run routes). Off by default: it
-        measured slower than decoded experts alone (docs/notes/tiered-cache.md).
+    planner: let the planner split the cache per layer (pyzipmoe/planner.py), from this machine's calibration
+        (`zipmoe calibrate`) and the routing (`trace`, then the order in which the run's tokens routed). None
+        (default): on under a budget without shares or a plan, once the model has a calibration measured through
+        the engine; else the cache keeps decoded experts (docs/notes/tiered-cache.md).
     trace: activation counts for the planner (.npz with "counts" [prompts, layers, experts]); default uniform.
     plan: slots per tier per layer, as `zipmoe plan` prints them ("0:12,4,0;1:..."), instead of planning.
     adapt: re-plan while running (pyzipmoe.controller.MemoryMonitor): when the memory available changes ("auto"
@@ -276,7 +277,8 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
     def __init__(self, model_path: str, *args: Any, zipmoe_cache: str = "unbounded",
                  memory_budget: str | int | None = None, cache_policy: str | None = None,
                  hot_share: float | None = None, sm_share: float | None = None, trace: str | None = None,
-                 plan: str | None = None, planner: bool = False, adapt: bool | None = None, **kwargs: Any) -> None:
+                 plan: str | None = None, planner: bool | None = None, adapt: bool | None = None,
+                 **kwargs: Any) -> None:
         self._stack = contextlib.ExitStack()  # llama_cpp.Llama.__del__ closes it, also after a failed __init__
         self.zipmoe_monitor = None
         if zipmoe_cache not in CACHE_MODES:
@@ -289,8 +291,11 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
                 f"{model_path} is a zipmoe GGUF, but the libllama in use ({loaded_library()}) was not built with "
                 f"zipmoe; build it with `bash tools/setup.sh` and make sure LLAMA_CPP_LIB_PATH is unset or points "
                 f"at {build_dir() / 'bin'} before llama_cpp is first imported (import pyzipmoe first)")
-        from .controller import monitor_for, runtime_environment
+        from .controller import monitor_for, planner_by_default, runtime_environment
 
+        if planner is None:
+            planner = planner_by_default(model_path, budget=memory_budget, hot_share=hot_share, sm_share=sm_share,
+                                         plan=plan, is_zipmoe=self.is_zipmoe)
         cache_env = runtime_environment(model_path, budget=memory_budget, policy=cache_policy, hot_share=hot_share,
                                         sm_share=sm_share, trace=trace, is_zipmoe=self.is_zipmoe, plan=plan,
                                         use_planner=planner)

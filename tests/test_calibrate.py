@@ -61,11 +61,20 @@ def positive(x: float) -> bool:
 
 
 def test_the_engine_measures_tier_costs_and_the_base(model: Path) -> None:
-    """Through the engine: four generations (all decoded; k hot slots with the rest cold, warm, sm), solved for
-    the base and each tier's cost per expert of a layer. A calibration made without the engine does not count
-    as one when the engine is asked for."""
+    """Through the engine: six generations, solved for the base and each tier's cost per expert of a layer. A
+    calibration made without the engine does not count as one when the engine is asked for, nor for making the
+    planner the default."""
+    from pyzipmoe.controller import planner_by_default
+
+    under_budget = {"budget": "1GiB", "hot_share": None, "sm_share": None}
+    assert not planner_by_default(model, **under_budget)  # nothing measured: plans would come from guesses
     without = calibrate(model, **FAST)
+    assert not planner_by_default(model, **under_budget)
     cal = calibrate(model, **{**FAST, "engine": True})
+    assert planner_by_default(model, **under_budget)  # the default once the engine's costs are known
+    assert not planner_by_default(model, **{**under_budget, "budget": None})
+    assert not planner_by_default(model, **{**under_budget, "hot_share": 0.5})
+    assert not planner_by_default(model, **under_budget, plan="0:1,0,0")
     assert not cal.from_cache and cal.tier_source == "engine", cal
     assert positive(cal.base_seconds_per_token) and cal.base_seconds_per_token < 1
     assert positive(cal.t_decode) and min(cal.t_read_sm, cal.t_read_cold) >= cal.t_decode / cal.cores

@@ -2,8 +2,9 @@
 """The planner against every fixed split of the budget between tiers: measured and predicted generation speed.
 
 For each budget (a share of the model's BF16 size, as in tools/bench_budget.py), the zipmoe model generates with
-(a) the planner, as pyzipmoe.Llama(planner=True) runs it: a first plan, then, after --warmup tokens, a re-plan
-from the order in which those tokens routed (the recency model), --warmup/2 tokens to settle; and (b) each fixed
+(a) the planner, as pyzipmoe.Llama(planner=True) runs it: decoded experts first (no trace), then, after --warmup
+tokens, a plan from the order in which those tokens routed (the recency model), --warmup/2 tokens to settle (the
+monitor re-plans every 64 tokens; here once, and then it stops so that nothing changes while timing); (b) each fixed
 split of the cache between the hot, warm and sm tiers in steps of --step (the same slots in every layer, the
 default policy). --gen tokens are timed in steady state (greedy, one token at a time, a fresh process per run,
 pyzipmoe.timing). The runtime enforces the budget itself; no cgroup is needed (tools/bench_budget.py measures
