@@ -29,7 +29,9 @@ DESCRIPTION = (
     "equally likely); costs from the model's calibration, --costs, or else a conservative estimate (0.5 GB/s of "
     "decoding per core, a 0.5 GB/s disk with 0.1 ms per read, 10 GB/s of memory bandwidth). Prints the slots, bytes, "
     "predicted hit rates and tokens/s per layer, and the plan as the runtime reads it: ZIPMOE_PLAN="
-    "\"<layer>:<hot>,<warm>,<sm>;...\".")
+    "\"<layer>:<hot>,<warm>,<sm>;...\". This is the frequency model, which a run uses for its first tokens "
+    "when given --trace; without one a run starts with decoded experts, and pyzipmoe.Llama (zipmoe run -p) "
+    "re-plans from the order its own tokens route in, which predicts the decoded tier better.")
 
 EPILOG = """\
 examples:

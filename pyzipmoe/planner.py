@@ -455,10 +455,10 @@ RECENCY_MIN_TOKENS = 16  # generated tokens a layer's routing log must score bef
 def lru_ranks(routing: np.ndarray) -> np.ndarray:
     """Where each routed expert stood in the runtime's LRU order just before its token: 0 the most recently used.
 
-    routing: bool [tokens, n_expert], the experts each generated token routed to, oldest first. Returns int
-    [tokens, n_expert], -1 where the token did not route to the expert and n_expert where it had not been seen
-    (nothing tells where it stood). Ties are broken as the runtime evicts: among experts last used by the same
-    token, the lower id goes first, so it stands lower."""
+    routing: bool [entries, n_expert], the experts each generated token (or prompt batch) routed to, oldest
+    first. Returns int [entries, n_expert], -1 where the entry did not route to the expert and n_expert where it
+    had not been seen (nothing tells where it stood). Ties are broken as the runtime evicts: among experts last
+    used by the same entry, the lower id goes first, so it stands lower."""
     routing = np.asarray(routing, bool)
     tokens, n = routing.shape
     last = np.full(n, -1)
@@ -531,18 +531,21 @@ class RecencyDesign:
 
 
 def recency_design(routing: np.ndarray, k: int, *, history: int | None = None) -> RecencyDesign | None:
-    """The recency design of a layer from its routing log (bool [tokens, n_expert], oldest first): the first
-    `history` tokens (default a quarter) only tell where the experts stand; the rest are scored. None when fewer
-    than RECENCY_MIN_TOKENS would be scored, or a token did not route to k experts (not a generated token)."""
+    """The recency design of a layer from its routing log (bool [entries, n_expert], oldest first; an entry is a
+    generated token, or a prompt's batch routed at once): the first `history` entries (default a quarter) only
+    tell where the experts stand; the generated tokens after them (entries of exactly k experts) are scored. None
+    when fewer than RECENCY_MIN_TOKENS would be scored."""
     routing = np.asarray(routing, bool)
     if routing.ndim != 2:
         raise PlanInputError(f"a routing log must be [tokens, n_expert], got shape {routing.shape}")
     history = routing.shape[0] // 4 if history is None else history
-    if routing.shape[0] - history < RECENCY_MIN_TOKENS or (routing.sum(axis=1) != k).any():
+    scored = np.flatnonzero(routing.sum(axis=1) == k)
+    scored = scored[scored >= history]
+    if scored.size < RECENCY_MIN_TOKENS:
         return None
-    ranks = lru_ranks(routing)[history:]
-    scored = np.sort(np.where(ranks >= 0, ranks, np.iinfo(np.int64).max), axis=1)[:, :k]
-    return RecencyDesign(k=k, n_expert=routing.shape[1], ranks=scored)
+    ranks = lru_ranks(routing)[scored]
+    ranks = np.sort(np.where(ranks >= 0, ranks, np.iinfo(np.int64).max), axis=1)[:, :k]
+    return RecencyDesign(k=k, n_expert=routing.shape[1], ranks=ranks)
 
 
 # ------------------------------------------------------------------------------------ delay of a split

@@ -234,9 +234,11 @@ def test_recency_split_delays_match_each_split():
 def test_recency_design_needs_enough_generated_tokens():
     rng = np.random.default_rng(5)
     assert planner.recency_design(local_routing(rng, 20, 8, 2), 2) is None  # 15 scored < RECENCY_MIN_TOKENS
-    prompt_like = local_routing(rng, 40, 8, 2)
-    prompt_like[3] = True  # not one token's routing
-    assert planner.recency_design(prompt_like, 2) is None
+    with_prompt = local_routing(rng, 40, 8, 2)
+    with_prompt[0] = True  # a prompt's batch: it places the experts, it is not scored
+    design = planner.recency_design(with_prompt, 2, history=0)
+    assert design is not None and design.ranks.shape == (39, 2)
+    assert (planner.lru_ranks(with_prompt)[1][with_prompt[1]] < 8).all()  # seen in the prompt: not cold
     with pytest.raises(PlanInputError):
         planner.recency_design(np.zeros(8, bool), 2)
 

@@ -267,17 +267,17 @@ def routing_log(prefix: str, n_expert: int, max_tokens: int = 1024) -> list[list
 
 
 def test_routing_log_keeps_generated_tokens_oldest_first(zipmoe_model):
-    """The planner's recency model reads the order in which generated tokens routed: single-row invocations on the
-    slow path and on the lock-free fast path (all routed experts decoded), not a prompt's batches; 512 at most."""
+    """The planner's recency model reads the order in which invocations routed: generated tokens on the slow path
+    and on the lock-free fast path (all routed experts decoded), a prompt's batch as one entry; 512 at most."""
     zf = format.open_zipmoe(zipmoe_model)
     ct = zf.compressed[0]
     n_expert = ct.source.dims[2]
     store = Store(zipmoe_model, ct)
     assert routing_log(ct.name, n_expert) == []
-    store.materialize(np.array([[0, 1], [2, 3]]), 2)  # a prompt: not logged
+    store.materialize(np.array([[0, 1], [2, 3]]), 2)  # a prompt: one entry, every expert it routed to
     store.materialize(np.array([[1, 0]]), 2)  # fast path: both decoded already
     store.materialize(np.array([[4, 2]]), 1)  # slow path: 4 is new
-    assert routing_log(ct.name, n_expert) == [[0, 1], [2, 4]]
+    assert routing_log(ct.name, n_expert) == [[0, 1, 2, 3], [0, 1], [2, 4]]
     assert routing_log(ct.name, n_expert, max_tokens=1) == [[2, 4]]
     assert routing_log("no.such.tensor", n_expert) == []
     for t in range(600):

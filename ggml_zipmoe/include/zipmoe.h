@@ -234,10 +234,10 @@ ZIPMOE_API int64_t zipmoe_store_activations(zipmoe_store * s, uint64_t * counts,
 /* The same for the stores whose name starts with prefix (a layer: "blk.3."; the most of its stores, which
  * share one router): counts[0..n) zeroed, then filled. Returns the number of experts, 0 if no store matches. */
 ZIPMOE_API int64_t zipmoe_cache_activations(const char * prefix, uint64_t * counts, int64_t n);
-/* The routing of the last generated tokens (invocations of one row; at most 512 are remembered) of the first
- * store whose name starts with prefix, oldest first: token i routed to expert e when bit e % 64 of
- * masks[i * words + e / 64] is set. words >= (n_expert + 63) / 64. Returns the tokens written (<= max_tokens),
- * 0 if no store matches: what the planner's recency model reads. */
+/* The routing of the last invocations (at most 512 are remembered) of the first store whose name starts with
+ * prefix, oldest first: one entry a generated token, or a prompt's batch (the union of its rows); entry i routed
+ * to expert e when bit e % 64 of masks[i * words + e / 64] is set. words >= (n_expert + 63) / 64. Returns the
+ * entries written (<= max_tokens), 0 if no store matches: what the planner's recency model reads. */
 ZIPMOE_API int64_t zipmoe_cache_routing(const char * prefix, uint64_t * masks, int64_t words, int64_t max_tokens);
 
 /* The first error this store recorded since the last call, with a message naming tensor and expert;

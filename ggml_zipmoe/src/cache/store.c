@@ -45,7 +45,7 @@ enum { RES_NONE = 0, RES_SM = 1, RES_FULL = 2 }; /* what of an expert's region i
 #endif
 #define HUGE_PAGE      ((uintptr_t) 2 << 20)
 #define COLLAPSE_AFTER 16 /* invocations in a row on the fast path: the resident set has settled */
-#define ROUTE_LOG      512 /* generated tokens whose routing a store remembers, for the planner's recency model */
+#define ROUTE_LOG      512 /* invocations whose routing a store remembers, for the planner's recency model */
 #define ROUTE_RING     (ROUTE_LOG + 1) /* one more entry: the one a writer may be filling */
 
 typedef struct {
@@ -862,20 +862,20 @@ static void plan_expert(zipmoe_store * s, int64_t e, uint64_t tick, plan_item * 
     it->codes = x->res == RES_FULL ? x->region : NULL;
 }
 
-/* Remembers which experts a generated token (an invocation of one row) routed to, by one thread of the
- * invocation: the entry is written before it is counted, so a reader can tell the ones it may have torn. */
-static void log_route(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int64_t ne1, size_t nb0) {
-    if (ne1 != 1) {
-        return; /* a prompt's batch: the planner predicts generation */
-    }
+/* Remembers which experts an invocation routed to, by one thread of it: one entry a generated token; a prompt's
+ * batch is one entry too, the union of its rows, since they are all used at once (one tick). The entry is
+ * written before it is counted, so a reader can tell the ones it may have torn. */
+static void log_route(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int64_t ne1, size_t nb0, size_t nb1) {
     const uint64_t n     = atomic_load_explicit(&s->route_n, memory_order_relaxed);
     uint64_t *     entry = s->route_log + (n % ROUTE_RING) * (uint64_t) s->route_words;
     memset(entry, 0, (size_t) s->route_words * sizeof *entry);
-    for (int64_t k = 0; k < ne0; k++) {
-        int32_t e;
-        memcpy(&e, ids + k * nb0, sizeof e);
-        if (e >= 0 && e < s->info.n_expert) {
-            entry[e / 64] |= (uint64_t) 1 << (e % 64);
+    for (int64_t r = 0; r < ne1; r++) {
+        for (int64_t k = 0; k < ne0; k++) {
+            int32_t e;
+            memcpy(&e, ids + r * nb1 + k * nb0, sizeof e);
+            if (e >= 0 && e < s->info.n_expert) {
+                entry[e / 64] |= (uint64_t) 1 << (e % 64);
+            }
         }
     }
     atomic_store_explicit(&s->route_n, n + 1, memory_order_release);
@@ -899,7 +899,7 @@ static int64_t make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int
             s->experts[e].routed++;
         }
     }
-    log_route(s, ids, ne0, ne1, nb0);
+    log_route(s, ids, ne0, ne1, nb0, nb1);
     if (s->cfg_gen != atomic_load(&g_cfg_gen)) {
         refresh_limits(s);
     }
@@ -1197,7 +1197,7 @@ static void note_hits(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int64_
             x->activations++;
         }
     }
-    log_route(s, ids, ne0, ne1, nb0);
+    log_route(s, ids, ne0, ne1, nb0, nb1);
     atomic_fetch_add(&g_calls, 1);
 }
 
