@@ -47,7 +47,6 @@ import platform
 import random
 import re
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -537,8 +536,6 @@ def measure_engine(model_path: Path, *, threads: int, expert_tensors: int, progr
         columns = [0, 2, 3, 4]  # the first read's wait then counts in the experts' costs
     solved = dict(zip(columns, np.linalg.lstsq(counts[:, columns], seconds, rcond=None)[0]))
     base, layer, warm, sm, cold = (float(solved.get(i, 0.0)) for i in range(5))
-    if os.environ.get("ZIPMOE_CALIBRATE_DEBUG"):
-        print(counts, seconds, base, layer, warm, sm, cold, file=sys.stderr)
     tiny = 1e-7  # no tier may look free: every split would tie
     warm = max(warm, tiny)
     return EngineCosts(base=max(base, tiny), layer=max(layer, 0.0), warm=warm, sm=max(sm, warm), cold=max(cold, warm))
