@@ -120,6 +120,12 @@ typedef struct {
     uint64_t pool_bytes;
     uint64_t reading_calls;
 } zipmoe_stats;
+typedef struct {
+    uint64_t experts;
+    uint64_t failed;
+    uint64_t ns;
+} zipmoe_prefill_stats;
+int64_t zipmoe_cache_prefill(zipmoe_store * const * stores, int64_t n_stores, int n_threads, zipmoe_prefill_stats * out);
 void zipmoe_stats_get(zipmoe_stats * out);
 void zipmoe_stats_reset(void);
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _point_llama_cpp_at_our_build, build_dir, llama_lib_dir
-from .budget import CACHE_ENV
+from .budget import CACHE_ENV, PREFILL_ENV
 from .errors import NativeLibraryError, UnsupportedError, ZipmoeError
 
 CACHE_MODES = ("unbounded", "none")
@@ -272,13 +272,16 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
     adapt: re-plan while running (pyzipmoe.controller.MemoryMonitor): when the memory available changes ("auto"
         grows up to the model's size, a fixed budget is a ceiling), and from the routing the run has seen. Default:
         on whenever the planner splits the budget.
+    prefill: fill the cache at load, on every core, so that the first tokens find their experts decoded (as
+        llama.cpp's read-ahead fills the page cache for a plain model). None (default): as ZIPMOE_PREFILL says
+        (on unless "0").
     """
 
     def __init__(self, model_path: str, *args: Any, zipmoe_cache: str = "unbounded",
                  memory_budget: str | int | None = None, cache_policy: str | None = None,
                  hot_share: float | None = None, sm_share: float | None = None, trace: str | None = None,
                  plan: str | None = None, planner: bool | None = None, adapt: bool | None = None,
-                 **kwargs: Any) -> None:
+                 prefill: bool | None = None, **kwargs: Any) -> None:
         self._stack = contextlib.ExitStack()  # llama_cpp.Llama.__del__ closes it, also after a failed __init__
         self.zipmoe_monitor = None
         if zipmoe_cache not in CACHE_MODES:
@@ -299,6 +302,8 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
         cache_env = runtime_environment(model_path, budget=memory_budget, policy=cache_policy, hot_share=hot_share,
                                         sm_share=sm_share, trace=trace, is_zipmoe=self.is_zipmoe, plan=plan,
                                         use_planner=planner)
+        if prefill is not None:
+            cache_env[PREFILL_ENV] = "1" if prefill else "0"
         mark = _error_log.mark()
         try:
             with contextlib.ExitStack() as env:  # what is not given stays as the environment says

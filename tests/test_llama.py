@@ -107,7 +107,7 @@ for i, run in enumerate(job["runs"]):
     threads = cfg.pop("n_threads")
     try:
         llm = Llama(job["model"], n_ctx=job["n_ctx"], n_threads=threads, n_threads_batch=threads, logits_all=True,
-                    seed=0, verbose=False, zipmoe_cache=run.get("cache", "unbounded"), **run.get("zipmoe", {}), **cfg)
+                    seed=0, verbose=False, zipmoe_cache=run.get("cache", "unbounded"), **{"prefill": False, **run.get("zipmoe", {})}, **cfg)
     except Exception as e:
         res["load_error"] = error(e)
         continue
@@ -143,7 +143,8 @@ def run_worker(model: Path, lib_dir: Path, runs: list[dict[str, Any]], out: Path
     greedy tokens with logits_all; returns each run's report and logits (run{i}: float32 [positions, n_vocab]).
 
     A run is {"config": Llama arguments, "cache": zipmoe_cache (optional), "zipmoe": more zipmoe arguments such
-    as memory_budget (optional), "attempts": times to evaluate (optional)}; its report has prompt, generated,
+    as memory_budget (optional; prefill is off unless it says so, so that the runs decode), "attempts": times to
+    evaluate (optional)}; its report has prompt, generated,
     stats (zipmoe), or load_error / errors."""
     job = {"model": str(model), "runs": runs, "prompt": PROMPT, "n_gen": N_GEN, "n_ctx": N_CTX, "out": str(out)}
     done = subprocess.run([sys.executable, "-c", WORKER, json.dumps(job)], env=worker_env(lib_dir), capture_output=True,
@@ -270,6 +271,11 @@ def test_every_budget_and_policy_gives_the_same_logits(logits: Callable, ours: P
                 runs.append({"config": CONFIGS[i], "cache": "none" if extra is None else "unbounded",
                              "zipmoe": {**budget, "cache_policy": policy, **shares}})
                 where.append(i)
+    for extra, shares in ((16 << 10, {"hot_share": 1.0}), (60 << 10, {"hot_share": 0.2, "sm_share": 0.5})):
+        for i in picks:  # tiers filled at load, then the same transitions
+            runs.append({"config": CONFIGS[i], "zipmoe": {"memory_budget": str(minimum + extra), "cache_policy": "lru",
+                                                          "prefill": True, **shares}})
+            where.append(i)
     reports, got = run_worker(zipmoe_models[arch, "huff"], ours, runs, tmp_path / "budgets.npz")
     hits = {"hits_warm": 0, "hits_sm": 0}
     for k, (run, i) in enumerate(zip(runs, where)):
@@ -284,6 +290,23 @@ def test_every_budget_and_policy_gives_the_same_logits(logits: Callable, ours: P
         for name in hits:
             hits[name] += stats[name]
     assert hits["hits_warm"] > 0 and hits["hits_sm"] > 0, hits  # decoded from compressed experts / planes in RAM
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_decodes_at_load_and_gives_the_same_logits(logits: Callable, ours: Path, arch: str,
+                                                           zipmoe_models: dict[tuple[str, str], Path], tmp_path: Path
+                                                           ) -> None:
+    """Unbounded, every expert is decoded at load: the run itself decodes nothing, with the same logits."""
+    ref_reports, ref = logits(arch, "bf16")
+    runs = [{"config": CONFIGS[i], "zipmoe": {"prefill": True}} for i in (0, 1)]
+    reports, got = run_worker(zipmoe_models[arch, "huff"], ours, runs, tmp_path / "prefill.npz")
+    for k, run in enumerate(runs):
+        what = f"{arch} prefill {run['config']}"
+        _no_error(reports[k])
+        assert_bit_identical(got[f"run{k}"], ref[f"run{k}"], what)
+        stats = reports[k]["stats"]  # reset after the load
+        assert stats["experts_decoded"] == 0 and stats["misses"] == 0 and stats["hits_hot"] > 0, (what, stats)
+        assert stats["hot_bytes"] == 3 * 2 * 8 * 2048 * 2, (what, stats)  # every expert of the tiny preset
 
 
 @pytest.mark.parametrize("arch", ARCHS)

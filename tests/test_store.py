@@ -384,3 +384,83 @@ def test_a_late_sibling_neither_decodes_nor_counts_again(zipmoe_model, stats, ho
         assert decoded == (2 if step == 1 or hot == "none" else 0), (step, decoded)
         lib.zipmoe_store_activations(store.handle, ffi.cast("uint64_t *", ffi.from_buffer(counts)), counts.size)
         assert counts.tolist()[:3] == [0, step, step]
+
+
+def prefill(stores: list[Store], threads: int = 2) -> dict[str, int]:
+    handles = ffi.new("zipmoe_store *[]", [s.handle for s in stores])
+    out = ffi.new("zipmoe_prefill_stats *")
+    rc = lib.zipmoe_cache_prefill(handles, len(stores), threads, out)
+    assert rc >= 0
+    assert rc == out.experts
+    return {"experts": out.experts, "failed": out.failed}
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_prefill_fills_the_tiers_exactly_and_counts_no_routing(zipmoe_model, tiny_model, stats, threads):
+    """At load the tiers are filled as generation would fill them (the last batch decoded, the earlier ones in
+    the compressed tiers), bit-exact, with none of it counted as the model's routing."""
+    zf = format.open_zipmoe(zipmoe_model)
+    stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
+    ct, store = zf.compressed[0], stores[0]
+    n_expert = ct.source.dims[2]
+    hot, _ = budget_for(zf, ct, 2)
+    sm_size = expert_bytes(ct) // 2
+    _, sm = budget_for(zf, ct, 0, 3 * sm_size)  # three sign+mantissa planes a store
+    lib.zipmoe_cache_configure(hot, 0, sm, lib.ZIPMOE_POLICY_LRU)
+    got = prefill(stores, threads)
+    assert got == {"experts": 5 * len(stores), "failed": 0}
+    st = stats()
+    assert st["materialize_calls"] == 0 and st["hits_hot"] + st["hits_warm"] + st["hits_sm"] + st["misses"] == 0
+    assert st["stall_ns"] == 0 and st["experts_decoded"] == 5 * len(stores)
+    assert st["hot_bytes"] == 2 * sum(expert_bytes(c) for c in zf.compressed)
+    assert st["sm_bytes"] == 3 * sum(expert_bytes(c) // 2 for c in zf.compressed)
+    assert routing_log(ct.name, n_expert) == []
+    counts = np.zeros(n_expert, np.uint64)
+    lib.zipmoe_store_activations(store.handle, ffi.cast("uint64_t *", ffi.from_buffer(counts)), n_expert)
+    assert not counts.any()
+    ref = source_experts(tiny_model, ct)
+    for e in (0, 1):  # the last batch stays decoded
+        np.testing.assert_array_equal(store.weights[e], ref[e])
+    # generation finds them: the hot ones decoded, the sm ones without reading their planes again
+    lib.zipmoe_stats_reset()
+    store.materialize(np.array([[0, 1]]), 2)
+    assert stats()["hits_hot"] == 2 and stats()["experts_decoded"] == 0
+    store.materialize(np.array([[2, 3]]), 2)
+    assert stats()["hits_sm"] == 2 and stats()["misses"] == 0
+    for e in (2, 3):
+        np.testing.assert_array_equal(store.weights[e], ref[e])
+
+
+def test_prefill_without_a_budget_decodes_every_expert(zipmoe_model, tiny_model, stats):
+    zf = format.open_zipmoe(zipmoe_model)
+    stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
+    assert prefill(stores)["experts"] == sum(ct.source.dims[2] for ct in zf.compressed)
+    for ct, store in zip(zf.compressed, stores):
+        np.testing.assert_array_equal(store.weights, source_experts(tiny_model, ct))
+    lib.zipmoe_stats_reset()
+    stores[0].materialize(np.array([[0, 1], [2, 3]]), 2)
+    assert stats()["experts_decoded"] == 0
+
+
+def test_prefill_leaves_a_damaged_expert_to_fail_when_routed(zipmoe_model, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(zipmoe_model.read_bytes())
+    zf = format.open_zipmoe(bad)
+    ct = zf.compressed[0]
+    with open(bad, "r+b") as f:
+        pos = ct.region_file_offset(1) + 3
+        f.seek(pos)
+        byte = f.read(1)
+        f.seek(pos)
+        f.write(bytes([byte[0] ^ 0x10]))
+    stores = [Store(bad, c) for c in zf.compressed]
+    got = prefill(stores)
+    assert got["failed"] == 1
+    assert got["experts"] == sum(c.source.dims[2] for c in zf.compressed) - ct.source.dims[2]
+    assert lib.zipmoe_store_take_error(stores[0].handle, ffi.NULL, 0) == 0  # nothing for the engine yet
+    assert any(r == lib.ZIPMOE_ERR_CHECKSUM for r in stores[0].materialize(np.array([[1]]), 1))
+
+
+def test_prefill_of_nothing(zipmoe_model):
+    assert lib.zipmoe_cache_prefill(ffi.NULL, 0, 2, ffi.NULL) == 0
+    assert lib.zipmoe_cache_prefill(ffi.NULL, 1, 2, ffi.NULL) == lib.ZIPMOE_ERR_ARG

@@ -245,6 +245,21 @@ ZIPMOE_API int64_t zipmoe_cache_routing(const char * prefix, uint64_t * masks, i
 ZIPMOE_API int64_t zipmoe_store_take_error(zipmoe_store * s, char * msg, size_t msg_size);
 
 typedef struct {
+    uint64_t experts; /* experts made resident, summed over the stores */
+    uint64_t failed;  /* batches that failed (a damaged chunk, say): their experts wait for their first use */
+    uint64_t ns;      /* wall time */
+} zipmoe_prefill_stats;
+
+/* Fills the tiers of stores (a model just loaded) before its first token, as llama.cpp's warm-up fills the page
+ * cache for a plain model: each store routes batches of its own experts, as many as its tiers hold under the
+ * current configuration, the last batch the decoded ones, on n_threads threads created for the call and joined
+ * before it returns. Counts none of it as the model's routing (activations, hits, routing log); the decode and
+ * read counters of zipmoe_stats include it. A failed batch records no error for the engine: a damaged expert
+ * fails when a token routes to it. Returns the experts made resident, or an error. */
+ZIPMOE_API int64_t zipmoe_cache_prefill(zipmoe_store * const * stores, int64_t n_stores, int n_threads,
+                                        zipmoe_prefill_stats * out);
+
+typedef struct {
     uint64_t stores;            /* expert tensors served */
     uint64_t hot_bytes;         /* decoded experts kept now */
     uint64_t warm_bytes;        /* compressed regions kept in RAM now */

@@ -144,6 +144,11 @@ int zipmoe_store_collapse(struct zipmoe_store * s);
  * thread): those routed now in `like` (a store of the same layer, which shares its router), or, when like is NULL,
  * every one not decoded (a prompt routes to most) */
 void zipmoe_store_prefetch(struct zipmoe_store * s, const struct zipmoe_store * like);
+/* store.c, for prefill.c: the experts a store's tiers hold under the current configuration (the hot ones among
+ * them in *hot_slots); its invocations until prefill_end count nothing of the model's routing */
+int64_t zipmoe_store_prefill_begin(struct zipmoe_store * s, int64_t * hot_slots);
+void    zipmoe_store_prefill_end(struct zipmoe_store * s);
+int     zipmoe_store_layer(const struct zipmoe_store * s); /* N of a "blk.N." name, or -1 */
 /* store.c: counts a read in zipmoe_stats */
 void zipmoe_stats_add_read(uint64_t bytes, uint64_t ns);
 

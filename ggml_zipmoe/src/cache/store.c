@@ -96,6 +96,7 @@ struct zipmoe_store {
     int64_t         plan_n;
     plan_item *     plan;
     int             planning;   /* from make_plan until publish: the plan's compressed regions are in use */
+    int             prefilling; /* zipmoe_cache_prefill routes its own batches: no counts, no routing log */
     zipmoe_read_job job;        /* the plan's reads, items parallel to plan */
     int             job_active; /* submitted to the reader, and the staging buffer held */
     zipmoe_read_job collapse_job; /* zipmoe_store_collapse on the reader thread */
@@ -245,6 +246,7 @@ static void refresh_limits(zipmoe_store * s) {
 static _Atomic uint64_t g_stores, g_hot_bytes, g_warm_bytes, g_sm_bytes, g_experts, g_chunks, g_bytes, g_ns, g_calls;
 static _Atomic uint64_t g_hits_hot, g_hits_warm, g_hits_sm, g_misses, g_read_bytes, g_read_ns, g_evictions;
 static _Atomic uint64_t g_peak_hot, g_peak_resident, g_stall_ns, g_staging_bytes, g_reading_calls;
+static _Atomic uint64_t g_prefill_dummy; /* what a prefill's invocations count instead of the model's routing */
 
 void zipmoe_stats_add_read(uint64_t bytes, uint64_t ns) {
     atomic_fetch_add(&g_read_bytes, bytes);
@@ -818,9 +820,9 @@ static void plan_expert(zipmoe_store * s, int64_t e, uint64_t tick, plan_item * 
     memset(it, 0, sizeof *it);
     it->expert = e;
     if (x->res == RES_FULL) {
-        atomic_fetch_add(&g_hits_warm, 1);
+        atomic_fetch_add(s->prefilling ? &g_prefill_dummy : &g_hits_warm, 1);
     } else if (x->res == RES_SM) {
-        atomic_fetch_add(&g_hits_sm, 1);
+        atomic_fetch_add(s->prefilling ? &g_prefill_dummy : &g_hits_sm, 1);
         it->read_codes = 1;
         /* promote: the codes are read anyway; keep them if the warm tier takes the expert */
         uint8_t * region = x->region;
@@ -842,7 +844,7 @@ static void plan_expert(zipmoe_store * s, int64_t e, uint64_t tick, plan_item * 
             account(&g_sm_bytes, (int64_t) s->sm_size);
         }
     } else {
-        atomic_fetch_add(&g_misses, 1);
+        atomic_fetch_add(s->prefilling ? &g_prefill_dummy : &g_misses, 1);
         it->read_sm    = 1;
         it->read_codes = 1;
         uint8_t * region = NULL;
@@ -899,7 +901,9 @@ static int64_t make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int
             s->experts[e].routed++;
         }
     }
-    log_route(s, ids, ne0, ne1, nb0, nb1);
+    if (!s->prefilling) {
+        log_route(s, ids, ne0, ne1, nb0, nb1);
+    }
     if (s->cfg_gen != atomic_load(&g_cfg_gen)) {
         refresh_limits(s);
     }
@@ -921,10 +925,13 @@ static int64_t make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int
     for (int64_t e = 0; e < n_expert; e++) {
         expert_state * x = &s->experts[e];
         if (x->routed) {
+            x->last_use = tick;
+            if (s->prefilling) {
+                continue; /* the model's own routing decides what is worth keeping */
+            }
             if (x->hot && !decode_all) {
                 atomic_fetch_add(&g_hits_hot, 1);
             }
-            x->last_use = tick;
             x->uses += s->policy == ZIPMOE_POLICY_TOKEN_LFU ? x->routed : 1;
             x->activations += x->routed;
         }
@@ -1210,7 +1217,7 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
      * invocation publishes, and one graph computes at a time, so all threads of this invocation see the
      * same answer and may leave without the lock (which busy machines make costly). Not while the store
      * is over its limits or its configuration changed: then the slow path has evictions to do. */
-    if (atomic_load(&s->fast_ok) && atomic_load(&g_cfg_gen) == s->cfg_gen && s->hot_limit > 0 &&
+    if (atomic_load(&s->fast_ok) && atomic_load(&g_cfg_gen) == s->cfg_gen && s->hot_limit > 0 && !s->prefilling &&
         all_routed_hot(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1)) {
         if (ith == 0 && !(atomic_load(&s->last_key) == key && atomic_load(&g_op_seq) == atomic_load(&s->last_seq))) {
             atomic_fetch_add(&g_op_seq, 1); /* (a late sibling of a planned invocation counts nothing again) */
@@ -1247,7 +1254,7 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
             s->plan_failed = 1;
         }
         schedule_reads(s);
-        atomic_fetch_add(&g_calls, 1);
+        atomic_fetch_add(s->prefilling ? &g_prefill_dummy : &g_calls, 1);
     }
     s->plan_in++;
     const int64_t     plan_n = s->plan_n; /* stable until every thread of this invocation has left */
@@ -1301,14 +1308,14 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
         } else {
             publish(s);
         }
-        if (plan_n > 0) {
+        if (plan_n > 0 && !s->prefilling) {
             atomic_fetch_add(&g_stall_ns, now_ns() - s->plan_t0);
         }
         int64_t read = 0;
         for (int64_t j = 0; j < plan_n && !read; j++) {
             read = plan[j].read_sm || plan[j].read_codes;
         }
-        if (read) {
+        if (read && !s->prefilling) {
             atomic_fetch_add(&g_reading_calls, 1);
         }
         s->plan_key = NULL;
@@ -1387,3 +1394,31 @@ int64_t zipmoe_store_activations(zipmoe_store * s, uint64_t * counts, int64_t n)
     pthread_mutex_unlock(&s->mu);
     return s->info.n_expert;
 }
+
+/* ---------------------------------------------------------------- prefill (prefill.c) */
+
+int64_t zipmoe_store_prefill_begin(zipmoe_store * s, int64_t * hot_slots) {
+    *hot_slots = 0;
+    if (!s || s->fd < 0) {
+        return 0;
+    }
+    pthread_mutex_lock(&s->mu);
+    refresh_limits(s);
+    const uint64_t n    = (uint64_t) s->info.n_expert;
+    const uint64_t hot  = s->hot_size ? s->hot_limit / s->hot_size : 0;
+    const uint64_t warm = s->mean_region ? s->warm_limit / s->mean_region : 0;
+    const uint64_t sm   = s->sm_size ? s->sm_limit / s->sm_size : 0;
+    const int64_t  want = (int64_t) (hot >= n || warm >= n || sm >= n || hot + warm + sm >= n ? n : hot + warm + sm);
+    s->prefilling = want > 0; /* until zipmoe_store_prefill_end */
+    pthread_mutex_unlock(&s->mu);
+    *hot_slots = (int64_t) (hot < n ? hot : n);
+    return want;
+}
+
+void zipmoe_store_prefill_end(zipmoe_store * s) {
+    pthread_mutex_lock(&s->mu);
+    s->prefilling = 0;
+    pthread_mutex_unlock(&s->mu);
+}
+
+int zipmoe_store_layer(const zipmoe_store * s) { return s->layer; }

@@ -3,9 +3,11 @@
 #include "zipmoe-llama.h"
 
 #include "ggml-backend.h"
+#include "llama-impl.h"
 #include "ggml-cpu.h"
 #include "zipmoe.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -30,6 +32,15 @@ static std::mutex                                                      g_registr
 static std::unordered_map<const ggml_tensor *, zipmoe_llama_tensor *> g_registry;
 static std::atomic<size_t>                                             g_registry_size{0};
 
+// The stores opened since the last zipmoe_llama_configure: the model being loaded.
+static std::mutex                                     g_pending_mu;
+static std::vector<std::pair<std::string, uint64_t>> g_pending; // name, BF16 bytes
+static std::vector<zipmoe_store *>                    g_opened;  // the same stores
+// The model configured last, until all of its stores are bound: then its tiers are filled (zipmoe_cache_prefill).
+static std::vector<zipmoe_store *> g_loading;
+static size_t                      g_loading_bound = 0;
+static bool                        g_prefill       = true;
+
 void zipmoe_llama_tensor_deleter::operator()(zipmoe_llama_tensor * zt) const {
     if (zt->tensor) {
         std::lock_guard<std::mutex> lock(g_registry_mu);
@@ -38,6 +49,11 @@ void zipmoe_llama_tensor_deleter::operator()(zipmoe_llama_tensor * zt) const {
     }
     if (zt->buffer) {
         ggml_backend_buffer_free(zt->buffer);
+    }
+    {
+        std::lock_guard<std::mutex> lock(g_pending_mu); // a model whose load failed leaves no dangling store
+        g_opened.erase(std::remove(g_opened.begin(), g_opened.end(), zt->store), g_opened.end());
+        g_loading.erase(std::remove(g_loading.begin(), g_loading.end(), zt->store), g_loading.end());
     }
     zipmoe_store_free(zt->store); // unmaps the BF16 memory after the buffer that wrapped it is gone
     delete zt;
@@ -109,9 +125,6 @@ static bool apply_plan(const char * plan, std::string & err) {
     return true;
 }
 
-// The stores opened since the last zipmoe_llama_configure: the model being loaded.
-static std::mutex                                     g_pending_mu;
-static std::vector<std::pair<std::string, uint64_t>> g_pending; // name, BF16 bytes
 
 static int layer_of(const std::string & name) {
     int layer = -1, n = 0;
@@ -127,11 +140,18 @@ static int layer_of(const std::string & name) {
 //   ZIPMOE_PLAN           slots per tier per layer from `zipmoe plan`, instead of the shares
 //   ZIPMOE_CACHE_POLICY   tlfu (default, token-weighted LFU), lru, lfu or fifo
 //   ZIPMOE_CACHE          "none": decode on every use (measurements, tests)
+//   ZIPMOE_PREFILL        "0": leave the tiers empty at load (default: fill them, as llama.cpp's read-ahead and
+//                         warm-up fill the page cache for a plain model, so that the first tokens do not wait)
 bool zipmoe_llama_configure(uint64_t other_bytes, std::string & info, std::string & err) {
     std::vector<std::pair<std::string, uint64_t>> stores;
     {
         std::lock_guard<std::mutex> lock(g_pending_mu);
         stores.swap(g_pending);
+        g_loading.swap(g_opened);
+        g_opened.clear();
+        g_loading_bound = 0;
+        const char * v  = std::getenv("ZIPMOE_PREFILL");
+        g_prefill       = !(v && std::strcmp(v, "0") == 0);
     }
     std::map<int, uint64_t> per_layer; // stores outside any "blk.N." count as a layer each
     uint64_t                working_set = 0, experts = 0;
@@ -226,6 +246,7 @@ zipmoe_llama_tensor_ptr zipmoe_llama_open(const char * name, const void * index,
     {
         std::lock_guard<std::mutex> lock(g_pending_mu);
         g_pending.emplace_back(name, (uint64_t) info.n_expert * (uint64_t) info.n_per_expert * 2);
+        g_opened.push_back(store);
     }
     zipmoe_llama_tensor_ptr zt(new zipmoe_llama_tensor);
     zt->store = store;
@@ -236,6 +257,44 @@ void zipmoe_llama_shape(const zipmoe_llama_tensor * zt, int64_t ne[4]) {
     zipmoe_tensor_info info;
     zipmoe_tensor_get_info(zipmoe_store_tensor(zt->store), &info);
     std::memcpy(ne, info.ne, sizeof info.ne);
+}
+
+static int cpu_count() {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) {
+        return CPU_COUNT(&set);
+    }
+    const long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int) n : 1;
+}
+
+// Once the last store of the model being loaded is bound, its tiers are filled on every core: the first tokens
+// then find the experts a plain model would find in the page cache after llama.cpp's read-ahead.
+static void prefill_when_bound(zipmoe_store * store) {
+    std::vector<zipmoe_store *> stores;
+    {
+        std::lock_guard<std::mutex> lock(g_pending_mu);
+        if (std::find(g_loading.begin(), g_loading.end(), store) == g_loading.end() ||
+            ++g_loading_bound < g_loading.size()) {
+            return;
+        }
+        stores.swap(g_loading);
+        g_loading_bound = 0;
+        if (!g_prefill) {
+            return;
+        }
+    }
+    zipmoe_prefill_stats st{};
+    const int     threads = cpu_count();
+    const int64_t rc      = zipmoe_cache_prefill(stores.data(), (int64_t) stores.size(), threads, &st);
+    if (rc < 0) {
+        LLAMA_LOG_WARN("%s: zipmoe: could not fill the cache tiers at load (%s); experts are decoded when routed to\n",
+                       __func__, zipmoe_status_str(rc));
+        return;
+    }
+    LLAMA_LOG_INFO("%s: zipmoe: filled the cache tiers at load: %llu experts in %.2f s on %d threads%s\n", __func__,
+                   (unsigned long long) st.experts, (double) st.ns / 1e9, threads,
+                   st.failed ? " (some failed: they are decoded, and report their error, when routed to)" : "");
 }
 
 bool zipmoe_llama_bind(zipmoe_llama_tensor * zt, ggml_tensor * t, bool no_alloc, int fd, uint64_t data_offs,
@@ -271,10 +330,13 @@ bool zipmoe_llama_bind(zipmoe_llama_tensor * zt, ggml_tensor * t, bool no_alloc,
         err = "cannot place the tensor in its buffer";
         return false;
     }
-    std::lock_guard<std::mutex> lock(g_registry_mu);
-    g_registry[t]   = zt;
-    zt->tensor      = t;
-    g_registry_size = g_registry.size();
+    {
+        std::lock_guard<std::mutex> lock(g_registry_mu);
+        g_registry[t]   = zt;
+        zt->tensor      = t;
+        g_registry_size = g_registry.size();
+    }
+    prefill_when_bound(zt->store);
     return true;
 }
 

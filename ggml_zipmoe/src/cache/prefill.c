@@ -1,0 +1,187 @@
+/* prefill.c - fills a freshly loaded model's cache tiers before its first token.
+ *
+ * Without it the first tokens pay for every expert's first read and decode while the user waits (a 32-token
+ * run from a cold start spent 60% of its time there). A plain model gets the same from llama.cpp's mmap
+ * read-ahead and warm-up, at load. Each store routes batches of its own experts through the ordinary
+ * zipmoe_store_materialize path, so every budget, tier and transition rule holds as in generation; the batches
+ * are as large as the hot tier (the last one stays decoded, the earlier ones fall into the compressed tiers as
+ * the policy has them), or, without a hot tier, one batch of what the compressed tiers hold. Layer after layer,
+ * so the decoded working set beyond the tiers stays one layer's. */
+#define _GNU_SOURCE
+#include "zipmoe-impl.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <time.h>
+
+typedef struct {
+    zipmoe_store *  s;
+    const int32_t * ids;
+    int64_t         n;
+} prefill_job;
+
+typedef struct {
+    prefill_job *     jobs;
+    int64_t           n_jobs;
+    int               nth;
+    pthread_barrier_t barrier; /* a batch is published before the next begins (the engine's graph barrier) */
+    pthread_mutex_t   mu;
+    pthread_cond_t    cv;
+    int               go; /* nth is final: the threads may begin */
+    _Atomic uint8_t * failed; /* per job: a thread of it failed */
+} prefill_run;
+
+typedef struct {
+    prefill_run * run;
+    int           ith;
+} prefill_thread;
+
+static void run_jobs(prefill_run * r, int ith) {
+    for (int64_t i = 0; i < r->n_jobs; i++) {
+        const prefill_job * j  = &r->jobs[i];
+        const int64_t       rc = zipmoe_store_materialize(j->s, j, j->ids, j->n, 1, sizeof(int32_t),
+                                                          (size_t) j->n * sizeof(int32_t), ith, r->nth);
+        if (rc < 0) {
+            atomic_store(&r->failed[i], 1);
+        }
+        pthread_barrier_wait(&r->barrier);
+    }
+}
+
+static void * thread_main(void * arg) {
+    prefill_thread * t = arg;
+    prefill_run *    r = t->run;
+    pthread_mutex_lock(&r->mu);
+    while (!r->go) {
+        pthread_cond_wait(&r->cv, &r->mu);
+    }
+    pthread_mutex_unlock(&r->mu);
+    if (t->ith < r->nth) {
+        run_jobs(r, t->ith);
+    }
+    return NULL;
+}
+
+static int by_layer(const void * a, const void * b) {
+    const prefill_job * x = a, * y = b;
+    const int lx = zipmoe_store_layer(x->s), ly = zipmoe_store_layer(y->s);
+    return lx != ly ? (lx < ly ? -1 : 1) : (x < y ? -1 : x > y); /* stable: qsort is not */
+}
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t) ts.tv_sec * 1000000000u + (uint64_t) ts.tv_nsec;
+}
+
+int64_t zipmoe_cache_prefill(zipmoe_store * const * stores, int64_t n_stores, int n_threads,
+                             zipmoe_prefill_stats * out) {
+    if ((!stores && n_stores > 0) || n_stores < 0) {
+        return ZIPMOE_ERR_ARG;
+    }
+    const uint64_t t0 = now_ns();
+    zipmoe_prefill_stats stats = { 0, 0, 0 };
+    /* one "job" per store first, sorted by layer; then expanded into its batches */
+    prefill_job * order = calloc((size_t) n_stores + 1, sizeof *order);
+    int64_t *     want  = calloc((size_t) n_stores + 1, sizeof *want);
+    int64_t *     hot   = calloc((size_t) n_stores + 1, sizeof *hot);
+    int32_t **    ids   = calloc((size_t) n_stores + 1, sizeof *ids);
+    prefill_job *     jobs   = NULL;
+    _Atomic uint8_t * failed = NULL;
+    int64_t           rc = ZIPMOE_OK, n_jobs = 0;
+    if (!order || !want || !hot || !ids) {
+        rc = ZIPMOE_ERR_NOMEM;
+        goto done;
+    }
+    for (int64_t i = 0; i < n_stores; i++) {
+        order[i].s = stores[i];
+    }
+    qsort(order, (size_t) n_stores, sizeof *order, by_layer);
+    for (int64_t i = 0; i < n_stores; i++) {
+        want[i] = zipmoe_store_prefill_begin(order[i].s, &hot[i]);
+        if (want[i] > 0 && (ids[i] = malloc((size_t) want[i] * sizeof(int32_t))) == NULL) {
+            rc = ZIPMOE_ERR_NOMEM;
+        }
+        for (int64_t e = 0; rc == ZIPMOE_OK && e < want[i]; e++) {
+            ids[i][e] = (int32_t) e;
+        }
+        n_jobs += want[i] == 0 ? 0 : hot[i] == 0 ? 1 : (want[i] + hot[i] - 1) / hot[i];
+    }
+    jobs   = rc == ZIPMOE_OK ? calloc((size_t) n_jobs + 1, sizeof *jobs) : NULL;
+    failed = jobs ? calloc((size_t) n_jobs + 1, sizeof *failed) : NULL;
+    if (!jobs || !failed) {
+        rc = rc == ZIPMOE_OK ? ZIPMOE_ERR_NOMEM : rc;
+        goto end;
+    }
+    int64_t k = 0;
+    for (int64_t i = 0; i < n_stores; i++) {
+        if (want[i] == 0) {
+            continue;
+        }
+        if (hot[i] == 0) { /* no hot tier: one batch, decoded once, for the compressed tiers to keep */
+            jobs[k++] = (prefill_job) { order[i].s, ids[i], want[i] };
+            continue;
+        }
+        /* the experts beyond the hot ones first: they fall into the compressed tiers as the next batch displaces them */
+        for (int64_t b = hot[i]; b < want[i]; b += hot[i]) {
+            jobs[k++] = (prefill_job) { order[i].s, ids[i] + b, want[i] - b < hot[i] ? want[i] - b : hot[i] };
+        }
+        jobs[k++] = (prefill_job) { order[i].s, ids[i], hot[i] };
+    }
+
+    prefill_run r = { .jobs = jobs, .n_jobs = n_jobs, .nth = 1, .failed = failed };
+    pthread_mutex_init(&r.mu, NULL);
+    pthread_cond_init(&r.cv, NULL);
+    const int        want_threads = n_threads < 1 ? 1 : n_threads > 256 ? 256 : n_threads;
+    pthread_t        tid[256];
+    prefill_thread   targ[256];
+    int              created = 0;
+    for (int t = 1; t < want_threads; t++) { /* fewer threads if the system refuses some */
+        targ[t] = (prefill_thread) { &r, t };
+        if (pthread_create(&tid[t], NULL, thread_main, &targ[t]) != 0) {
+            break;
+        }
+        created++;
+    }
+    r.nth = created + 1;
+    pthread_barrier_init(&r.barrier, NULL, (unsigned) r.nth);
+    pthread_mutex_lock(&r.mu);
+    r.go = 1;
+    pthread_cond_broadcast(&r.cv);
+    pthread_mutex_unlock(&r.mu);
+    run_jobs(&r, 0);
+    for (int t = 1; t <= created; t++) {
+        pthread_join(tid[t], NULL);
+    }
+    pthread_barrier_destroy(&r.barrier);
+    pthread_mutex_destroy(&r.mu);
+    pthread_cond_destroy(&r.cv);
+    for (int64_t j = 0; j < n_jobs; j++) {
+        if (atomic_load(&failed[j])) {
+            stats.failed++;
+        } else {
+            stats.experts += (uint64_t) jobs[j].n;
+        }
+    }
+end:
+    free(jobs);
+    free((void *) failed);
+    for (int64_t i = 0; i < n_stores; i++) {
+        char msg[8];
+        if (want[i] > 0) {
+            zipmoe_store_prefill_end(order[i].s);
+            zipmoe_store_take_error(order[i].s, msg, sizeof msg); /* see above: the first use reports it */
+        }
+        free(ids[i]);
+    }
+done:
+    free(order);
+    free(want);
+    free(hot);
+    free(ids);
+    stats.ns = now_ns() - t0;
+    if (out) {
+        *out = stats;
+    }
+    return rc < 0 ? rc : (int64_t) stats.experts;
+}
