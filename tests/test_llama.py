@@ -310,6 +310,31 @@ def test_prefill_decodes_at_load_and_gives_the_same_logits(logits: Callable, our
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_the_layer_in_flights_decoded_experts_count_once(logits: Callable, ours: Path, arch: str,
+                                                         zipmoe_models: dict[tuple[str, str], Path], tmp_path: Path
+                                                         ) -> None:
+    """The budget's allowance for the layer in flight need not hold the experts the hot tier holds already: with
+    2 layers, 48 KiB for the tiers keep 96 KiB decoded (4 of each store's 8 experts), and a prompt that routes to
+    every expert still peaks within the budget."""
+    from pyzipmoe.budget import model_memory
+
+    ref_reports, ref = logits(arch, "bf16")
+    need = model_memory(zipmoe_models[arch, "huff"])
+    assert need.layer_bytes == 3 * 8 * 2048 * 2 and need.expert_bytes == 2 * need.layer_bytes  # the tiny preset
+    extra = 48 << 10
+    runs = [{"config": CONFIGS[i], "zipmoe": {"memory_budget": str(need.minimum + extra), "hot_share": 1.0,
+                                              "prefill": True}} for i in (1, 5)]  # a prompt in one batch
+    reports, got = run_worker(zipmoe_models[arch, "huff"], ours, runs, tmp_path / "credit.npz")
+    for k, run in enumerate(runs):
+        what = f"{arch} {run}"
+        _no_error(reports[k])
+        assert_bit_identical(got[f"run{k}"], ref[f"run{(1, 5)[k]}"], what)
+        stats = reports[k]["stats"]
+        assert stats["hot_bytes"] == 2 * extra, (what, stats)
+        assert stats["peak_resident_bytes"] <= extra + need.layer_bytes, (what, stats)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_a_budget_below_the_minimum_is_refused_saying_the_minimum(arch: str, zipmoe_models: dict[tuple[str, str], Path],
                                                                  ours: Path, tmp_path: Path) -> None:
     """Python refuses it before loading, and bare libllama (the environment variable) refuses it at load."""

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdio>
 #include <cctype>
@@ -161,7 +162,7 @@ bool zipmoe_llama_configure(uint64_t other_bytes, std::string & info, std::strin
         working_set     = std::max(working_set, per_layer[layer >= 0 ? layer : unnamed--] += bytes);
         experts += bytes;
     }
-    uint64_t      hot = UINT64_MAX, warm = 0, sm = 0;
+    uint64_t      hot = UINT64_MAX, warm = 0, sm = 0, in_flight = working_set;
     zipmoe_policy policy = ZIPMOE_POLICY_TOKEN_LFU;
     if (const char * v = std::getenv("ZIPMOE_MEMORY_BUDGET"); v && *v) {
         uint64_t budget = 0;
@@ -188,9 +189,19 @@ bool zipmoe_llama_configure(uint64_t other_bytes, std::string & info, std::strin
         hot  = (uint64_t) ((double) tiers * hot_share);
         sm   = std::min(tiers - hot, (uint64_t) ((double) tiers * sm_share));
         warm = tiers - hot - sm;
+        // The layer in flight's experts that are decoded already need no room of their own: the hot tier holds
+        // them. Its share of every layer (the budgets are shared by BF16 size) comes out of the allowance for
+        // the layer in flight, whose largest layer then decodes at most (1 - hot / experts) of itself anew.
+        if (hot > 0 && experts > working_set) {
+            const double layer_share = (double) working_set / (double) experts;
+            const uint64_t grown     = std::min(experts, (uint64_t) ((double) hot / (1.0 - layer_share)));
+            in_flight = working_set - std::min(working_set, (uint64_t) std::ceil((double) grown * layer_share));
+            hot       = grown;
+        }
         info = "zipmoe: memory budget " + mib(budget) + ": " + mib(other_bytes) + " weights that are not experts, " +
-               mib(working_set) + " for one layer in flight, cache tiers " + mib(hot) + " decoded, " + mib(warm) +
-               " compressed, " + mib(sm) + " sign+mantissa (experts " + mib(experts) + " in BF16)";
+               mib(in_flight) + " for one layer in flight beyond its decoded experts, cache tiers " + mib(hot) +
+               " decoded, " + mib(warm) + " compressed, " + mib(sm) + " sign+mantissa (experts " + mib(experts) +
+               " in BF16)";
     } else {
         info = "zipmoe: no memory budget: decoded experts are kept (set ZIPMOE_MEMORY_BUDGET or --memory-budget)";
     }
@@ -229,7 +240,7 @@ bool zipmoe_llama_configure(uint64_t other_bytes, std::string & info, std::strin
     }
     zipmoe_cache_configure(hot, warm, sm, policy);
     // evicted experts' memory is kept, within the allowance for the layer in flight, for the next decodes
-    zipmoe_cache_set_reserve(working_set);
+    zipmoe_cache_set_reserve(hot == 0 ? working_set : in_flight);
     return true;
 }
 
