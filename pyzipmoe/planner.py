@@ -57,8 +57,9 @@ __all__ = [
     "ModelGeometry", "Plan", "PlanInputError", "RecencyDesign", "TierSeconds", "conditional_poisson", "cost_model",
     "costs_from_dict", "costs_from_file", "counts_from_trace", "cp_inclusion", "decode_plan", "default_costs",
     "expected_delay", "fixed_split_plan", "geometry_from_gguf", "hit_rates", "inclusion_targets", "layer_delay", "layer_design",
-    "layer_table", "lru_ranks", "plan", "plan_for_budget", "poisson_binomial", "recency_design", "split_delays",
-    "tier_count_distribution", "tier_seconds", "token_delays", "uniform_counts", "validate_counts",
+    "layer_table", "lru_ranks", "miss_fractions", "plan", "plan_for_budget", "poisson_binomial", "pool_designs",
+    "pooling_strength", "recency_design", "split_delays", "tier_count_distribution", "tier_seconds", "token_delays",
+    "uniform_counts", "validate_counts",
 ]
 
 PLAN_ENV = "ZIPMOE_PLAN"
@@ -486,11 +487,32 @@ class RecencyDesign:
     against this model token by token. With both hot and warm slots it is not: an expert leaving the hot tier has
     no exponent codes to become warm with. split_delays therefore offers only the splits it predicts. Unlike the
     frequency design it sees that a conversation keeps coming back to the experts it used last, which is what
-    keeps a small hot tier useful. Delays and hit rates are the means over the scored tokens."""
+    keeps a small hot tier useful. Delays and hit rates are the means over the scored tokens, weighted by
+    `weights` (pool_designs mixes other layers' tokens into a layer's design with them)."""
 
     k: int
     n_expert: int
     ranks: np.ndarray  # [tokens, k]: the LRU ranks of each scored token's routed experts (n_expert: never seen)
+    weights: np.ndarray | None = None  # [tokens]: each scored token's weight in the means; None: 1 each
+
+    def __post_init__(self) -> None:
+        if self.weights is None:
+            return
+        w = np.asarray(self.weights, np.float64)
+        if w.shape != self.ranks.shape[:1] or not np.isfinite(w).all() or (w < 0).any() or not w.sum() > 0:
+            raise ZipmoeError(f"a recency design's weights must be one finite weight >= 0 per scored token "
+                              f"({self.ranks.shape[0]}), not all zero")
+        object.__setattr__(self, "weights", w)  # frozen: the validated float copy replaces what was given
+
+    @property
+    def token_weights(self) -> np.ndarray:
+        """[tokens]: each scored token's weight (ones when the design has none)."""
+        return np.ones(self.ranks.shape[0]) if self.weights is None else self.weights
+
+    @property
+    def tokens(self) -> float:
+        """The total weight of the scored tokens: their number when unweighted."""
+        return float(self.token_weights.sum())
 
     def tier_counts(self, hot: int, warm: int, sm: int) -> np.ndarray:
         """[tokens, 4]: how many of each token's routed experts were hot, warm, sm and cold."""
@@ -500,33 +522,62 @@ class RecencyDesign:
 
     def expected_delay(self, seconds: TierSeconds, hot: int, warm: int, sm: int) -> float:
         _, b, c, d = self.tier_counts(hot, warm, sm).T
-        return float(layer_delay(b, c, d, seconds).mean())
+        w = self.token_weights
+        return float(w @ layer_delay(b, c, d, seconds) / w.sum())
 
     def hit_rates(self, hot: int, warm: int, sm: int) -> tuple[float, float, float, float]:
-        rates = self.tier_counts(hot, warm, sm).sum(axis=0) / self.ranks.size
+        w = self.token_weights
+        rates = w @ self.tier_counts(hot, warm, sm) / (w.sum() * self.k)
         return float(rates[0]), float(rates[1]), float(rates[2]), float(rates[3])
 
     def split_delays(self, seconds: TierSeconds) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(hot, warm, sm, delay) for every split of the layer without both hot and warm slots, as expected_delay
-        gives each."""
-        n = self.n_expert
-        below = (self.ranks[:, :, None] < np.arange(n + 1)).sum(axis=1)  # [tokens, x]: routed experts ranked < x
+        gives each.
+
+        With tier boundaries x1 <= x2 <= x3 and x1 = 0 or x1 = x2 (see above), a token's delay depends only on
+        how many of its routed experts rank below x2 and below x3, b(x2) and b(x3): b(x) steps from j to j + 1 at
+        x = r_j + 1, its j-th lowest rank + 1. Over the (x2, x3) plane a token is thus at one (b2, b3) on each of
+        the (k + 1)^2 rectangles its ranks cut: W[x2, x3, b2, b3], the weight of the tokens there, takes 4 corners
+        per rectangle in a 2-D difference array and two cumulative sums. Work O(tokens k^2 + (n k)^2), not
+        O(tokens n^2): pooled designs hold the tokens of every layer.
+        """
+        n, k, w = self.n_expert, self.k, self.token_weights
+        tokens = self.ranks.shape[0]
+        # b(x) = j on [s_j, s_j+1): s_0 = 0, s_j = r_j + 1 (ranks ascending), s_k+1 = n + 1, past every split
+        starts = np.concatenate([np.zeros((tokens, 1), np.int64), np.minimum(np.sort(self.ranks, axis=1), n) + 1,
+                                 np.full((tokens, 1), n + 1, np.int64)], axis=1)
+        lo, hi = starts[:, :-1], starts[:, 1:]  # [tokens, j]
+        b2, b3 = np.indices((k + 1, k + 1))
+        c, d = b3 - b2, k - b3
+        reads = c * seconds.read_sm + d * seconds.read_cold
+        first_read = np.where(c > 0, seconds.layer_sm, np.where(d > 0, seconds.layer, 0.0))
+        possible = b3 >= b2
+        per_count = np.stack([np.where(possible, np.maximum(k * seconds.decode, reads) + first_read, 0.0),  # x1 = 0
+                              np.where(possible, np.maximum((k - b2) * seconds.decode, reads) + first_read, 0.0)])
+        side = n + 2
+        # W sums weights >= 0: what is nearer 0 than the least weight is rounding (none with whole weights)
+        snap = 0.5 * w[w > 0].min()
+        totals = np.zeros((2, n + 1, n + 1))  # [x1 = 0 or x1 = x2, x2, x3]
+        cells = np.arange(k + 1)
+        for j in range(k + 1):  # b2 = j: one slab of W at a time keeps memory at O(n^2 k)
+            diff = np.zeros(side * side * (k + 1))
+            for x2, sign2 in ((lo[:, j], 1.0), (hi[:, j], -1.0)):
+                for x3, sign3 in ((lo, 1.0), (hi, -1.0)):
+                    index = (x2[:, None] * side + x3) * (k + 1) + cells  # [tokens, b3]
+                    diff += np.bincount(index.ravel(), np.repeat(sign2 * sign3 * w, k + 1), minlength=diff.size)
+            weight = diff.reshape(side, side, k + 1).cumsum(axis=0).cumsum(axis=1)[: n + 1, : n + 1]
+            weight[np.abs(weight) < snap] = 0.0
+            totals += np.einsum("xyb,cb->cxy", weight, per_count[:, j])
+        totals /= w.sum()
         hot, warm, sm, delay = [], [], [], []
         for x2 in range(n + 1):
             x1 = np.array([0, x2]) if x2 > 0 else np.array([0])  # no hot slots, or no warm ones (see above)
             x3 = np.arange(x2, n + 1)
-            not_hot = self.k - below[:, x1]  # [tokens, x1]
-            c = below[:, x3] - below[:, [x2]]  # [tokens, x3]
-            d = self.k - below[:, x3]
-            reads = c * seconds.read_sm + d * seconds.read_cold
-            first_read = np.where(c > 0, seconds.layer_sm, np.where(d > 0, seconds.layer, 0.0))  # [tokens, x3]
-            delays = (np.maximum(not_hot[:, :, None] * seconds.decode, reads[:, None, :]) +
-                      first_read[:, None, :]).mean(axis=0)
             g1, g3 = np.meshgrid(x1, x3, indexing="ij")
             hot.append(g1.ravel())
             warm.append(x2 - g1.ravel())
             sm.append(g3.ravel() - x2)
-            delay.append(delays.ravel())
+            delay.append(totals[: x1.size, x2, x3].ravel())
         return np.concatenate(hot), np.concatenate(warm), np.concatenate(sm), np.concatenate(delay)
 
 
@@ -546,6 +597,67 @@ def recency_design(routing: np.ndarray, k: int, *, history: int | None = None) -
     ranks = lru_ranks(routing)[scored]
     ranks = np.sort(np.where(ranks >= 0, ranks, np.iinfo(np.int64).max), axis=1)[:, :k]
     return RecencyDesign(k=k, n_expert=routing.shape[1], ranks=ranks)
+
+
+def miss_fractions(design: RecencyDesign) -> np.ndarray:
+    """[n_expert - 1]: for each cut c = 1..n_expert-1, the (weighted) share of the routed experts that ranked >= c,
+    the ones c hot slots would miss."""
+    n = design.n_expert
+    ranked = np.bincount(np.minimum(design.ranks, n).ravel(), np.repeat(design.token_weights, design.k),
+                         minlength=n + 1)
+    at_or_above = ranked[::-1].cumsum()[::-1]  # [c]: routed experts ranked >= c
+    return at_or_above[1:n] / at_or_above[0]
+
+
+def pooling_strength(designs: Sequence[RecencyDesign]) -> float:
+    """How many tokens' worth of the pooled design (every layer's tokens) to mix into each layer's own: the prior
+    strength n0 of an empirical Bayes shrinkage, by the method of moments. 0 for fewer than two layers; inf where
+    the layers differ no more than sampling alone would make them.
+
+    A short routing log (a few dozen scored tokens a layer) measures each layer's delay curve with much noise, and
+    the planner's dynamic programme, picking the best-looking split per layer, fits that noise (the optimizer's
+    curse): layers that route alike got very different slots, and plans measured slower than the equal split.
+    Shrinking each layer toward the pool plans per layer where the data supports it. Over the cuts c of the LRU
+    stack, the miss fraction m_i(c) of layer i varies between layers by S_b = sum_c var_i m_i(c), of which
+    sampling explains S_w = sum_c mean_i m_i(c) (1 - m_i(c)) / (n_i k) (n_i its scored tokens' weight): the true
+    spread is tau2 = S_b - S_w, and n0 = mean(n_i) S_w / tau2. The LRU ranks of consecutive tokens are correlated
+    (a token reuses the last one's experts), so S_w underestimates the sampling variance and n0 errs toward less
+    pooling."""
+    if len(designs) < 2:
+        return 0.0
+    if len({(d.n_expert, d.k) for d in designs}) > 1:
+        raise ZipmoeError("only layers with the same number of experts and experts per token can be pooled")
+    tokens = np.array([d.tokens for d in designs])
+    miss = np.stack([miss_fractions(d) for d in designs])  # [layers, cuts]
+    between = float(miss.var(axis=0, ddof=1).sum())
+    within = float((miss * (1 - miss) / (tokens[:, None] * designs[0].k)).mean(axis=0).sum())
+    spread = between - within
+    return math.inf if spread <= 0 else float(tokens.mean() * within / spread)
+
+
+def pool_designs(designs: Sequence[LayerDesign | RecencyDesign]) -> tuple[LayerDesign | RecencyDesign, ...]:
+    """Each recency design shrunk toward the pool of the recency designs with its n_expert and k (see
+    pooling_strength): its own tokens with their weights (n_i in all) and every pooled layer's tokens with n0 in
+    all, so its delays are (n_i delay_i + n0 delay_pool) / (n_i + n0). Frequency designs, and a recency design
+    with no other to pool with, are returned as they are; with n0 infinite every pooled layer gets the pool."""
+    out = list(designs)
+    groups: dict[tuple[int, int], list[tuple[int, RecencyDesign]]] = {}
+    for i, d in enumerate(designs):
+        if isinstance(d, RecencyDesign):
+            groups.setdefault((d.n_expert, d.k), []).append((i, d))
+    for (n, k), members in groups.items():
+        n0 = pooling_strength([d for _, d in members])
+        if n0 == 0:
+            continue
+        pool_weights = np.concatenate([d.token_weights for _, d in members])
+        pool = RecencyDesign(k=k, n_expert=n, ranks=np.concatenate([d.ranks for _, d in members]),
+                             weights=pool_weights)
+        prior = pool_weights * (n0 / pool_weights.sum()) if math.isfinite(n0) else None
+        for i, d in members:
+            out[i] = pool if prior is None else RecencyDesign(
+                k=k, n_expert=n, ranks=np.concatenate([d.ranks, pool.ranks]),
+                weights=np.concatenate([d.token_weights, prior]))
+    return tuple(out)
 
 
 # ------------------------------------------------------------------------------------ delay of a split
@@ -715,9 +827,10 @@ class CostModel:
 def cost_model(geometry: ModelGeometry, costs: Costs, counts: np.ndarray | None = None,
                routing: Mapping[int, np.ndarray] | None = None) -> CostModel:
     """Fits each MoE layer's routing design and tabulates its splits: the recency design where `routing` (block ->
-    bool [tokens, n_expert], the order generated tokens routed in) has enough tokens, else the frequency design
-    of the activation counts [n_layer, n_expert] (None: uniform). The expensive part of planning; plans for many
-    budgets share it."""
+    bool [tokens, n_expert], the order generated tokens routed in) has enough tokens, shrunk toward the pool of
+    all layers' recency designs as far as the layers do not differ more than their logs' noise (pool_designs),
+    else the frequency design of the activation counts [n_layer, n_expert] (None: uniform). The expensive part of
+    planning; plans for many budgets share it."""
     g = geometry
     counts = uniform_counts(g) if counts is None else validate_counts(counts, g.n_layer, g.n_expert)
     routing = routing or {}
@@ -727,7 +840,7 @@ def cost_model(geometry: ModelGeometry, costs: Costs, counts: np.ndarray | None 
         recent = recency_design(log, g.n_expert_used) if log is not None else None
         return recent if recent is not None else layer_design(counts[block], g.n_expert_used)
 
-    designs = tuple(design(block) for block in g.layers)
+    designs = pool_designs([design(block) for block in g.layers])  # short logs: shrunk toward all layers
     tables = tuple(layer_table(designs[i], tier_seconds(g, costs, i), g.hot_bytes[i], g.warm_bytes[i], g.sm_bytes[i])
                    for i in range(len(g.layers)))
     return CostModel(g, costs, designs, tables)
