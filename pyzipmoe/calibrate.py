@@ -13,12 +13,12 @@ The planner needs a few numbers it cannot know from the file alone (`Calibration
   base_seconds_per_token what a generated token costs with every expert decoded
 
   t_layer                wall seconds a layer adds per token whenever it reads from disk: the wait for its
-                         first read, which no decoding overlaps
+                         first read, which no decoding overlaps (read_latency + one region / disk_bandwidth)
 
 Those are measured through the engine (`engine=True`, the default; pyzipmoe.timing): the model generates greedily
 in fresh processes, with every expert decoded (the base), with k hot slots per layer and the rest of the experts
 warm, sm or cold, and with half the experts hot and the rest cold; each run's time per token is the base plus
-the layers that decoded and the experts the runtime counted in each tier times their costs, which the five runs
+the layers that decoded and the experts the runtime counted in each tier times their costs, which the six runs
 determine. That is what the planner predicts with; on the 2.8g bench model the
 runtime's stores driven directly from Python (`engine=False`: quicker, no engine needed) cost 3x as much per
 expert as the engine pays, and the planner's predictions were off by as much.
@@ -61,7 +61,7 @@ from .errors import FormatError, UnsupportedError, ZipmoeError
 from .memory import CGROUP_ROOT, PROC_SELF, cgroup_dirs
 from .progress import Progress, Silent
 
-SCHEMA = 2  # of the cache files; another value is measured again (1: tier costs from the stores alone)
+SCHEMA = 3  # of the cache files; another value is measured again (1: tier costs from the stores alone; 2: t_layer fitted)
 DEFAULT_READ_BYTES = 256 << 20  # a few hundred MiB: enough reads for a stable median, a few seconds on an SSD
 DEFAULT_MIN_SECONDS = 0.25  # of CPU time per timing: enough batches for a stable median
 _BATCH_SECONDS = 1e-3  # a timed batch lasts at least this: far above the clock's resolution and call overhead
@@ -484,9 +484,12 @@ ENGINE_WARMUP, ENGINE_TOKENS = 32, 32  # tokens before timing (the experts settl
 ENGINE_BASE_WARMUP = 200  # every expert decoded, and its huge pages collapsed (that takes ~100 tokens on 2 cores)
 
 
-def measure_engine(model_path: Path, *, threads: int, expert_tensors: int, progress: Progress) -> EngineCosts | None:
+def measure_engine(model_path: Path, *, threads: int, expert_tensors: int, first_read: float,
+                   progress: Progress) -> EngineCosts | None:
     """The tier costs the engine pays, from six timed generations (see the module's docstring); None when the runs
-    cannot tell them apart (a model whose generation settles on so few experts that a tier is never used)."""
+    cannot tell them apart (a model whose generation settles on so few experts that a tier is never used).
+    first_read: seconds of a layer's first read from disk (the disk's latency and one region at its bandwidth),
+    which no decoding overlaps: t_layer."""
     from .budget import model_memory
     from .planner import geometry_from_gguf
     from .timing import time_generation
@@ -523,19 +526,20 @@ def measure_engine(model_path: Path, *, threads: int, expert_tensors: int, progr
     half = n // 2
     runs = [timed(None), timed(k), timed(k, n - k), timed(k, 0, n - k), timed(half), timed(half, n - half)]
     # every run's seconds per token = base + t_layer * layers that read + warm, sm and cold experts times their
-    # costs, per token: six runs, five unknowns, least squares (the all-decoded run still meets a few experts for
-    # the first time)
+    # costs, per token: six runs, four unknowns, least squares (the all-decoded run still meets a few experts for
+    # the first time). t_layer is the disk's, not fitted: nearly every layer reads in every run that reads at all,
+    # so a fitted t_layer traded off against the base and the cold cost (16 ms against a 1.6 ms read, the base
+    # down to a fifth, on a shared 2-core machine)
     counts = np.array([[1.0, *(per_token(r, key) for key in ("reading_calls", "hits_warm", "hits_sm", "misses"))]
                        for r in runs])
     seconds = np.array([r["seconds"] / ENGINE_TOKENS for r in runs])
     counts[3, 1] *= geometry.read_sm_bytes(0) / max(1, geometry.warm_bytes[0])  # its first reads are codes only
     if min(counts[1, 4], counts[2, 2], counts[3, 3], counts[4, 4], counts[5, 2]) <= 0:
         return None  # a tier no run used
-    columns = [0, 1, 2, 3, 4]
-    if np.linalg.matrix_rank(counts) < len(columns):  # every layer that read, read one expert: no telling apart
-        columns = [0, 2, 3, 4]  # the first read's wait then counts in the experts' costs
-    solved = dict(zip(columns, np.linalg.lstsq(counts[:, columns], seconds, rcond=None)[0]))
-    base, layer, warm, sm, cold = (float(solved.get(i, 0.0)) for i in range(5))
+    layer = first_read
+    columns = [0, 2, 3, 4]
+    solved = dict(zip(columns, np.linalg.lstsq(counts[:, columns], seconds - layer * counts[:, 1], rcond=None)[0]))
+    base, warm, sm, cold = (float(solved[i]) for i in columns)
     tiny = 1e-7  # no tier may look free: every split would tie
     warm = max(warm, tiny)
     return EngineCosts(base=max(base, tiny), layer=max(layer, 0.0), warm=warm, sm=max(sm, warm), cold=max(cold, warm))
@@ -721,7 +725,9 @@ def calibrate(model_path: str | os.PathLike[str], *, force: bool = False, progre
         from .timing import TimingError
 
         try:
-            measured = measure_engine(path, threads=usable_cores(), expert_tensors=len(tensors), progress=progress)
+            region = sum(c.expert.span(expert).size for c in tensors) / len(tensors)  # a layer's first read
+            measured = measure_engine(path, threads=usable_cores(), expert_tensors=len(tensors),
+                                      first_read=disk.latency + region / disk.bandwidth, progress=progress)
         except TimingError as e:
             warnings.warn(f"{e}; tier costs are measured through the stores alone", stacklevel=2)
     if measured is not None:

@@ -158,7 +158,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     check_budget(budget, need)
     counts = _counts(args, geometry)
     costs, costs_source = _costs(args, model_path, geometry)
-    plan = planner.plan(geometry, costs, counts, budget - need.minimum)
+    plan = planner.runtime_plan(planner.cost_model(geometry, costs, counts), budget - need.minimum)
     memory = {"budget": budget, "other_bytes": need.other_bytes, "layer_in_flight_bytes": need.layer_bytes,
               "tier_bytes": budget - need.minimum}
     if args.json:

@@ -71,7 +71,7 @@ def plan_model(model_path: str | os.PathLike[str], budget: int, *, trace: str | 
     costs, source = machine_costs(model_path, geometry)
     counts = planner.counts_from_trace(trace, geometry.n_layer, geometry.n_expert) if trace else None
     model = planner.cost_model(geometry, costs, counts)
-    return Planned(need, budget, model, planner.plan_for_budget(model, budget - need.minimum), source)
+    return Planned(need, budget, model, planner.runtime_plan(model, budget - need.minimum), source)
 
 
 def planner_by_default(model_path: str | os.PathLike[str], *, budget: str | int | None, hot_share: float | None,
@@ -239,7 +239,7 @@ class MemoryMonitor:
         self._routed_at_plan = float(seen.min())
         model = planner.cost_model(g, self.planned.model.costs, counts, routing=live_routing(g, self._lib))
         self.planned = Planned(self.planned.need, self.planned.budget, model,
-                               planner.plan_for_budget(model, self.budget - self.planned.need.minimum),
+                               planner.runtime_plan(model, self.budget - self.planned.need.minimum),
                                self.planned.costs_source)
         apply_plan(self.planned.plan, self._lib)
         self.replans.append((self.budget, self.planned.plan))
@@ -256,7 +256,7 @@ class MemoryMonitor:
             return False
         tiers = target - self.planned.need.minimum
         plan = planner.fixed_split_plan(self.planned.model, tiers, *self.split) if self.split is not None \
-            else planner.plan_for_budget(self.planned.model, tiers)
+            else planner.runtime_plan(self.planned.model, tiers)
         apply_plan(plan, self._lib)
         self.budget = target
         self.replans.append((target, plan))

@@ -57,7 +57,7 @@ __all__ = [
     "ModelGeometry", "Plan", "PlanInputError", "RecencyDesign", "TierSeconds", "conditional_poisson", "cost_model",
     "costs_from_dict", "costs_from_file", "counts_from_trace", "cp_inclusion", "decode_plan", "default_costs",
     "expected_delay", "fixed_split_plan", "geometry_from_gguf", "hit_rates", "inclusion_targets", "layer_delay", "layer_design",
-    "layer_table", "lru_ranks", "miss_fractions", "plan", "plan_for_budget", "poisson_binomial", "pool_designs",
+    "layer_table", "lru_ranks", "miss_fractions", "plan", "plan_for_budget", "runtime_plan", "poisson_binomial", "pool_designs",
     "pooling_strength", "recency_design", "split_delays", "tier_count_distribution", "tier_seconds", "token_delays",
     "uniform_counts", "validate_counts",
 ]
@@ -889,6 +889,23 @@ def plan_for_budget(model: CostModel, budget: int, *, steps: int = DEFAULT_BUDGE
         j = index[pick]
         splits.append((int(t.hot[j]), int(t.warm[j]), int(t.sm[j])))
     return _plan_from_splits(model, _spend_leftover(g, splits, budget), budget)
+
+
+PLAN_MARGIN = 0.25  # how much of the time tokens wait for experts a plan must save for a run to take it
+
+
+def runtime_plan(model: CostModel, budget: int, *, margin: float = PLAN_MARGIN) -> Plan:
+    """The plan a run takes: plan_for_budget's, unless it is predicted to save less than `margin` of the time
+    tokens wait for experts when the budget keeps decoded experts only (the same hot slots in every layer); a
+    run then keeps those.
+
+    The cost model's predictions fall within about 25% of measured speed (tools/bench_planner.py), and decoded
+    experts alone were the best or near-best fixed split at every budget measured from 60% up on the synthetic
+    model: a plan the model rates only slightly better is as likely slower, and it moves memory between tiers
+    and layers for nothing. Where routing is skewed, or the budget small, plans save far more than that."""
+    best = plan_for_budget(model, budget)
+    decoded = fixed_split_plan(model, budget, 1.0, 0.0, 0.0)
+    return best if best.delay < (1 - margin) * decoded.delay else decoded
 
 
 def _spend_leftover(g: ModelGeometry, splits: list[tuple[int, int, int]], budget: int) -> list[tuple[int, int, int]]:

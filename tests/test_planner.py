@@ -650,3 +650,19 @@ def test_cli_costs_from_a_calibration(tiny_zipmoe: Path, tmp_path: Path, capsys:
                             "--costs", str(tmp_path / "costs.json"))
     data = json.loads(out)
     assert (data["costs"]["cores"], data["costs"]["t_decode"]) == (5, 2e-4)
+
+
+def test_a_run_takes_a_plan_only_for_a_clear_saving(small_model: planner.CostModel):
+    """runtime_plan keeps decoded experts only unless the plan saves more than PLAN_MARGIN of their wait."""
+    g = small_model.geometry
+    found = {True: False, False: False}
+    for budget in range(0, g.all_hot_bytes + 1, 10):
+        best = planner.plan_for_budget(small_model, budget)
+        decoded = planner.fixed_split_plan(small_model, budget, 1.0, 0.0, 0.0)
+        taken = planner.runtime_plan(small_model, budget)
+        clear = best.delay < (1 - planner.PLAN_MARGIN) * decoded.delay
+        assert taken.encode() == (best if clear else decoded).encode(), budget
+        assert taken.nbytes <= budget
+        found[clear] = True
+    assert all(found.values()), found  # both cases occur in this sweep
+    assert planner.runtime_plan(small_model, 100, margin=0.0).encode() == planner.plan_for_budget(small_model, 100).encode()

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         planned = controller.plan_model(model, budget)
         tiers = budget - planned.need.minimum
         recency = planner.cost_model(geometry, planned.model.costs, routing=routing)
-        rows = [("planner", planner.plan_for_budget(recency, tiers))]
+        rows = [("planner", planner.runtime_plan(recency, tiers))]
         for h, w, s in splits(args.step):
             rows.append((f"hot {h:.0%} warm {w:.0%} sm {s:.0%}", planner.fixed_split_plan(recency, tiers, h, w, s)))
         print(f"\nbudget {pct:g}% = {budget / 2**20:.0f} MiB ({tiers / 2**20:.0f} MiB for the tiers)", flush=True)
