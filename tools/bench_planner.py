@@ -17,6 +17,7 @@ same in every run (the outputs are bit-exact, so every run generates the same to
     .venv/bin/python tools/bench_planner.py                       # the 2.8g synthetic model of bench_budget
     .venv/bin/python tools/bench_planner.py --budgets 60,75 --step 0.25 --json out.json
     .venv/bin/python tools/bench_planner.py --model m.zipmoe.gguf --repeat 3
+    .venv/bin/python tools/bench_planner.py --step 0.1 --gen 24 --confirm 3   # the issue's grid, then a check
 
 Acceptance (the planner's issue): measured tokens/s with the planner within 10% of the best fixed split at
 every budget, and predicted within 25% of measured.
@@ -73,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
                                                           "planner re-plans from (default: %(default)s)")
     p.add_argument("--gen", type=int, default=24, help="tokens timed (default: %(default)s)")
     p.add_argument("--repeat", type=int, default=1, help="runs per row; the median counts (default: %(default)s)")
+    p.add_argument("--confirm", type=int, default=0, help="then measure the planner and the N best fixed splits of "
+                                                          "each budget again, --confirm-repeat times, and compare "
+                                                          "those medians (a grid of single runs overrates its best: "
+                                                          "the highest of many noisy runs)")
+    p.add_argument("--confirm-repeat", type=int, default=5)
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json", type=Path, help="write every run here")
     args = p.parse_args(argv)
@@ -121,6 +127,27 @@ def main(argv: list[str] | None = None) -> int:
             got = f"{res['tps']:9.2f}" if "tps" in res else f"{'failed':>9}"
             print(f"{name:<28} {predicted:9.2f} {got}  {plan.encode()[:60]}", flush=True)
         ok = [r for r in results if r["budget_pct"] == pct and "tps" in r]
+        if args.confirm:
+            again = argparse.Namespace(**{**vars(args), "repeat": args.confirm_repeat})
+            fixed = sorted((r for r in ok if r["split"] != "planner"), key=lambda r: -r["tps"])[: args.confirm]
+            picked = [r for r in ok if r["split"] == "planner"] + fixed
+            print(f"confirming the planner and the {len(fixed)} best fixed splits ({args.confirm_repeat} runs each)",
+                  flush=True)
+            ok = []
+            for r in picked:
+                if r["split"] == "planner":
+                    res = measure(model, {"memory_budget": str(budget), "planner": True}, again, replan=True)
+                    predicted = res.get("predicted_live") or r["predicted"]
+                else:
+                    res = measure(model, {"memory_budget": str(budget), "plan": r["plan"]}, again)
+                    predicted = r["predicted"]
+                res.pop("routing", None)
+                res.update(budget_pct=pct, split=r["split"], predicted=predicted, plan=r["plan"], confirmed=True)
+                results.append(res)
+                if "tps" in res:
+                    ok.append(res)
+                got = f"{res['tps']:9.2f}" if "tps" in res else f"{'failed':>9}"
+                print(f"{r['split']:<28} {predicted:9.2f} {got}  (median of {args.confirm_repeat})", flush=True)
         best = max((r for r in ok if r["split"] != "planner"), key=lambda r: r["tps"], default=None)
         mine = next((r for r in ok if r["split"] == "planner"), None)
         if best and mine:
