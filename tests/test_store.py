@@ -145,17 +145,23 @@ def test_concurrent_invocations_on_one_store_each_complete(zipmoe_model, tiny_mo
             np.testing.assert_array_equal(store.weights[e], ref[e])
 
 
-def test_corrupt_chunk_is_reported_with_tensor_and_expert(zipmoe_model, tmp_path):
+def damaged_copy(zipmoe_model: Path, tmp_path: Path, expert: int) -> tuple[Path, format.ZipmoeFile]:
+    """A copy of the model with one bit flipped inside `expert`'s sign+mantissa plane of the first tensor."""
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(zipmoe_model.read_bytes())
     zf = format.open_zipmoe(bad)
-    ct = zf.compressed[0]
     with open(bad, "r+b") as f:
-        pos = ct.region_file_offset(4) + 3  # inside expert 4's sign+mantissa plane
+        pos = zf.compressed[0].region_file_offset(expert) + 3
         f.seek(pos)
         byte = f.read(1)
         f.seek(pos)
         f.write(bytes([byte[0] ^ 0x10]))
+    return bad, zf
+
+
+def test_corrupt_chunk_is_reported_with_tensor_and_expert(zipmoe_model, tmp_path):
+    bad, zf = damaged_copy(zipmoe_model, tmp_path, 4)
+    ct = zf.compressed[0]
     store = Store(bad, ct)
     lib.zipmoe_store_take_error(store.handle, ffi.NULL, 0)
     results = store.materialize(np.array([[4, 0]]), 2)
@@ -443,16 +449,8 @@ def test_prefill_without_a_budget_decodes_every_expert(zipmoe_model, tiny_model,
 
 
 def test_prefill_leaves_a_damaged_expert_to_fail_when_routed(zipmoe_model, tmp_path):
-    bad = tmp_path / "bad.gguf"
-    bad.write_bytes(zipmoe_model.read_bytes())
-    zf = format.open_zipmoe(bad)
+    bad, zf = damaged_copy(zipmoe_model, tmp_path, 1)
     ct = zf.compressed[0]
-    with open(bad, "r+b") as f:
-        pos = ct.region_file_offset(1) + 3
-        f.seek(pos)
-        byte = f.read(1)
-        f.seek(pos)
-        f.write(bytes([byte[0] ^ 0x10]))
     stores = [Store(bad, c) for c in zf.compressed]
     got = prefill(stores)
     assert got["failed"] == 1
