@@ -62,10 +62,11 @@ static void * thread_main(void * arg) {
     return NULL;
 }
 
+/* Layer order; within a layer, the order the stores were given in (n holds it while sorting: qsort is not stable) */
 static int by_layer(const void * a, const void * b) {
     const prefill_job * x = a, * y = b;
     const int lx = zipmoe_store_layer(x->s), ly = zipmoe_store_layer(y->s);
-    return lx != ly ? (lx < ly ? -1 : 1) : (x < y ? -1 : x > y); /* stable: qsort is not */
+    return lx != ly ? (lx < ly ? -1 : 1) : (x->n < y->n ? -1 : x->n > y->n);
 }
 
 static uint64_t now_ns(void) {
@@ -94,7 +95,7 @@ int64_t zipmoe_cache_prefill(zipmoe_store * const * stores, int64_t n_stores, in
         goto done;
     }
     for (int64_t i = 0; i < n_stores; i++) {
-        order[i].s = stores[i];
+        order[i] = (prefill_job) { stores[i], NULL, i };
     }
     qsort(order, (size_t) n_stores, sizeof *order, by_layer);
     for (int64_t i = 0; i < n_stores; i++) {
