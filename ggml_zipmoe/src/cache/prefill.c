@@ -12,7 +12,6 @@
 
 #include <pthread.h>
 #include <stdlib.h>
-#include <time.h>
 
 typedef struct {
     zipmoe_store *  s;
@@ -69,28 +68,22 @@ static int by_layer(const void * a, const void * b) {
     return lx != ly ? (lx < ly ? -1 : 1) : (x->n < y->n ? -1 : x->n > y->n);
 }
 
-static uint64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t) ts.tv_sec * 1000000000u + (uint64_t) ts.tv_nsec;
-}
-
 int64_t zipmoe_cache_prefill(zipmoe_store * const * stores, int64_t n_stores, int n_threads,
                              zipmoe_prefill_stats * out) {
     if ((!stores && n_stores > 0) || n_stores < 0) {
         return ZIPMOE_ERR_ARG;
     }
-    const uint64_t t0 = now_ns();
+    const uint64_t t0 = zipmoe_now_ns();
     zipmoe_prefill_stats stats = { 0, 0, 0 };
     /* one "job" per store first, sorted by layer; then expanded into its batches */
     prefill_job * order = calloc((size_t) n_stores + 1, sizeof *order);
     int64_t *     want  = calloc((size_t) n_stores + 1, sizeof *want);
     int64_t *     hot   = calloc((size_t) n_stores + 1, sizeof *hot);
-    int32_t **    ids   = calloc((size_t) n_stores + 1, sizeof *ids);
+    int32_t *     ids   = NULL; /* 0, 1, 2, ...: every store's batches are runs of it */
     prefill_job *     jobs   = NULL;
     _Atomic uint8_t * failed = NULL;
     int64_t           rc = ZIPMOE_OK, n_jobs = 0;
-    if (!order || !want || !hot || !ids) {
+    if (!order || !want || !hot) {
         rc = ZIPMOE_ERR_NOMEM;
         goto done;
     }
@@ -98,21 +91,21 @@ int64_t zipmoe_cache_prefill(zipmoe_store * const * stores, int64_t n_stores, in
         order[i] = (prefill_job) { stores[i], NULL, i };
     }
     qsort(order, (size_t) n_stores, sizeof *order, by_layer);
+    int64_t most = 0;
     for (int64_t i = 0; i < n_stores; i++) {
         want[i] = zipmoe_store_prefill_begin(order[i].s, &hot[i]);
-        if (want[i] > 0 && (ids[i] = malloc((size_t) want[i] * sizeof(int32_t))) == NULL) {
-            rc = ZIPMOE_ERR_NOMEM;
-        }
-        for (int64_t e = 0; rc == ZIPMOE_OK && e < want[i]; e++) {
-            ids[i][e] = (int32_t) e;
-        }
+        most    = want[i] > most ? want[i] : most;
         n_jobs += want[i] == 0 ? 0 : hot[i] == 0 ? 1 : (want[i] + hot[i] - 1) / hot[i];
     }
-    jobs   = rc == ZIPMOE_OK ? calloc((size_t) n_jobs + 1, sizeof *jobs) : NULL;
-    failed = jobs ? calloc((size_t) n_jobs + 1, sizeof *failed) : NULL;
-    if (!jobs || !failed) {
-        rc = rc == ZIPMOE_OK ? ZIPMOE_ERR_NOMEM : rc;
+    ids    = malloc((size_t) most * sizeof *ids + 1);
+    jobs   = calloc((size_t) n_jobs + 1, sizeof *jobs);
+    failed = calloc((size_t) n_jobs + 1, sizeof *failed);
+    if (!ids || !jobs || !failed) {
+        rc = ZIPMOE_ERR_NOMEM;
         goto end;
+    }
+    for (int64_t e = 0; e < most; e++) {
+        ids[e] = (int32_t) e;
     }
     int64_t k = 0;
     for (int64_t i = 0; i < n_stores; i++) {
@@ -120,14 +113,14 @@ int64_t zipmoe_cache_prefill(zipmoe_store * const * stores, int64_t n_stores, in
             continue;
         }
         if (hot[i] == 0) { /* no hot tier: one batch, decoded once, for the compressed tiers to keep */
-            jobs[k++] = (prefill_job) { order[i].s, ids[i], want[i] };
+            jobs[k++] = (prefill_job) { order[i].s, ids, want[i] };
             continue;
         }
         /* the experts beyond the hot ones first: they fall into the compressed tiers as the next batch displaces them */
         for (int64_t b = hot[i]; b < want[i]; b += hot[i]) {
-            jobs[k++] = (prefill_job) { order[i].s, ids[i] + b, want[i] - b < hot[i] ? want[i] - b : hot[i] };
+            jobs[k++] = (prefill_job) { order[i].s, ids + b, want[i] - b < hot[i] ? want[i] - b : hot[i] };
         }
-        jobs[k++] = (prefill_job) { order[i].s, ids[i], hot[i] };
+        jobs[k++] = (prefill_job) { order[i].s, ids, hot[i] };
     }
 
     prefill_run r = { .jobs = jobs, .n_jobs = n_jobs, .nth = 1, .failed = failed };
@@ -173,14 +166,13 @@ end:
             zipmoe_store_prefill_end(order[i].s);
             zipmoe_store_take_error(order[i].s, msg, sizeof msg); /* see above: the first use reports it */
         }
-        free(ids[i]);
     }
 done:
     free(order);
     free(want);
     free(hot);
     free(ids);
-    stats.ns = now_ns() - t0;
+    stats.ns = zipmoe_now_ns() - t0;
     if (out) {
         *out = stats;
     }

@@ -21,14 +21,8 @@ static int                g_started;
  * while a pread copies; a few, so that the page cache they pass through stays small. */
 #define READ_AHEAD 4
 
-static uint64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t) ts.tv_sec * 1000000000u + (uint64_t) ts.tv_nsec;
-}
-
 int zipmoe_pread_all(int fd, uint64_t offset, void * buf, size_t size) {
-    const uint64_t t0   = now_ns();
+    const uint64_t t0   = zipmoe_now_ns();
     size_t         done = 0;
     while (done < size) {
         const ssize_t n = pread(fd, (uint8_t *) buf + done, size - done, (off_t) (offset + done));
@@ -40,7 +34,7 @@ int zipmoe_pread_all(int fd, uint64_t offset, void * buf, size_t size) {
         }
         done += (size_t) n;
     }
-    zipmoe_stats_add_read(size, now_ns() - t0);
+    zipmoe_stats_add_read(size, zipmoe_now_ns() - t0);
     return ZIPMOE_OK;
 }
 

@@ -791,12 +791,6 @@ static void trim_other_layers(const zipmoe_store * s) {
 
 /* ---------------------------------------------------------------- materialise */
 
-static uint64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t) ts.tv_sec * 1000000000u + (uint64_t) ts.tv_nsec;
-}
-
 /* Reads size bytes at offset of the data companion (publish() drops them from the page cache). */
 static int read_cold(const zipmoe_store * s, uint64_t offset, void * buf, size_t size) {
     return zipmoe_pread_all(s->fd, s->data_offset + offset, buf, size);
@@ -1240,7 +1234,7 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
         s->plan_key    = key;
         s->plan_in     = 0;
         s->plan_failed = 0;
-        s->plan_t0     = now_ns();
+        s->plan_t0     = zipmoe_now_ns();
         atomic_store(&s->next_chunk, 0);
     }
     if (s->plan_in == 0 && key == atomic_load(&s->last_key) && atomic_load(&g_op_seq) == atomic_load(&s->last_seq) &&
@@ -1269,7 +1263,7 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
     if (plan_n > 0) {
         const size_t     chunk_n = (size_t) s->info.chunk_n;
         thread_scratch * ts = thread_scratch_get(chunk_n, chunk_n + zipmoe_chunk_bound(zipmoe_tensor_codec(s->tensor), chunk_n));
-        const uint64_t   t0 = now_ns();
+        const uint64_t   t0 = zipmoe_now_ns();
         if (!ts) {
             record_error(s, plan[0].expert, ZIPMOE_ERR_NOMEM);
             status = ZIPMOE_ERR_NOMEM;
@@ -1290,7 +1284,7 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
             }
             chunks++;
         }
-        atomic_fetch_add(&g_ns, now_ns() - t0);
+        atomic_fetch_add(&g_ns, zipmoe_now_ns() - t0);
         atomic_fetch_add(&g_chunks, (uint64_t) chunks);
     }
 
@@ -1312,7 +1306,7 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
             publish(s);
         }
         if (plan_n > 0 && !s->prefilling) {
-            atomic_fetch_add(&g_stall_ns, now_ns() - s->plan_t0);
+            atomic_fetch_add(&g_stall_ns, zipmoe_now_ns() - s->plan_t0);
         }
         int64_t read = 0;
         for (int64_t j = 0; j < plan_n && !read; j++) {
