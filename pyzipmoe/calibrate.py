@@ -61,7 +61,8 @@ from .errors import FormatError, UnsupportedError, ZipmoeError
 from .memory import CGROUP_ROOT, PROC_SELF, cgroup_dirs
 from .progress import Progress, Silent
 
-SCHEMA = 3  # of the cache files; another value is measured again (1: tier costs from the stores alone; 2: t_layer fitted)
+SCHEMA = 4  # of the cache files; another value is measured again (1: tier costs from the stores alone; 2: t_layer
+#             fitted; 3: engine runs that generated token 0 forever, see llama.last_logits)
 DEFAULT_READ_BYTES = 256 << 20  # a few hundred MiB: enough reads for a stable median, a few seconds on an SSD
 DEFAULT_MIN_SECONDS = 0.25  # of CPU time per timing: enough batches for a stable median
 _BATCH_SECONDS = 1e-3  # a timed batch lasts at least this: far above the clock's resolution and call overhead

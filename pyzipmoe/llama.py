@@ -207,6 +207,19 @@ def zipmoe_stats(reset: bool = False) -> dict[str, float]:
     return out
 
 
+def last_logits(llm: Any) -> Any:
+    """The logits of the last token `llm` evaluated, as a float32 numpy array (a copy), for any llama_cpp.Llama.
+
+    llama-cpp-python fills `scores` only with logits_all=True; without it `scores` stays zero, and a loop that
+    takes argmax(scores[n_tokens - 1]) generates token 0 forever (a degenerate text whose experts repeat)."""
+    import numpy as np
+
+    ptr = llm._ctx.get_logits_ith(-1)
+    if not ptr:
+        raise ZipmoeError("no logits: evaluate at least one token first")
+    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy()
+
+
 def zipmoe_stats_reset() -> None:
     from ._native import lib
 

@@ -6,7 +6,7 @@ pressure), which microbenchmarks of the decoder do not show.
     python -m pyzipmoe.timing '{"model": "m.zipmoe.gguf", "llama": {"memory_budget": "3GiB"}, "warmup": 16,
                                 "gen": 24, "threads": 2}'
 
-prints one JSON line: {"tps", "seconds", "stats", "predicted_live"}.
+prints one JSON line: {"tps", "seconds", "stats", "predicted_live", "routing", "tokens"}.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def time_generation(model: str | os.PathLike[str], *, llama: Mapping[str, Any] |
     routing of the warm-up, then stops, and `warmup` // 2 more tokens settle the new plan before timing.
     Returns {"tps", "seconds", "stats" (the runtime's counters over the timed tokens), "predicted_live" (the
     re-plan's predicted tokens/s, or None), "routing" (with `routing`: {block: [[experts of a token], ...]} of
-    the warm-up's generated tokens, else None)}."""
+    the warm-up's generated tokens, else None), "tokens" (every generated token, warm-up included)}."""
     from . import runner
 
     job = {"model": str(model), "llama": dict(llama or {}), "warmup": warmup, "gen": gen, "threads": threads,
@@ -64,14 +64,16 @@ def time_generation(model: str | os.PathLike[str], *, llama: Mapping[str, Any] |
 def _worker(job: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
 
-    from .llama import Llama, zipmoe_stats
+    from .llama import Llama, last_logits, zipmoe_stats
 
     llm = Llama(job["model"], n_ctx=512, n_threads=job["threads"], n_threads_batch=job["threads"], verbose=False,
                 **job["llama"])
     llm.eval(llm.tokenize(PROMPT))
+    tokens: list[int] = []
 
     def step() -> None:
-        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        tokens.append(int(np.argmax(last_logits(llm))))
+        llm.eval([tokens[-1]])
 
     for _ in range(job["warmup"]):
         step()
@@ -96,7 +98,7 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
         step()
     seconds = time.perf_counter() - t0
     return {"tps": job["gen"] / seconds, "seconds": seconds, "stats": zipmoe_stats(), "predicted_live": predicted,
-            "routing": routing}
+            "routing": routing, "tokens": tokens}
 
 
 if __name__ == "__main__":

@@ -137,7 +137,7 @@ print(json.dumps(out))
 """
 
 
-def run_worker(model: Path, lib_dir: Path, runs: list[dict[str, Any]], out: Path
+def run_worker(model: Path, lib_dir: Path, runs: list[dict[str, Any]], out: Path, prompt: str = PROMPT
                ) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
     """Loads `model` with libllama from lib_dir in a child process, once per run, evaluates PROMPT and N_GEN
     greedy tokens with logits_all; returns each run's report and logits (run{i}: float32 [positions, n_vocab]).
@@ -146,7 +146,7 @@ def run_worker(model: Path, lib_dir: Path, runs: list[dict[str, Any]], out: Path
     as memory_budget (optional; prefill is off unless it says so, so that the runs decode), "attempts": times to
     evaluate (optional)}; its report has prompt, generated,
     stats (zipmoe), or load_error / errors."""
-    job = {"model": str(model), "runs": runs, "prompt": PROMPT, "n_gen": N_GEN, "n_ctx": N_CTX, "out": str(out)}
+    job = {"model": str(model), "runs": runs, "prompt": prompt, "n_gen": N_GEN, "n_ctx": N_CTX, "out": str(out)}
     done = subprocess.run([sys.executable, "-c", WORKER, json.dumps(job)], env=worker_env(lib_dir), capture_output=True,
                           text=True, timeout=TIMEOUT, check=False)
     assert done.returncode == 0, f"the worker died (exit status {done.returncode}) on {model}:\n{_tail(done.stderr)}"
@@ -450,6 +450,21 @@ def test_llama_simple_same_greedy_output(ours: Path, arch: str, tiny_models: dic
                for v, m in _models(arch, tiny_models, zipmoe_models).items()}
     assert len(outputs["bf16"]) > len(PROMPT) + 8, outputs
     assert outputs["huff"] == outputs["bf16"] and outputs["zstd"] == outputs["bf16"], outputs
+
+
+def test_timing_times_the_models_greedy_text(ours: Path, zipmoe_model: Path, tmp_path: Path) -> None:
+    """pyzipmoe.timing (engine calibration, tools/bench_planner.py) generates the model's greedy text, the tokens
+    the logits_all worker generates. It once took argmax of llama-cpp-python's `scores`, which stay zero without
+    logits_all: token 0 forever, a text whose experts repeat, and costs and plans measured on it."""
+    from pyzipmoe.timing import PROMPT as TIMING_PROMPT
+    from pyzipmoe.timing import time_generation
+
+    reports, _ = run_worker(zipmoe_model, ours, [{"config": {"n_threads": 1}}], tmp_path / "ref.npz",
+                            prompt=TIMING_PROMPT.decode())
+    _no_error(reports[0])
+    timed = time_generation(zipmoe_model, warmup=2, gen=N_GEN - 2, threads=1)
+    assert timed["tokens"] == reports[0]["generated"]
+    assert len(set(timed["tokens"])) > 1, timed["tokens"]  # the tiny model's text is not one token repeated
 
 
 def _chat_reply(stdout: str) -> str:

@@ -689,6 +689,7 @@ import json, sys
 import numpy as np
 import pyzipmoe  # points llama_cpp at zipmoe's libllama
 import llama_cpp
+from pyzipmoe.llama import last_logits
 from pyzipmoe.store import llama_from_store
 
 job = json.loads(sys.argv[1])
@@ -701,7 +702,7 @@ def greedy(model):
     model.eval(tokens)
     out = []
     for _ in range(job["n"]):
-        out.append(int(np.argmax(model.scores[model.n_tokens - 1])))
+        out.append(int(np.argmax(last_logits(model))))
         model.eval([out[-1]])
     return out
 
