@@ -156,6 +156,9 @@ void zipmoe_store_prefetch(struct zipmoe_store * s, const struct zipmoe_store * 
  * them in *hot_slots); its invocations until prefill_end count nothing of the model's routing */
 int64_t zipmoe_store_prefill_begin(struct zipmoe_store * s, int64_t * hot_slots);
 void    zipmoe_store_prefill_end(struct zipmoe_store * s);
+/* ... and, once filled, huge pages now for a store whose hot tier holds every expert (else nothing): on the
+ * prefill's threads at load rather than on the reader thread during the first tokens; 0 if reads interrupted it */
+int     zipmoe_store_prefill_collapse(struct zipmoe_store * s);
 int     zipmoe_store_layer(const struct zipmoe_store * s); /* N of a "blk.N." name, or -1 */
 /* store.c: counts a read in zipmoe_stats */
 void zipmoe_stats_add_read(uint64_t bytes, uint64_t ns);

@@ -6,7 +6,9 @@
  * zipmoe_store_materialize path, so every budget, tier and transition rule holds as in generation; the batches
  * are as large as the hot tier (the last one stays decoded, the earlier ones fall into the compressed tiers as
  * the policy has them), or, without a hot tier, one batch of what the compressed tiers hold. Layer after layer,
- * so the decoded working set beyond the tiers stays one layer's. */
+ * so the decoded working set beyond the tiers stays one layer's. Where a store's hot tier holds every expert, the
+ * threads then make its decoded experts huge pages (zipmoe_store_collapse): done later on the reader thread, the
+ * kernel's copying of the whole model held the first ~200 tokens to a third of their speed on 2 cores. */
 #define _GNU_SOURCE
 #include "zipmoe-impl.h"
 
@@ -22,6 +24,8 @@ typedef struct {
 typedef struct {
     prefill_job *     jobs;
     int64_t           n_jobs;
+    zipmoe_store * const * stores; /* to collapse once every batch is done, stores[i] by thread i % nth */
+    int64_t           n_stores;
     int               nth;
     pthread_barrier_t barrier; /* a batch is published before the next begins (the engine's graph barrier) */
     pthread_mutex_t   mu;
@@ -44,6 +48,9 @@ static void run_jobs(prefill_run * r, int ith) {
             atomic_store(&r->failed[i], 1);
         }
         pthread_barrier_wait(&r->barrier);
+    }
+    for (int64_t i = ith; i < r->n_stores; i += r->nth) {
+        zipmoe_store_prefill_collapse(r->stores[i]);
     }
 }
 
@@ -123,7 +130,7 @@ int64_t zipmoe_cache_prefill(zipmoe_store * const * stores, int64_t n_stores, in
         jobs[k++] = (prefill_job) { order[i].s, ids, hot[i] };
     }
 
-    prefill_run r = { .jobs = jobs, .n_jobs = n_jobs, .nth = 1, .failed = failed };
+    prefill_run r = { .jobs = jobs, .n_jobs = n_jobs, .stores = stores, .n_stores = n_stores, .nth = 1, .failed = failed };
     pthread_mutex_init(&r.mu, NULL);
     pthread_cond_init(&r.cv, NULL);
     const int        want_threads = n_threads < 1 ? 1 : n_threads > 256 ? 256 : n_threads;
