@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from . import build_dir
+from . import build_dir, openmp_environment
 from .budget import CACHE_ENV
 from .errors import NativeLibraryError, ZipmoeError
 
@@ -45,11 +45,11 @@ def program(name: str) -> Path:
 
 def environment(cache: str | None = None, base: Mapping[str, str] | None = None, *,
                 memory_budget: str | None = None, policy: str | None = None) -> dict[str, str]:
-    """The environment for a program: zipmoe's bin directory first on LD_LIBRARY_PATH, ZIPMOE_CACHE, the memory
-    budget and the cache policy if given."""
+    """The environment for a program: zipmoe's bin directory first on LD_LIBRARY_PATH, OpenMP's spinning
+    (pyzipmoe.OPENMP_SPIN, unless base sets it), ZIPMOE_CACHE, the memory budget and the cache policy if given."""
     from .budget import cache_environment
 
-    env = dict(os.environ if base is None else base)
+    env = openmp_environment(dict(os.environ if base is None else base))
     env.update(cache_environment(memory_budget, policy))
     parts = [str(bin_dir())] + [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
     env["LD_LIBRARY_PATH"] = os.pathsep.join(dict.fromkeys(parts))

@@ -33,3 +33,29 @@ def test_environment_carries_bytes_policy_and_share():
         cache_environment(policy="random")
     with pytest.raises(ZipmoeError):
         cache_environment(hot_share=1.5)
+
+
+def test_programs_spin_briefly_unless_the_user_says_otherwise():
+    """llama.cpp programs zipmoe starts get OpenMP's short spinning (pyzipmoe.OPENMP_SPIN), a user's setting wins."""
+    from pyzipmoe import OPENMP_SPIN, runner
+
+    name, value = OPENMP_SPIN
+    assert runner.environment(base={})[name] == value
+    assert runner.environment(base={name: "7"})[name] == "7"
+    assert name not in runner.environment(base={"OMP_WAIT_POLICY": "active"})
+
+
+@pytest.mark.parametrize("given,expect", [({}, "2000"), ({"GOMP_SPINCOUNT": "7"}, "7"),
+                                          ({"OMP_WAIT_POLICY": "passive"}, None)])
+def test_importing_pyzipmoe_sets_the_spinning_for_this_process(given, expect):
+    """libgomp reads it when llama_cpp loads libllama, so importing pyzipmoe (before llama_cpp) sets it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")} | given
+    done = subprocess.run([sys.executable, "-c", "import json, os, pyzipmoe; "
+                           "print(json.dumps(os.environ.get('GOMP_SPINCOUNT')))"],
+                          env=env, capture_output=True, text=True, check=True)
+    assert json.loads(done.stdout) == expect
