@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,8 @@ with 2000 rounds 13.1-13.7 and 23.3, and the same 62 tokens/s when everything fi
 OMP_WAIT_POLICY) is kept; `bare llama-cli` needs it in its environment (README)."""
 
 
-def openmp_environment(env: dict[str, str]) -> dict[str, str]:
-    """env with OPENMP_SPIN added, unless env already says how OpenMP threads wait."""
+def openmp_environment(env: MutableMapping[str, str]) -> MutableMapping[str, str]:
+    """env (a dict, or os.environ) with OPENMP_SPIN added, unless it already says how OpenMP threads wait."""
     name, value = OPENMP_SPIN
     if name not in env and "OMP_WAIT_POLICY" not in env:
         env[name] = value
@@ -60,8 +61,7 @@ def _point_llama_cpp_at_our_build() -> None:
     """
     if "llama_cpp" in sys.modules:
         return
-    if not any(name in os.environ for name in (OPENMP_SPIN[0], "OMP_WAIT_POLICY")):
-        os.environ[OPENMP_SPIN[0]] = OPENMP_SPIN[1]  # libgomp reads it when libllama loads it
+    openmp_environment(os.environ)  # libgomp reads it when llama_cpp loads libllama
     if os.environ.get("LLAMA_CPP_LIB_PATH"):
         return
     found = llama_lib_dir()

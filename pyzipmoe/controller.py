@@ -28,6 +28,7 @@ from .errors import ZipmoeError
 ROUTING_MIN_TOKENS = 64  # tokens a layer routes between two re-plans from the routing seen
 ROUTING_LOG_TOKENS = 512  # generated tokens whose routing the runtime remembers per store (store.c: ROUTE_LOG)
 
+
 def machine_costs(model_path: str | os.PathLike[str], geometry: planner.ModelGeometry) -> tuple[planner.Costs, str]:
     """The planner's costs: the model's cached calibration (`zipmoe calibrate`) where there is one, the planner's
     conservative defaults for what it lacks (base_seconds_per_token needs the model running); and where they came

@@ -49,7 +49,8 @@ def environment(cache: str | None = None, base: Mapping[str, str] | None = None,
     (pyzipmoe.OPENMP_SPIN, unless base sets it), ZIPMOE_CACHE, the memory budget and the cache policy if given."""
     from .budget import cache_environment
 
-    env = openmp_environment(dict(os.environ if base is None else base))
+    env = dict(os.environ if base is None else base)
+    openmp_environment(env)
     env.update(cache_environment(memory_budget, policy))
     parts = [str(bin_dir())] + [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
     env["LD_LIBRARY_PATH"] = os.pathsep.join(dict.fromkeys(parts))
