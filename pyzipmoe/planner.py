@@ -477,7 +477,9 @@ def lru_ranks(routing: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class RecencyDesign:
-    """A layer's routing as the order in which a run's tokens routed, under the runtime's LRU policy.
+    """A layer's routing as the order in which a run's tokens routed, under the runtime's LRU policy (planned runs
+    keep the default token-weighted LFU, which misses 10-15% fewer experts on the synthetic model's text: the
+    model's predictions are then on the slow side).
 
     The tiers are modelled as one LRU stack: an expert that stood at LRU rank r before its token is hot when
     r < hot, warm when r < hot + warm, sm when r < hot + warm + sm, else cold. The runtime's tiers are that stack

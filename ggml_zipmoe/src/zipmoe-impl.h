@@ -145,8 +145,8 @@ uint64_t zipmoe_slots_kept(void);
 int      zipmoe_slots_usable(const void * addr, size_t size); /* page-aligned, and memfds work */
 int64_t  zipmoe_slots_attach(void * addr, size_t size);   /* a slot mapped over [addr, +size), or -1 */
 int      zipmoe_slots_detach(void * addr, size_t size, int64_t slot); /* [addr, +size) empty again */
-/* store.c: huge pages for a store's settled decoded experts (run by the reader thread); 0 when it stopped early
- * for reads waiting, to be submitted again */
+/* store.c: huge pages for a store's settled decoded experts (run by the reader thread, or the prefill's); 0 when
+ * it stopped early for reads waiting, to be submitted again */
 int zipmoe_store_collapse(struct zipmoe_store * s);
 /* store.c: read-ahead hints for a store's experts that its next invocation will likely route to (run by the reader
  * thread): those routed now in `like` (a store of the same layer, which shares its router), or, when like is NULL,

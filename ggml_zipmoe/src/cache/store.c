@@ -541,11 +541,13 @@ int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_offset, void *
     return ZIPMOE_OK;
 }
 
-/* By the reader thread, once the store's resident set has settled (COLLAPSE_AFTER invocations in a row found
- * every routed expert decoded): each 2 MiB page that holds only decoded experts becomes one huge page. The
- * matmuls read whole experts, and huge pages spare them TLB misses (generation went from 0.90x to 0.98x of
- * BF16 with them). Not at the first touch: a huge page fault compacts memory and made cold starts 2.5x slower;
- * nor for a page shared with an expert that is not decoded, whose bytes the budget does not count. */
+/* By the prefill's threads once they filled a store whose hot tier holds every expert (after MADV_HUGEPAGE, so
+ * usually nothing is left to do), or by the reader thread once the store's resident set has settled
+ * (COLLAPSE_AFTER invocations in a row found every routed expert decoded): each 2 MiB page that holds only
+ * decoded experts becomes one huge page. The matmuls read whole experts, and huge pages spare them TLB misses
+ * (generation went from 0.90x to 0.98x of BF16 with them). Not at the first touch during generation: a huge page
+ * fault compacts memory and made cold starts 2.5x slower; nor for a page shared with an expert that is not
+ * decoded, whose bytes the budget does not count. */
 int zipmoe_store_collapse(zipmoe_store * s) {
     const uintptr_t dst0 = (uintptr_t) s->dst;
     for (size_t i = 0; i < s->n_hp; i++) {
