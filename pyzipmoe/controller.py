@@ -22,11 +22,12 @@ from typing import Any
 import numpy as np
 
 from . import planner
-from .budget import AUTO, ModelMemory, cache_environment, check_budget, model_memory, parse_budget
+from .budget import AUTO, POLICY_ENV, ModelMemory, cache_environment, check_budget, model_memory, parse_budget
 from .errors import ZipmoeError
 
 ROUTING_MIN_TOKENS = 64  # tokens a layer routes between two re-plans from the routing seen
 ROUTING_LOG_TOKENS = 512  # generated tokens whose routing the runtime remembers per store (store.c: ROUTE_LOG)
+DEFAULT_POLICY = "tlfu"  # the runtime's eviction policy unless ZIPMOE_CACHE_POLICY says otherwise (store.c)
 
 
 def machine_costs(model_path: str | os.PathLike[str], geometry: planner.ModelGeometry) -> tuple[planner.Costs, str]:
@@ -116,8 +117,8 @@ def runtime_environment(model_path: str | os.PathLike[str], *, budget: str | int
     elif use_planner and hot_share is None and sm_share is None:
         if trace is not None:  # a routing profile to plan the first tokens by; else decoded experts until the run's
             env.update(plan_model(model_path, nbytes, trace=trace, need=need).plan.to_env())  # own routing tells
-        # the policy stays the default (token-weighted LFU): the recency model predicts LRU's hits exactly, but on
-        # the model's own greedy text LRU measured 12-27% slower at 60-93% with the same slots (tiered-cache.md)
+        # the policy stays the default (token-weighted LFU): on the model's own greedy text LRU measured 12-27%
+        # slower at 60-93% with the same slots (tiered-cache.md); the recency model predicts either's hits
     return env
 
 
@@ -196,7 +197,7 @@ class MemoryMonitor:
     def __init__(self, planned: Planned, *, ceiling: int | None = None, interval: float = 0.5,
                  threshold: float = 0.05, read: Callable[[], Any] | None = None,
                  on_change: Callable[[planner.Plan], None] | None = None, lib: Any = None,
-                 split: tuple[float, float, float] | None = None) -> None:
+                 split: tuple[float, float, float] | None = None, policy: str | None = None) -> None:
         from . import memory
 
         self.planned = planned
@@ -208,6 +209,8 @@ class MemoryMonitor:
         self._on_change = on_change
         self._lib = lib
         self.split = split  # fixed (hot, warm, sm) shares of the tiers instead of the planner's split
+        # the run's eviction policy, whose hits the recency model predicts: the runtime reads it at load
+        self.policy = policy or os.environ.get(POLICY_ENV) or DEFAULT_POLICY
         self.replans: list[tuple[int, planner.Plan]] = []  # (budget, plan) of every re-plan, for reports and tests
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -237,7 +240,8 @@ class MemoryMonitor:
         if seen.size == 0 or seen.min() - self._routed_at_plan < min_tokens:
             return None
         self._routed_at_plan = float(seen.min())
-        model = planner.cost_model(g, self.planned.model.costs, counts, routing=live_routing(g, self._lib))
+        model = planner.cost_model(g, self.planned.model.costs, counts, routing=live_routing(g, self._lib),
+                                   policy=self.policy)
         self.planned = Planned(self.planned.need, self.planned.budget, model,
                                planner.runtime_plan(model, self.budget - self.planned.need.minimum),
                                self.planned.costs_source)

@@ -57,7 +57,7 @@ __all__ = [
     "ModelGeometry", "Plan", "PlanInputError", "RecencyDesign", "TierSeconds", "conditional_poisson", "cost_model",
     "costs_from_dict", "costs_from_file", "counts_from_trace", "cp_inclusion", "decode_plan", "default_costs",
     "expected_delay", "fixed_split_plan", "geometry_from_gguf", "hit_rates", "inclusion_targets", "layer_delay", "layer_design",
-    "layer_table", "lru_ranks", "miss_fractions", "plan", "plan_for_budget", "runtime_plan", "poisson_binomial", "pool_designs",
+    "layer_table", "lfu_ranks", "lru_ranks", "miss_fractions", "plan", "plan_for_budget", "runtime_plan", "poisson_binomial", "pool_designs",
     "pooling_strength", "recency_design", "split_delays", "tier_count_distribution", "tier_seconds", "token_delays",
     "uniform_counts", "validate_counts",
 ]
@@ -475,26 +475,71 @@ def lru_ranks(routing: np.ndarray) -> np.ndarray:
     return ranks
 
 
+def lfu_ranks(routing: np.ndarray, initial_uses: np.ndarray | None = None) -> np.ndarray:
+    """Where each routed expert stood in the runtime's (token-weighted) LFU order just before its token: 0 the
+    first to stay. Like lru_ranks (same arguments and result), for the default policy.
+
+    A store with c slots of a tier that every routed expert enters keeps, after a token routing to the set R,
+    R and the c - |R| experts of its previous content with the most uses (ties: the higher id stays, as the
+    runtime evicts the lowest id first); with c < |R|, the c of R with the most uses (another layer's invocation
+    trims it). Such caches nest (the one with c + 1 slots holds the one with c, and at most one expert more:
+    Mattson et al.'s stack property), so one order gives every size: rank r means held by every cache of more
+    than r slots. After a token, R comes first by uses, then each further position c takes the expert with the
+    most uses among the previous order's first c experts not in R that no earlier position took (a heap).
+
+    uses: the runtime's counters, the tokens routed to each expert since load, which start at `initial_uses`
+    (default 0) where the log begins. An entry of the log adds 1 to each expert it routed to; a prompt batch in
+    the runtime adds its number of tokens routed there, which a boolean log does not keep."""
+    import heapq
+
+    routing = np.asarray(routing, bool)
+    tokens, n = routing.shape
+    uses = np.zeros(n, np.int64) if initial_uses is None else np.asarray(initial_uses, np.int64).copy()
+    if uses.shape != (n,):
+        raise PlanInputError(f"initial uses must be one count per expert ({n}), got shape {uses.shape}")
+    order: list[int] = []  # every expert seen, first to stay first
+    ranks = np.full((tokens, n), -1)
+    for t in range(tokens):
+        routed = np.flatnonzero(routing[t])
+        position = {e: i for i, e in enumerate(order)}
+        ranks[t, routed] = [position.get(int(e), n) for e in routed]
+        uses[routed] += 1
+        chosen = set(int(e) for e in routed)
+        key = {e: (int(uses[e]), e) for e in order}
+        new = sorted(chosen, key=lambda e: (int(uses[e]), e), reverse=True)
+        heap = [(-key[e][0], -e) for e in order[: len(new)] if e not in chosen]
+        heapq.heapify(heap)
+        for e in order[len(new):]:
+            if e not in chosen:
+                heapq.heappush(heap, (-key[e][0], -e))
+            new.append(-heapq.heappop(heap)[1])
+        new.extend(-e for _, e in sorted(heap))
+        order = new
+    return ranks
+
+
+MODELLED_POLICIES = ("tlfu", "lru", "lfu")  # the runtime's policies the recency design models (FIFO: as LRU)
+
+
 @dataclass(frozen=True)
 class RecencyDesign:
-    """A layer's routing as the order in which a run's tokens routed, under the runtime's LRU policy (planned runs
-    keep the default token-weighted LFU, which misses 10-15% fewer experts on the synthetic model's text: the
-    model's predictions are then on the slow side).
+    """A layer's routing as the order in which a run's tokens routed, under the runtime's eviction policy: LRU
+    (lru_ranks) or (token-weighted) LFU, the default (lfu_ranks).
 
-    The tiers are modelled as one LRU stack: an expert that stood at LRU rank r before its token is hot when
-    r < hot, warm when r < hot + warm, sm when r < hot + warm + sm, else cold. The runtime's tiers are that stack
-    under the LRU policy when a layer keeps hot and sm experts (an expert leaving the hot tier keeps its
-    sign+mantissa plane, taken from its decoded values), or warm and sm ones without a hot tier (decoding on
-    every use; a warm expert gives up its codes for the sm tier): tests/test_store.py checks the runtime's hits
-    against this model token by token. With both hot and warm slots it is not: an expert leaving the hot tier has
-    no exponent codes to become warm with. split_delays therefore offers only the splits it predicts. Unlike the
-    frequency design it sees that a conversation keeps coming back to the experts it used last, which is what
-    keeps a small hot tier useful. Delays and hit rates are the means over the scored tokens, weighted by
-    `weights` (pool_designs mixes other layers' tokens into a layer's design with them)."""
+    The tiers are modelled as one stack: an expert that stood at rank r before its token is hot when r < hot,
+    warm when r < hot + warm, sm when r < hot + warm + sm, else cold. The runtime's tiers are that stack when a
+    layer keeps hot and sm experts (an expert leaving the hot tier keeps its sign+mantissa plane, taken from its
+    decoded values, and enters the sm tier if it outranks the sm tier's last), or warm and sm ones without a hot
+    tier (decoding on every use; a warm expert gives up its codes for the sm tier): tests/test_store.py checks the
+    runtime's hits against this model token by token, for both policies. With both hot and warm slots it is not:
+    an expert leaving the hot tier has no exponent codes to become warm with. split_delays therefore offers only
+    the splits it predicts. Unlike the frequency design it sees that a conversation keeps coming back to the
+    experts it used last, which is what keeps a small hot tier useful. Delays and hit rates are the means over
+    the scored tokens, weighted by `weights` (pool_designs mixes other layers' tokens into a layer's design with them)."""
 
     k: int
     n_expert: int
-    ranks: np.ndarray  # [tokens, k]: the LRU ranks of each scored token's routed experts (n_expert: never seen)
+    ranks: np.ndarray  # [tokens, k]: the stack ranks of each scored token's routed experts (n_expert: never seen)
     weights: np.ndarray | None = None  # [tokens]: each scored token's weight in the means; None: 1 each
 
     def __post_init__(self) -> None:
@@ -583,20 +628,24 @@ class RecencyDesign:
         return np.concatenate(hot), np.concatenate(warm), np.concatenate(sm), np.concatenate(delay)
 
 
-def recency_design(routing: np.ndarray, k: int, *, history: int | None = None) -> RecencyDesign | None:
+def recency_design(routing: np.ndarray, k: int, *, history: int | None = None, policy: str = "tlfu",
+                   initial_uses: np.ndarray | None = None) -> RecencyDesign | None:
     """The recency design of a layer from its routing log (bool [entries, n_expert], oldest first; an entry is a
-    generated token, or a prompt's batch routed at once): the first `history` entries (default a quarter) only
+    generated token, or a prompt's batch routed at once) under the runtime's eviction `policy` (one of MODELLED_POLICIES;
+    LFU's uses start at `initial_uses`, see lfu_ranks): the first `history` entries (default a quarter) only
     tell where the experts stand; the generated tokens after them (entries of exactly k experts) are scored. None
     when fewer than RECENCY_MIN_TOKENS would be scored."""
     routing = np.asarray(routing, bool)
     if routing.ndim != 2:
         raise PlanInputError(f"a routing log must be [tokens, n_expert], got shape {routing.shape}")
+    if policy not in MODELLED_POLICIES:
+        raise PlanInputError(f"the planner models the policies {', '.join(MODELLED_POLICIES)}, not {policy!r}")
     history = routing.shape[0] // 4 if history is None else history
     scored = np.flatnonzero(routing.sum(axis=1) == k)
     scored = scored[scored >= history]
     if scored.size < RECENCY_MIN_TOKENS:
         return None
-    ranks = lru_ranks(routing)[scored]
+    ranks = (lru_ranks(routing) if policy == "lru" else lfu_ranks(routing, initial_uses))[scored]
     ranks = np.sort(np.where(ranks >= 0, ranks, np.iinfo(np.int64).max), axis=1)[:, :k]
     return RecencyDesign(k=k, n_expert=routing.shape[1], ranks=ranks)
 
@@ -822,24 +871,29 @@ class CostModel:
 
     @property
     def recency(self) -> bool:
-        """Whether every layer is planned from the order of a run's routing (its plans assume the LRU policy)."""
+        """Whether every layer is planned from the order of a run's routing (the recency design)."""
         return all(isinstance(d, RecencyDesign) for d in self.designs)
 
 
 def cost_model(geometry: ModelGeometry, costs: Costs, counts: np.ndarray | None = None,
-               routing: Mapping[int, np.ndarray] | None = None) -> CostModel:
-    """Fits each MoE layer's routing design and tabulates its splits: the recency design where `routing` (block ->
-    bool [tokens, n_expert], the order generated tokens routed in) has enough tokens, shrunk toward the pool of
-    all layers' recency designs as far as the layers do not differ more than their logs' noise (pool_designs),
-    else the frequency design of the activation counts [n_layer, n_expert] (None: uniform). The expensive part of
-    planning; plans for many budgets share it."""
+               routing: Mapping[int, np.ndarray] | None = None, *, policy: str = "tlfu") -> CostModel:
+    """Fits each MoE layer's routing design and tabulates its splits: the recency design under the run's eviction
+    `policy` where `routing` (block -> bool [tokens, n_expert], the order generated tokens routed in) has enough
+    tokens, shrunk toward the pool of all layers' recency designs as far as the layers do not differ more than
+    their logs' noise (pool_designs), else the frequency design of the activation counts [n_layer, n_expert]
+    (None: uniform). Given with a routing log, the counts are the runtime's since load (they include the log's),
+    which LFU's order starts from. The expensive part of planning; plans for many budgets share it."""
     g = geometry
+    live = counts is not None
     counts = uniform_counts(g) if counts is None else validate_counts(counts, g.n_layer, g.n_expert)
     routing = routing or {}
+    policy = policy if policy in MODELLED_POLICIES else "lru"  # FIFO is not a stack: LRU is the nearest
 
     def design(block: int) -> LayerDesign | RecencyDesign:
         log = routing.get(block)
-        recent = recency_design(log, g.n_expert_used) if log is not None else None
+        before = np.maximum(np.rint(counts[block]).astype(np.int64) - np.asarray(log, bool).sum(axis=0), 0) \
+            if live and log is not None else None
+        recent = recency_design(log, g.n_expert_used, policy=policy, initial_uses=before) if log is not None else None
         return recent if recent is not None else layer_design(counts[block], g.n_expert_used)
 
     designs = pool_designs([design(block) for block in g.layers])  # short logs: shrunk toward all layers

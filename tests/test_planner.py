@@ -216,6 +216,55 @@ def test_lru_ranks_match_an_explicit_lru_list():
         assert (planner.lru_ranks(routing) == brute_lru_ranks(routing)).all()
 
 
+def explicit_lfu_hits(routing: np.ndarray, initial_uses: np.ndarray) -> np.ndarray:
+    """[tokens, n + 1]: the hits of a token-weighted LFU cache of every size c, each simulated on its own as the
+    runtime keeps a tier: after a token routing to R, R and the c - |R| previous residents with the most uses (the
+    lower id of a tie goes first); with c < |R|, the c of R with the most uses."""
+    tokens, n = routing.shape
+    uses = initial_uses.copy()
+    caches: list[set[int]] = [set() for _ in range(n + 1)]
+    hits = np.zeros((tokens, n + 1), int)
+    for t in range(tokens):
+        routed = {int(e) for e in np.flatnonzero(routing[t])}
+        hits[t] = [len(routed & cache) for cache in caches]
+        for e in routed:
+            uses[e] += 1
+        rank = lambda e: (uses[e], e)  # noqa: E731
+        for c in range(n + 1):
+            keep = sorted(caches[c] - routed, key=rank, reverse=True)[: max(c - len(routed), 0)]
+            caches[c] = set(sorted(routed, key=rank, reverse=True)[:c]) | set(keep)
+    return hits
+
+
+def test_lfu_ranks_match_lfu_caches_of_every_size():
+    """One order gives every cache size's hits (the stack property), prompt batches and prior uses included."""
+    rng = np.random.default_rng(13)
+    for trial in range(200):
+        n = int(rng.integers(2, 9))
+        routing = local_routing(rng, int(rng.integers(1, 40)), n, min(2, n), stay=0.6)
+        for t in np.flatnonzero(rng.random(len(routing)) < 0.1):  # a prompt batch routes to any number
+            routing[t] = rng.random(n) < 0.6
+        initial = rng.integers(0, 4, n) if trial % 2 else np.zeros(n, int)
+        ranks = planner.lfu_ranks(routing, initial if trial % 2 else None)
+        hits = explicit_lfu_hits(routing, initial)
+        for c in range(n + 1):
+            assert (((ranks >= 0) & (ranks < c)).sum(axis=1) == hits[:, c]).all(), (trial, c)
+    with pytest.raises(PlanInputError):
+        planner.lfu_ranks(routing, np.zeros(n + 1))
+
+
+def test_the_recency_design_follows_the_policy():
+    """LFU keeps an often-used expert that LRU lets go: expert 0 routed by every other token."""
+    routing = np.zeros((40, 6), bool)
+    for t in range(40):
+        routing[t, [0, 1 + t % 5] if t % 2 == 0 else [1 + t % 5, 1 + (t + 1) % 5]] = True
+    lru = planner.recency_design(routing, 2, history=8, policy="lru")
+    lfu = planner.recency_design(routing, 2, history=8, policy="tlfu")
+    assert lfu.hit_rates(3, 0, 0)[0] > lru.hit_rates(3, 0, 0)[0] + 0.2
+    with pytest.raises(PlanInputError, match="fifo"):
+        planner.recency_design(routing, 2, policy="fifo")
+
+
 def test_recency_split_delays_match_each_split():
     rng = np.random.default_rng(4)
     design = planner.recency_design(local_routing(rng, 80, 7, 2), 2)

@@ -293,19 +293,20 @@ def test_routing_log_keeps_generated_tokens_oldest_first(zipmoe_model):
     assert lib.zipmoe_cache_routing(ct.name.encode(), ffi.new("uint64_t[1]"), 0, 1) < 0  # words too few
 
 
-@pytest.mark.parametrize("slots", [(1, 0, 0), (2, 0, 0), (3, 0, 0), (2, 0, 3), (1, 0, 4), (0, 2, 0), (0, 3, 2)])
-def test_the_planners_recency_model_predicts_the_runtimes_hits(zipmoe_model, stats, slots):
-    """The planner models a layer's tiers under LRU as one stack: an expert is hot when fewer than `hot` experts
-    were used since it was, then sm (or warm, then sm, without a hot tier). The runtime must agree token by
-    token, ties and all (with fewer hot slots than routed experts, too: another layer's invocation trims this
-    one's between tokens, as in a model)."""
+@pytest.mark.parametrize("policy", ["lru", "tlfu"])
+@pytest.mark.parametrize("slots", [(1, 0, 0), (2, 0, 0), (3, 0, 0), (2, 0, 3), (1, 0, 4), (0, 2, 0), (0, 3, 2), (0, 0, 3)])
+def test_the_planners_recency_model_predicts_the_runtimes_hits(zipmoe_model, stats, slots, policy):
+    """The planner models a layer's tiers as one stack: under LRU an expert is hot when fewer than `hot` experts
+    were used since it was, under token-weighted LFU when fewer than `hot` rank above it by uses (then sm, or warm
+    then sm without a hot tier). The runtime must agree token by token, ties and all (with fewer hot slots than
+    routed experts, too: another layer's invocation trims this one's between tokens, as in a model)."""
     from pyzipmoe import planner
 
     zf = format.open_zipmoe(zipmoe_model)
     ct = zf.compressed[0]
     other = next(c for c in zf.compressed if c.name.split(".")[1] != ct.name.split(".")[1])
     n_expert = ct.source.dims[2]
-    lib.zipmoe_cache_configure(UNBOUNDED, 0, 0, lib.ZIPMOE_POLICY_LRU)
+    lib.zipmoe_cache_configure(UNBOUNDED, 0, 0, lib.ZIPMOE_POLICY_LRU if policy == "lru" else lib.ZIPMOE_POLICY_TOKEN_LFU)
     assert lib.zipmoe_cache_set_slots(ct.name.encode(), *slots) == 0
     assert lib.zipmoe_cache_set_slots(other.name.encode(), 1, 0, 0) == 0  # it plans every token, trimming ct's
     try:
@@ -327,7 +328,7 @@ def test_the_planners_recency_model_predicts_the_runtimes_hits(zipmoe_model, sta
             last = ids
         assert [[e for e in range(n_expert) if routing[t, e]] for t in range(len(routing))] == \
             routing_log(ct.name, n_expert)
-        design = planner.recency_design(routing, 2, history=0)
+        design = planner.recency_design(routing, 2, history=0, policy=policy)
         assert design.tier_counts(*slots).tolist() == hits
     finally:
         lib.zipmoe_cache_set_slots(ffi.NULL, 0, 0, 0)

@@ -102,6 +102,7 @@ struct zipmoe_store {
     zipmoe_read_job collapse_job; /* zipmoe_store_collapse on the reader thread */
     _Atomic int     collapse_queued;
     _Atomic int     streak;     /* invocations in a row on the fast path */
+    uint64_t        plan_tick;  /* the tick of the last planned invocation: its routed experts used it last */
     uintptr_t       hp_base;    /* first 2 MiB boundary in dst */
     size_t          n_hp;
     uint8_t *       hp_done;    /* per 2 MiB page: collapsed (or tried) */
@@ -611,6 +612,15 @@ static uint64_t entry_worth(const expert_state * x, zipmoe_policy policy) {
     return policy == ZIPMOE_POLICY_FIFO ? UINT64_MAX : score(x, policy, TIER_WARM);
 }
 
+/* Whether an entrant (worth, id e) loses its contest with a resident (v_worth, id v): scores, then ids, as
+ * victim() orders experts (the lowest id of the lowest score goes first). One total order for every contest keeps
+ * the tiers one stack, as the planner models them (tests/test_store.py). */
+static int loses(uint64_t worth, int64_t e, uint64_t v_worth, int64_t v) {
+    return v_worth > worth || (v_worth == worth && v > e);
+}
+
+#define ANY_COPY INT64_MAX /* entrant id of a copy of a hot expert: it takes another copy's room on a tie */
+
 /* Under s->mu: the unpinned expert of the tier to give up first, or -1. In the compressed tiers that is
  * a copy of a hot expert (worth nothing while it is hot), else the lowest score. *worth: its score (0
  * for such a copy). */
@@ -651,7 +661,7 @@ static void drop_region(zipmoe_store * s, int64_t e) {
     x->res    = RES_NONE;
 }
 
-static int make_room(zipmoe_store * s, int tier, uint64_t need, uint64_t worth);
+static int make_room(zipmoe_store * s, int tier, uint64_t need, uint64_t worth, int64_t entrant);
 
 /* Under s->mu: warm expert e gives up its codes and keeps its sign+mantissa plane if the sm tier takes
  * it; else all. No byte is read again. */
@@ -664,7 +674,7 @@ static void demote_warm(zipmoe_store * s, int64_t e) {
     const uint64_t size = region_size(s, e);
     s->warm_used -= size;
     account(&g_warm_bytes, -(int64_t) size);
-    if (!x->hot && make_room(s, TIER_SM, s->sm_size, worth)) {
+    if (!x->hot && make_room(s, TIER_SM, s->sm_size, worth, e)) {
         uint8_t * sm = realloc(region, (size_t) s->sm_size); /* the plane comes first in a region */
         x->region = sm ? sm : region;
         x->res    = RES_SM;
@@ -676,9 +686,9 @@ static void demote_warm(zipmoe_store * s, int64_t e) {
     free(region);
 }
 
-/* Under s->mu: makes need bytes free in a compressed tier by giving up experts worth less than worth
- * (warm ones are demoted to sm). Whether the bytes fit now. */
-static int make_room(zipmoe_store * s, int tier, uint64_t need, uint64_t worth) {
+/* Under s->mu: makes need bytes free in a compressed tier for expert `entrant` by giving up experts that
+ * rank below it (worth, then id: loses(); warm ones are demoted to sm). Whether the bytes fit now. */
+static int make_room(zipmoe_store * s, int tier, uint64_t need, uint64_t worth, int64_t entrant) {
     const uint64_t limit = tier == TIER_WARM ? s->warm_limit : s->sm_limit;
     uint64_t *     used  = tier == TIER_WARM ? &s->warm_used : &s->sm_used;
     if (need > limit) {
@@ -687,7 +697,7 @@ static int make_room(zipmoe_store * s, int tier, uint64_t need, uint64_t worth) 
     while (*used + need > limit) {
         uint64_t      v_worth;
         const int64_t v = victim(s, tier, &v_worth);
-        if (v < 0 || v_worth > worth) {
+        if (v < 0 || loses(worth, entrant, v_worth, v)) {
             return 0;
         }
         if (tier == TIER_WARM) {
@@ -731,7 +741,10 @@ static void release_hot(zipmoe_store * s, int64_t e) {
 static void evict_hot(zipmoe_store * s, int64_t e) {
     expert_state * x = &s->experts[e];
     x->hot = 0; /* not a hot copy any more: its score counts in the contests below */
-    if (x->res == RES_NONE && s->sm_limit > 0 && make_room(s, TIER_SM, s->sm_size, entry_worth(x, s->policy))) {
+    /* one the last invocation routed (more than the hot slots: a trim) enters the sm tier as it entered the hot
+     * one, whatever its score: the top of the stack is what the last token routed */
+    const uint64_t worth = x->last_use == s->plan_tick ? UINT64_MAX : entry_worth(x, s->policy);
+    if (x->res == RES_NONE && s->sm_limit > 0 && make_room(s, TIER_SM, s->sm_size, worth, e)) {
         uint8_t * sm = malloc((size_t) s->sm_size);
         if (sm) {
             const uint16_t * v = s->dst + e * s->info.n_per_expert;
@@ -811,8 +824,11 @@ static void plan_expert(zipmoe_store * s, int64_t e, uint64_t tick, plan_item * 
     /* with a hot tier the expert is about to be decoded and kept: what a compressed tier takes of it now is a
      * copy, worth nothing while it is hot. It takes free room or another copy's, never an expert that only a
      * compressed tier holds; the expert enters those tiers for good when it leaves the hot one (evict_hot),
-     * so that hot, sm and cold stay one LRU stack, as the planner models them. */
-    const uint64_t worth = s->hot_limit > 0 ? 0 : entry_worth(x, s->policy);
+     * so that hot, sm and cold stay one stack, as the planner models them. Without a hot tier the first
+     * compressed tier is the top of the stack, and a routed expert always enters it, as one always enters
+     * the hot tier: the policy chooses whom it evicts. */
+    const uint64_t worth   = s->hot_limit > 0 ? 0 : UINT64_MAX;
+    const int64_t  entrant = s->hot_limit > 0 ? ANY_COPY : e;
     memset(it, 0, sizeof *it);
     it->expert = e;
     if (x->res == RES_FULL) {
@@ -826,7 +842,7 @@ static void plan_expert(zipmoe_store * s, int64_t e, uint64_t tick, plan_item * 
         x->res    = RES_NONE;
         s->sm_used -= s->sm_size;
         account(&g_sm_bytes, -(int64_t) s->sm_size);
-        uint8_t * full = make_room(s, TIER_WARM, span.size, worth) ? realloc(region, (size_t) span.size) : NULL;
+        uint8_t * full = make_room(s, TIER_WARM, span.size, worth, entrant) ? realloc(region, (size_t) span.size) : NULL;
         if (full) {
             x->region = full;
             x->res    = RES_FULL;
@@ -844,11 +860,11 @@ static void plan_expert(zipmoe_store * s, int64_t e, uint64_t tick, plan_item * 
         it->read_sm    = 1;
         it->read_codes = 1;
         uint8_t * region = NULL;
-        if (make_room(s, TIER_WARM, span.size, worth) && (region = malloc((size_t) span.size)) != NULL) {
+        if (make_room(s, TIER_WARM, span.size, worth, entrant) && (region = malloc((size_t) span.size)) != NULL) {
             x->res = RES_FULL;
             s->warm_used += span.size;
             account(&g_warm_bytes, (int64_t) span.size);
-        } else if (make_room(s, TIER_SM, s->sm_size, worth) && (region = malloc((size_t) s->sm_size)) != NULL) {
+        } else if (make_room(s, TIER_SM, s->sm_size, worth, entrant) && (region = malloc((size_t) s->sm_size)) != NULL) {
             x->res = RES_SM;
             s->sm_used += s->sm_size;
             account(&g_sm_bytes, (int64_t) s->sm_size);
@@ -918,6 +934,7 @@ static int64_t make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int
     }
     const int      decode_all = s->hot_limit == 0; /* no hot tier: decode on every use */
     const uint64_t tick       = atomic_fetch_add(&g_tick, 1);
+    s->plan_tick              = tick;
     for (int64_t e = 0; e < n_expert; e++) {
         expert_state * x = &s->experts[e];
         if (x->routed) {
