@@ -125,14 +125,18 @@ def runtime_environment(model_path: str | os.PathLike[str], *, budget: str | int
 # ------------------------------------------------------------------------------------------ live adaptation
 
 
-def apply_plan(plan: planner.Plan, lib: Any = None) -> None:
-    """Gives the running stores new slots (each applies them at its next invocation)."""
+def apply_plan(plan: planner.Plan, lib: Any = None, *, reserve: int | None = None) -> None:
+    """Gives the running stores new slots (each applies them at its next invocation), and `reserve` bytes of
+    evicted experts' pages to keep for the next decodes: the allowance for the layer in flight, which a plan
+    leaves beside its slots (as ZIPMOE_PLAN does at load)."""
     if lib is None:
         from ._native import lib
     for lp in plan.layers:
         rc = lib.zipmoe_cache_set_slots(f"blk.{lp.layer}.".encode(), lp.hot, lp.warm, lp.sm)
         if rc < 0:
             raise ZipmoeError(f"the runtime refused the slots of layer {lp.layer} (status {rc})")
+    if reserve is not None:
+        lib.zipmoe_cache_set_reserve(reserve)
 
 
 def live_counts(geometry: planner.ModelGeometry, lib: Any = None) -> np.ndarray:
@@ -245,7 +249,7 @@ class MemoryMonitor:
         self.planned = Planned(self.planned.need, self.planned.budget, model,
                                planner.runtime_plan(model, self.budget - self.planned.need.minimum),
                                self.planned.costs_source)
-        apply_plan(self.planned.plan, self._lib)
+        apply_plan(self.planned.plan, self._lib, reserve=self.planned.need.layer_bytes)
         self.replans.append((self.budget, self.planned.plan))
         if self._on_change:
             self._on_change(self.planned.plan)
@@ -261,7 +265,7 @@ class MemoryMonitor:
         tiers = target - self.planned.need.minimum
         plan = planner.fixed_split_plan(self.planned.model, tiers, *self.split) if self.split is not None \
             else planner.runtime_plan(self.planned.model, tiers)
-        apply_plan(plan, self._lib)
+        apply_plan(plan, self._lib, reserve=self.planned.need.layer_bytes)
         self.budget = target
         self.replans.append((target, plan))
         if self._on_change:

@@ -335,6 +335,27 @@ def test_the_layer_in_flights_decoded_experts_count_once(logits: Callable, ours:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_a_plan_keeps_evicted_pages_within_the_layer_allowance(logits: Callable, ours: Path, arch: str,
+                                                                zipmoe_models: dict[tuple[str, str], Path],
+                                                                tmp_path: Path) -> None:
+    """A plan leaves the allowance for the layer in flight beside its slots, whatever the budget: experts evicted
+    keep their pages there for the next decodes. (With a budget of the model's size the shares had credited the
+    whole allowance to the hot tier, and a decode-on-every-use plan faulted in zeroed pages for every expert.)"""
+    from pyzipmoe.budget import model_memory
+
+    ref_reports, ref = logits(arch, "bf16")
+    need = model_memory(zipmoe_models[arch, "huff"])
+    budget = need.minimum + need.expert_bytes
+    runs = [{"config": CONFIGS[1], "zipmoe": {"memory_budget": str(budget), "plan": "0:0,2,0;1:0,2,0"}}]
+    reports, got = run_worker(zipmoe_models[arch, "huff"], ours, runs, tmp_path / "plan.npz")
+    _no_error(reports[0])
+    assert_bit_identical(got["run0"], ref["run1"], f"{arch} {runs[0]}")
+    stats = reports[0]["stats"]
+    assert stats["evictions"] > 0 and 0 < stats["pool_bytes"] <= need.layer_bytes, stats
+    assert stats["peak_resident_bytes"] <= budget - need.other_bytes, stats
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_a_budget_below_the_minimum_is_refused_saying_the_minimum(arch: str, zipmoe_models: dict[tuple[str, str], Path],
                                                                  ours: Path, tmp_path: Path) -> None:
     """Python refuses it before loading, and bare libllama (the environment variable) refuses it at load."""

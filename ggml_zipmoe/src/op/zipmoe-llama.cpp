@@ -235,6 +235,11 @@ bool zipmoe_llama_configure(uint64_t other_bytes, std::string & info, std::strin
             return false;
         }
         info += "; slots per layer from ZIPMOE_PLAN";
+        // a plan leaves the whole allowance for the layer in flight beside its slots (the planner credits none of
+        // it): evicted experts' pages are kept within it. Without that, a budget whose shares credit the
+        // allowance to the hot tier (all of it from the model's size up) had every decode fault in zeroed pages:
+        // 2x the time of a decode-bound plan (tiered-cache.md)
+        in_flight = working_set;
     } else {
         zipmoe_cache_set_slots(nullptr, 0, 0, 0);
     }
