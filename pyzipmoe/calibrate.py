@@ -158,15 +158,18 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 
 
 def runtime_id() -> str:
-    """The native library's build (size and mtime of the file the process loads): the engine's costs change
-    when the runtime does."""
+    """The runtime's build: size and mtime of the native library the process loads and of the libllama the
+    engine runs (the custom op and the budget's rules live there). The engine's costs change when either does."""
     from ._native import library_candidates
+    from .runner import bin_dir
 
-    for path in library_candidates():
-        if path.is_file():
+    native = next((p for p in library_candidates() if p.is_file()), None)
+    parts = []
+    for path in (native, (bin_dir() / "libllama.so").resolve()):
+        if path is not None and path.is_file():
             st = path.stat()
-            return f"{st.st_size}-{st.st_mtime_ns}"
-    return "unknown"
+            parts.append(f"{st.st_size}-{st.st_mtime_ns}")
+    return "+".join(parts) or "unknown"
 
 
 def machine_id() -> dict[str, Any]:
