@@ -6,8 +6,8 @@ For each budget (a share of the model's BF16 size, as in tools/bench_budget.py),
 tokens, a plan from the order in which those tokens routed (the recency model), --warmup/2 tokens to settle (the
 monitor re-plans every 64 tokens; here once, and then it stops so that nothing changes while timing); (b) each fixed
 split of the cache between the hot, warm and sm tiers in steps of --step (the same slots in every layer, the
-default policy). --gen tokens are timed in steady state (greedy, one token at a time, a fresh process per run,
-pyzipmoe.timing). The runtime enforces the budget itself; no cgroup is needed (tools/bench_budget.py measures
+default policy), after as many tokens as the planner's run (--warmup * 3/2). --gen tokens are timed in steady
+state (greedy, one token at a time, a fresh process per run, pyzipmoe.timing). The runtime enforces the budget itself; no cgroup is needed (tools/bench_budget.py measures
 under cgroup limits).
 
 Predictions come from this machine's calibration (`zipmoe calibrate`: tier costs and the base time per token
@@ -43,10 +43,14 @@ def measure(model: Path, llama: dict[str, Any], args: argparse.Namespace, **kwar
     """The median of --repeat timed runs (by tokens/s), or {"error": ...}."""
     from pyzipmoe.timing import TimingError, time_generation
 
+    # every row times the same tokens: the planner's run re-plans after --warmup tokens and settles for half as
+    # many more (time_generation's replan); a fixed split generates as many before timing. (Timing the fixed
+    # splits 16 tokens earlier in the text had them meet 7% fewer misses at 75%: a bias against the planner.)
+    warmup = args.warmup if kwargs.get("replan") or kwargs.get("routing") else args.warmup + args.warmup // 2
     runs = []
     for _ in range(args.repeat):
         try:
-            runs.append(time_generation(model, llama=llama, warmup=args.warmup, gen=args.gen, threads=args.threads,
+            runs.append(time_generation(model, llama=llama, warmup=warmup, gen=args.gen, threads=args.threads,
                                         timeout=args.timeout, **kwargs))
         except TimingError as e:
             return {"error": str(e)}
@@ -70,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budgets", default="40,60,75,93", help="budgets in %% of the BF16 size (default: %(default)s)")
     p.add_argument("--step", type=float, default=0.1, help="fixed splits in steps of this share (default: 0.1)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=32, help="tokens generated before timing, and the routing the "
-                                                          "planner re-plans from (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=32, help="tokens the planner re-plans from (their routing), "
+                                                          "then half as many more before timing (default: %(default)s)")
     p.add_argument("--gen", type=int, default=24, help="tokens timed (default: %(default)s)")
     p.add_argument("--repeat", type=int, default=1, help="runs per row; the median counts (default: %(default)s)")
     p.add_argument("--confirm", type=int, default=0, help="then measure the planner and the N best fixed splits of "
