@@ -37,6 +37,7 @@ listed:
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import json
 import math
@@ -490,8 +491,6 @@ def lfu_ranks(routing: np.ndarray, initial_uses: np.ndarray | None = None) -> np
     uses: the runtime's counters, the tokens routed to each expert since load, which start at `initial_uses`
     (default 0) where the log begins. An entry of the log adds 1 to each expert it routed to; a prompt batch in
     the runtime adds its number of tokens routed there, which a boolean log does not keep."""
-    import heapq
-
     routing = np.asarray(routing, bool)
     tokens, n = routing.shape
     uses = np.zeros(n, np.int64) if initial_uses is None else np.asarray(initial_uses, np.int64).copy()
@@ -505,13 +504,12 @@ def lfu_ranks(routing: np.ndarray, initial_uses: np.ndarray | None = None) -> np
         ranks[t, routed] = [position.get(int(e), n) for e in routed]
         uses[routed] += 1
         chosen = set(int(e) for e in routed)
-        key = {e: (int(uses[e]), e) for e in order}
         new = sorted(chosen, key=lambda e: (int(uses[e]), e), reverse=True)
-        heap = [(-key[e][0], -e) for e in order[: len(new)] if e not in chosen]
+        heap = [(-int(uses[e]), -e) for e in order[: len(new)] if e not in chosen]  # the most uses pop first
         heapq.heapify(heap)
         for e in order[len(new):]:
             if e not in chosen:
-                heapq.heappush(heap, (-key[e][0], -e))
+                heapq.heappush(heap, (-int(uses[e]), -e))
             new.append(-heapq.heappop(heap)[1])
         new.extend(-e for _, e in sorted(heap))
         order = new
