@@ -213,7 +213,8 @@ class MemoryMonitor:
         self._on_change = on_change
         self._lib = lib
         self.split = split  # fixed (hot, warm, sm) shares of the tiers instead of the planner's split
-        # the run's eviction policy, whose hits the recency model predicts: the runtime reads it at load
+        # the run's eviction policy, whose hits the recency model predicts: the runtime read it at load (Llama sets
+        # the environment only while it loads, so it passes what it asked for)
         self.policy = policy or os.environ.get(POLICY_ENV) or DEFAULT_POLICY
         self.replans: list[tuple[int, planner.Plan]] = []  # (budget, plan) of every re-plan, for reports and tests
         self._stop = threading.Event()

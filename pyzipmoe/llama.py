@@ -335,7 +335,8 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
             sm = sm_share or 0.0
             hot = hot_share if hot_share is not None else 1.0 - sm
             split = None if use_planner else (hot, max(0.0, 1.0 - hot - sm), sm)
-            self.zipmoe_monitor = monitor_for(model_path, memory_budget, trace=trace, split=split).start()
+            self.zipmoe_monitor = monitor_for(model_path, memory_budget, trace=trace, split=split,
+                                              policy=cache_policy).start()
             self._stack.callback(self.zipmoe_monitor.stop)
 
     def _load_error(self, path: str, e: Exception, logged: str) -> ZipmoeLoadError:
