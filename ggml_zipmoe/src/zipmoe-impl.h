@@ -111,6 +111,7 @@ typedef struct {
     uint64_t  offset;
     uint64_t  size;
     uint8_t * dst;
+    int       direct; /* dst lies in a buffer laid out for zipmoe_pread_direct: read around the page cache */
 } zipmoe_read_seg;
 
 typedef struct {
@@ -121,6 +122,7 @@ typedef struct {
 
 typedef struct zipmoe_read_job {
     int                      fd;
+    int                      dfd;     /* the same file opened with O_DIRECT, or -1 */
     uint64_t                 base;    /* file offset of the data companion */
     int64_t                  n_items;
     zipmoe_read_item *       items;
@@ -138,6 +140,12 @@ int  zipmoe_reader_submit(zipmoe_read_job * job);              /* ZIPMOE_OK, or 
 int  zipmoe_reader_wait_item(zipmoe_read_job * job, int64_t i); /* ZIPMOE_OK once item i is read */
 void zipmoe_reader_finish(zipmoe_read_job * job, int cancel);   /* waits until the reader is done with job */
 int  zipmoe_pread_all(int fd, uint64_t offset, void * buf, size_t size);
+/* Reading around the page cache (O_DIRECT): offsets, sizes and buffers aligned to this. */
+#define ZIPMOE_DIRECT_ALIGN ((size_t) 4096)
+/* pread on a descriptor opened with O_DIRECT: reads [offset, offset + size) of the file into buf, reading the
+ * aligned span around it, so buf - offset % ZIPMOE_DIRECT_ALIGN must be aligned and the span's rounded-up end
+ * must fit the buffer. ZIPMOE_ERR_ARG if the file system refused the alignment (EINVAL). */
+int  zipmoe_pread_direct(int dfd, uint64_t offset, void * buf, size_t size);
 int  zipmoe_reader_reads_waiting(void); /* a job of reads is queued: background work (collapse) should yield */
 /* slots.c: memfd slots that keep decoded experts' pages from one expert to the next */
 void     zipmoe_slots_set_keep(uint64_t bytes);           /* free slots keep their pages up to this */

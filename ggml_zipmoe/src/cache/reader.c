@@ -38,8 +38,36 @@ int zipmoe_pread_all(int fd, uint64_t offset, void * buf, size_t size) {
     return ZIPMOE_OK;
 }
 
+int zipmoe_pread_direct(int dfd, uint64_t offset, void * buf, size_t size) {
+    const uint64_t t0   = zipmoe_now_ns();
+    const uint64_t from = offset & ~(uint64_t) (ZIPMOE_DIRECT_ALIGN - 1);
+    const size_t   want = (size_t) (offset - from) + size; /* bytes from `from` that must arrive */
+    const size_t   len  = zipmoe_align_up(want, ZIPMOE_DIRECT_ALIGN);
+    uint8_t *      dst  = (uint8_t *) buf - (offset - from);
+    size_t         done = 0;
+    while (done < want) {
+        const ssize_t n = pread(dfd, dst + done, len - done, (off_t) (from + done));
+        if (n < 0 && errno == EINTR) {
+            continue;
+        }
+        if (n <= 0 || (size_t) n % ZIPMOE_DIRECT_ALIGN != 0) { /* an error, the end of the file, or a short */
+            if (n > 0 && done + (size_t) n >= want) {          /* read that still brought what was asked */
+                done += (size_t) n;
+                break;
+            }
+            return n < 0 && errno == EINVAL ? ZIPMOE_ERR_ARG : ZIPMOE_ERR_IO;
+        }
+        done += (size_t) n;
+    }
+    zipmoe_stats_add_read(size, zipmoe_now_ns() - t0);
+    return ZIPMOE_OK;
+}
+
 static void hint(const zipmoe_read_job * job, const zipmoe_read_item * it) {
     for (int k = 0; k < it->n_seg; k++) {
+        if (it->seg[k].direct && job->dfd >= 0) {
+            continue; /* read around the page cache: a hint would only fill it */
+        }
         posix_fadvise(job->fd, (off_t) (job->base + it->seg[k].offset), (off_t) it->seg[k].size, POSIX_FADV_WILLNEED);
     }
 }
@@ -117,22 +145,36 @@ static void run(zipmoe_read_job * job) {
         }
         int status = 1;
         for (int k = 0; k < it->n_seg && status > 0; k++) {
-            const zipmoe_read_seg * g = &it->seg[k];
-            if (atomic_load(&job->cancel) || zipmoe_pread_all(job->fd, job->base + g->offset, g->dst, (size_t) g->size) < 0) {
+            const zipmoe_read_seg * g  = &it->seg[k];
+            int                     rc = ZIPMOE_ERR_ARG;
+            if (atomic_load(&job->cancel)) {
+                status = -1;
+                break;
+            }
+            if (g->direct && job->dfd >= 0) {
+                rc = zipmoe_pread_direct(job->dfd, job->base + g->offset, g->dst, (size_t) g->size);
+            }
+            if (rc == ZIPMOE_ERR_ARG) { /* through the page cache, which must not keep a second copy after */
+                rc = zipmoe_pread_all(job->fd, job->base + g->offset, g->dst, (size_t) g->size);
+                posix_fadvise(job->fd, (off_t) (job->base + g->offset), (off_t) g->size, POSIX_FADV_DONTNEED);
+            }
+            if (rc < 0) {
                 status = -1;
             }
-            /* copied out: the page cache must not keep a second copy, which the budget does not count */
-            posix_fadvise(job->fd, (off_t) (job->base + g->offset), (off_t) g->size, POSIX_FADV_DONTNEED);
         }
         mark(job, it, status);
     }
-    if (job->prefetch && !atomic_load(&job->cancel)) {
-        zipmoe_store_prefetch(job->prefetch, job->prefetch_like); /* in flight while this one computes */
-    }
+    /* the job is done with its buffers before the read-ahead: its store decodes and computes meanwhile (and may
+     * submit the job again, so its fields are copied first) */
+    struct zipmoe_store *       prefetch      = atomic_load(&job->cancel) ? NULL : job->prefetch;
+    const struct zipmoe_store * prefetch_like = job->prefetch_like;
     pthread_mutex_lock(&job->mu);
     job->busy = 0;
     pthread_cond_broadcast(&job->cv);
     pthread_mutex_unlock(&job->mu);
+    if (prefetch) {
+        zipmoe_store_prefetch(prefetch, prefetch_like); /* in flight while this one computes */
+    }
 }
 
 static void * reader_main(void * arg) {

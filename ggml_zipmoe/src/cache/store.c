@@ -69,7 +69,16 @@ typedef struct {
     uint8_t   read_sm;    /* the plane must be read from the file */
     uint8_t   read_codes; /* the codes must be read from the file */
     uint8_t   staged;     /* the reader thread reads them (into the region or the staging buffer) */
+    uint8_t   prefetched; /* read ahead before the plan (zipmoe_store_prefetch): nothing left to read */
 } plan_item;
+
+/* A buffer for bytes read ahead of a store's invocation, aligned for O_DIRECT; two in the process (the store
+ * that decodes from one while the next store's bytes arrive in the other). */
+typedef struct {
+    uint8_t *             data;
+    size_t                cap;
+    struct zipmoe_store * owner; /* NULL: free */
+} prefetch_buffer;
 
 struct zipmoe_store {
     char               name[96];
@@ -80,6 +89,7 @@ struct zipmoe_store {
     uint64_t           mean_region;       /* of the compressed regions: converts warm slots to bytes */
 
     int        fd;          /* our own descriptor of the model file, -1 until bound */
+    int        dfd;         /* the file opened with O_DIRECT, for read-ahead around the page cache; -1: none */
     uint64_t   data_offset; /* of the data companion in the file */
     uint16_t * dst;         /* BF16 memory: n_expert * n_per_expert values, MAP_NORESERVE */
     size_t     dst_size;
@@ -108,6 +118,9 @@ struct zipmoe_store {
     uint8_t *       hp_done;    /* per 2 MiB page: collapsed (or tried) */
     _Atomic(struct zipmoe_store *) next_store; /* the store invoked after this one last time (the graph's order) */
     _Atomic uint8_t * hinted;   /* per expert: read-ahead hinted by the previous store's prompt invocation */
+    prefetch_buffer * pf;       /* under mu: bytes the reader read ahead for the next invocation, or NULL; */
+    int64_t *         pf_at;    /* per expert: where in pf its region's bytes from pf_from[e] on lie, or -1 */
+    uint64_t *        pf_from;
     expert_state *  experts;
     uint64_t *       route_log;   /* ring of ROUTE_RING single-token invocations: a bitmask of the routed experts */
     int64_t          route_words; /* uint64 words per entry */
@@ -246,7 +259,8 @@ static void refresh_limits(zipmoe_store * s) {
 
 static _Atomic uint64_t g_stores, g_hot_bytes, g_warm_bytes, g_sm_bytes, g_experts, g_chunks, g_bytes, g_ns, g_calls;
 static _Atomic uint64_t g_hits_hot, g_hits_warm, g_hits_sm, g_misses, g_read_bytes, g_read_ns, g_evictions;
-static _Atomic uint64_t g_peak_hot, g_peak_resident, g_stall_ns, g_staging_bytes, g_reading_calls;
+static _Atomic uint64_t g_peak_hot, g_peak_resident, g_stall_ns, g_reading_calls;
+static _Atomic uint64_t g_stage_cap_bytes, g_pf_cap_bytes; /* the reader's buffers: zipmoe_stats' staging_bytes */
 static _Atomic uint64_t g_prefill_dummy; /* what a prefill's invocations count instead of the model's routing */
 
 void zipmoe_stats_add_read(uint64_t bytes, uint64_t ns) {
@@ -274,7 +288,7 @@ void zipmoe_stats_get(zipmoe_stats * out) {
     out->hits_sm             = atomic_load(&g_hits_sm);
     out->stall_ns            = atomic_load(&g_stall_ns);
     out->peak_resident_bytes = atomic_load(&g_peak_resident);
-    out->staging_bytes       = atomic_load(&g_staging_bytes);
+    out->staging_bytes       = atomic_load(&g_stage_cap_bytes) + atomic_load(&g_pf_cap_bytes);
     out->pool_bytes          = zipmoe_slots_kept();
     out->reading_calls       = atomic_load(&g_reading_calls);
 }
@@ -375,6 +389,67 @@ static thread_scratch * thread_scratch_get(size_t chunk_n, size_t buf_size) {
     return ts->ws && ts->buf ? ts : NULL;
 }
 
+/* ---------------------------------------------------------------- read-ahead buffers */
+
+/* Bytes the reader reads ahead for the store invoked next (zipmoe_store_prefetch) go to one of two buffers
+ * rather than through the page cache: a hint (POSIX_FADV_WILLNEED) left the kernel to allocate, charge, copy
+ * and drop every page again, and with the hints for the store after, that was half of a budgeted run's CPU
+ * time on 2 cores. With O_DIRECT the disk writes straight into the buffer. Kept between invocations (a prompt
+ * reads tens of MiB a store, and fresh pages are zeroed), given back once a need fits STAGE_KEEP again. */
+#define STAGE_KEEP ((size_t) 16 << 20)
+
+static pthread_mutex_t g_pf_mu = PTHREAD_MUTEX_INITIALIZER;
+static prefetch_buffer g_pf[2];
+
+static int open_direct(int fd) {
+    char path[64];
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    return open(path, O_RDONLY | O_DIRECT | O_CLOEXEC); /* -1 where the file system has no O_DIRECT: buffered */
+}
+
+/* Under s->mu: gives s's read-ahead buffer back, unused or used up. */
+static void prefetch_drop(zipmoe_store * s) {
+    if (!s->pf) {
+        return;
+    }
+    pthread_mutex_lock(&g_pf_mu);
+    s->pf->owner = NULL;
+    pthread_mutex_unlock(&g_pf_mu);
+    s->pf = NULL;
+    for (int64_t e = 0; e < s->info.n_expert; e++) {
+        s->pf_at[e] = -1;
+    }
+}
+
+/* A free buffer of at least need bytes for s, or NULL (both taken: the caller hints instead). */
+static prefetch_buffer * prefetch_take(zipmoe_store * s, size_t need) {
+    pthread_mutex_lock(&g_pf_mu);
+    prefetch_buffer * b = NULL;
+    for (int i = 0; i < 2; i++) {
+        if (!g_pf[i].owner && (!b || (b->cap < need && g_pf[i].cap > b->cap))) {
+            b = &g_pf[i];
+        }
+    }
+    if (b && (b->cap < need || (b->cap > STAGE_KEEP && need <= STAGE_KEEP))) {
+        free(b->data);
+        b->data = NULL;
+        b->cap  = 0;
+        void * p = NULL;
+        if (posix_memalign(&p, ZIPMOE_DIRECT_ALIGN, need) == 0) {
+            b->data = p;
+            b->cap  = need;
+        }
+        atomic_store(&g_pf_cap_bytes, g_pf[0].cap + g_pf[1].cap);
+    }
+    if (b && b->data) {
+        b->owner = s;
+    } else {
+        b = NULL;
+    }
+    pthread_mutex_unlock(&g_pf_mu);
+    return b;
+}
+
 /* ---------------------------------------------------------------- life cycle */
 
 static int layer_of(const char * name) {
@@ -395,6 +470,7 @@ int64_t zipmoe_store_open(const char * name, const void * index, size_t index_si
     snprintf(s->name, sizeof s->name, "%s", name);
     s->layer = layer_of(name);
     s->fd    = -1;
+    s->dfd   = -1;
     s->dst   = MAP_FAILED;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
@@ -411,6 +487,8 @@ int64_t zipmoe_store_open(const char * name, const void * index, size_t index_si
     s->plan      = calloc((size_t) s->info.n_expert, sizeof *s->plan);
     s->job.items = calloc((size_t) s->info.n_expert, sizeof *s->job.items);
     s->hinted    = calloc((size_t) s->info.n_expert, sizeof *s->hinted);
+    s->pf_at     = malloc((size_t) s->info.n_expert * sizeof *s->pf_at);
+    s->pf_from   = calloc((size_t) s->info.n_expert, sizeof *s->pf_from);
     s->experts   = calloc((size_t) s->info.n_expert, sizeof *s->experts);
     s->route_words = (s->info.n_expert + 63) / 64;
     s->route_log   = calloc((size_t) (ROUTE_RING * s->route_words), sizeof *s->route_log);
@@ -419,12 +497,13 @@ int64_t zipmoe_store_open(const char * name, const void * index, size_t index_si
     pthread_mutex_init(&s->collapse_job.mu, NULL);
     pthread_cond_init(&s->collapse_job.cv, NULL);
     s->collapse_job.collapse = s;
-    if (!s->plan || !s->experts || !s->job.items || !s->hinted || !s->route_log) {
+    if (!s->plan || !s->experts || !s->job.items || !s->hinted || !s->route_log || !s->pf_at || !s->pf_from) {
         zipmoe_store_free(s);
         return ZIPMOE_ERR_NOMEM;
     }
     for (int64_t e = 0; e < s->info.n_expert; e++) {
         s->experts[e].slot = -1;
+        s->pf_at[e]        = -1;
     }
     atomic_fetch_add(&g_stores, 1);
     atomic_fetch_add(&g_bf16_total, (uint64_t) s->info.n_expert * s->hot_size);
@@ -470,8 +549,14 @@ void zipmoe_store_free(zipmoe_store * s) {
             }
         }
     }
+    if (s->pf_at) {
+        prefetch_drop(s);
+    }
     if (s->fd >= 0) {
         close(s->fd);
+    }
+    if (s->dfd >= 0) {
+        close(s->dfd);
     }
     if (s->dst != MAP_FAILED) {
         munmap(s->dst, s->dst_size);
@@ -480,6 +565,8 @@ void zipmoe_store_free(zipmoe_store * s) {
     free(s->plan);
     free(s->job.items);
     free((void *) s->hinted);
+    free(s->pf_at);
+    free(s->pf_from);
     free(s->experts);
     free(s->route_log);
     free(s->hp_done);
@@ -510,6 +597,7 @@ int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_offset, void *
         return ZIPMOE_ERR_IO;
     }
     s->data_offset = data_offset;
+    s->dfd         = open_direct(s->fd);
     /* Virtual only: a page costs memory once an expert is decoded into it. */
     const size_t page = (size_t) sysconf(_SC_PAGESIZE);
     s->dst_size = zipmoe_align_up((size_t) s->info.n_expert * (size_t) s->hot_size, page);
@@ -973,10 +1061,8 @@ static int64_t make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int
 
 /* One staging buffer for the process: compressed bytes read for a plan that no tier keeps. One graph computes
  * at a time and its ops run one after another, so one buffer serves every store; an invocation that finds it
- * taken (another graph) reads synchronously. Kept up to STAGE_KEEP bytes, so that generation does not fault
- * in fresh pages every token; a prompt's larger need is given back. */
-#define STAGE_KEEP ((size_t) 16 << 20)
-
+ * taken (another graph) reads synchronously. Kept, so that neither generation nor the stores of a prompt fault
+ * in fresh pages every time; a prompt's larger buffer is given back once a need fits STAGE_KEEP again. */
 static pthread_mutex_t       g_stage_mu = PTHREAD_MUTEX_INITIALIZER;
 static uint8_t *             g_stage;
 static size_t                g_stage_cap;
@@ -986,11 +1072,12 @@ static uint8_t * staging_take(const zipmoe_store * s, size_t need) {
     pthread_mutex_lock(&g_stage_mu);
     uint8_t * buf = NULL;
     if (!g_stage_owner) {
-        if (g_stage_cap < need) {
+        if (g_stage_cap < need || (g_stage_cap > STAGE_KEEP && need <= STAGE_KEEP)) {
             free(g_stage);
-            g_stage     = malloc(need);
+            void * p    = NULL;
+            g_stage     = posix_memalign(&p, ZIPMOE_DIRECT_ALIGN, need) == 0 ? p : NULL; /* for O_DIRECT reads */
             g_stage_cap = g_stage ? need : 0;
-            atomic_store(&g_staging_bytes, g_stage_cap);
+            atomic_store(&g_stage_cap_bytes, g_stage_cap);
         }
         if (g_stage) {
             g_stage_owner = s;
@@ -1005,42 +1092,95 @@ static void staging_give(const zipmoe_store * s) {
     pthread_mutex_lock(&g_stage_mu);
     if (g_stage_owner == s) {
         g_stage_owner = NULL;
-        if (g_stage_cap > STAGE_KEEP) {
-            free(g_stage);
-            g_stage     = NULL;
-            g_stage_cap = 0;
-            atomic_store(&g_staging_bytes, 0);
-        }
     }
     pthread_mutex_unlock(&g_stage_mu);
+}
+
+/* Bytes a read of [offset, offset + size) of the data companion takes in a buffer laid out for O_DIRECT: from
+ * the aligned start before it to the aligned end after it. */
+static size_t direct_span(const zipmoe_store * s, uint64_t offset, uint64_t size) {
+    const uint64_t at = s->data_offset + offset;
+    return zipmoe_align_up((size_t) (at % ZIPMOE_DIRECT_ALIGN + size), ZIPMOE_DIRECT_ALIGN);
+}
+
+/* Under s->mu: whether item it's bytes were read ahead (zipmoe_store_prefetch); then it points at them, copying
+ * into the tier that keeps them what it lacks, and nothing is left to read. */
+static int use_prefetched(zipmoe_store * s, plan_item * it) {
+    const int64_t e = it->expert;
+    if (!s->pf || s->pf_at[e] < 0 || !(it->read_sm || it->read_codes)) {
+        return 0;
+    }
+    const expert_state * x = &s->experts[e];
+    zipmoe_expert_span   span;
+    zipmoe_tensor_expert_span(s->tensor, e, &span);
+    const uint64_t need_from = it->read_sm ? 0 : span.exp_offset;
+    const uint64_t from      = s->pf_from[e];
+    if (from > need_from) {
+        return 0; /* only the codes were read ahead (it was an sm expert then) */
+    }
+    uint8_t * bytes = s->pf->data + s->pf_at[e]; /* region offset `from` */
+    if (x->res == RES_FULL) {
+        memcpy(x->region + need_from, bytes + (need_from - from), (size_t) (span.size - need_from));
+        it->sm    = x->region;
+        it->codes = x->region;
+    } else if (x->res == RES_SM) {
+        if (it->read_sm) {
+            memcpy(x->region, bytes, (size_t) span.exp_offset); /* from == 0 */
+        }
+        it->sm         = x->region;
+        it->codes      = bytes;
+        it->codes_bias = from;
+    } else { /* from == 0: the whole region */
+        it->sm         = bytes;
+        it->codes      = bytes;
+        it->codes_bias = 0;
+    }
+    it->prefetched = 1;
+    return 1;
 }
 
 /* Under s->mu, after make_plan: hands the plan's reads to the reader thread, one or two large reads per expert
  * into the region that keeps them or into the staging buffer, in the plan's order (what is in RAM is decoded
  * first, meanwhile). Without the reader or the buffer, the decoding threads read chunk by chunk instead. */
 static void schedule_reads(zipmoe_store * s) {
-    size_t need = 0;
+    size_t  need    = 0;
+    int64_t n_reads = 0;
     for (int64_t j = 0; j < s->plan_n; j++) {
-        const plan_item *    it = &s->plan[j];
+        plan_item *          it = &s->plan[j];
         const expert_state * x  = &s->experts[it->expert];
         zipmoe_expert_span   span;
         zipmoe_tensor_expert_span(s->tensor, it->expert, &span);
+        if (!(it->read_sm || it->read_codes) || use_prefetched(s, it)) {
+            continue;
+        }
+        n_reads++;
         if (it->read_sm && x->res == RES_NONE) {
-            need += span.size; /* the whole region */
-        } else if ((it->read_sm || it->read_codes) && x->res != RES_FULL) {
-            need += span.size - span.exp_offset; /* the codes: the plane goes to (or is in) the sm region */
+            need += direct_span(s, span.offset, span.size); /* the whole region */
+        } else if (x->res != RES_FULL) { /* the codes: the plane goes to (or is in) the sm region */
+            need += direct_span(s, span.offset + span.exp_offset, span.size - span.exp_offset);
         }
     }
-    int64_t n_reads = 0;
-    for (int64_t j = 0; j < s->plan_n; j++) {
-        n_reads += s->plan[j].read_sm || s->plan[j].read_codes;
+    /* once this store's reads are done, the reader reads the next store's ahead, which then overlap this store's
+     * compute instead of following it: a prompt routes to most experts of every layer; a store of the same
+     * layer (gate, up, down) routes to exactly these */
+    zipmoe_store * next = atomic_load(&s->next_store);
+    s->job.prefetch      = NULL;
+    s->job.prefetch_like = NULL;
+    if (s->prefilling) {
+        next = NULL; /* the prefill fills each store with what its tiers keep, not what a prompt reads */
+    }
+    if (next && 2 * s->plan_n >= s->info.n_expert) {
+        s->job.prefetch = next;
+    } else if (next && s->layer >= 0 && next->layer == s->layer && next->info.n_expert == s->info.n_expert) {
+        s->job.prefetch      = next;
+        s->job.prefetch_like = s;
     }
     uint8_t * stage = n_reads && need ? staging_take(s, need) : NULL;
-    if (n_reads == 0 || (need && !stage)) {
+    if ((n_reads == 0 && !s->job.prefetch) || (need && !stage)) {
         for (int64_t j = 0; j < s->plan_n && n_reads; j++) { /* synchronous: let the kernel read ahead */
             zipmoe_expert_span span;
             zipmoe_tensor_expert_span(s->tensor, s->plan[j].expert, &span);
-            if (s->plan[j].read_sm || s->plan[j].read_codes) {
+            if ((s->plan[j].read_sm || s->plan[j].read_codes) && !s->plan[j].prefetched) {
                 advise(s, span.offset, span.size, POSIX_FADV_WILLNEED);
             }
         }
@@ -1056,50 +1196,44 @@ static void schedule_reads(zipmoe_store * s) {
         const uint64_t codes_size = span.size - span.exp_offset;
         item->n_seg = 0;
         atomic_store(&item->ready, 0);
-        if (!it->read_sm && !it->read_codes) {
+        if ((!it->read_sm && !it->read_codes) || it->prefetched) {
             continue;
         }
         if (x->res == RES_FULL) { /* into the region the warm tier keeps: all of it, or the codes it lacked */
             const uint64_t from = it->read_sm ? 0 : span.exp_offset;
-            item->seg[item->n_seg++] = (zipmoe_read_seg) { span.offset + from, span.size - from, x->region + from };
+            item->seg[item->n_seg++] = (zipmoe_read_seg) { span.offset + from, span.size - from, x->region + from, 0 };
             it->sm    = x->region;
             it->codes = x->region;
         } else if (x->res == RES_SM) { /* the plane into the sm region if it is not there yet, the codes staged */
             if (it->read_sm) {
-                item->seg[item->n_seg++] = (zipmoe_read_seg) { span.offset, span.exp_offset, x->region };
+                item->seg[item->n_seg++] = (zipmoe_read_seg) { span.offset, span.exp_offset, x->region, 0 };
             }
-            item->seg[item->n_seg++] = (zipmoe_read_seg) { span.offset + span.exp_offset, codes_size, stage + used };
+            const size_t pad         = (size_t) ((s->data_offset + span.offset + span.exp_offset) % ZIPMOE_DIRECT_ALIGN);
+            item->seg[item->n_seg++] = (zipmoe_read_seg) { span.offset + span.exp_offset, codes_size, stage + used + pad, 1 };
             it->sm         = x->region;
-            it->codes      = stage + used;
+            it->codes      = stage + used + pad;
             it->codes_bias = span.exp_offset;
-            used += codes_size;
+            used += direct_span(s, span.offset + span.exp_offset, codes_size);
         } else { /* kept nowhere: the whole region staged */
-            item->seg[item->n_seg++] = (zipmoe_read_seg) { span.offset, span.size, stage + used };
-            it->sm    = stage + used;
-            it->codes = stage + used;
-            used += span.size;
+            const size_t pad         = (size_t) ((s->data_offset + span.offset) % ZIPMOE_DIRECT_ALIGN);
+            item->seg[item->n_seg++] = (zipmoe_read_seg) { span.offset, span.size, stage + used + pad, 1 };
+            it->sm    = stage + used + pad;
+            it->codes = stage + used + pad;
+            used += direct_span(s, span.offset, span.size);
         }
         it->staged = 1;
     }
     s->job.fd      = s->fd;
+    s->job.dfd     = s->dfd;
     s->job.base    = s->data_offset;
-    s->job.n_items = s->plan_n;
-    /* once this store's reads are done, the reader starts the next store's, which then overlap this store's
-     * compute instead of following it: a prompt routes to most experts of every layer; a store of the same
-     * layer (gate, up, down) routes to exactly these */
-    zipmoe_store * next = atomic_load(&s->next_store);
-    s->job.prefetch      = NULL;
-    s->job.prefetch_like = NULL;
-    if (next && 2 * s->plan_n >= s->info.n_expert) {
-        s->job.prefetch = next;
-    } else if (next && s->layer >= 0 && next->layer == s->layer && next->info.n_expert == s->info.n_expert) {
-        s->job.prefetch      = next;
-        s->job.prefetch_like = s;
-    }
+    s->job.n_items = s->plan_n; /* (with nothing to read: only the read-ahead for the next store) */
     if (zipmoe_reader_submit(&s->job) != ZIPMOE_OK) {
         for (int64_t j = 0; j < s->plan_n; j++) { /* no reader thread: read chunk by chunk after all */
             plan_item *          it = &s->plan[j];
             const expert_state * x  = &s->experts[it->expert];
+            if (it->prefetched) {
+                continue;
+            }
             it->staged     = 0;
             it->sm         = x->region;
             it->codes      = x->res == RES_FULL ? x->region : NULL;
@@ -1111,9 +1245,9 @@ static void schedule_reads(zipmoe_store * s) {
     s->job_active = 1;
 }
 
-void zipmoe_store_prefetch(zipmoe_store * s, const zipmoe_store * like) {
-    /* runs while the previous store's invocation (like's) is still in progress, so no invocation of s is: its
-     * state is stable (and only read here), and so are like's routed counts */
+/* Hints the kernel to read s's bytes ahead (the page cache keeps them until s's plan drops what it does not
+ * use): where no read-ahead buffer is free. */
+static void prefetch_hint(zipmoe_store * s, const zipmoe_store * like) {
     for (int64_t e = 0; e < s->info.n_expert; e++) {
         const expert_state * x = &s->experts[e];
         if (x->hot || x->res == RES_FULL || (like && !like->experts[e].routed)) {
@@ -1127,6 +1261,72 @@ void zipmoe_store_prefetch(zipmoe_store * s, const zipmoe_store * like) {
     }
 }
 
+void zipmoe_store_prefetch(zipmoe_store * s, const zipmoe_store * like) {
+    /* On the reader thread, once the previous store (like, for a store of the same layer) has its bytes: s's
+     * lock is held while reading, so that s's invocation, when it comes, plans with what arrived. Not when an
+     * invocation of s is in flight or the lock is busy: then s reads for itself. like's routed counts are stable
+     * until like's next invocation, which follows s's. */
+    if (pthread_mutex_trylock(&s->mu) != 0) {
+        return;
+    }
+    if (s->plan_key != NULL || s->fd < 0) {
+        pthread_mutex_unlock(&s->mu);
+        return;
+    }
+    prefetch_drop(s); /* an earlier read-ahead that no invocation used (its experts were decoded by then) */
+    size_t need = 0;
+    for (int64_t e = 0; e < s->info.n_expert; e++) {
+        const expert_state * x = &s->experts[e];
+        if (x->hot || x->res == RES_FULL || (like && !like->experts[e].routed)) {
+            continue;
+        }
+        zipmoe_expert_span span;
+        zipmoe_tensor_expert_span(s->tensor, e, &span);
+        const uint64_t from = x->res == RES_SM ? span.exp_offset : 0;
+        need += direct_span(s, span.offset + from, span.size - from);
+    }
+    prefetch_buffer * b = need ? prefetch_take(s, need) : NULL;
+    if (!b) {
+        if (need) {
+            prefetch_hint(s, like);
+        }
+        pthread_mutex_unlock(&s->mu);
+        return;
+    }
+    s->pf       = b;
+    size_t used = 0;
+    for (int64_t e = 0; e < s->info.n_expert; e++) {
+        const expert_state * x = &s->experts[e];
+        if (x->hot || x->res == RES_FULL || (like && !like->experts[e].routed)) {
+            continue;
+        }
+        zipmoe_expert_span span;
+        zipmoe_tensor_expert_span(s->tensor, e, &span);
+        const uint64_t from = x->res == RES_SM ? span.exp_offset : 0;
+        const uint64_t off  = s->data_offset + span.offset + from;
+        const size_t   pad  = (size_t) (off % ZIPMOE_DIRECT_ALIGN);
+        const size_t   size = (size_t) (span.size - from);
+        int            rc   = ZIPMOE_ERR_IO;
+        if (s->dfd >= 0) {
+            rc = zipmoe_pread_direct(s->dfd, off, b->data + used + pad, size);
+            if (rc == ZIPMOE_ERR_ARG) { /* the file system wants another alignment: through the page cache */
+                close(s->dfd);
+                s->dfd = -1;
+            }
+        }
+        if (s->dfd < 0) {
+            rc = zipmoe_pread_all(s->fd, off, b->data + used + pad, size);
+            posix_fadvise(s->fd, (off_t) off, (off_t) size, POSIX_FADV_DONTNEED); /* the budget counts one copy */
+        }
+        if (rc == ZIPMOE_OK) { /* else s reads it for itself, and reports what fails */
+            s->pf_at[e]   = (int64_t) (used + pad);
+            s->pf_from[e] = from;
+        }
+        used += direct_span(s, span.offset + from, size);
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
 /* Decodes chunk c of a plan item, reading what is not in RAM. */
 static int64_t decode_chunk(zipmoe_store * s, const plan_item * it, int64_t c, thread_scratch * ts) {
     zipmoe_expert_span span;
@@ -1135,12 +1335,16 @@ static int64_t decode_chunk(zipmoe_store * s, const plan_item * it, int64_t c, t
     zipmoe_tensor_chunk(s->tensor, it->expert, c, &ref);
     uint8_t * sm   = it->sm ? it->sm + ref.first : ts->buf;
     uint8_t * code = it->codes ? it->codes + (ref.code_offset - it->codes_bias) : ts->buf + ref.n;
-    if (!it->staged && ((it->read_sm && read_cold(s, span.offset + (uint64_t) ref.first, sm, (size_t) ref.n) < 0) ||
+    if (!it->staged && !it->prefetched && ((it->read_sm && read_cold(s, span.offset + (uint64_t) ref.first, sm, (size_t) ref.n) < 0) ||
         (it->read_codes && read_cold(s, span.offset + ref.code_offset, code, (size_t) ref.code_size) < 0))) {
         return ZIPMOE_ERR_IO;
     }
+    /* bytes from the file are checked; bytes already in RAM were checked when they came from it (a decode that
+     * fails its check drops what it read), and checking them again cost ~20% of a decode-bound run's decoding */
+    const int from_file = it->read_sm || it->read_codes;
     return zipmoe_chunk_decode(zipmoe_tensor_codec(s->tensor), ts->ws, code, (size_t) ref.code_size, sm,
-                               (size_t) ref.n, 1, ref.checksum, s->dst + it->expert * s->info.n_per_expert + ref.first);
+                               (size_t) ref.n, from_file, ref.checksum,
+                               s->dst + it->expert * s->info.n_per_expert + ref.first);
 }
 
 /* Under s->mu, by the last thread of an invocation: the planned experts are hot now; the tiers go down
@@ -1151,7 +1355,7 @@ static void publish(zipmoe_store * s) {
     for (int64_t j = 0; j < s->plan_n; j++) {
         const plan_item * it = &s->plan[j];
         expert_state *    x  = &s->experts[it->expert];
-        if (!it->staged && (it->read_sm || it->read_codes)) { /* (the reader drops what it reads itself) */
+        if (!it->staged && !it->prefetched && (it->read_sm || it->read_codes)) { /* (the reader drops its own) */
             /* the budget counts what zipmoe keeps: the kernel must not keep a second, uncounted copy */
             zipmoe_expert_span span;
             zipmoe_tensor_expert_span(s->tensor, it->expert, &span);
@@ -1324,6 +1528,7 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
         } else {
             publish(s);
         }
+        prefetch_drop(s); /* what was read ahead is decoded, or kept by a tier */
         if (plan_n > 0 && !s->prefilling) {
             atomic_fetch_add(&g_stall_ns, zipmoe_now_ns() - s->plan_t0);
         }
