@@ -434,10 +434,11 @@ static prefetch_buffer * prefetch_take(zipmoe_store * s, size_t need) {
         free(b->data);
         b->data = NULL;
         b->cap  = 0;
-        void * p = NULL;
-        if (posix_memalign(&p, ZIPMOE_DIRECT_ALIGN, need) == 0) {
+        void *       p    = NULL;
+        const size_t size = need > STAGE_KEEP ? need : STAGE_KEEP; /* not regrown for every larger token */
+        if (posix_memalign(&p, ZIPMOE_DIRECT_ALIGN, size) == 0) {
             b->data = p;
-            b->cap  = need;
+            b->cap  = size;
         }
         atomic_store(&g_pf_cap_bytes, g_pf[0].cap + g_pf[1].cap);
     }
@@ -1074,9 +1075,10 @@ static uint8_t * staging_take(const zipmoe_store * s, size_t need) {
     if (!g_stage_owner) {
         if (g_stage_cap < need || (g_stage_cap > STAGE_KEEP && need <= STAGE_KEEP)) {
             free(g_stage);
-            void * p    = NULL;
-            g_stage     = posix_memalign(&p, ZIPMOE_DIRECT_ALIGN, need) == 0 ? p : NULL; /* for O_DIRECT reads */
-            g_stage_cap = g_stage ? need : 0;
+            void *       p    = NULL;
+            const size_t size = need > STAGE_KEEP ? need : STAGE_KEEP; /* not regrown for every larger token */
+            g_stage     = posix_memalign(&p, ZIPMOE_DIRECT_ALIGN, size) == 0 ? p : NULL; /* for O_DIRECT reads */
+            g_stage_cap = g_stage ? size : 0;
             atomic_store(&g_stage_cap_bytes, g_stage_cap);
         }
         if (g_stage) {
@@ -1086,6 +1088,19 @@ static uint8_t * staging_take(const zipmoe_store * s, size_t need) {
     }
     pthread_mutex_unlock(&g_stage_mu);
     return buf;
+}
+
+/* A prompt's large buffer goes back once the stores' reads come from the read-ahead buffers: the page cache of
+ * the weights that are not experts would make room for it (under a cgroup limit they were read again). */
+static void staging_trim(size_t need) {
+    pthread_mutex_lock(&g_stage_mu);
+    if (!g_stage_owner && g_stage_cap > STAGE_KEEP && need <= STAGE_KEEP) {
+        free(g_stage);
+        g_stage     = NULL;
+        g_stage_cap = 0;
+        atomic_store(&g_stage_cap_bytes, 0);
+    }
+    pthread_mutex_unlock(&g_stage_mu);
 }
 
 static void staging_give(const zipmoe_store * s) {
@@ -1175,6 +1190,7 @@ static void schedule_reads(zipmoe_store * s) {
         s->job.prefetch      = next;
         s->job.prefetch_like = s;
     }
+    staging_trim(need);
     uint8_t * stage = n_reads && need ? staging_take(s, need) : NULL;
     if ((n_reads == 0 && !s->job.prefetch) || (need && !stage)) {
         for (int64_t j = 0; j < s->plan_n && n_reads; j++) { /* synchronous: let the kernel read ahead */
