@@ -137,17 +137,18 @@ print(json.dumps(out))
 """
 
 
-def run_worker(model: Path, lib_dir: Path, runs: list[dict[str, Any]], out: Path, prompt: str = PROMPT
-               ) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
+def run_worker(model: Path, lib_dir: Path, runs: list[dict[str, Any]], out: Path, prompt: str = PROMPT,
+               env: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
     """Loads `model` with libllama from lib_dir in a child process, once per run, evaluates PROMPT and N_GEN
     greedy tokens with logits_all; returns each run's report and logits (run{i}: float32 [positions, n_vocab]).
 
     A run is {"config": Llama arguments, "cache": zipmoe_cache (optional), "zipmoe": more zipmoe arguments such
     as memory_budget (optional; prefill is off unless it says so, so that the runs decode), "attempts": times to
     evaluate (optional)}; its report has prompt, generated,
-    stats (zipmoe), or load_error / errors."""
+    stats (zipmoe), or load_error / errors. env: more environment variables for the child."""
     job = {"model": str(model), "runs": runs, "prompt": prompt, "n_gen": N_GEN, "n_ctx": N_CTX, "out": str(out)}
-    done = subprocess.run([sys.executable, "-c", WORKER, json.dumps(job)], env=worker_env(lib_dir), capture_output=True,
+    done = subprocess.run([sys.executable, "-c", WORKER, json.dumps(job)], env={**worker_env(lib_dir), **(env or {})},
+                          capture_output=True,
                           text=True, timeout=TIMEOUT, check=False)
     assert done.returncode == 0, f"the worker died (exit status {done.returncode}) on {model}:\n{_tail(done.stderr)}"
     reports = json.loads(done.stdout.strip().splitlines()[-1])["runs"]
@@ -290,6 +291,32 @@ def test_every_budget_and_policy_gives_the_same_logits(logits: Callable, ours: P
         for name in hits:
             hits[name] += stats[name]
     assert hits["hits_warm"] > 0 and hits["hits_sm"] > 0, hits  # decoded from compressed experts / planes in RAM
+
+
+@pytest.mark.parametrize("direct_io", ["1", "0"])
+def test_read_ahead_gives_the_same_logits(logits: Callable, ours: Path, direct_io: str,
+                                          zipmoe_models: dict[tuple[str, str], Path], tmp_path: Path) -> None:
+    """Under a budget the reader reads the next store's experts ahead (the same layer's routed ones in generation,
+    all of the next layer's for a prompt) into its own buffers, around the page cache (O_DIRECT) or, with
+    ZIPMOE_DIRECT_IO=0, through it; the stores decode from those bytes with the same logits. The first store of a
+    graph has nobody to read ahead for it, so the bytes read ahead are a part of bytes_read."""
+    from pyzipmoe.budget import model_memory
+
+    arch = ARCHS[0]
+    ref_reports, ref = logits(arch, "bf16")
+    minimum = model_memory(zipmoe_models[arch, "huff"]).minimum
+    picks = (0, 4, 1, 5)  # 1 and 2 threads: one token a batch (generation), and the prompt in one batch
+    runs = [{"config": CONFIGS[i], "zipmoe": {"memory_budget": str(minimum + (16 << 10)), "hot_share": 1.0}}
+            for i in picks]
+    reports, got = run_worker(zipmoe_models[arch, "huff"], ours, runs, tmp_path / "ahead.npz",
+                              env={"ZIPMOE_DIRECT_IO": direct_io})
+    for k, i in enumerate(picks):
+        what = f"{arch} ZIPMOE_DIRECT_IO={direct_io} {CONFIGS[i]}"
+        _no_error(reports[k])
+        assert_bit_identical(got[f"run{k}"], ref[f"run{i}"], what)
+        assert reports[k]["generated"] == ref_reports[i]["generated"], what
+        stats = reports[k]["stats"]
+        assert 0 < stats["bytes_read_ahead"] < stats["bytes_read"], (what, stats)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

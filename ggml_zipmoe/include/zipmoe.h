@@ -211,6 +211,11 @@ ZIPMOE_API int64_t zipmoe_cache_set_slots(const char * prefix, int64_t hot, int6
  * nor zero their pages. Default 0: evicted experts' pages are freed. */
 ZIPMOE_API void    zipmoe_cache_set_reserve(uint64_t bytes);
 
+/* Whether stores bound from now on read around the page cache (O_DIRECT) where the file system allows it.
+ * Default 1; 0 reads through the page cache and drops what was read from it (for file systems whose O_DIRECT
+ * misbehaves, and to compare). */
+ZIPMOE_API void    zipmoe_cache_set_direct_io(int enabled);
+
 /* Opens a store from an index (validated as zipmoe_tensor_open does). */
 ZIPMOE_API int64_t zipmoe_store_open(const char * name, const void * index, size_t index_size, uint64_t data_size,
                                      zipmoe_store ** out);
@@ -279,10 +284,11 @@ typedef struct {
     uint64_t hits_sm;           /* routed experts found as a sign+mantissa plane (codes read) */
     uint64_t stall_ns;          /* wall time of invocations that decoded, plan to publish */
     uint64_t peak_resident_bytes; /* most hot + warm + sm bytes at once since the last reset */
-    uint64_t staging_bytes;     /* the reader's buffer for compressed bytes no tier keeps (transient) */
+    uint64_t staging_bytes;     /* the reader's buffers (staging, read-ahead): bytes no tier keeps (transient) */
     uint64_t pool_bytes;        /* pages of evicted experts kept for the next decodes (zipmoe_cache_set_reserve) */
     uint64_t reading_calls;     /* invocations that read from the file: the first read is waited for, with */
                                 /* nothing to overlap it (the planner's t_layer)                          */
+    uint64_t bytes_read_ahead;  /* of bytes_read: read for the store invoked next while this one computed */
 } zipmoe_stats;
 
 ZIPMOE_API void zipmoe_stats_get(zipmoe_stats * out);

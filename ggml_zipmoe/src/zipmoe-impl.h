@@ -147,6 +147,9 @@ int  zipmoe_pread_all(int fd, uint64_t offset, void * buf, size_t size);
  * must fit the buffer. ZIPMOE_ERR_ARG if the file system refused the alignment (EINVAL). */
 int  zipmoe_pread_direct(int dfd, uint64_t offset, void * buf, size_t size);
 int  zipmoe_reader_reads_waiting(void); /* a job of reads is queued: background work (collapse) should yield */
+/* Waits until no read-ahead runs: one reads the store it fills and the store whose job it follows, both of which
+ * a caller freeing a store (after its invocations returned) must outlive. */
+void zipmoe_reader_wait_read_ahead(void);
 /* slots.c: memfd slots that keep decoded experts' pages from one expert to the next */
 void     zipmoe_slots_set_keep(uint64_t bytes);           /* free slots keep their pages up to this */
 uint64_t zipmoe_slots_kept(void);

@@ -2,7 +2,9 @@
  * reads the compressed bytes a plan needs from the model file, item after item in the plan's order, while
  * the engine's threads decode what is already in RAM. Decoders wait only for the item they are about to
  * decode. One large pread per region instead of two small ones per chunk keeps the disk at its sequential
- * speed, and a hint for the next item keeps a request in flight while the current one is copied. */
+ * speed. Reads into the staging buffer go around the page cache (O_DIRECT); reads into a tier's region, whose
+ * address is not aligned, go through it, with a hint for the next item keeping a request in flight while the
+ * current one is copied. After a job's reads, the next store's are read ahead (zipmoe_store_prefetch). */
 #define _GNU_SOURCE
 #include "zipmoe-impl.h"
 
@@ -16,6 +18,8 @@ static pthread_mutex_t    g_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t     g_cv = PTHREAD_COND_INITIALIZER;
 static zipmoe_read_job *  g_head, *g_tail;
 static int                g_started;
+static int                g_reading_ahead; /* under g_mu: a job's read-ahead (zipmoe_store_prefetch) is running */
+static pthread_cond_t     g_ahead_cv = PTHREAD_COND_INITIALIZER; /* it stopped */
 
 /* Regions hinted (POSIX_FADV_WILLNEED) ahead of the one being read: requests in flight keep the disk busy
  * while a pread copies; a few, so that the page cache they pass through stays small. */
@@ -168,13 +172,30 @@ static void run(zipmoe_read_job * job) {
      * submit the job again, so its fields are copied first) */
     struct zipmoe_store *       prefetch      = atomic_load(&job->cancel) ? NULL : job->prefetch;
     const struct zipmoe_store * prefetch_like = job->prefetch_like;
+    if (prefetch) { /* before the job is done: a store freed once its invocation returned waits for this */
+        pthread_mutex_lock(&g_mu);
+        g_reading_ahead = 1;
+        pthread_mutex_unlock(&g_mu);
+    }
     pthread_mutex_lock(&job->mu);
     job->busy = 0;
     pthread_cond_broadcast(&job->cv);
     pthread_mutex_unlock(&job->mu);
     if (prefetch) {
         zipmoe_store_prefetch(prefetch, prefetch_like); /* in flight while this one computes */
+        pthread_mutex_lock(&g_mu);
+        g_reading_ahead = 0;
+        pthread_cond_broadcast(&g_ahead_cv);
+        pthread_mutex_unlock(&g_mu);
     }
+}
+
+void zipmoe_reader_wait_read_ahead(void) {
+    pthread_mutex_lock(&g_mu);
+    while (g_reading_ahead) {
+        pthread_cond_wait(&g_ahead_cv, &g_mu);
+    }
+    pthread_mutex_unlock(&g_mu);
 }
 
 static void * reader_main(void * arg) {

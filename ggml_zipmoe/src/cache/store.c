@@ -179,6 +179,10 @@ int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, uint64_t
 
 void zipmoe_cache_set_reserve(uint64_t bytes) { zipmoe_slots_set_keep(bytes); }
 
+static _Atomic int g_direct_io = 1;
+
+void zipmoe_cache_set_direct_io(int enabled) { atomic_store(&g_direct_io, enabled != 0); }
+
 int64_t zipmoe_cache_set_slots(const char * prefix, int64_t hot, int64_t warm, int64_t sm) {
     pthread_mutex_lock(&g_cfg_mu);
     int64_t rc = ZIPMOE_OK;
@@ -261,6 +265,7 @@ static _Atomic uint64_t g_stores, g_hot_bytes, g_warm_bytes, g_sm_bytes, g_exper
 static _Atomic uint64_t g_hits_hot, g_hits_warm, g_hits_sm, g_misses, g_read_bytes, g_read_ns, g_evictions;
 static _Atomic uint64_t g_peak_hot, g_peak_resident, g_stall_ns, g_reading_calls;
 static _Atomic uint64_t g_stage_cap_bytes, g_pf_cap_bytes; /* the reader's buffers: zipmoe_stats' staging_bytes */
+static _Atomic uint64_t g_read_ahead_bytes;
 static _Atomic uint64_t g_prefill_dummy; /* what a prefill's invocations count instead of the model's routing */
 
 void zipmoe_stats_add_read(uint64_t bytes, uint64_t ns) {
@@ -291,12 +296,13 @@ void zipmoe_stats_get(zipmoe_stats * out) {
     out->staging_bytes       = atomic_load(&g_stage_cap_bytes) + atomic_load(&g_pf_cap_bytes);
     out->pool_bytes          = zipmoe_slots_kept();
     out->reading_calls       = atomic_load(&g_reading_calls);
+    out->bytes_read_ahead    = atomic_load(&g_read_ahead_bytes);
 }
 
 void zipmoe_stats_reset(void) {
     _Atomic uint64_t * counters[] = { &g_experts, &g_chunks, &g_bytes, &g_ns, &g_calls, &g_hits_hot, &g_hits_warm,
                                       &g_hits_sm, &g_misses, &g_read_bytes, &g_read_ns, &g_evictions, &g_stall_ns,
-                                      &g_reading_calls };
+                                      &g_reading_calls, &g_read_ahead_bytes };
     for (size_t i = 0; i < sizeof counters / sizeof counters[0]; i++) {
         atomic_store(counters[i], 0);
     }
@@ -537,6 +543,7 @@ void zipmoe_store_free(zipmoe_store * s) {
         zipmoe_store * me = s;
         atomic_compare_exchange_strong(&g_last_planned, &me, NULL);
         pthread_mutex_unlock(&g_list_mu);
+        zipmoe_reader_wait_read_ahead(); /* one that began before nobody could start it any more */
         atomic_fetch_sub(&g_stores, 1);
         atomic_fetch_sub(&g_bf16_total, (uint64_t) s->info.n_expert * s->hot_size);
         atomic_fetch_add(&g_cfg_gen, 1);
@@ -598,7 +605,7 @@ int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_offset, void *
         return ZIPMOE_ERR_IO;
     }
     s->data_offset = data_offset;
-    s->dfd         = open_direct(s->fd);
+    s->dfd         = atomic_load(&g_direct_io) ? open_direct(s->fd) : -1;
     /* Virtual only: a page costs memory once an expert is decoded into it. */
     const size_t page = (size_t) sysconf(_SC_PAGESIZE);
     s->dst_size = zipmoe_align_up((size_t) s->info.n_expert * (size_t) s->hot_size, page);
@@ -1337,6 +1344,7 @@ void zipmoe_store_prefetch(zipmoe_store * s, const zipmoe_store * like) {
         if (rc == ZIPMOE_OK) { /* else s reads it for itself, and reports what fails */
             s->pf_at[e]   = (int64_t) (used + pad);
             s->pf_from[e] = from;
+            atomic_fetch_add(&g_read_ahead_bytes, size);
         }
         used += direct_span(s, span.offset + from, size);
     }

@@ -141,6 +141,8 @@ static int layer_of(const std::string & name) {
 //   ZIPMOE_PLAN           slots per tier per layer from `zipmoe plan`, instead of the shares
 //   ZIPMOE_CACHE_POLICY   tlfu (default, token-weighted LFU), lru, lfu or fifo
 //   ZIPMOE_CACHE          "none": decode on every use (measurements, tests)
+//   ZIPMOE_DIRECT_IO      "0": read the model file through the page cache (dropping what was read) instead of
+//                         around it with O_DIRECT (default "1", where the file system has it)
 //   ZIPMOE_PREFILL        "0": leave the tiers empty at load (default: fill them, as llama.cpp's read-ahead and
 //                         warm-up fill the page cache for a plain model, so that the first tokens do not wait)
 bool zipmoe_llama_configure(uint64_t other_bytes, std::string & info, std::string & err) {
@@ -221,6 +223,15 @@ bool zipmoe_llama_configure(uint64_t other_bytes, std::string & info, std::strin
             err = std::string("ZIPMOE_CACHE_POLICY=") + v + " is not a policy (tlfu, lru, lfu or fifo)";
             return false;
         }
+    }
+    if (const char * v = std::getenv("ZIPMOE_DIRECT_IO"); v && *v) {
+        if (std::strcmp(v, "0") != 0 && std::strcmp(v, "1") != 0) {
+            err = std::string("ZIPMOE_DIRECT_IO=") + v + " is not 0 or 1";
+            return false;
+        }
+        zipmoe_cache_set_direct_io(std::strcmp(v, "1") == 0);
+    } else {
+        zipmoe_cache_set_direct_io(1);
     }
     if (const char * v = std::getenv("ZIPMOE_CACHE"); v && *v) {
         if (std::strcmp(v, "none") == 0) {
