@@ -1304,6 +1304,24 @@ static void schedule_reads(zipmoe_store * s) {
     s->job_active = 1;
 }
 
+/* On the reader thread, under s->mu: gives back the buffers of stores that hold one with no invocation in flight
+ * (read ahead for an invocation that found its experts decoded, say the first token's after a prompt), so that a
+ * prompt's read-ahead does not wait for them forever. Their stores cannot be freed meanwhile: that waits for the
+ * read-ahead in progress. */
+static void prefetch_reclaim(const zipmoe_store * s) {
+    for (int i = 0; i < 2; i++) {
+        pthread_mutex_lock(&g_pf_mu);
+        zipmoe_store * o = g_pf[i].owner;
+        pthread_mutex_unlock(&g_pf_mu);
+        if (o && o != s && pthread_mutex_trylock(&o->mu) == 0) {
+            if (o->plan_key == NULL && o->pf == &g_pf[i]) {
+                prefetch_drop(o);
+            }
+            pthread_mutex_unlock(&o->mu);
+        }
+    }
+}
+
 /* Hints the kernel to read s's bytes ahead (the page cache keeps them until s's plan drops what it does not
  * use): where no read-ahead buffer is free. */
 static void prefetch_hint(zipmoe_store * s, const zipmoe_store * like) {
@@ -1343,6 +1361,9 @@ void zipmoe_store_prefetch(zipmoe_store * s, const zipmoe_store * like) {
         zipmoe_tensor_expert_span(s->tensor, e, &span);
         const uint64_t from = x->res == RES_SM ? span.exp_offset : 0;
         need += direct_span(s, span.offset + from, span.size - from);
+    }
+    if (need > STAGE_KEEP) {
+        prefetch_reclaim(s);
     }
     int               deferred = 0;
     prefetch_buffer * b        = need ? prefetch_take(s, need, &deferred) : NULL;
