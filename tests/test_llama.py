@@ -293,13 +293,16 @@ def test_every_budget_and_policy_gives_the_same_logits(logits: Callable, ours: P
     assert hits["hits_warm"] > 0 and hits["hits_sm"] > 0, hits  # decoded from compressed experts / planes in RAM
 
 
-@pytest.mark.parametrize("direct_io", ["1", "0"])
-def test_read_ahead_gives_the_same_logits(logits: Callable, ours: Path, direct_io: str,
+@pytest.mark.parametrize("env", [{"ZIPMOE_DIRECT_IO": "1"}, {"ZIPMOE_DIRECT_IO": "0"},
+                                 {"ZIPMOE_READ_BUFFER": "4KiB"}])
+def test_read_ahead_gives_the_same_logits(logits: Callable, ours: Path, env: dict[str, str],
                                           zipmoe_models: dict[tuple[str, str], Path], tmp_path: Path) -> None:
     """Under a budget the reader reads the next store's experts ahead (the same layer's routed ones in generation,
     all of the next layer's for a prompt) into its own buffers, around the page cache (O_DIRECT) or, with
-    ZIPMOE_DIRECT_IO=0, through it; the stores decode from those bytes with the same logits. The first store of a
-    graph has nobody to read ahead for it, so the bytes read ahead are a part of bytes_read."""
+    ZIPMOE_DIRECT_IO=0, through it; with read buffers smaller than the tiny model's reads (ZIPMOE_READ_BUFFER), a
+    read-ahead waits for the other buffer to be given back, as a prompt's does on a real model. The stores decode
+    from those bytes with the same logits. The first store of a graph has nobody to read ahead for it, so the
+    bytes read ahead are a part of bytes_read."""
     from pyzipmoe.budget import model_memory
 
     arch = ARCHS[0]
@@ -308,10 +311,9 @@ def test_read_ahead_gives_the_same_logits(logits: Callable, ours: Path, direct_i
     picks = (0, 4, 1, 5)  # 1 and 2 threads: one token a batch (generation), and the prompt in one batch
     runs = [{"config": CONFIGS[i], "zipmoe": {"memory_budget": str(minimum + (16 << 10)), "hot_share": 1.0}}
             for i in picks]
-    reports, got = run_worker(zipmoe_models[arch, "huff"], ours, runs, tmp_path / "ahead.npz",
-                              env={"ZIPMOE_DIRECT_IO": direct_io})
+    reports, got = run_worker(zipmoe_models[arch, "huff"], ours, runs, tmp_path / "ahead.npz", env=env)
     for k, i in enumerate(picks):
-        what = f"{arch} ZIPMOE_DIRECT_IO={direct_io} {CONFIGS[i]}"
+        what = f"{arch} {env} {CONFIGS[i]}"
         _no_error(reports[k])
         assert_bit_identical(got[f"run{k}"], ref[f"run{i}"], what)
         assert reports[k]["generated"] == ref_reports[i]["generated"], what

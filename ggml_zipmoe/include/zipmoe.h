@@ -216,6 +216,11 @@ ZIPMOE_API void    zipmoe_cache_set_reserve(uint64_t bytes);
  * misbehaves, and to compare). */
 ZIPMOE_API void    zipmoe_cache_set_direct_io(int enabled);
 
+/* What each of the reader's buffers (staging, and two for reading the next store ahead) keeps between uses
+ * (default 16 MiB): generation's reads fit it. A prompt's larger read-ahead takes one large buffer at a time,
+ * waiting for the other to be given back; larger buffers are freed once a need fits this again. */
+ZIPMOE_API void    zipmoe_cache_set_read_buffer(uint64_t bytes);
+
 /* Opens a store from an index (validated as zipmoe_tensor_open does). */
 ZIPMOE_API int64_t zipmoe_store_open(const char * name, const void * index, size_t index_size, uint64_t data_size,
                                      zipmoe_store ** out);

@@ -402,7 +402,12 @@ static thread_scratch * thread_scratch_get(size_t chunk_n, size_t buf_size) {
  * and drop every page again, and with the hints for the store after, that was half of a budgeted run's CPU
  * time on 2 cores. With O_DIRECT the disk writes straight into the buffer. Kept between invocations (a prompt
  * reads tens of MiB a store, and fresh pages are zeroed), given back once a need fits STAGE_KEEP again. */
-#define STAGE_KEEP ((size_t) 16 << 20)
+static _Atomic size_t g_read_buffer = (size_t) 16 << 20; /* zipmoe_cache_set_read_buffer */
+#define STAGE_KEEP atomic_load(&g_read_buffer)
+
+void zipmoe_cache_set_read_buffer(uint64_t bytes) {
+    atomic_store(&g_read_buffer, bytes < ZIPMOE_DIRECT_ALIGN ? ZIPMOE_DIRECT_ALIGN : (size_t) bytes);
+}
 
 static pthread_mutex_t g_pf_mu = PTHREAD_MUTEX_INITIALIZER;
 static prefetch_buffer g_pf[2];

@@ -143,6 +143,8 @@ static int layer_of(const std::string & name) {
 //   ZIPMOE_CACHE          "none": decode on every use (measurements, tests)
 //   ZIPMOE_DIRECT_IO      "0": read the model file through the page cache (dropping what was read) instead of
 //                         around it with O_DIRECT (default "1", where the file system has it)
+//   ZIPMOE_READ_BUFFER    what each read buffer keeps between uses (default 16MiB; a prompt's read-ahead above it
+//                         waits for the other buffer instead of taking a second large one)
 //   ZIPMOE_PREFILL        "0": leave the tiers empty at load (default: fill them, as llama.cpp's read-ahead and
 //                         warm-up fill the page cache for a plain model, so that the first tokens do not wait)
 bool zipmoe_llama_configure(uint64_t other_bytes, std::string & info, std::string & err) {
@@ -233,6 +235,12 @@ bool zipmoe_llama_configure(uint64_t other_bytes, std::string & info, std::strin
     } else {
         zipmoe_cache_set_direct_io(1);
     }
+    uint64_t read_buffer = 16ull << 20;
+    if (const char * v = std::getenv("ZIPMOE_READ_BUFFER"); v && *v && (!parse_size(v, read_buffer) || read_buffer == 0)) {
+        err = std::string("ZIPMOE_READ_BUFFER=") + v + " is not a size (e.g. 16MiB)";
+        return false;
+    }
+    zipmoe_cache_set_read_buffer(read_buffer);
     if (const char * v = std::getenv("ZIPMOE_CACHE"); v && *v) {
         if (std::strcmp(v, "none") == 0) {
             hot = 0;
