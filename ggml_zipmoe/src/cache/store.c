@@ -1096,14 +1096,23 @@ static int64_t make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int
             expert_state * x = &s->experts[e];
             if (x->routed && (!x->hot || decode_all) && x->res == want) {
                 plan_expert(s, e, tick, &s->plan[s->plan_n++]);
-                void * range = s->dst + e * s->info.n_per_expert;
-                if (!x->hot && x->slot < 0 && s->use_slots && zipmoe_slots_usable(range, (size_t) s->hot_size)) {
-                    x->slot = zipmoe_slots_attach(range, (size_t) s->hot_size); /* no faults while decoding */
-                }
             }
         }
     }
     return bad;
+}
+
+/* Under s->mu, after schedule_reads (the reads are in flight meanwhile: mapping takes ~0.2 ms an expert, which
+ * a token's every store spent before its first read had started), before any thread decodes: the planned experts'
+ * ranges get the pages of a slot, so decoding neither faults nor zeroes them. */
+static void map_plan(zipmoe_store * s) {
+    for (int64_t j = 0; j < s->plan_n; j++) {
+        expert_state * x     = &s->experts[s->plan[j].expert];
+        void *         range = s->dst + s->plan[j].expert * s->info.n_per_expert;
+        if (!x->hot && x->slot < 0 && s->use_slots && zipmoe_slots_usable(range, (size_t) s->hot_size)) {
+            x->slot = zipmoe_slots_attach(range, (size_t) s->hot_size);
+        }
+    }
 }
 
 /* ---------------------------------------------------------------- reads */
@@ -1561,6 +1570,7 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
             s->plan_failed = 1;
         }
         schedule_reads(s);
+        map_plan(s);
         atomic_fetch_add(s->prefilling ? &g_prefill_dummy : &g_calls, 1);
     }
     s->plan_in++;
