@@ -1336,17 +1336,28 @@ static void prefetch_reclaim(const zipmoe_store * s) {
     }
 }
 
+/* Whether s's expert e is read ahead of s's next invocation (not in RAM, and routed by like when like is given),
+ * and from which offset of its region (the codes only where its sign+mantissa plane is resident). */
+static int read_ahead_from(const zipmoe_store * s, const zipmoe_store * like, int64_t e, zipmoe_expert_span * span,
+                           uint64_t * from) {
+    const expert_state * x = &s->experts[e];
+    if (x->hot || x->res == RES_FULL || (like && !like->experts[e].routed)) {
+        return 0;
+    }
+    zipmoe_tensor_expert_span(s->tensor, e, span);
+    *from = x->res == RES_SM ? span->exp_offset : 0;
+    return 1;
+}
+
 /* Hints the kernel to read s's bytes ahead (the page cache keeps them until s's plan drops what it does not
  * use): where no read-ahead buffer is free. */
 static void prefetch_hint(zipmoe_store * s, const zipmoe_store * like) {
     for (int64_t e = 0; e < s->info.n_expert; e++) {
-        const expert_state * x = &s->experts[e];
-        if (x->hot || x->res == RES_FULL || (like && !like->experts[e].routed)) {
+        zipmoe_expert_span span;
+        uint64_t           from;
+        if (!read_ahead_from(s, like, e, &span, &from)) {
             continue;
         }
-        zipmoe_expert_span span;
-        zipmoe_tensor_expert_span(s->tensor, e, &span);
-        const uint64_t from = x->res == RES_SM ? span.exp_offset : 0;
         advise(s, span.offset + from, span.size - from, POSIX_FADV_WILLNEED);
         atomic_store(&s->hinted[e], 1);
     }
@@ -1367,14 +1378,11 @@ void zipmoe_store_prefetch(zipmoe_store * s, const zipmoe_store * like) {
     prefetch_drop(s); /* an earlier read-ahead that no invocation used (its experts were decoded by then) */
     size_t need = 0;
     for (int64_t e = 0; e < s->info.n_expert; e++) {
-        const expert_state * x = &s->experts[e];
-        if (x->hot || x->res == RES_FULL || (like && !like->experts[e].routed)) {
-            continue;
-        }
         zipmoe_expert_span span;
-        zipmoe_tensor_expert_span(s->tensor, e, &span);
-        const uint64_t from = x->res == RES_SM ? span.exp_offset : 0;
-        need += direct_span(s, span.offset + from, span.size - from);
+        uint64_t           from;
+        if (read_ahead_from(s, like, e, &span, &from)) {
+            need += direct_span(s, span.offset + from, span.size - from);
+        }
     }
     if (need > STAGE_KEEP) {
         prefetch_reclaim(s);
@@ -1391,13 +1399,11 @@ void zipmoe_store_prefetch(zipmoe_store * s, const zipmoe_store * like) {
     s->pf       = b;
     size_t used = 0;
     for (int64_t e = 0; e < s->info.n_expert; e++) {
-        const expert_state * x = &s->experts[e];
-        if (x->hot || x->res == RES_FULL || (like && !like->experts[e].routed)) {
+        zipmoe_expert_span span;
+        uint64_t           from;
+        if (!read_ahead_from(s, like, e, &span, &from)) {
             continue;
         }
-        zipmoe_expert_span span;
-        zipmoe_tensor_expert_span(s->tensor, e, &span);
-        const uint64_t from = x->res == RES_SM ? span.exp_offset : 0;
         const uint64_t off  = s->data_offset + span.offset + from;
         const size_t   pad  = (size_t) (off % ZIPMOE_DIRECT_ALIGN);
         const size_t   size = (size_t) (span.size - from);
