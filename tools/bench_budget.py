@@ -58,6 +58,7 @@ import signal
 import subprocess
 import sys
 import time
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -425,7 +426,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res = {"synthetic": True, "preset": args.preset, "models": models, "budgets_pct": args.budgets,
            "overhead_bytes": args.overhead, "gen_tokens": args.gen, "pp_tokens": args.pp, "prompt": args.prompt,
            "threads_llama_bench": args.threads, "threads_llama_simple": "llama.cpp default (4)",
-           "timeout_s": args.timeout, "zipmoe_env": zipmoe_extra, "tests": args.tests,
+           "timeout_s": args.timeout, "zipmoe_env": zipmoe_extra, "tests": args.tests, "repeat": args.repeat,
            "cgroup_parent": str(parent), "swap_bytes": swap_total(), "cpus": os.cpu_count(),
            "bin_dir": str(runner.bin_dir()), "runs": runs}
 
@@ -434,52 +435,54 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.json:
             args.json.write_text(json.dumps({**res, "partial": True}, indent=2) + "\n")
 
-    n_total = len(args.routings) * (len(args.budgets) + 1) * 2 * len(args.tests)
+    n_total = len(args.routings) * (len(args.budgets) + 1) * 2 * len(args.tests) * args.repeat
     for routing in args.routings:
         m = models[routing]
         for budget in [None, *args.budgets]:
             limit = None if budget is None else int(m["bf16_bytes"] * budget / 100)
-            for test in args.tests:
-                for engine in ("stock", "zipmoe"):
-                    model = m["bf16"] if engine == "stock" else m["zipmoe"]
-                    label = "unconstrained" if budget is None else f"{budget:g}%"
-                    rec: dict[str, Any] = {"routing": routing, "budget_pct": budget, "engine": engine, "test": test}
-                    env = dict(stock_env)
-                    if engine == "zipmoe":
-                        env.update(zipmoe_extra)
-                        if limit is not None:
-                            zbudget = limit - args.overhead
-                            rec["zipmoe_budget_bytes"] = zbudget
-                            if zbudget <= 0:
-                                rec.update(status="skipped", short="limit < overhead",
-                                           message=f"the limit ({limit / MIB:.0f} MiB) is not above --overhead "
-                                                   f"({args.overhead / MIB:.0f} MiB)", limit_bytes=limit)
-                                runs.append(rec)
-                                checkpoint()
-                                say(f"[{len(runs)}/{n_total}] {routing} {label} {engine} {test}: skipped, "
-                                    f"{rec['message']}")
-                                continue
-                            env["ZIPMOE_MEMORY_BUDGET"] = str(zbudget)
-                    if test == "tg":
-                        argv = [str(simple), "-m", model, "-n", str(args.gen), args.prompt]
-                    else:
-                        argv = [str(bench), "-m", model, "-p", str(args.pp), "-n", "0", "-r", "1",
-                                "-t", str(args.threads), "-o", "json", "-v"]
-                    stem = logdir / f"{args.preset}-{routing}-{label.rstrip('%')}-{engine}-{test}"
-                    one = run_limited(argv, env, parent, limit, args.timeout, stem)
-                    if test == "tg":
-                        parse_tg(one)
-                    else:
-                        parse_pp(one, args.pp)
-                    rec.update(one)
-                    rec["env"] = {k: v for k, v in env.items() if k.startswith("ZIPMOE_")}
-                    runs.append(rec)
-                    checkpoint()
-                    what = (f"{rec['tps']:.2f} t/s" if rec["status"] == "ok" else
-                            f"{rec['status']}{': ' + rec['message'] if rec.get('message') else ''}")
-                    say(f"[{len(runs)}/{n_total}] {routing} {label} {engine} {test}: {what}, "
-                        f"peak {rec.get('peak_bytes', 0) / MIB:.0f} MiB, read {rec['disk_read_bytes'] / MIB:.0f} MiB, "
-                        f"{rec['wall_s']:.1f} s")
+            # stock and zipmoe alternate, also across repetitions: this machine's virtual disk is cached by its host,
+            # and a run right after a run of the same file reads it from the host's memory
+            for test, rep, engine in product(args.tests, range(args.repeat), ("stock", "zipmoe")):
+                model = m["bf16"] if engine == "stock" else m["zipmoe"]
+                label = "unconstrained" if budget is None else f"{budget:g}%"
+                rec: dict[str, Any] = {"routing": routing, "budget_pct": budget, "engine": engine, "test": test,
+                                       "rep": rep}
+                env = dict(stock_env)
+                if engine == "zipmoe":
+                    env.update(zipmoe_extra)
+                    if limit is not None:
+                        zbudget = limit - args.overhead
+                        rec["zipmoe_budget_bytes"] = zbudget
+                        if zbudget <= 0:
+                            rec.update(status="skipped", short="limit < overhead",
+                                       message=f"the limit ({limit / MIB:.0f} MiB) is not above --overhead "
+                                               f"({args.overhead / MIB:.0f} MiB)", limit_bytes=limit)
+                            runs.append(rec)
+                            checkpoint()
+                            say(f"[{len(runs)}/{n_total}] {routing} {label} {engine} {test}: skipped, "
+                                f"{rec['message']}")
+                            continue
+                        env["ZIPMOE_MEMORY_BUDGET"] = str(zbudget)
+                if test == "tg":
+                    argv = [str(simple), "-m", model, "-n", str(args.gen), args.prompt]
+                else:
+                    argv = [str(bench), "-m", model, "-p", str(args.pp), "-n", "0", "-r", "1",
+                            "-t", str(args.threads), "-o", "json", "-v"]
+                stem = logdir / f"{args.preset}-{routing}-{label.rstrip('%')}-{engine}-{test}-{rep}"
+                one = run_limited(argv, env, parent, limit, args.timeout, stem)
+                if test == "tg":
+                    parse_tg(one)
+                else:
+                    parse_pp(one, args.pp)
+                rec.update(one)
+                rec["env"] = {k: v for k, v in env.items() if k.startswith("ZIPMOE_")}
+                runs.append(rec)
+                checkpoint()
+                what = (f"{rec['tps']:.2f} t/s" if rec["status"] == "ok" else
+                        f"{rec['status']}{': ' + rec['message'] if rec.get('message') else ''}")
+                say(f"[{len(runs)}/{n_total}] {routing} {label} {engine} {test}: {what}, "
+                    f"peak {rec.get('peak_bytes', 0) / MIB:.0f} MiB, read {rec['disk_read_bytes'] / MIB:.0f} MiB, "
+                    f"{rec['wall_s']:.1f} s")
     return res
 
 
@@ -488,10 +491,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _find(runs: list[dict[str, Any]], routing: str, budget: float | None, engine: str,
           test: str) -> dict[str, Any] | None:
-    for r in runs:
-        if (r["routing"], r["budget_pct"], r["engine"], r["test"]) == (routing, budget, engine, test):
-            return r
-    return None
+    """The run of (routing, budget, engine, test); with --repeat, the repetition with the median tokens/s (the lower
+    of the two middle ones), carrying the highest peak of them all and every repetition's tokens/s (tps_all). A
+    failed repetition makes the whole a failure: it is the one returned."""
+    found = [r for r in runs if (r["routing"], r["budget_pct"], r["engine"], r["test"]) == (routing, budget, engine, test)]
+    if len(found) <= 1:
+        return found[0] if found else None
+    bad = [r for r in found if r["status"] != "ok" or r.get("tps") is None]
+    if bad:
+        return bad[0]
+    ordered = sorted(found, key=lambda r: r["tps"])
+    median = dict(ordered[(len(ordered) - 1) // 2])
+    median["peak_bytes"] = max(r.get("peak_bytes", 0) for r in found)
+    median["tps_all"] = [r["tps"] for r in found]
+    if any(r.get("text") != median.get("text") for r in found):
+        median["text"] = None  # repetitions disagree: no match with anything
+    return median
 
 
 def summarize(res: dict[str, Any]) -> None:
@@ -585,7 +600,9 @@ def print_report(res: dict[str, Any]) -> None:
           f"(converted GGUF), same build, same cgroup v1 memory limit, cold page cache")
     print(f"tg: llama-simple -n {res['gen_tokens']} {res['prompt']!r} (llama.cpp's default threads); "
           f"pp: llama-bench -p {res['pp_tokens']} -n 0 -r 1 -t {res['threads_llama_bench']}; "
-          f"timeout {res['timeout_s']:g} s per run")
+          f"timeout {res['timeout_s']:g} s per run"
+          + (f"; tokens/s: medians of {res['repeat']} runs, stock and zipmoe alternating (--json has each run)"
+             if res.get("repeat", 1) > 1 else ""))
     print(f"zipmoe: ZIPMOE_MEMORY_BUDGET = limit - overhead, overhead = {res['overhead_bytes'] / MIB:.0f} MiB"
           + (f"; also {' '.join(f'{k}={v}' for k, v in res['zipmoe_env'].items())}" if res["zipmoe_env"] else ""))
     if res.get("partial"):
@@ -673,10 +690,8 @@ def plot(res: dict[str, Any], path: Path) -> bool:
     for ax, test in zip(axes[0], tests):
         for i, routing in enumerate(res["models"]):
             for engine, style in (("stock", "--"), ("zipmoe", "-")):
-                pts = [(r["budget_pct"], r["tps"]) for r in res["runs"]
-                       if (r["routing"], r["engine"], r["test"]) == (routing, engine, test)
-                       and r["budget_pct"] is not None and r["status"] == "ok"]
-                pts.sort()
+                medians = [_find(res["runs"], routing, b, engine, test) for b in res["budgets_pct"]]
+                pts = sorted((r["budget_pct"], r["tps"]) for r in medians if r and r["status"] == "ok")
                 color = f"C{i}"
                 if pts:
                     ax.plot(*zip(*pts), style, marker="s" if engine == "stock" else "o", color=color,
@@ -762,6 +777,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="llama-simple's prompt (default: %(default)r)")
     p.add_argument("--pp", type=int, default=512, help="prompt tokens of llama-bench's pp test (default: %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="llama-bench threads (default: %(default)s)")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="runs of each engine at each limit, stock and zipmoe alternating; the report shows the median "
+                        "(default: %(default)s; this machine's single runs vary by up to 1.5x)")
     p.add_argument("--timeout", type=float, default=600, metavar="S",
                    help="seconds one run may take before it is killed and reported as timeout (default: %(default)g)")
     p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR,
