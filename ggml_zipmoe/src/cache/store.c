@@ -3,9 +3,9 @@
  *
  * Tiers of an expert, best first: hot (decoded in the BF16 memory), warm (its whole compressed region in
  * RAM: only decoding is left), sm (its sign+mantissa plane in RAM: the exponent codes, a fifth of the
- * region, are read from disk) and cold (all read from disk with pread, then dropped from the page cache,
- * so that no memory is used that the budget does not count). Each tier has a limit in bytes per store:
- * the process's tier budgets (zipmoe_cache_configure) shared out in proportion to BF16 size, or slot
+ * region, are read from disk) and cold (all read from disk around the page cache, O_DIRECT, or through it
+ * and dropped from it, so that no memory is used that the budget does not count). Each tier has a limit in
+ * bytes per store: the process's tier budgets (zipmoe_cache_configure) shared out in proportion to BF16 size, or slot
  * counts a planner set for the store (zipmoe_cache_set_slots). A tier change never re-reads what is
  * resident: warm -> sm shrinks the region, sm -> warm reads only the codes, hot -> sm takes the
  * sign+mantissa bytes from the decoded values. A hot expert's compressed copy is the first thing a full
