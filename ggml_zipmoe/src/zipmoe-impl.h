@@ -146,6 +146,9 @@ int  zipmoe_pread_all(int fd, uint64_t offset, void * buf, size_t size);
  * aligned span around it, so buf - offset % ZIPMOE_DIRECT_ALIGN must be aligned and the span's rounded-up end
  * must fit the buffer. ZIPMOE_ERR_ARG if the file system refused the alignment (EINVAL). */
 int  zipmoe_pread_direct(int dfd, uint64_t offset, void * buf, size_t size);
+/* Reads what no tier keeps: with zipmoe_pread_direct where dfd >= 0 and the file system takes it (buf laid out
+ * for it), else through the page cache, dropping the pages after (the budget counts one copy). */
+int  zipmoe_pread_uncached(int fd, int dfd, uint64_t offset, void * buf, size_t size);
 int  zipmoe_reader_reads_waiting(void); /* a job of reads is queued: background work (collapse) should yield */
 /* Waits until no read-ahead runs: one reads the store it fills and the store whose job it follows, both of which
  * a caller freeing a store (after its invocations returned) must outlive. */

@@ -67,6 +67,15 @@ int zipmoe_pread_direct(int dfd, uint64_t offset, void * buf, size_t size) {
     return ZIPMOE_OK;
 }
 
+int zipmoe_pread_uncached(int fd, int dfd, uint64_t offset, void * buf, size_t size) {
+    int rc = dfd >= 0 ? zipmoe_pread_direct(dfd, offset, buf, size) : ZIPMOE_ERR_ARG;
+    if (rc == ZIPMOE_ERR_ARG) { /* through the page cache, which must not keep a second copy after */
+        rc = zipmoe_pread_all(fd, offset, buf, size);
+        posix_fadvise(fd, (off_t) offset, (off_t) size, POSIX_FADV_DONTNEED);
+    }
+    return rc;
+}
+
 static void hint(const zipmoe_read_job * job, const zipmoe_read_item * it) {
     for (int k = 0; k < it->n_seg; k++) {
         if (it->seg[k].direct && job->dfd >= 0) {
@@ -150,19 +159,12 @@ static void run(zipmoe_read_job * job) {
         int status = 1;
         for (int k = 0; k < it->n_seg && status > 0; k++) {
             const zipmoe_read_seg * g  = &it->seg[k];
-            int                     rc = ZIPMOE_ERR_ARG;
             if (atomic_load(&job->cancel)) {
                 status = -1;
                 break;
             }
-            if (g->direct && job->dfd >= 0) {
-                rc = zipmoe_pread_direct(job->dfd, job->base + g->offset, g->dst, (size_t) g->size);
-            }
-            if (rc == ZIPMOE_ERR_ARG) { /* through the page cache, which must not keep a second copy after */
-                rc = zipmoe_pread_all(job->fd, job->base + g->offset, g->dst, (size_t) g->size);
-                posix_fadvise(job->fd, (off_t) (job->base + g->offset), (off_t) g->size, POSIX_FADV_DONTNEED);
-            }
-            if (rc < 0) {
+            if (zipmoe_pread_uncached(job->fd, g->direct ? job->dfd : -1, job->base + g->offset, g->dst,
+                                      (size_t) g->size) < 0) {
                 status = -1;
             }
         }

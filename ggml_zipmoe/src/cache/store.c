@@ -409,6 +409,20 @@ void zipmoe_cache_set_read_buffer(uint64_t bytes) {
     atomic_store(&g_read_buffer, bytes < ZIPMOE_DIRECT_ALIGN ? ZIPMOE_DIRECT_ALIGN : (size_t) bytes);
 }
 
+/* Makes *data (a read buffer, aligned for O_DIRECT) fit need: grown when smaller, given back when a need fits
+ * STAGE_KEEP again after a prompt's larger one; never smaller than STAGE_KEEP, so that generation does not
+ * regrow it (and fault in fresh pages) for every larger token. *cap is 0 if the allocation failed. */
+static void read_buffer_fit(uint8_t ** data, size_t * cap, size_t need) {
+    if (*cap >= need && !(*cap > STAGE_KEEP && need <= STAGE_KEEP)) {
+        return;
+    }
+    free(*data);
+    void *       p    = NULL;
+    const size_t size = need > STAGE_KEEP ? need : STAGE_KEEP;
+    *data             = posix_memalign(&p, ZIPMOE_DIRECT_ALIGN, size) == 0 ? p : NULL;
+    *cap              = *data ? size : 0;
+}
+
 static pthread_mutex_t g_pf_mu = PTHREAD_MUTEX_INITIALIZER;
 static prefetch_buffer g_pf[2];
 /* A prompt's read-ahead (tens of MiB) waits for the other buffer instead of taking a second large one: under a
@@ -468,16 +482,8 @@ static prefetch_buffer * prefetch_take(zipmoe_store * s, size_t need, int * defe
             b = &g_pf[i];
         }
     }
-    if (b && (b->cap < need || (b->cap > STAGE_KEEP && need <= STAGE_KEEP))) {
-        free(b->data);
-        b->data = NULL;
-        b->cap  = 0;
-        void *       p    = NULL;
-        const size_t size = need > STAGE_KEEP ? need : STAGE_KEEP; /* not regrown for every larger token */
-        if (posix_memalign(&p, ZIPMOE_DIRECT_ALIGN, size) == 0) {
-            b->data = p;
-            b->cap  = size;
-        }
+    if (b) {
+        read_buffer_fit(&b->data, &b->cap, need);
         atomic_store(&g_pf_cap_bytes, g_pf[0].cap + g_pf[1].cap);
     }
     if (b && b->data) {
@@ -1130,14 +1136,8 @@ static uint8_t * staging_take(const zipmoe_store * s, size_t need) {
     pthread_mutex_lock(&g_stage_mu);
     uint8_t * buf = NULL;
     if (!g_stage_owner) {
-        if (g_stage_cap < need || (g_stage_cap > STAGE_KEEP && need <= STAGE_KEEP)) {
-            free(g_stage);
-            void *       p    = NULL;
-            const size_t size = need > STAGE_KEEP ? need : STAGE_KEEP; /* not regrown for every larger token */
-            g_stage     = posix_memalign(&p, ZIPMOE_DIRECT_ALIGN, size) == 0 ? p : NULL; /* for O_DIRECT reads */
-            g_stage_cap = g_stage ? size : 0;
-            atomic_store(&g_stage_cap_bytes, g_stage_cap);
-        }
+        read_buffer_fit(&g_stage, &g_stage_cap, need);
+        atomic_store(&g_stage_cap_bytes, g_stage_cap);
         if (g_stage) {
             g_stage_owner = s;
             buf           = g_stage;
@@ -1407,18 +1407,7 @@ void zipmoe_store_prefetch(zipmoe_store * s, const zipmoe_store * like) {
         const uint64_t off  = s->data_offset + span.offset + from;
         const size_t   pad  = (size_t) (off % ZIPMOE_DIRECT_ALIGN);
         const size_t   size = (size_t) (span.size - from);
-        int            rc   = ZIPMOE_ERR_IO;
-        if (s->dfd >= 0) {
-            rc = zipmoe_pread_direct(s->dfd, off, b->data + used + pad, size);
-            if (rc == ZIPMOE_ERR_ARG) { /* the file system wants another alignment: through the page cache */
-                close(s->dfd);
-                s->dfd = -1;
-            }
-        }
-        if (s->dfd < 0) {
-            rc = zipmoe_pread_all(s->fd, off, b->data + used + pad, size);
-            posix_fadvise(s->fd, (off_t) off, (off_t) size, POSIX_FADV_DONTNEED); /* the budget counts one copy */
-        }
+        const int      rc   = zipmoe_pread_uncached(s->fd, s->dfd, off, b->data + used + pad, size);
         if (rc == ZIPMOE_OK) { /* else s reads it for itself, and reports what fails */
             s->pf_at[e]   = (int64_t) (used + pad);
             s->pf_from[e] = from;
