@@ -92,6 +92,7 @@ int64_t zipmoe_store_open(const char * name, const void * index, size_t index_si
 void    zipmoe_store_free(zipmoe_store * s);
 const zipmoe_tensor * zipmoe_store_tensor(const zipmoe_store * s);
 int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_offset, void ** dst, size_t * dst_size);
+int64_t zipmoe_store_predict(zipmoe_store * s, const int32_t * experts, int64_t n);
 int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void * ids,
                                  int64_t ne0, int64_t ne1, size_t nb0, size_t nb1, int ith, int nth);
 int64_t zipmoe_store_activations(zipmoe_store * s, uint64_t * counts, int64_t n);
@@ -122,6 +123,8 @@ typedef struct {
     uint64_t pool_bytes;
     uint64_t reading_calls;
     uint64_t bytes_read_ahead;
+    uint64_t bytes_read_guessed;
+    uint64_t guesses_used;
 } zipmoe_stats;
 typedef struct {
     uint64_t experts;

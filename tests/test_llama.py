@@ -294,15 +294,16 @@ def test_every_budget_and_policy_gives_the_same_logits(logits: Callable, ours: P
 
 
 @pytest.mark.parametrize("env", [{"ZIPMOE_DIRECT_IO": "1"}, {"ZIPMOE_DIRECT_IO": "0"},
-                                 {"ZIPMOE_READ_BUFFER": "4KiB"}])
+                                 {"ZIPMOE_READ_BUFFER": "4KiB"}, {"ZIPMOE_PREDICT": "1"}])
 def test_read_ahead_gives_the_same_logits(logits: Callable, ours: Path, env: dict[str, str],
                                           zipmoe_models: dict[tuple[str, str], Path], tmp_path: Path) -> None:
     """Under a budget the reader reads the next store's experts ahead (the same layer's routed ones in generation,
     all of the next layer's for a prompt) into its own buffers, around the page cache (O_DIRECT) or, with
     ZIPMOE_DIRECT_IO=0, through it; with read buffers smaller than the tiny model's reads (ZIPMOE_READ_BUFFER), a
-    read-ahead waits for the other buffer to be given back, as a prompt's does on a real model. The stores decode
-    from those bytes with the same logits. The first store of a graph has nobody to read ahead for it, so the
-    bytes read ahead are a part of bytes_read."""
+    read-ahead waits for the other buffer to be given back, as a prompt's does on a real model. With ZIPMOE_PREDICT=1
+    a generated token's layer also runs the next layer's router on its input, and that layer's first store reads
+    the experts it guessed ahead (right or wrong). The stores decode from those bytes with the same logits. The
+    first store of a graph has nobody to read ahead for it, so the bytes read ahead are a part of bytes_read."""
     from pyzipmoe.budget import model_memory
 
     arch = ARCHS[0]
@@ -312,6 +313,8 @@ def test_read_ahead_gives_the_same_logits(logits: Callable, ours: Path, env: dic
     runs = [{"config": CONFIGS[i], "zipmoe": {"memory_budget": str(minimum + (16 << 10)), "hot_share": 1.0}}
             for i in picks]
     reports, got = run_worker(zipmoe_models[arch, "huff"], ours, runs, tmp_path / "ahead.npz", env=env)
+    guessed = sum(report["stats"]["bytes_read_guessed"] for report in reports)
+    assert (guessed > 0) == ("ZIPMOE_PREDICT" in env), guessed
     for k, i in enumerate(picks):
         what = f"{arch} {env} {CONFIGS[i]}"
         _no_error(reports[k])

@@ -181,6 +181,19 @@ def test_out_of_range_expert_ids_are_an_error_not_a_write(zipmoe_model):
     assert lib.zipmoe_store_take_error(store.handle, ffi.NULL, 0) == lib.ZIPMOE_ERR_ARG
 
 
+def test_a_guess_names_experts_of_the_store(zipmoe_model):
+    """zipmoe_store_predict (the engine's guess at a store's next routing) refuses ids outside the store; a guess
+    changes nothing of what an invocation decodes."""
+    zf = format.open_zipmoe(zipmoe_model)
+    store = Store(zipmoe_model, zf.compressed[0])
+    n_expert = zf.compressed[0].source.dims[2]
+    assert lib.zipmoe_store_predict(store.handle, ffi.new("int32_t[]", [0, n_expert]), 2) == lib.ZIPMOE_ERR_ARG
+    assert lib.zipmoe_store_predict(store.handle, ffi.new("int32_t[]", [-1]), 1) == lib.ZIPMOE_ERR_ARG
+    assert lib.zipmoe_store_predict(ffi.NULL, ffi.NULL, 0) == lib.ZIPMOE_ERR_ARG
+    assert lib.zipmoe_store_predict(store.handle, ffi.new("int32_t[]", [1, 0]), 2) == lib.ZIPMOE_OK
+    assert all(r >= 0 for r in store.materialize(np.array([[0, 1]]), 2))
+
+
 def test_bind_refuses_a_data_companion_outside_the_file(zipmoe_model, tmp_path):
     zf = format.open_zipmoe(zipmoe_model)
     ct = zf.compressed[-1]

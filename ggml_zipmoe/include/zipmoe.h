@@ -236,6 +236,11 @@ ZIPMOE_API int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_off
  * decoding without waiting for each other, and when the last of them returns, every named expert is
  * decoded. Returns the number of chunks this thread decoded, or an error, which is also recorded for
  * zipmoe_store_take_error(). */
+/* A guess at the experts s's next invocation routes to (the engine runs the next layer's router on this layer's
+ * input): once the store invoked before s is done with its reads, the reader reads those that are not in RAM
+ * ahead, until s's invocation comes, and s decodes what it routed from them. A wrong guess costs only the reads;
+ * the invocation after clears it. ZIPMOE_ERR_ARG for an expert out of range. */
+ZIPMOE_API int64_t zipmoe_store_predict(zipmoe_store * s, const int32_t * experts, int64_t n);
 ZIPMOE_API int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void * ids,
                                             int64_t ne0, int64_t ne1, size_t nb0, size_t nb1, int ith, int nth);
 
@@ -294,6 +299,8 @@ typedef struct {
     uint64_t reading_calls;     /* invocations that read from the file: the first read is waited for, with */
                                 /* nothing to overlap it (the planner's t_layer)                          */
     uint64_t bytes_read_ahead;  /* of bytes_read: read for the store invoked next while this one computed */
+    uint64_t bytes_read_guessed; /* of bytes_read_ahead: the experts the previous layer guessed (ZIPMOE_PREDICT) */
+    uint64_t guesses_used;      /* experts decoded from bytes read on such a guess */
 } zipmoe_stats;
 
 ZIPMOE_API void zipmoe_stats_get(zipmoe_stats * out);

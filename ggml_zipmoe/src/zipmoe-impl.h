@@ -131,8 +131,9 @@ typedef struct zipmoe_read_job {
     pthread_mutex_t          mu;
     pthread_cond_t           cv;
     struct zipmoe_store *    collapse; /* instead of reads: zipmoe_store_collapse(collapse) */
-    struct zipmoe_store *    prefetch; /* after the reads: zipmoe_store_prefetch(prefetch, prefetch_like), */
-    struct zipmoe_store *    prefetch_like; /* or nothing when prefetch is NULL                             */
+    struct zipmoe_store *    prefetch; /* after the reads: zipmoe_store_prefetch(prefetch, prefetch_like, */
+    struct zipmoe_store *    prefetch_like; /* prefetch_predicted), or nothing when prefetch is NULL        */
+    int                      prefetch_predicted;
     struct zipmoe_read_job * next;
 } zipmoe_read_job;
 
@@ -162,10 +163,10 @@ int      zipmoe_slots_detach(void * addr, size_t size, int64_t slot); /* [addr, 
 /* store.c: huge pages for a store's settled decoded experts (run by the reader thread, or the prefill's); 0 when
  * it stopped early for reads waiting, to be submitted again */
 int zipmoe_store_collapse(struct zipmoe_store * s);
-/* store.c: read-ahead hints for a store's experts that its next invocation will likely route to (run by the reader
- * thread): those routed now in `like` (a store of the same layer, which shares its router), or, when like is NULL,
- * every one not decoded (a prompt routes to most) */
-void zipmoe_store_prefetch(struct zipmoe_store * s, const struct zipmoe_store * like);
+/* store.c: reads ahead a store's experts that its next invocation will likely route to (run by the reader thread):
+ * those routed now in `like` (a store of the same layer, which shares its router); with `predicted`, those the
+ * previous layer predicted (zipmoe_store_predict); else every one not decoded (a prompt routes to most) */
+void zipmoe_store_prefetch(struct zipmoe_store * s, const struct zipmoe_store * like, int predicted);
 /* store.c, for prefill.c: the experts a store's tiers hold under the current configuration (the hot ones among
  * them in *hot_slots); its invocations until prefill_end count nothing of the model's routing */
 int64_t zipmoe_store_prefill_begin(struct zipmoe_store * s, int64_t * hot_slots);

@@ -174,6 +174,7 @@ static void run(zipmoe_read_job * job) {
      * submit the job again, so its fields are copied first) */
     struct zipmoe_store *       prefetch      = atomic_load(&job->cancel) ? NULL : job->prefetch;
     const struct zipmoe_store * prefetch_like = job->prefetch_like;
+    const int                   predicted     = job->prefetch_predicted;
     if (prefetch) { /* before the job is done: a store freed once its invocation returned waits for this */
         pthread_mutex_lock(&g_mu);
         g_reading_ahead = 1;
@@ -184,7 +185,7 @@ static void run(zipmoe_read_job * job) {
     pthread_cond_broadcast(&job->cv);
     pthread_mutex_unlock(&job->mu);
     if (prefetch) {
-        zipmoe_store_prefetch(prefetch, prefetch_like); /* in flight while this one computes */
+        zipmoe_store_prefetch(prefetch, prefetch_like, predicted); /* in flight while this one computes */
         pthread_mutex_lock(&g_mu);
         g_reading_ahead = 0;
         pthread_cond_broadcast(&g_ahead_cv);

@@ -120,6 +120,11 @@ struct zipmoe_store {
     _Atomic uint8_t * hinted;   /* per expert: read-ahead hinted by the previous store's prompt invocation */
     prefetch_buffer * pf;       /* under mu: bytes the reader read ahead for the next invocation, or NULL; */
     int64_t *         pf_at;    /* per expert: where in pf its region's bytes from pf_from[e] on lie, or -1 */
+    _Atomic uint8_t * predicted; /* per expert: the previous layer's guess at the next token's routing */
+    _Atomic int       predicted_fresh; /* set by zipmoe_store_predict, cleared by the next invocation */
+    _Atomic int       waiting;  /* threads of an invocation waiting for mu: a predicted read-ahead stops */
+    _Atomic int       holds_pf; /* pf is set: an invocation on the fast path gives a guessed read-ahead back */
+    int               pf_guessed; /* under mu: pf holds the experts the previous layer guessed */
     uint64_t *        pf_from;
     expert_state *  experts;
     uint64_t *       route_log;   /* ring of ROUTE_RING single-token invocations: a bitmask of the routed experts */
@@ -266,6 +271,7 @@ static _Atomic uint64_t g_hits_hot, g_hits_warm, g_hits_sm, g_misses, g_read_byt
 static _Atomic uint64_t g_peak_hot, g_peak_resident, g_stall_ns, g_reading_calls;
 static _Atomic uint64_t g_stage_cap_bytes, g_pf_cap_bytes; /* the reader's buffers: zipmoe_stats' staging_bytes */
 static _Atomic uint64_t g_read_ahead_bytes;
+static _Atomic uint64_t g_guessed_bytes, g_guesses_used;
 static _Atomic uint64_t g_prefill_dummy; /* what a prefill's invocations count instead of the model's routing */
 
 void zipmoe_stats_add_read(uint64_t bytes, uint64_t ns) {
@@ -297,12 +303,14 @@ void zipmoe_stats_get(zipmoe_stats * out) {
     out->pool_bytes          = zipmoe_slots_kept();
     out->reading_calls       = atomic_load(&g_reading_calls);
     out->bytes_read_ahead    = atomic_load(&g_read_ahead_bytes);
+    out->bytes_read_guessed  = atomic_load(&g_guessed_bytes);
+    out->guesses_used        = atomic_load(&g_guesses_used);
 }
 
 void zipmoe_stats_reset(void) {
     _Atomic uint64_t * counters[] = { &g_experts, &g_chunks, &g_bytes, &g_ns, &g_calls, &g_hits_hot, &g_hits_warm,
                                       &g_hits_sm, &g_misses, &g_read_bytes, &g_read_ns, &g_evictions, &g_stall_ns,
-                                      &g_reading_calls, &g_read_ahead_bytes };
+                                      &g_reading_calls, &g_read_ahead_bytes, &g_guessed_bytes, &g_guesses_used };
     for (size_t i = 0; i < sizeof counters / sizeof counters[0]; i++) {
         atomic_store(counters[i], 0);
     }
@@ -455,11 +463,13 @@ static void prefetch_drop(zipmoe_store * s) {
             g_ahead_job.n_items       = 0;
             g_ahead_job.prefetch      = deferred;
             g_ahead_job.prefetch_like = NULL;
+            g_ahead_job.prefetch_predicted = 0;
             zipmoe_reader_submit(&g_ahead_job);
         }
     }
     pthread_mutex_unlock(&g_pf_mu);
     s->pf = NULL;
+    atomic_store(&s->holds_pf, 0);
     for (int64_t e = 0; e < s->info.n_expert; e++) {
         s->pf_at[e] = -1;
     }
@@ -534,6 +544,7 @@ int64_t zipmoe_store_open(const char * name, const void * index, size_t index_si
     s->hinted    = calloc((size_t) s->info.n_expert, sizeof *s->hinted);
     s->pf_at     = malloc((size_t) s->info.n_expert * sizeof *s->pf_at);
     s->pf_from   = calloc((size_t) s->info.n_expert, sizeof *s->pf_from);
+    s->predicted = calloc((size_t) s->info.n_expert, sizeof *s->predicted);
     s->experts   = calloc((size_t) s->info.n_expert, sizeof *s->experts);
     s->route_words = (s->info.n_expert + 63) / 64;
     s->route_log   = calloc((size_t) (ROUTE_RING * s->route_words), sizeof *s->route_log);
@@ -542,7 +553,8 @@ int64_t zipmoe_store_open(const char * name, const void * index, size_t index_si
     pthread_mutex_init(&s->collapse_job.mu, NULL);
     pthread_cond_init(&s->collapse_job.cv, NULL);
     s->collapse_job.collapse = s;
-    if (!s->plan || !s->experts || !s->job.items || !s->hinted || !s->route_log || !s->pf_at || !s->pf_from) {
+    if (!s->plan || !s->experts || !s->job.items || !s->hinted || !s->route_log || !s->pf_at || !s->pf_from ||
+        !s->predicted) {
         zipmoe_store_free(s);
         return ZIPMOE_ERR_NOMEM;
     }
@@ -622,6 +634,7 @@ void zipmoe_store_free(zipmoe_store * s) {
     free((void *) s->hinted);
     free(s->pf_at);
     free(s->pf_from);
+    free((void *) s->predicted);
     free(s->experts);
     free(s->route_log);
     free(s->hp_done);
@@ -1063,6 +1076,7 @@ static int64_t make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int
         refresh_limits(s);
     }
     atomic_store(&s->streak, 0);
+    atomic_store(&s->predicted_fresh, 0);
     trim_other_layers(s);
     zipmoe_store * prev = atomic_exchange(&g_last_planned, s);
     if (prev && prev != s) {
@@ -1208,6 +1222,9 @@ static int use_prefetched(zipmoe_store * s, plan_item * it) {
         it->codes_bias = 0;
     }
     it->prefetched = 1;
+    if (s->pf_guessed) {
+        atomic_fetch_add(&g_guesses_used, 1);
+    }
     return 1;
 }
 
@@ -1236,8 +1253,9 @@ static void schedule_reads(zipmoe_store * s) {
      * compute instead of following it: a prompt routes to most experts of every layer; a store of the same
      * layer (gate, up, down) routes to exactly these */
     zipmoe_store * next = atomic_load(&s->next_store);
-    s->job.prefetch      = NULL;
-    s->job.prefetch_like = NULL;
+    s->job.prefetch           = NULL;
+    s->job.prefetch_like      = NULL;
+    s->job.prefetch_predicted = 0;
     if (s->prefilling) {
         next = NULL; /* the prefill fills each store with what its tiers keep, not what a prompt reads */
     }
@@ -1246,6 +1264,9 @@ static void schedule_reads(zipmoe_store * s) {
     } else if (next && s->layer >= 0 && next->layer == s->layer && next->info.n_expert == s->info.n_expert) {
         s->job.prefetch      = next;
         s->job.prefetch_like = s;
+    } else if (next && atomic_load(&next->predicted_fresh)) { /* the next layer's, as its router is guessed */
+        s->job.prefetch           = next;
+        s->job.prefetch_predicted = 1;
     }
     staging_trim(need);
     uint8_t * stage = n_reads && need ? staging_take(s, need) : NULL;
@@ -1338,10 +1359,10 @@ static void prefetch_reclaim(const zipmoe_store * s) {
 
 /* Whether s's expert e is read ahead of s's next invocation (not in RAM, and routed by like when like is given),
  * and from which offset of its region (the codes only where its sign+mantissa plane is resident). */
-static int read_ahead_from(const zipmoe_store * s, const zipmoe_store * like, int64_t e, zipmoe_expert_span * span,
-                           uint64_t * from) {
+static int read_ahead_from(const zipmoe_store * s, const zipmoe_store * like, int predicted, int64_t e,
+                           zipmoe_expert_span * span, uint64_t * from) {
     const expert_state * x = &s->experts[e];
-    if (x->hot || x->res == RES_FULL || (like && !like->experts[e].routed)) {
+    if (x->hot || x->res == RES_FULL || (like && !like->experts[e].routed) || (predicted && !atomic_load(&s->predicted[e]))) {
         return 0;
     }
     zipmoe_tensor_expert_span(s->tensor, e, span);
@@ -1355,7 +1376,7 @@ static void prefetch_hint(zipmoe_store * s, const zipmoe_store * like) {
     for (int64_t e = 0; e < s->info.n_expert; e++) {
         zipmoe_expert_span span;
         uint64_t           from;
-        if (!read_ahead_from(s, like, e, &span, &from)) {
+        if (!read_ahead_from(s, like, 0, e, &span, &from)) {
             continue;
         }
         advise(s, span.offset + from, span.size - from, POSIX_FADV_WILLNEED);
@@ -1363,7 +1384,7 @@ static void prefetch_hint(zipmoe_store * s, const zipmoe_store * like) {
     }
 }
 
-void zipmoe_store_prefetch(zipmoe_store * s, const zipmoe_store * like) {
+void zipmoe_store_prefetch(zipmoe_store * s, const zipmoe_store * like, int predicted) {
     /* On the reader thread, once the previous store (like, for a store of the same layer) has its bytes: s's
      * lock is held while reading, so that s's invocation, when it comes, plans with what arrived. Not when an
      * invocation of s is in flight or the lock is busy: then s reads for itself. like's routed counts are stable
@@ -1380,7 +1401,7 @@ void zipmoe_store_prefetch(zipmoe_store * s, const zipmoe_store * like) {
     for (int64_t e = 0; e < s->info.n_expert; e++) {
         zipmoe_expert_span span;
         uint64_t           from;
-        if (read_ahead_from(s, like, e, &span, &from)) {
+        if (read_ahead_from(s, like, predicted, e, &span, &from)) {
             need += direct_span(s, span.offset + from, span.size - from);
         }
     }
@@ -1390,19 +1411,24 @@ void zipmoe_store_prefetch(zipmoe_store * s, const zipmoe_store * like) {
     int               deferred = 0;
     prefetch_buffer * b        = need ? prefetch_take(s, need, &deferred) : NULL;
     if (!b) {
-        if (need && !deferred) {
+        if (need && !deferred && !predicted) { /* (a guess is not worth the page cache's work) */
             prefetch_hint(s, like);
         }
         pthread_mutex_unlock(&s->mu);
         return;
     }
-    s->pf       = b;
+    s->pf         = b;
+    s->pf_guessed = predicted;
+    atomic_store(&s->holds_pf, 1);
     size_t used = 0;
     for (int64_t e = 0; e < s->info.n_expert; e++) {
         zipmoe_expert_span span;
         uint64_t           from;
-        if (!read_ahead_from(s, like, e, &span, &from)) {
+        if (!read_ahead_from(s, like, predicted, e, &span, &from)) {
             continue;
+        }
+        if (predicted && atomic_load(&s->waiting)) {
+            break; /* the invocation came: its router decides now, and it reads the rest itself */
         }
         const uint64_t off  = s->data_offset + span.offset + from;
         const size_t   pad  = (size_t) (off % ZIPMOE_DIRECT_ALIGN);
@@ -1412,6 +1438,9 @@ void zipmoe_store_prefetch(zipmoe_store * s, const zipmoe_store * like) {
             s->pf_at[e]   = (int64_t) (used + pad);
             s->pf_from[e] = from;
             atomic_fetch_add(&g_read_ahead_bytes, size);
+            if (predicted) {
+                atomic_fetch_add(&g_guessed_bytes, size);
+            }
         }
         used += direct_span(s, span.offset + from, size);
     }
@@ -1516,6 +1545,46 @@ static void note_hits(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int64_
     atomic_fetch_add(&g_calls, 1);
 }
 
+int64_t zipmoe_store_predict(zipmoe_store * s, const int32_t * experts, int64_t n) {
+    if (!s || (!experts && n > 0) || n < 0) {
+        return ZIPMOE_ERR_ARG;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        if (experts[i] < 0 || experts[i] >= s->info.n_expert) {
+            return ZIPMOE_ERR_ARG;
+        }
+    }
+    atomic_store(&s->predicted_fresh, 0);
+    for (int64_t e = 0; e < s->info.n_expert; e++) {
+        atomic_store(&s->predicted[e], 0);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        atomic_store(&s->predicted[experts[i]], 1);
+    }
+    atomic_store(&s->predicted_fresh, n > 0);
+    return ZIPMOE_OK;
+}
+
+/* By the invocation of `prev` that found its experts decoded (no job of its own to follow): the reader reads ahead
+ * what the previous layer predicted for next, the store invoked after prev, if next is of another layer. */
+static void read_ahead_predicted(zipmoe_store * next, const zipmoe_store * prev) {
+    if (!next || next->layer == prev->layer || !atomic_load(&next->predicted_fresh)) {
+        return;
+    }
+    pthread_mutex_lock(&g_pf_mu);
+    pthread_mutex_lock(&g_ahead_job.mu);
+    const int busy = g_ahead_job.busy;
+    pthread_mutex_unlock(&g_ahead_job.mu);
+    if (!busy && !g_pf_deferred) { /* a job with nothing to read: only the read-ahead */
+        g_ahead_job.n_items            = 0;
+        g_ahead_job.prefetch           = next;
+        g_ahead_job.prefetch_like      = NULL;
+        g_ahead_job.prefetch_predicted = 1;
+        zipmoe_reader_submit(&g_ahead_job);
+    }
+    pthread_mutex_unlock(&g_pf_mu);
+}
+
 int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void * ids,
                                  int64_t ne0, int64_t ne1, size_t nb0, size_t nb1, int ith, int nth) {
     if (!s || !key || !ids || ne0 < 0 || ne1 < 0 || nth < 1 || ith < 0 || ith >= nth || s->fd < 0) {
@@ -1530,6 +1599,14 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
         if (ith == 0 && !(atomic_load(&s->last_key) == key && atomic_load(&g_op_seq) == atomic_load(&s->last_seq))) {
             atomic_fetch_add(&g_op_seq, 1); /* (a late sibling of a planned invocation counts nothing again) */
             note_hits(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1);
+            atomic_store(&s->predicted_fresh, 0);
+            if (atomic_load(&s->holds_pf) && pthread_mutex_trylock(&s->mu) == 0) { /* read ahead on a wrong guess */
+                if (s->plan_key == NULL) {
+                    prefetch_drop(s);
+                }
+                pthread_mutex_unlock(&s->mu);
+            }
+            read_ahead_predicted(atomic_load(&s->next_store), s);
             /* only where every expert stays decoded: under a budget experts come and go, each eviction splits a
              * huge page, and collapsing again and again cost more than it saved (at 93% on 2 cores, 11 against 36
              * tokens/s without it) */
@@ -1540,7 +1617,9 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
         }
         return 0;
     }
+    atomic_fetch_add(&s->waiting, 1); /* a guessed read-ahead holding mu stops: the router has decided */
     pthread_mutex_lock(&s->mu);
+    atomic_fetch_sub(&s->waiting, 1);
     while (s->plan_key != NULL && s->plan_key != key) {
         pthread_cond_wait(&s->cv, &s->mu);
     }

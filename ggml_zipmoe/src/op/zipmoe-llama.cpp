@@ -26,6 +26,10 @@ struct zipmoe_llama_tensor {
     zipmoe_store *        store  = nullptr;
     ggml_backend_buffer_t buffer = nullptr;
     const ggml_tensor *   tensor = nullptr; // registered while bound for real
+    int                   model  = 0;       // the load it belongs to (zipmoe_llama_configure counts them)
+    int                   layer  = -1;      // N of "blk.N."
+    const ggml_tensor *   router = nullptr; // its layer's router weight, seen when a graph was built
+    std::vector<zipmoe_llama_tensor *> next; // the expert tensors of the next layer, once found
 };
 
 // Weight -> zipmoe tensor. Filled at load, read at graph build; the count keeps plain models lock-free.
@@ -41,6 +45,8 @@ static std::vector<zipmoe_store *>                    g_opened;  // the same sto
 static std::vector<zipmoe_store *> g_loading;
 static size_t                      g_loading_bound = 0;
 static bool                        g_prefill       = true;
+static int                         g_model_seq     = 0; // loads configured: stores opened since belong to the next
+static std::atomic<bool>           g_predict{false};    // ZIPMOE_PREDICT
 
 void zipmoe_llama_tensor_deleter::operator()(zipmoe_llama_tensor * zt) const {
     if (zt->tensor) {
@@ -145,6 +151,9 @@ static int layer_of(const std::string & name) {
 //                         around it with O_DIRECT (default "1", where the file system has it)
 //   ZIPMOE_READ_BUFFER    what each read buffer keeps between uses (default 16MiB; a prompt's read-ahead above it
 //                         waits for the other buffer instead of taking a second large one)
+//   ZIPMOE_PREDICT        "1": in generation, the next layer's router runs on this layer's input and the experts it
+//                         picks are read ahead (default "0": on the synthetic models 17% of the bytes read on a
+//                         guess were used, and a disk-bound run read 8% more; tiered-cache.md)
 //   ZIPMOE_PREFILL        "0": leave the tiers empty at load (default: fill them, as llama.cpp's read-ahead and
 //                         warm-up fill the page cache for a plain model, so that the first tokens do not wait)
 bool zipmoe_llama_configure(uint64_t other_bytes, std::string & info, std::string & err) {
@@ -157,6 +166,16 @@ bool zipmoe_llama_configure(uint64_t other_bytes, std::string & info, std::strin
         g_loading_bound = 0;
         const char * v  = std::getenv("ZIPMOE_PREFILL");
         g_prefill       = !(v && std::strcmp(v, "0") == 0);
+        g_model_seq++;
+    }
+    if (const char * v = std::getenv("ZIPMOE_PREDICT"); v && *v) {
+        if (std::strcmp(v, "0") != 0 && std::strcmp(v, "1") != 0) {
+            err = std::string("ZIPMOE_PREDICT=") + v + " is not 0 or 1";
+            return false;
+        }
+        g_predict = std::strcmp(v, "1") == 0;
+    } else {
+        g_predict = false;
     }
     std::map<int, uint64_t> per_layer; // stores outside any "blk.N." count as a layer each
     uint64_t                working_set = 0, experts = 0;
@@ -285,6 +304,11 @@ zipmoe_llama_tensor_ptr zipmoe_llama_open(const char * name, const void * index,
     }
     zipmoe_llama_tensor_ptr zt(new zipmoe_llama_tensor);
     zt->store = store;
+    {
+        std::lock_guard<std::mutex> lock(g_pending_mu);
+        zt->model = g_model_seq;
+    }
+    zt->layer = layer_of(name);
     return zt;
 }
 
@@ -384,6 +408,102 @@ zipmoe_llama_tensor * zipmoe_llama_find(const ggml_tensor * w) {
     return it == g_registry.end() ? nullptr : it->second;
 }
 
+// The router of the layer whose routed experts are ids: the nearest matmul above it of a weight with n_expert rows
+// (top-k of the softmax of its logits, in llama.cpp's MoE layers), and that matmul's input, the layer's FFN input.
+static const ggml_tensor * find_router(const ggml_tensor * ids, int64_t n_expert, const ggml_tensor ** input) {
+    std::vector<const ggml_tensor *> level{ ids };
+    for (int depth = 0; depth < 6 && !level.empty(); depth++) {
+        std::vector<const ggml_tensor *> up;
+        for (const ggml_tensor * t : level) {
+            const ggml_tensor * w = t->src[0];
+            if (t->op == GGML_OP_MUL_MAT && w && w->op == GGML_OP_NONE && w->buffer && w->ne[1] == n_expert &&
+                w->ne[2] == 1 && t->src[1] && t->src[1]->ne[2] == 1 && t->src[1]->ne[3] == 1) {
+                *input = t->src[1];
+                return w;
+            }
+            for (const ggml_tensor * s : t->src) {
+                if (s) {
+                    up.push_back(s);
+                }
+            }
+        }
+        level.swap(up);
+    }
+    return nullptr;
+}
+
+// The expert tensors of the next layer in zt's model (empty if none), and that layer's router if a graph built so far
+// showed it.
+static const ggml_tensor * next_layer(zipmoe_llama_tensor * zt) {
+    std::lock_guard<std::mutex> lock(g_registry_mu);
+    if (zt->next.empty()) {
+        for (const auto & [t, other] : g_registry) {
+            if (other->model == zt->model && other->layer == zt->layer + 1) {
+                zt->next.push_back(other);
+            }
+        }
+    }
+    for (const zipmoe_llama_tensor * other : zt->next) {
+        if (other->router) {
+            return other->router;
+        }
+    }
+    return nullptr;
+}
+
+// On one thread, before this layer's experts are materialised: the top-k of the next layer's router logits on this
+// layer's input (a, [n_expert, 1]) are the experts its stores read ahead (k: ids's rows, b); whichever of them the
+// graph invokes first reads them.
+static void predict_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor * b, int ith, int nth,
+                       void * userdata) {
+    (void) dst;
+    (void) nth;
+    if (ith != 0 || a->type != GGML_TYPE_F32) {
+        return;
+    }
+    auto *         zt = static_cast<zipmoe_llama_tensor *>(userdata);
+    const int64_t  n  = a->ne[0];
+    const int64_t  k  = std::min<int64_t>(b->ne[0], n);
+    const float *  v  = static_cast<const float *>(a->data);
+    std::vector<int32_t> order((size_t) n);
+    for (int64_t e = 0; e < n; e++) {
+        order[(size_t) e] = (int32_t) e;
+    }
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), [v](int32_t x, int32_t y) { return v[x] > v[y]; });
+    for (zipmoe_llama_tensor * next : zt->next) {
+        zipmoe_store_predict(next->store, order.data(), k);
+    }
+}
+
+// In generation, the first expert tensor of a layer guesses the next layer's routing: that layer's router on this
+// layer's FFN input (the residual stream changes little from one layer to the next). Its store reads the experts it
+// names ahead, while this layer computes, instead of waiting for its router. nullptr when there is nothing to guess.
+static ggml_tensor * build_prediction(ggml_context * ctx, zipmoe_llama_tensor * zt, ggml_tensor * ids) {
+    thread_local const ggml_context * last_ctx   = nullptr; // one guess per layer and graph: the first tensor's
+    thread_local int                  last_layer = -1;
+    if (!g_predict || zt->layer < 0 || (ctx == last_ctx && zt->layer == last_layer)) {
+        return nullptr;
+    }
+    last_ctx   = ctx;
+    last_layer = zt->layer;
+    zipmoe_tensor_info info;
+    zipmoe_tensor_get_info(zipmoe_store_tensor(zt->store), &info);
+    const ggml_tensor * input  = nullptr;
+    const ggml_tensor * router = find_router(ids, info.n_expert, &input);
+    if (!router) {
+        return nullptr;
+    }
+    zt->router                     = router;
+    const ggml_tensor * next_router = next_layer(zt);
+    if (!next_router || input->ne[1] != 1 || next_router->ne[0] != input->ne[0] || next_router->ne[1] != info.n_expert) {
+        return nullptr; // the next layer not seen yet (the first graph), a batch of tokens (read ahead whole), ...
+    }
+    ggml_tensor * logits = ggml_mul_mat(ctx, const_cast<ggml_tensor *>(next_router), const_cast<ggml_tensor *>(input));
+    ggml_tensor * guess  = ggml_map_custom2(ctx, logits, ids, predict_op, 1, zt);
+    ggml_format_name(guess, "zipmoe-guess-blk.%d", zt->layer + 1);
+    return guess;
+}
+
 // Called by every graph thread (ith of nth) between the router and ggml_mul_mat_id. The node is
 // unique to this graph, so it keys the invocation for the store's barrier-free protocol.
 static void materialize_op(ggml_tensor * dst, const ggml_tensor * ids, const ggml_tensor * w, int ith, int nth,
@@ -394,12 +514,20 @@ static void materialize_op(ggml_tensor * dst, const ggml_tensor * ids, const ggm
     zipmoe_store_materialize(zt->store, dst, ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1], ith, nth);
 }
 
+static void materialize_after_guess_op(ggml_tensor * dst, const ggml_tensor * ids, const ggml_tensor * w,
+                                       const ggml_tensor * guess, int ith, int nth, void * userdata) {
+    (void) guess; // a source only so that the guess is computed first
+    materialize_op(dst, ids, w, ith, nth, userdata);
+}
+
 ggml_tensor * zipmoe_llama_build(ggml_context * ctx, zipmoe_llama_tensor * zt, ggml_tensor * ids, ggml_tensor * w,
                                  bool warmup) {
     if (warmup) {
         return ids; // warmup routes to every expert and its output is discarded: decode nothing
     }
-    ggml_tensor * r = ggml_map_custom2_inplace(ctx, ids, w, materialize_op, GGML_N_TASKS_MAX, zt);
+    ggml_tensor * guess = build_prediction(ctx, zt, ids);
+    ggml_tensor * r     = guess ? ggml_map_custom3_inplace(ctx, ids, w, guess, materialize_after_guess_op, GGML_N_TASKS_MAX, zt)
+                                : ggml_map_custom2_inplace(ctx, ids, w, materialize_op, GGML_N_TASKS_MAX, zt);
     ggml_format_name(r, "zipmoe-%s", w->name);
     return r;
 }
@@ -412,7 +540,7 @@ bool zipmoe_llama_take_error(const ggml_cgraph * gf, std::string & msg) {
     bool failed = false;
     for (int i = 0; i < ggml_graph_n_nodes(const_cast<ggml_cgraph *>(gf)); i++) {
         const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(gf), i);
-        if (node->op != GGML_OP_MAP_CUSTOM2 || !node->src[1]) {
+        if ((node->op != GGML_OP_MAP_CUSTOM2 && node->op != GGML_OP_MAP_CUSTOM3) || !node->src[1]) {
             continue;
         }
         if (zipmoe_llama_tensor * zt = zipmoe_llama_find(node->src[1])) {
