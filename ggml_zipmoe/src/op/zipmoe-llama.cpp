@@ -28,7 +28,7 @@ struct zipmoe_llama_tensor {
     const ggml_tensor *   tensor = nullptr; // registered while bound for real
     int                   model  = 0;       // the load it belongs to (zipmoe_llama_configure counts them)
     int                   layer  = -1;      // N of "blk.N."
-    const ggml_tensor *   router = nullptr; // its layer's router weight, seen when a graph was built
+    const ggml_tensor *   router = nullptr; // its layer's router weight, seen when a graph was built (registry lock)
     std::vector<zipmoe_llama_tensor *> next; // the expert tensors of the next layer, once found
 };
 
@@ -493,7 +493,10 @@ static ggml_tensor * build_prediction(ggml_context * ctx, zipmoe_llama_tensor * 
     if (!router) {
         return nullptr;
     }
-    zt->router                     = router;
+    {
+        std::lock_guard<std::mutex> lock(g_registry_mu); // (two contexts of one model may build graphs at once)
+        zt->router = router;
+    }
     const ggml_tensor * next_router = next_layer(zt);
     if (!next_router || input->ne[1] != 1 || next_router->ne[0] != input->ne[0] || next_router->ne[1] != info.n_expert) {
         return nullptr; // the next layer not seen yet (the first graph), a batch of tokens (read ahead whole), ...
