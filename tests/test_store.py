@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -192,6 +193,34 @@ def test_a_guess_names_experts_of_the_store(zipmoe_model):
     assert lib.zipmoe_store_predict(ffi.NULL, ffi.NULL, 0) == lib.ZIPMOE_ERR_ARG
     assert lib.zipmoe_store_predict(store.handle, ffi.new("int32_t[]", [1, 0]), 2) == lib.ZIPMOE_OK
     assert all(r >= 0 for r in store.materialize(np.array([[0, 1]]), 2))
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_guessed_experts_are_read_ahead_and_decode_bit_exact(zipmoe_model, tiny_model, stats, right):
+    """A store of layer 1 given a guess (zipmoe_store_predict) has the reader read the guessed experts ahead once
+    the store invoked before it (layer 0's, which learned the order) is done with its reads; a right guess is
+    decoded from those bytes, a wrong one is dropped and the store reads what it routed. Values exact either way."""
+    zf = format.open_zipmoe(zipmoe_model)
+    first = next(c for c in zf.compressed if c.name.startswith("blk.0."))
+    second = next(c for c in zf.compressed if c.name.startswith("blk.1.") and c.name[6:] == first.name[6:])
+    stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
+    a, b = (stores[zf.compressed.index(ct)] for ct in (first, second))
+    ref = source_experts(tiny_model, second)
+    n_expert = ref.shape[0]
+    lib.zipmoe_cache_configure(budget_for(zf, second, 1)[0], 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
+    rng = np.random.default_rng(3)
+    for token in range(24):
+        ids_a, ids_b = (rng.choice(n_expert, 2, replace=False)[None, :] for _ in range(2))
+        guess = ids_b.ravel().tolist() if right else [e for e in range(n_expert) if e not in ids_b][:2]
+        assert lib.zipmoe_store_predict(b.handle, ffi.new("int32_t[]", guess), len(guess)) == lib.ZIPMOE_OK
+        assert all(r >= 0 for r in a.materialize(ids_a, 2))
+        time.sleep(0.02)  # the reader reads the guess while "layer 0 computes"
+        assert all(r >= 0 for r in b.materialize(ids_b, 2))
+        for e in ids_b.ravel():
+            np.testing.assert_array_equal(b.weights[e], ref[e])
+    st = stats()
+    assert st["bytes_read_guessed"] > 0, st
+    assert (st["guesses_used"] > 0) == right, st
 
 
 def test_bind_refuses_a_data_companion_outside_the_file(zipmoe_model, tmp_path):

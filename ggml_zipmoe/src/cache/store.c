@@ -446,6 +446,21 @@ static int open_direct(int fd) {
     return open(path, O_RDONLY | O_DIRECT | O_CLOEXEC); /* -1 where the file system has no O_DIRECT: buffered */
 }
 
+/* Under g_pf_mu: the reader reads ahead for s (all its experts not in RAM, or those guessed) after what it is doing
+ * now, with a job that reads nothing itself; nothing if that job is still queued. */
+static void submit_read_ahead(zipmoe_store * s, int predicted) {
+    pthread_mutex_lock(&g_ahead_job.mu);
+    const int busy = g_ahead_job.busy;
+    pthread_mutex_unlock(&g_ahead_job.mu);
+    if (!busy) {
+        g_ahead_job.n_items            = 0;
+        g_ahead_job.prefetch           = s;
+        g_ahead_job.prefetch_like      = NULL;
+        g_ahead_job.prefetch_predicted = predicted;
+        zipmoe_reader_submit(&g_ahead_job);
+    }
+}
+
 /* Under s->mu: gives s's read-ahead buffer back, unused or used up. */
 static void prefetch_drop(zipmoe_store * s) {
     if (!s->pf) {
@@ -456,16 +471,7 @@ static void prefetch_drop(zipmoe_store * s) {
     zipmoe_store * deferred = g_pf_deferred;
     g_pf_deferred           = NULL;
     if (deferred) {
-        pthread_mutex_lock(&g_ahead_job.mu);
-        const int busy = g_ahead_job.busy;
-        pthread_mutex_unlock(&g_ahead_job.mu);
-        if (!busy) { /* a job with nothing to read: only the read-ahead */
-            g_ahead_job.n_items       = 0;
-            g_ahead_job.prefetch      = deferred;
-            g_ahead_job.prefetch_like = NULL;
-            g_ahead_job.prefetch_predicted = 0;
-            zipmoe_reader_submit(&g_ahead_job);
-        }
+        submit_read_ahead(deferred, 0);
     }
     pthread_mutex_unlock(&g_pf_mu);
     s->pf = NULL;
@@ -1572,15 +1578,8 @@ static void read_ahead_predicted(zipmoe_store * next, const zipmoe_store * prev)
         return;
     }
     pthread_mutex_lock(&g_pf_mu);
-    pthread_mutex_lock(&g_ahead_job.mu);
-    const int busy = g_ahead_job.busy;
-    pthread_mutex_unlock(&g_ahead_job.mu);
-    if (!busy && !g_pf_deferred) { /* a job with nothing to read: only the read-ahead */
-        g_ahead_job.n_items            = 0;
-        g_ahead_job.prefetch           = next;
-        g_ahead_job.prefetch_like      = NULL;
-        g_ahead_job.prefetch_predicted = 1;
-        zipmoe_reader_submit(&g_ahead_job);
+    if (!g_pf_deferred) { /* (a prompt's read-ahead waits for a buffer: it goes first) */
+        submit_read_ahead(next, 1);
     }
     pthread_mutex_unlock(&g_pf_mu);
 }
