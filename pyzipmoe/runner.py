@@ -250,3 +250,7 @@ def print_completion_stats(c: Completion, err: TextIO = sys.stderr) -> None:
                   f"resident now {s['hot_bytes'] / mib:.1f} MiB decoded, {s['warm_bytes'] / mib:.1f} MiB compressed, "
                   f"{s['sm_bytes'] / mib:.1f} MiB sign+mantissa (peak {s['peak_resident_bytes'] / mib:.1f} MiB); "
                   f"{s['evictions']} evictions]", file=err)
+        if s.get("bytes_read_guessed"):
+            print(f"[zipmoe read-ahead: {s['bytes_read_ahead'] / mib:.1f} MiB of the reads ahead of need, "
+                  f"{s['bytes_read_guessed'] / mib:.1f} MiB of them on the next layer's guessed routing "
+                  f"(ZIPMOE_PREDICT), {s['guesses_used']} experts decoded from those]", file=err)
