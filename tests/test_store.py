@@ -223,6 +223,37 @@ def test_guessed_experts_are_read_ahead_and_decode_bit_exact(zipmoe_model, tiny_
     assert (st["guesses_used"] > 0) == right, st
 
 
+def test_a_prompts_read_ahead_takes_back_a_buffer_left_to_a_store_not_invoked(zipmoe_model, tiny_model, stats):
+    """A prompt's read-ahead (larger than ZIPMOE_READ_BUFFER) waits for a buffer held by a store whose invocation is
+    in flight, but takes back one left to a store that was read ahead for and then not invoked (the graph went
+    elsewhere): else it would wait for that store forever and read nothing ahead."""
+    zf = format.open_zipmoe(zipmoe_model)
+    stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
+    layer = [[k for k, ct in enumerate(zf.compressed) if ct.name.startswith(f"blk.{n}.")] for n in (0, 1)]
+    a, b, c = stores[layer[0][0]], stores[layer[1][0]], stores[layer[1][1]]
+    ct_a = zf.compressed[layer[0][0]]
+    n_expert = ct_a.source.dims[2]
+    prompt = np.arange(n_expert).reshape(-1, 2)  # routes to every expert: a prompt's read-ahead reads them all
+    lib.zipmoe_cache_configure(budget_for(zf, ct_a, 1)[0], 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
+    lib.zipmoe_cache_set_read_buffer(4096)
+    try:
+        # the order a, b, c, a: then a's invocation reads b ahead (a layer's plan evicts the other layer's experts)
+        for store in (a, b, c, a):
+            assert all(r >= 0 for r in store.materialize(prompt, 2))
+            time.sleep(0.05)
+        before = stats()["bytes_read_ahead"]
+        assert before > 0
+        assert all(r >= 0 for r in c.materialize(prompt, 2))  # not b: c's read-ahead for a takes b's buffer back
+        time.sleep(0.05)
+        assert stats()["bytes_read_ahead"] > before
+        assert all(r >= 0 for r in a.materialize(prompt, 2))
+        ref = source_experts(tiny_model, ct_a)
+        for e in range(n_expert):
+            np.testing.assert_array_equal(a.weights[e], ref[e])
+    finally:
+        lib.zipmoe_cache_set_read_buffer(16 << 20)
+
+
 def test_bind_refuses_a_data_companion_outside_the_file(zipmoe_model, tmp_path):
     zf = format.open_zipmoe(zipmoe_model)
     ct = zf.compressed[-1]
