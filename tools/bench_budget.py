@@ -27,6 +27,11 @@ resident (non-expert weights, expert cache tiers, one layer's working set); a bu
 small is reported as such. --zipmoe-env passes more variables (policy, tier shares, a plan) to zipmoe runs.
 Stock runs get no ZIPMOE_* variables.
 
+--variant-env KEY=VAL and --variant-lib DIR add a second zipmoe, measured in the same alternation (stock,
+zipmoe, stock, variant at each limit and repetition) and reported against the first: an option or an older
+libggml-zipmoe.so (--variant-lib: a directory put first on LD_LIBRARY_PATH) compared where the machine's drift
+and the host's disk cache cannot take sides. A change's A/B belongs here, not in separate benchmark runs.
+
 The models are synthetic (random weights, made by tools/make_synth.py --preset PRESET [--routing skewed] and
 converted with `python -m pyzipmoe convert`), kept in --workdir and reused while they exist. The output labels
 them synthetic. llama-simple has no thread option: it computes with llama.cpp's default of 4 threads.
@@ -44,6 +49,8 @@ Examples:
   sudo .venv/bin/python tools/bench_budget.py                        # 2.8g preset, both routings, about an hour
   sudo .venv/bin/python tools/bench_budget.py --budgets 40,60,75,80,93,100,150 --json budget.json --plot budget.png
   sudo .venv/bin/python tools/bench_budget.py --routings skewed --tests tg --zipmoe-env ZIPMOE_CACHE_POLICY=lru
+  sudo .venv/bin/python tools/bench_budget.py --budgets 75 --tests tg --repeat 3 --variant-env ZIPMOE_PREDICT=1
+      # an option against the default, in the same alternation
   sudo .venv/bin/python tools/bench_budget.py --preset small --overhead 16MiB --gen 16 --pp 64   # smoke, ~1 min
   .venv/bin/python tools/bench_budget.py --report budget.json --plot budget.png   # the tables again, no runs
 """
@@ -405,6 +412,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base = {k: v for k, v in os.environ.items() if k not in RUNTIME_ENV}
     stock_env = runner.environment(base=base)
     zipmoe_extra = dict(args.zipmoe_env)
+    variant = bool(args.variant_env or args.variant_lib)
+    variant_extra = dict(zipmoe_extra, **dict(args.variant_env))
+    if args.variant_lib:
+        variant_extra["LD_LIBRARY_PATH"] = os.pathsep.join(
+            p for p in (str(args.variant_lib.resolve()), os.environ.get("LD_LIBRARY_PATH", "")) if p)
+    engines = ("stock", "zipmoe", "stock", "variant") if variant else ("stock", "zipmoe")
     logdir = args.workdir / "logs"
     logdir.mkdir(parents=True, exist_ok=True)
     if swap_total() and not (parent / "memory.memsw.limit_in_bytes").exists():
@@ -427,6 +440,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "overhead_bytes": args.overhead, "gen_tokens": args.gen, "pp_tokens": args.pp, "prompt": args.prompt,
            "threads_llama_bench": args.threads, "threads_llama_simple": "llama.cpp default (4)",
            "timeout_s": args.timeout, "zipmoe_env": zipmoe_extra, "tests": args.tests, "repeat": args.repeat,
+           "variant": {"env": dict(args.variant_env), "lib": str(args.variant_lib or "")} if variant else None,
            "cgroup_parent": str(parent), "swap_bytes": swap_total(), "cpus": os.cpu_count(),
            "bin_dir": str(runner.bin_dir()), "runs": runs}
 
@@ -435,21 +449,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.json:
             args.json.write_text(json.dumps({**res, "partial": True}, indent=2) + "\n")
 
-    n_total = len(args.routings) * (len(args.budgets) + 1) * 2 * len(args.tests) * args.repeat
+    n_total = len(args.routings) * (len(args.budgets) + 1) * len(engines) * len(args.tests) * args.repeat
     for routing in args.routings:
         m = models[routing]
         for budget in [None, *args.budgets]:
             limit = None if budget is None else int(m["bf16_bytes"] * budget / 100)
             # stock and zipmoe alternate, also across repetitions: this machine's virtual disk is cached by its host,
             # and a run right after a run of the same file reads it from the host's memory
-            for test, rep, engine in product(args.tests, range(args.repeat), ("stock", "zipmoe")):
+            for test, rep, (slot, engine) in product(args.tests, range(args.repeat), enumerate(engines)):
                 model = m["bf16"] if engine == "stock" else m["zipmoe"]
                 label = "unconstrained" if budget is None else f"{budget:g}%"
                 rec: dict[str, Any] = {"routing": routing, "budget_pct": budget, "engine": engine, "test": test,
                                        "rep": rep}
                 env = dict(stock_env)
-                if engine == "zipmoe":
-                    env.update(zipmoe_extra)
+                if engine != "stock":
+                    env.update(variant_extra if engine == "variant" else zipmoe_extra)
                     if limit is not None:
                         zbudget = limit - args.overhead
                         rec["zipmoe_budget_bytes"] = zbudget
@@ -468,14 +482,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 else:
                     argv = [str(bench), "-m", model, "-p", str(args.pp), "-n", "0", "-r", "1",
                             "-t", str(args.threads), "-o", "json", "-v"]
-                stem = logdir / f"{args.preset}-{routing}-{label.rstrip('%')}-{engine}-{test}-{rep}"
+                stem = logdir / f"{args.preset}-{routing}-{label.rstrip('%')}-{engine}-{test}-{rep}-{slot}"
                 one = run_limited(argv, env, parent, limit, args.timeout, stem)
                 if test == "tg":
                     parse_tg(one)
                 else:
                     parse_pp(one, args.pp)
                 rec.update(one)
-                rec["env"] = {k: v for k, v in env.items() if k.startswith("ZIPMOE_")}
+                rec["env"] = {k: v for k, v in env.items() if k.startswith("ZIPMOE_") or k == "LD_LIBRARY_PATH"}
                 runs.append(rec)
                 checkpoint()
                 what = (f"{rec['tps']:.2f} t/s" if rec["status"] == "ok" else
@@ -534,6 +548,12 @@ def summarize(res: dict[str, Any]) -> None:
             free = get("zipmoe", "tg", None)
             if budget is not None and z and free and z.get("tps") and free.get("tps"):
                 row["zipmoe_keeps"] = z["tps"] / free["tps"]  # of zipmoe's own unconstrained tg
+            if res.get("variant"):
+                for test in ("tg", "pp"):
+                    row[f"variant_{test}_ratio"] = ratio(get("variant", test), get("zipmoe", test))
+                v = get("variant", "tg")
+                row["variant_match"] = None if not (v and z and v["status"] == z["status"] == "ok") else \
+                    v["text"] == z["text"]
             rows.append(row)
         res["rows"][routing] = rows
         res["targets"][routing] = check_targets(rows, res["budgets_pct"])
@@ -646,6 +666,18 @@ def print_report(res: dict[str, Any]) -> None:
               "zipmoe includes filling its cache, prompt and generation); peak: the cgroup's max usage (anonymous + "
               "page cache) over the tg and pp runs, MiB; disk/tok: MiB read from disk per generated token (load and prompt "
               "included); match: zipmoe's generated text against stock's at that limit and without a limit")
+        if res.get("variant"):
+            what = " ".join([*(f"{k}={v}" for k, v in res["variant"]["env"].items()),
+                             *([f"libraries from {res['variant']['lib']}"] if res["variant"]["lib"] else [])])
+            print(f"variant ({what}), measured in the same alternation, against zipmoe:")
+            for row in res["rows"][routing]:
+                b = row["budget_pct"]
+                parts = [f"{test} {_fmt_tps(_find(runs, routing, b, 'variant', test))} against "
+                         f"{_fmt_tps(_find(runs, routing, b, 'zipmoe', test))} "
+                         f"({_fmt_ratio(row.get(f'variant_{test}_ratio'))})"
+                         for test in res["tests"]]
+                same = {None: "-", True: "same text", False: "DIFFERENT TEXT"}[row.get("variant_match")]
+                print(f"  {'unconstrained' if b is None else f'{b:g}%':<13} {'; '.join(parts)}; {same}")
         print("targets (zipmoe / stock, tg unless stated):")
         for t in res["targets"][routing]:
             verdict = {None: "not measured", True: "met", False: "NOT met"}[t["met"]]
@@ -773,6 +805,12 @@ def main(argv: list[str] | None = None) -> int:
                         "zipmoe's budget is the limit minus this (default: 256MiB)")
     p.add_argument("--zipmoe-env", type=_env_pair, action="append", default=[], metavar="KEY=VAL",
                    help="an environment variable for zipmoe runs, e.g. ZIPMOE_CACHE_POLICY=lru (repeatable)")
+    p.add_argument("--variant-env", type=_env_pair, action="append", default=[], metavar="KEY=VAL",
+                   help="also run a second zipmoe with this variable (repeatable; on top of --zipmoe-env), in the "
+                        "same alternation, and report it against the first, e.g. ZIPMOE_PREDICT=1")
+    p.add_argument("--variant-lib", type=Path, metavar="DIR",
+                   help="the second zipmoe loads its libraries from DIR first (LD_LIBRARY_PATH), e.g. a copy of an "
+                        "earlier build's libggml-zipmoe.so: the old library against the new, side by side")
     p.add_argument("--gen", type=int, default=32, help="tokens llama-simple generates (default: %(default)s)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="llama-simple's prompt (default: %(default)r)")
     p.add_argument("--pp", type=int, default=512, help="prompt tokens of llama-bench's pp test (default: %(default)s)")
@@ -794,6 +832,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", type=Path, metavar="FILE",
                    help="run nothing: print the tables (and --plot) from a FILE written by --json")
     args = p.parse_args(argv)
+    if args.variant_lib and not args.variant_lib.is_dir():
+        p.error(f"--variant-lib {args.variant_lib}: not a directory (give the one that holds the libraries)")
     if args.report:
         try:
             res = json.loads(args.report.read_text())
