@@ -1188,11 +1188,16 @@ static void staging_give(const zipmoe_store * s) {
     pthread_mutex_unlock(&g_stage_mu);
 }
 
+/* Where in its aligned span of the file a read at offset of the data companion starts: the bytes before it that
+ * an O_DIRECT read brings too. */
+static size_t direct_pad(const zipmoe_store * s, uint64_t offset) {
+    return (size_t) ((s->data_offset + offset) % ZIPMOE_DIRECT_ALIGN);
+}
+
 /* Bytes a read of [offset, offset + size) of the data companion takes in a buffer laid out for O_DIRECT: from
  * the aligned start before it to the aligned end after it. */
 static size_t direct_span(const zipmoe_store * s, uint64_t offset, uint64_t size) {
-    const uint64_t at = s->data_offset + offset;
-    return zipmoe_align_up((size_t) (at % ZIPMOE_DIRECT_ALIGN + size), ZIPMOE_DIRECT_ALIGN);
+    return zipmoe_align_up(direct_pad(s, offset) + (size_t) size, ZIPMOE_DIRECT_ALIGN);
 }
 
 /* Under s->mu: whether item it's bytes were read ahead (zipmoe_store_prefetch); then it points at them, copying
@@ -1308,14 +1313,14 @@ static void schedule_reads(zipmoe_store * s) {
             if (it->read_sm) {
                 item->seg[item->n_seg++] = (zipmoe_read_seg) { span.offset, span.exp_offset, x->region, 0 };
             }
-            const size_t pad         = (size_t) ((s->data_offset + span.offset + span.exp_offset) % ZIPMOE_DIRECT_ALIGN);
+            const size_t pad         = direct_pad(s, span.offset + span.exp_offset);
             item->seg[item->n_seg++] = (zipmoe_read_seg) { span.offset + span.exp_offset, codes_size, stage + used + pad, 1 };
             it->sm         = x->region;
             it->codes      = stage + used + pad;
             it->codes_bias = span.exp_offset;
             used += direct_span(s, span.offset + span.exp_offset, codes_size);
         } else { /* kept nowhere: the whole region staged */
-            const size_t pad         = (size_t) ((s->data_offset + span.offset) % ZIPMOE_DIRECT_ALIGN);
+            const size_t pad         = direct_pad(s, span.offset);
             item->seg[item->n_seg++] = (zipmoe_read_seg) { span.offset, span.size, stage + used + pad, 1 };
             it->sm    = stage + used + pad;
             it->codes = stage + used + pad;
@@ -1436,10 +1441,10 @@ void zipmoe_store_prefetch(zipmoe_store * s, const zipmoe_store * like, int pred
         if (predicted && atomic_load(&s->waiting)) {
             break; /* the invocation came: its router decides now, and it reads the rest itself */
         }
-        const uint64_t off  = s->data_offset + span.offset + from;
-        const size_t   pad  = (size_t) (off % ZIPMOE_DIRECT_ALIGN);
-        const size_t   size = (size_t) (span.size - from);
-        const int      rc   = zipmoe_pread_uncached(s->fd, s->dfd, off, b->data + used + pad, size);
+        const size_t pad  = direct_pad(s, span.offset + from);
+        const size_t size = (size_t) (span.size - from);
+        const int    rc   = zipmoe_pread_uncached(s->fd, s->dfd, s->data_offset + span.offset + from,
+                                                  b->data + used + pad, size);
         if (rc == ZIPMOE_OK) { /* else s reads it for itself, and reports what fails */
             s->pf_at[e]   = (int64_t) (used + pad);
             s->pf_from[e] = from;
