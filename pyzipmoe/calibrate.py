@@ -419,7 +419,7 @@ class _LayerStores:
             def run(ith: int, h: Any = h, key: Any = key, start: threading.Barrier = start) -> None:
                 start.wait()
                 if self.lib.zipmoe_store_materialize(h, key, self.ffi.from_buffer(ids), ids.size, 1, 4, ids.size * 4,
-                                                     ith, threads) < 0:
+                                                     self.ffi.NULL, ith, threads) < 0:
                     failed.append(ith)
 
             workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]

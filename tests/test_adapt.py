@@ -398,10 +398,13 @@ with open(source, "rb") as f:
     f.seek(ct.source.file_offset)
     expected = np.frombuffer(f.read(n_expert * ne0 * ne1 * 2), np.uint16).reshape(n_expert, -1)
 
+where = {}
+
 def materialize(key, ids, ith, nth):
     ids = np.ascontiguousarray(ids, np.int32)
+    out = where.setdefault(ids.tobytes(), np.full(ids.shape, -1, np.int32))
     return lib.zipmoe_store_materialize(store, key, ffi.from_buffer(ids), ids.shape[1], ids.shape[0], 4,
-                                        ids.shape[1] * 4, ith, nth)
+                                        ids.shape[1] * 4, ffi.from_buffer("int32_t[]", out), ith, nth)
 
 def hot_experts():
     s = ffi.new("zipmoe_stats *")
@@ -421,7 +424,8 @@ else:  # "during": the monitor thread changes them while it runs, after thread 0
     report["statuses"] = [first, materialize(k1, [[0, 1]], 1, 2)]
 # the next token: the same graph node (llama.cpp reuses its graphs), the same two threads, an expert not hot
 report["same_key"] = [materialize(k1, [[6]], 0, 2), materialize(k1, [[6]], 1, 2)]
-report["expert_6_exact"] = bool((weights[6] == expected[6]).all())
+six = int(where[np.int32([[6]]).tobytes()][0, 0])  # both threads' rows: the one row, written by thread 1
+report["expert_6_exact"] = six == lib.zipmoe_store_place(store, 6) and bool((weights[six] == expected[6]).all())
 # another graph (another batch size, say), on one thread: it must not wait forever for the first one
 result = {}
 nxt = threading.Thread(target=lambda: result.update(status=materialize(k2, [[5]], 0, 1)), daemon=True)

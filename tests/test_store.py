@@ -53,20 +53,29 @@ class Store:
         key = key or ffi.new("char[1]")
         self.keys.append(key)
         ids = np.ascontiguousarray(ids, np.int32)
+        where = np.full(ids.shape, -1, np.int32)  # each thread writes its share of the rows
         results = [0] * nth
         start = threading.Barrier(nth)
 
         def run(ith: int) -> None:
             start.wait()
             results[ith] = lib.zipmoe_store_materialize(self.handle, key, ffi.from_buffer(ids), ids.shape[1],
-                                                        ids.shape[0], 4, ids.shape[1] * 4, ith, nth)
+                                                        ids.shape[0], 4, ids.shape[1] * 4,
+                                                        ffi.from_buffer("int32_t[]", where), ith, nth)
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(nth)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        self.where = where
         return results
+
+    def decoded(self, e: int) -> np.ndarray:
+        """Expert e's values where the store decoded them (not always at its own index under a budget)."""
+        place = lib.zipmoe_store_place(self.handle, e)
+        assert place >= 0, f"expert {e} is not decoded"
+        return self.weights[place]
 
 
 def source_experts(source_path: Path, ct: format.CompressedTensor) -> np.ndarray:
@@ -96,15 +105,17 @@ def test_threads_materialise_exactly_the_routed_experts(zipmoe_model, tiny_model
     ref = source_experts(tiny_model, ct)
     ids = np.array([[1, 5], [5, 6], [1, 1]])
     assert all(r >= 0 for r in store.materialize(ids, nth))
+    np.testing.assert_array_equal(store.weights[store.where], ref[ids])  # what ggml_mul_mat_id reads
     for e in range(ref.shape[0]):
         if e in (1, 5, 6):
-            np.testing.assert_array_equal(store.weights[e], ref[e])
+            np.testing.assert_array_equal(store.decoded(e), ref[e])
         else:
-            assert not store.weights[e].any()  # never decoded: still the untouched zero page
+            # never decoded: no place, and without a budget each expert's place is its own index, still untouched
+            assert lib.zipmoe_store_place(store.handle, e) == -1 and not store.weights[e].any()
     assert stats()["experts_decoded"] == 3
     # resident experts are not decoded again; a new one is
     assert all(r >= 0 for r in store.materialize(np.array([[5, 2]]), nth))
-    np.testing.assert_array_equal(store.weights[2], ref[2])
+    np.testing.assert_array_equal(store.decoded(2), ref[2])
     assert stats()["experts_decoded"] == 4
 
 
@@ -116,7 +127,7 @@ def test_cache_none_decodes_on_every_use(zipmoe_model, tiny_model, stats):
     for _ in range(3):
         store.materialize(np.array([[0, 3]]), 2)
     assert stats()["experts_decoded"] == 6
-    np.testing.assert_array_equal(store.weights[3], source_experts(tiny_model, ct)[3])
+    np.testing.assert_array_equal(store.decoded(3), source_experts(tiny_model, ct)[3])
 
 
 def test_concurrent_invocations_on_one_store_each_complete(zipmoe_model, tiny_model):
@@ -143,7 +154,7 @@ def test_concurrent_invocations_on_one_store_each_complete(zipmoe_model, tiny_mo
         for t in threads:
             t.join()
         for e in set(a.ravel()) | set(b.ravel()):
-            np.testing.assert_array_equal(store.weights[e], ref[e])
+            np.testing.assert_array_equal(store.decoded(e), ref[e])
 
 
 def damaged_copy(zipmoe_model: Path, tmp_path: Path, expert: int) -> tuple[Path, format.ZipmoeFile]:
@@ -217,7 +228,7 @@ def test_guessed_experts_are_read_ahead_and_decode_bit_exact(zipmoe_model, tiny_
         time.sleep(0.02)  # the reader reads the guess while "layer 0 computes"
         assert all(r >= 0 for r in b.materialize(ids_b, 2))
         for e in ids_b.ravel():
-            np.testing.assert_array_equal(b.weights[e], ref[e])
+            np.testing.assert_array_equal(b.decoded(e), ref[e])
     st = stats()
     assert st["bytes_read_guessed"] > 0, st
     assert (st["guesses_used"] > 0) == right, st
@@ -249,7 +260,7 @@ def test_a_prompts_read_ahead_takes_back_a_buffer_left_to_a_store_not_invoked(zi
         assert all(r >= 0 for r in a.materialize(prompt, 2))
         ref = source_experts(tiny_model, ct_a)
         for e in range(n_expert):
-            np.testing.assert_array_equal(a.weights[e], ref[e])
+            np.testing.assert_array_equal(a.decoded(e), ref[e])
     finally:
         lib.zipmoe_cache_set_read_buffer(16 << 20)
 
@@ -300,8 +311,9 @@ def test_every_tier_and_transition_stays_bit_exact_under_a_tiny_budget(zipmoe_mo
     for step in range(40):
         ids = rng.integers(0, n_expert, (int(rng.integers(1, 4)), 2))
         assert all(r >= 0 for r in store.materialize(ids, int(rng.integers(1, 4))))
+        np.testing.assert_array_equal(store.weights[store.where], ref[ids])  # what ggml_mul_mat_id reads
         for e in set(ids.ravel()):
-            np.testing.assert_array_equal(store.weights[e], ref[e])
+            np.testing.assert_array_equal(store.decoded(e), ref[e])
     st = stats()
     assert st["evictions"] > 0 and st["misses"] > 0
     if warm_experts:
@@ -326,6 +338,32 @@ def test_lru_keeps_the_recent_and_lfu_the_frequent(zipmoe_model, stats):
         store.materialize(np.array([[expect_hot]]), 1)
         assert stats()["hits_hot"] == 1, policy
         store.materialize(np.array([[3], [4], [5], [6], [7]]), 1)  # flush: 3..7 pinned, others evicted
+
+
+@pytest.mark.parametrize("sm_tier", [False, True])
+def test_a_miss_takes_the_place_of_the_expert_it_evicts(zipmoe_model, tiny_model, stats, sm_tier):
+    """Under a budget a miss is decoded where the expert evicted for it lay, its pages still mapped (no slot moves),
+    and the op's `where` sends the matmul there. Not with an sm tier, whose contests must see the eviction after
+    the decode: there the miss takes a free place, its own index if free."""
+    zf = format.open_zipmoe(zipmoe_model)
+    stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
+    ct, store = zf.compressed[0], stores[0]
+    ref = source_experts(tiny_model, ct)
+    sm = budget_for(zf, ct, 0, 4 * expert_bytes(ct) // 2)[1] if sm_tier else 0
+    lib.zipmoe_cache_configure(budget_for(zf, ct, 2)[0], 0, sm, POLICIES["lru"])
+    store.materialize(np.array([[0]]), 1)
+    store.materialize(np.array([[1]]), 1)
+    place_of_0 = lib.zipmoe_store_place(store.handle, 0)
+    assert place_of_0 >= 0
+    store.materialize(np.array([[2]]), 2)  # LRU evicts 0
+    assert lib.zipmoe_store_place(store.handle, 0) == -1 and stats()["evictions"] == 1
+    place_of_2 = lib.zipmoe_store_place(store.handle, 2)
+    assert place_of_2 == (2 if sm_tier else place_of_0)
+    assert store.where.tolist() == [[place_of_2]]
+    np.testing.assert_array_equal(store.weights[place_of_2], ref[2])
+    store.materialize(np.array([[0, 1]]), 1)  # 0 comes back: wherever it lands, the matmul finds it
+    np.testing.assert_array_equal(store.weights[store.where], ref[[[0, 1]]])
+    assert lib.zipmoe_store_place(store.handle, 99) == lib.ZIPMOE_ERR_ARG
 
 
 def test_activation_counts_are_tokens_routed(zipmoe_model):
@@ -459,7 +497,7 @@ def test_a_late_sibling_neither_decodes_nor_counts_again(zipmoe_model, stats, ho
         key = ffi.new("char[1]")
         store.keys.append(key)
         for ith in (1, 0):  # thread 1 does all of the work and publishes; thread 0 comes late
-            assert lib.zipmoe_store_materialize(store.handle, key, ffi.from_buffer(ids), 2, 1, 4, 8, ith, 2) >= 0
+            assert lib.zipmoe_store_materialize(store.handle, key, ffi.from_buffer(ids), 2, 1, 4, 8, ffi.NULL, ith, 2) >= 0
         decoded = stats()["experts_decoded"]
         assert decoded == (2 if step == 1 or hot == "none" else 0), (step, decoded)
         lib.zipmoe_store_activations(store.handle, ffi.cast("uint64_t *", ffi.from_buffer(counts)), counts.size)
@@ -500,7 +538,7 @@ def test_prefill_fills_the_tiers_exactly_and_counts_no_routing(zipmoe_model, tin
     assert not counts.any()
     ref = source_experts(tiny_model, ct)
     for e in (0, 1):  # the last batch stays decoded
-        np.testing.assert_array_equal(store.weights[e], ref[e])
+        np.testing.assert_array_equal(store.decoded(e), ref[e])
     # generation finds them: the hot ones decoded, the sm ones without reading their planes again
     lib.zipmoe_stats_reset()
     store.materialize(np.array([[0, 1]]), 2)
@@ -508,7 +546,7 @@ def test_prefill_fills_the_tiers_exactly_and_counts_no_routing(zipmoe_model, tin
     store.materialize(np.array([[2, 3]]), 2)
     assert stats()["hits_sm"] == 2 and stats()["misses"] == 0
     for e in (2, 3):
-        np.testing.assert_array_equal(store.weights[e], ref[e])
+        np.testing.assert_array_equal(store.decoded(e), ref[e])
 
 
 def test_prefill_without_a_budget_decodes_every_expert(zipmoe_model, tiny_model, stats):

@@ -234,15 +234,21 @@ ZIPMOE_API int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_off
  * ne0 expert ids (byte strides nb0, nb1), as a router produces. All nth threads of one invocation call
  * it with the same key (any pointer unique to the invocation) and ith = 0..nth-1; they share the
  * decoding without waiting for each other, and when the last of them returns, every named expert is
- * decoded. Returns the number of chunks this thread decoded, or an error, which is also recorded for
- * zipmoe_store_take_error(). */
+ * decoded. A decoded expert need not lie at its own index in the BF16 memory (under a budget a miss
+ * takes the place of the expert it evicts): where (NULL, or a contiguous int32 matrix of ne1 rows of
+ * ne0) receives the place of each named expert, its values at dst + place * n_per_expert: what
+ * ggml_mul_mat_id must read as its ids. Places hold until the store's next invocation. Returns the
+ * number of chunks this thread decoded, or an error, which is also recorded for zipmoe_store_take_error(). */
+ZIPMOE_API int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void * ids, int64_t ne0,
+                                            int64_t ne1, size_t nb0, size_t nb1, int32_t * where, int ith, int nth);
+/* Where decoded expert e lies in the BF16 memory, in experts (see zipmoe_store_materialize), or -1 if it is not
+ * decoded. */
+ZIPMOE_API int64_t zipmoe_store_place(zipmoe_store * s, int64_t e);
 /* A guess at the experts s's next invocation routes to (the engine runs the next layer's router on this layer's
  * input): once the store invoked before s is done with its reads, the reader reads those that are not in RAM
  * ahead, until s's invocation comes, and s decodes what it routed from them. A wrong guess costs only the reads;
  * the invocation after clears it. ZIPMOE_ERR_ARG for an expert out of range. */
 ZIPMOE_API int64_t zipmoe_store_predict(zipmoe_store * s, const int32_t * experts, int64_t n);
-ZIPMOE_API int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void * ids,
-                                            int64_t ne0, int64_t ne1, size_t nb0, size_t nb1, int ith, int nth);
 
 /* Tokens routed to each expert so far (counts[n], n >= n_expert): what a planner reads. */
 ZIPMOE_API int64_t zipmoe_store_activations(zipmoe_store * s, uint64_t * counts, int64_t n);

@@ -43,7 +43,7 @@ static void run_jobs(prefill_run * r, int ith) {
     for (int64_t i = 0; i < r->n_jobs; i++) {
         const prefill_job * j  = &r->jobs[i];
         const int64_t       rc = zipmoe_store_materialize(j->s, j, j->ids, j->n, 1, sizeof(int32_t),
-                                                          (size_t) j->n * sizeof(int32_t), ith, r->nth);
+                                                          (size_t) j->n * sizeof(int32_t), NULL, ith, r->nth);
         if (rc < 0) {
             atomic_store(&r->failed[i], 1);
         }

@@ -1,5 +1,6 @@
-/* slots.c - physical memory for decoded experts that outlives them: slots of a memfd, mapped into an expert's
- * range while it is hot and handed to the next expert decoded when it is evicted.
+/* slots.c - physical memory for decoded experts that outlives them: slots of a memfd, mapped over an expert's
+ * place while it is hot and handed to the next expert decoded when it is evicted (store.c hands a place with its
+ * slot to a miss of the same store without any of this).
  *
  * Under a budget experts are evicted and decoded all the time. Freeing an evicted expert's pages and faulting
  * in zeroed ones for the next cost five times the decoding itself (7.6 ms against 1.4 ms per expert of a

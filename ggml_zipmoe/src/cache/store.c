@@ -15,7 +15,9 @@
  * (ggml's custom ops): the first thread of an invocation plans (routed experts that are not hot, and
  * what is read from RAM or disk, which the reader thread starts reading); the threads that join claim
  * the plan's chunks one by one and decode them; the last thread to leave publishes (hot), evicts down to
- * the limits and releases the plan. No thread waits for a sibling, every chunk is decoded exactly once,
+ * the limits and releases the plan. A decoded expert lies at a place in the BF16 memory, not always its own
+ * index (a miss takes the place of the expert evicted for it, pages and all), and each thread writes where
+ * the routed experts lie for its share of the rows, which the engine's matmul reads as its ids. No thread waits for a sibling, every chunk is decoded exactly once,
  * and the engine's barrier after the op makes the decoded bytes visible to the matmul. Threads need not
  * agree on taking the lock-free fast path (a configuration change may land between their checks): those
  * that join the plan finish it between them, and a thread arriving after it was published finds its
@@ -51,8 +53,8 @@ enum { RES_NONE = 0, RES_SM = 1, RES_FULL = 2 }; /* what of an expert's region i
 typedef struct {
     uint8_t * region;    /* RES_SM: the sign+mantissa plane; RES_FULL: the whole region; else NULL */
     uint8_t   res;       /* RES_* */
-    uint8_t   hot;       /* decoded in dst */
-    int64_t   slot;      /* the memfd slot mapped over its range (slots.c), or -1: anonymous pages */
+    uint8_t   hot;       /* decoded in dst, at its place */
+    int64_t   place;     /* where in dst (in experts) its values lie or are being decoded, or -1 */
     uint32_t  routed;    /* tokens routed to it by the invocation in flight: pinned while non-zero */
     uint64_t  last_use;  /* policy metadata: tick of the last use, */
     uint64_t  uses;      /* uses (LFU) or tokens routed (token-weighted LFU), */
@@ -60,6 +62,14 @@ typedef struct {
     uint64_t  admitted_res; /* of becoming warm or sm */
     uint64_t  activations; /* tokens routed, ever: what the planner reads */
 } expert_state;
+
+/* An expert's room in dst. Decoded experts need not sit at their own index: the op tells ggml_mul_mat_id where
+ * each routed one lies (zipmoe_store_materialize's `where`), so that an expert evicted for a miss of the same
+ * store hands its place, pages mapped, to the miss. */
+typedef struct {
+    int64_t expert; /* the expert whose values lie (or are being decoded) here, or -1: free */
+    int64_t slot;   /* the memfd slot mapped over it (slots.c), or -1: anonymous pages */
+} place_state;
 
 typedef struct {
     int64_t   expert;
@@ -127,6 +137,7 @@ struct zipmoe_store {
     int               pf_guessed; /* under mu: pf holds the experts the previous layer guessed */
     uint64_t *        pf_from;
     expert_state *  experts;
+    place_state *   places;       /* n_expert of them: dst holds as many experts as the model has */
     uint64_t *       route_log;   /* ring of ROUTE_RING single-token invocations: a bitmask of the routed experts */
     int64_t          route_words; /* uint64 words per entry */
     _Atomic uint64_t route_n;     /* entries written, ever: entry i lies at i % ROUTE_RING */
@@ -142,6 +153,14 @@ struct zipmoe_store {
     char            err_msg[256]; /* process must not see each other's)                               */
     zipmoe_store *  next;        /* in the list of open stores */
 };
+
+/* Where place p lies in dst; whether a hot expert's values are there. */
+static uint16_t * place_addr(const zipmoe_store * s, int64_t p) { return s->dst + p * s->info.n_per_expert; }
+
+static int place_hot(const zipmoe_store * s, int64_t p) {
+    const int64_t e = s->places[p].expert;
+    return e >= 0 && s->experts[e].hot;
+}
 
 /* ---------------------------------------------------------------- the process's budget */
 
@@ -552,6 +571,7 @@ int64_t zipmoe_store_open(const char * name, const void * index, size_t index_si
     s->pf_from   = calloc((size_t) s->info.n_expert, sizeof *s->pf_from);
     s->predicted = calloc((size_t) s->info.n_expert, sizeof *s->predicted);
     s->experts   = calloc((size_t) s->info.n_expert, sizeof *s->experts);
+    s->places    = calloc((size_t) s->info.n_expert, sizeof *s->places);
     s->route_words = (s->info.n_expert + 63) / 64;
     s->route_log   = calloc((size_t) (ROUTE_RING * s->route_words), sizeof *s->route_log);
     pthread_mutex_init(&s->job.mu, NULL);
@@ -559,14 +579,15 @@ int64_t zipmoe_store_open(const char * name, const void * index, size_t index_si
     pthread_mutex_init(&s->collapse_job.mu, NULL);
     pthread_cond_init(&s->collapse_job.cv, NULL);
     s->collapse_job.collapse = s;
-    if (!s->plan || !s->experts || !s->job.items || !s->hinted || !s->route_log || !s->pf_at || !s->pf_from ||
+    if (!s->plan || !s->experts || !s->places || !s->job.items || !s->hinted || !s->route_log || !s->pf_at || !s->pf_from ||
         !s->predicted) {
         zipmoe_store_free(s);
         return ZIPMOE_ERR_NOMEM;
     }
     for (int64_t e = 0; e < s->info.n_expert; e++) {
-        s->experts[e].slot = -1;
-        s->pf_at[e]        = -1;
+        s->experts[e].place = -1;
+        s->places[e]        = (place_state) { .expert = -1, .slot = -1 };
+        s->pf_at[e]         = -1;
     }
     atomic_fetch_add(&g_stores, 1);
     atomic_fetch_add(&g_bf16_total, (uint64_t) s->info.n_expert * s->hot_size);
@@ -617,8 +638,8 @@ void zipmoe_store_free(zipmoe_store * s) {
         atomic_fetch_sub(&g_sm_bytes, s->sm_used);
         for (int64_t e = 0; e < s->info.n_expert; e++) {
             free(s->experts[e].region);
-            if (s->experts[e].slot >= 0) { /* the slot, and its pages, to the next store */
-                zipmoe_slots_detach(s->dst + e * s->info.n_per_expert, (size_t) s->hot_size, s->experts[e].slot);
+            if (s->places && s->places[e].slot >= 0) { /* the slot, and its pages, to the next store */
+                zipmoe_slots_detach(place_addr(s, e), (size_t) s->hot_size, s->places[e].slot);
             }
         }
     }
@@ -642,6 +663,7 @@ void zipmoe_store_free(zipmoe_store * s) {
     free(s->pf_from);
     free((void *) s->predicted);
     free(s->experts);
+    free(s->places);
     free(s->route_log);
     free(s->hp_done);
     pthread_mutex_destroy(&s->job.mu);
@@ -721,11 +743,11 @@ int zipmoe_store_collapse(zipmoe_store * s) {
          * wait for it (an expert evicted meanwhile only makes the kernel's collapse fail) */
         pthread_mutex_lock(&s->mu);
         const uintptr_t lo = s->hp_base + i * HUGE_PAGE;
-        const int64_t   e0 = (int64_t) ((lo - dst0) / s->hot_size);
-        const int64_t   e1 = (int64_t) ((lo + HUGE_PAGE - 1 - dst0) / s->hot_size);
-        int             hot = !s->hp_done[i] && e1 < s->info.n_expert;
-        for (int64_t e = e0; hot && e <= e1; e++) {
-            hot = s->experts[e].hot;
+        const int64_t   p0 = (int64_t) ((lo - dst0) / s->hot_size);
+        const int64_t   p1 = (int64_t) ((lo + HUGE_PAGE - 1 - dst0) / s->hot_size);
+        int             hot = !s->hp_done[i] && p1 < s->info.n_expert;
+        for (int64_t p = p0; hot && p <= p1; p++) {
+            hot = place_hot(s, p);
         }
         if (hot) {
             s->hp_done[i] = 1;
@@ -871,36 +893,44 @@ static int make_room(zipmoe_store * s, int tier, uint64_t need, uint64_t worth, 
     return 1;
 }
 
-/* Gives the decoded pages of expert e back to the system. Pages it shares with a hot neighbour stay. */
-static void release_hot(zipmoe_store * s, int64_t e) {
+/* Under s->mu: expert e leaves the hot tier and its place. The place's pages go back to the system (pages it
+ * shares with a hot neighbour stay), or, with keep_pages, stay for an expert about to be decoded there. */
+static void release_hot(zipmoe_store * s, int64_t e, int keep_pages) {
     const size_t    page  = (size_t) sysconf(_SC_PAGESIZE);
     const size_t    bytes = (size_t) s->hot_size;
-    const uintptr_t begin = (uintptr_t) (s->dst + e * s->info.n_per_expert);
+    expert_state *  x     = &s->experts[e];
+    const int64_t   p     = x->place;
+    place_state *   at    = &s->places[p];
+    const uintptr_t begin = (uintptr_t) place_addr(s, p);
     uintptr_t       lo    = zipmoe_align_up(begin, page);
     uintptr_t       hi    = (begin + bytes) & ~(uintptr_t) (page - 1);
-    if (e > 0 && !s->experts[e - 1].hot && (begin & (page - 1)) && begin - (begin & (page - 1)) >= (uintptr_t) s->dst) {
+    if (p > 0 && !place_hot(s, p - 1) && (begin & (page - 1)) && begin - (begin & (page - 1)) >= (uintptr_t) s->dst) {
         lo = begin & ~(uintptr_t) (page - 1); /* the shared first page holds nothing hot */
     }
-    expert_state * x = &s->experts[e];
-    if (x->slot >= 0 && zipmoe_slots_detach((void *) begin, bytes, x->slot)) {
-        x->slot = -1; /* its pages serve the next expert decoded */
+    if (keep_pages) {
+        /* the entrant overwrites every byte */
+    } else if (at->slot >= 0 && zipmoe_slots_detach((void *) begin, bytes, at->slot)) {
+        at->slot = -1; /* its pages serve the next expert decoded */
     } else if (hi > lo) {
         madvise((void *) lo, hi - lo, MADV_DONTNEED);
     }
-    for (uintptr_t p = begin & ~(HUGE_PAGE - 1); p < begin + bytes; p += HUGE_PAGE) { /* split by the kernel now */
-        if (p >= s->hp_base && (p - s->hp_base) / HUGE_PAGE < s->n_hp) {
-            s->hp_done[(p - s->hp_base) / HUGE_PAGE] = 0;
+    for (uintptr_t hp = begin & ~(HUGE_PAGE - 1); !keep_pages && hp < begin + bytes; hp += HUGE_PAGE) { /* split now */
+        if (hp >= s->hp_base && (hp - s->hp_base) / HUGE_PAGE < s->n_hp) {
+            s->hp_done[(hp - s->hp_base) / HUGE_PAGE] = 0;
         }
     }
-    s->experts[e].hot = 0;
+    at->expert = -1;
+    x->place   = -1;
+    x->hot     = 0;
     s->hot_used -= bytes;
     account(&g_hot_bytes, -(int64_t) bytes);
     atomic_fetch_add(&g_evictions, 1);
 }
 
 /* Under s->mu: hot expert e leaves the hot tier. Without a compressed copy it keeps its sign+mantissa
- * plane, taken from the decoded values, if the sm tier takes it: no disk read for that half later. */
-static void evict_hot(zipmoe_store * s, int64_t e) {
+ * plane, taken from the decoded values, if the sm tier takes it: no disk read for that half later.
+ * keep_pages: as release_hot. Returns the place it left. */
+static int64_t evict_hot(zipmoe_store * s, int64_t e, int keep_pages) {
     expert_state * x = &s->experts[e];
     x->hot = 0; /* not a hot copy any more: its score counts in the contests below */
     /* one the last invocation routed (more than the hot slots: a trim) enters the sm tier as it entered the hot
@@ -909,7 +939,7 @@ static void evict_hot(zipmoe_store * s, int64_t e) {
     if (x->res == RES_NONE && s->sm_limit > 0 && make_room(s, TIER_SM, s->sm_size, worth, e)) {
         uint8_t * sm = malloc((size_t) s->sm_size);
         if (sm) {
-            const uint16_t * v = s->dst + e * s->info.n_per_expert;
+            const uint16_t * v = place_addr(s, x->place);
             for (int64_t i = 0; i < s->info.n_per_expert; i++) {
                 sm[i] = (uint8_t) (((v[i] >> 8) & 0x80) | (v[i] & 0x7f)); /* as zipmoe_split_bf16 */
             }
@@ -921,14 +951,16 @@ static void evict_hot(zipmoe_store * s, int64_t e) {
         }
     }
     x->hot = 1;
-    release_hot(s, e);
+    const int64_t p = x->place;
+    release_hot(s, e, keep_pages);
+    return p;
 }
 
 /* Under s->mu: every tier down to its limit, never touching a pinned expert. */
 static void settle(zipmoe_store * s) {
     int64_t v;
     while (s->hot_used > s->hot_limit && (v = victim(s, TIER_HOT, NULL)) >= 0) {
-        evict_hot(s, v);
+        evict_hot(s, v, 0);
     }
     while (s->warm_used > s->warm_limit && (v = victim(s, TIER_WARM, NULL)) >= 0) {
         demote_warm(s, v);
@@ -1057,6 +1089,50 @@ static void log_route(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int64_
     atomic_store_explicit(&s->route_n, n + 1, memory_order_release);
 }
 
+/* Under s->mu: a free place for expert e, its own index if free. One exists while e is not decoded. */
+static int64_t free_place(const zipmoe_store * s, int64_t e) {
+    const int64_t n = s->info.n_expert;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t p = (e + i) % n;
+        if (s->places[p].expert < 0) {
+            return p;
+        }
+    }
+    return -1;
+}
+
+/* Under s->mu, at the end of make_plan: a place for each planned expert that has none. Where the entrants take
+ * the hot tier over its limit, the experts that publish() would evict for them (settle: the unpinned ones of
+ * the lowest score) are evicted now, and each entrant takes a victim's place with its pages mapped: a miss in
+ * generation then maps and unmaps nothing (a slot's mmap with MAP_POPULATE and the victim's unmap cost about as
+ * much kernel time as the decode). Only without an sm tier: there the victim's sign+mantissa plane contests
+ * for room with the compressed copies of the entrants, which are pinned during the plan and not after it, and
+ * evicting now would change who wins. */
+static void place_plan(zipmoe_store * s) {
+    const int reuse    = s->use_slots && s->hot_limit > 0 && s->sm_limit == 0;
+    uint64_t  entering = 0;
+    for (int64_t j = 0; j < s->plan_n; j++) {
+        const int64_t  e = s->plan[j].expert;
+        expert_state * x = &s->experts[e];
+        if (x->place >= 0) {
+            continue; /* decoded and decoded again in place (no hot tier) */
+        }
+        int64_t p = -1;
+        if (reuse && s->hot_used + entering + s->hot_size > s->hot_limit) {
+            const int64_t v = victim(s, TIER_HOT, NULL);
+            if (v >= 0) {
+                p = evict_hot(s, v, 1);
+            }
+        }
+        if (p < 0) {
+            p = free_place(s, e);
+        }
+        x->place                = p;
+        s->places[p].expert     = e;
+        entering               += s->hot_size;
+    }
+}
+
 /* Under s->mu: the plan of a new invocation. Returns an out-of-range expert id, or -1. */
 static int64_t make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int64_t ne1, size_t nb0, size_t nb1) {
     const int64_t n_expert = s->info.n_expert;
@@ -1125,6 +1201,7 @@ static int64_t make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int
             }
         }
     }
+    place_plan(s);
     return bad;
 }
 
@@ -1133,10 +1210,11 @@ static int64_t make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int
  * ranges get the pages of a slot, so decoding neither faults nor zeroes them. */
 static void map_plan(zipmoe_store * s) {
     for (int64_t j = 0; j < s->plan_n; j++) {
-        expert_state * x     = &s->experts[s->plan[j].expert];
-        void *         range = s->dst + s->plan[j].expert * s->info.n_per_expert;
-        if (!x->hot && x->slot < 0 && s->use_slots && zipmoe_slots_usable(range, (size_t) s->hot_size)) {
-            x->slot = zipmoe_slots_attach(range, (size_t) s->hot_size);
+        const expert_state * x     = &s->experts[s->plan[j].expert];
+        place_state *        at    = &s->places[x->place];
+        void *               range = place_addr(s, x->place);
+        if (!x->hot && at->slot < 0 && s->use_slots && zipmoe_slots_usable(range, (size_t) s->hot_size)) {
+            at->slot = zipmoe_slots_attach(range, (size_t) s->hot_size);
         }
     }
 }
@@ -1475,7 +1553,7 @@ static int64_t decode_chunk(zipmoe_store * s, const plan_item * it, int64_t c, t
     const int from_file = it->read_sm || it->read_codes;
     return zipmoe_chunk_decode(zipmoe_tensor_codec(s->tensor), ts->ws, code, (size_t) ref.code_size, sm,
                                (size_t) ref.n, from_file, ref.checksum,
-                               s->dst + it->expert * s->info.n_per_expert + ref.first);
+                               place_addr(s, s->experts[it->expert].place) + ref.first);
 }
 
 /* Under s->mu, by the last thread of an invocation: the planned experts are hot now; the tiers go down
@@ -1508,9 +1586,13 @@ static void discard_plan(zipmoe_store * s) {
     for (int64_t j = 0; j < s->plan_n; j++) {
         const plan_item * it = &s->plan[j];
         expert_state *    x  = &s->experts[it->expert];
-        if (!x->hot && x->slot >= 0 &&
-            zipmoe_slots_detach(s->dst + it->expert * s->info.n_per_expert, (size_t) s->hot_size, x->slot)) {
-            x->slot = -1;
+        if (!x->hot && x->place >= 0) { /* its place is free again */
+            place_state * at = &s->places[x->place];
+            if (at->slot >= 0 && zipmoe_slots_detach(place_addr(s, x->place), (size_t) s->hot_size, at->slot)) {
+                at->slot = -1;
+            }
+            at->expert = -1;
+            x->place   = -1;
         }
         if (it->read_sm && x->res != RES_NONE) {
             drop_region(s, it->expert);
@@ -1589,8 +1671,27 @@ static void read_ahead_predicted(zipmoe_store * next, const zipmoe_store * prev)
     pthread_mutex_unlock(&g_pf_mu);
 }
 
-int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void * ids,
-                                 int64_t ne0, int64_t ne1, size_t nb0, size_t nb1, int ith, int nth) {
+/* This thread's share of the rows of `where`: the place of each routed expert, given at the plan and kept until
+ * the matmul after the op has read it (a routed expert is pinned). An id out of range is written as it is (ggml
+ * refuses it, as stock llama.cpp would); after a failed plan the engine reports the error and drops the output,
+ * whatever the places say. */
+static void report_places(const zipmoe_store * s, const uint8_t * ids, int64_t ne0, int64_t ne1, size_t nb0,
+                          size_t nb1, int32_t * where, int ith, int nth) {
+    if (!where) {
+        return;
+    }
+    for (int64_t r = ne1 * ith / nth; r < ne1 * (ith + 1) / nth; r++) {
+        for (int64_t k = 0; k < ne0; k++) {
+            int32_t e;
+            memcpy(&e, ids + r * nb1 + k * nb0, sizeof e);
+            const int64_t p = e >= 0 && e < s->info.n_expert ? s->experts[e].place : -1;
+            where[r * ne0 + k] = p >= 0 ? (int32_t) p : e;
+        }
+    }
+}
+
+int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void * ids, int64_t ne0, int64_t ne1,
+                                 size_t nb0, size_t nb1, int32_t * where, int ith, int nth) {
     if (!s || !key || !ids || ne0 < 0 || ne1 < 0 || nth < 1 || ith < 0 || ith >= nth || s->fd < 0) {
         return ZIPMOE_ERR_ARG;
     }
@@ -1619,6 +1720,7 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
                 atomic_store(&s->collapse_queued, 0);
             }
         }
+        report_places(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1, where, ith, nth);
         return 0;
     }
     atomic_fetch_add(&s->waiting, 1); /* a guessed read-ahead holding mu stops: the router has decided */
@@ -1690,6 +1792,7 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
     if (status < 0) {
         s->plan_failed = 1;
     }
+    report_places(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1, where, ith, nth); /* (before a discard frees them) */
     if (--s->plan_in == 0) {
         atomic_fetch_add(&g_experts, (uint64_t) plan_n);
         atomic_fetch_add(&g_bytes, (uint64_t) plan_n * s->hot_size);
@@ -1831,3 +1934,13 @@ int zipmoe_store_prefill_collapse(zipmoe_store * s) {
 }
 
 int zipmoe_store_layer(const zipmoe_store * s) { return s->layer; }
+
+int64_t zipmoe_store_place(zipmoe_store * s, int64_t e) {
+    if (!s || e < 0 || e >= s->info.n_expert) {
+        return ZIPMOE_ERR_ARG;
+    }
+    pthread_mutex_lock(&s->mu);
+    const int64_t p = s->experts[e].hot ? s->experts[e].place : -1;
+    pthread_mutex_unlock(&s->mu);
+    return p;
+}

@@ -515,7 +515,8 @@ static void materialize_op(ggml_tensor * dst, const ggml_tensor * ids, const ggm
     (void) w;
     auto * zt = static_cast<zipmoe_llama_tensor *>(userdata);
     // errors are recorded by the store and reported by llama_decode (zipmoe_llama_take_error)
-    zipmoe_store_materialize(zt->store, dst, ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1], ith, nth);
+    zipmoe_store_materialize(zt->store, dst, ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1],
+                             static_cast<int32_t *>(dst->data), ith, nth);
 }
 
 static void materialize_after_guess_op(ggml_tensor * dst, const ggml_tensor * ids, const ggml_tensor * w,
@@ -530,8 +531,10 @@ ggml_tensor * zipmoe_llama_build(ggml_context * ctx, zipmoe_llama_tensor * zt, g
         return ids; // warmup routes to every expert and its output is discarded: decode nothing
     }
     ggml_tensor * guess = build_prediction(ctx, zt, ids);
-    ggml_tensor * r     = guess ? ggml_map_custom3_inplace(ctx, ids, w, guess, materialize_after_guess_op, GGML_N_TASKS_MAX, zt)
-                                : ggml_map_custom2_inplace(ctx, ids, w, materialize_op, GGML_N_TASKS_MAX, zt);
+    // a new tensor, not ids: it holds where this store decoded the routed experts (zipmoe_store_materialize),
+    // and the layer's other expert tensors read the router's ids through their own op
+    ggml_tensor * r     = guess ? ggml_map_custom3(ctx, ids, w, guess, materialize_after_guess_op, GGML_N_TASKS_MAX, zt)
+                                : ggml_map_custom2(ctx, ids, w, materialize_op, GGML_N_TASKS_MAX, zt);
     ggml_format_name(r, "zipmoe-%s", w->name);
     return r;
 }

@@ -38,8 +38,9 @@ bool zipmoe_llama_bind(zipmoe_llama_tensor * zt, ggml_tensor * t, bool no_alloc,
 // The zipmoe tensor behind weight w, or nullptr (every tensor of a plain GGUF).
 zipmoe_llama_tensor * zipmoe_llama_find(const ggml_tensor * w);
 
-// Returns ids behind a node that materialises the experts ids names in w, for ggml_mul_mat_id(w, .., ids).
-// During warmup (which routes every token to every expert) nothing is decoded.
+// The ids ggml_mul_mat_id(w, .., ids) must read: a node that materialises the experts ids names in w and
+// gives where in w each lies (under a budget, not always at its own index). During warmup (which routes every
+// token to every expert) nothing is decoded and ids is returned as it is.
 ggml_tensor * zipmoe_llama_build(ggml_context * ctx, zipmoe_llama_tensor * zt, ggml_tensor * ids,
                                  ggml_tensor * w, bool warmup);
 
