@@ -5,8 +5,9 @@ The runtime in libllama reads ZIPMOE_MEMORY_BUDGET (bytes), ZIPMOE_HOT_SHARE and
 loads (ggml_zipmoe/src/op/zipmoe-llama.cpp); this module validates what a user gives before it gets there.
 
 A budget covers everything the model keeps resident: its weights that are not experts (read through llama.cpp's
-mmap), the experts of the layer in flight (decoded whatever the budget, since its matmul needs them) and the cache
-tiers, which get the rest. `model_memory` gives the first two, whose sum is the smallest budget that works.
+mmap), the experts of the expert tensor in flight (decoded whatever the budget, since its matmul needs them; a
+prompt may route to all of them) and the cache tiers, which get the rest. `model_memory` gives the first two, whose
+sum is the smallest budget that works.
 """
 
 from __future__ import annotations
@@ -106,18 +107,13 @@ def cache_environment(budget: str | int | None = None, policy: str | None = None
 class ModelMemory:
     """What a zipmoe model keeps resident whatever its budget, in bytes."""
 
-    other_bytes: int   # weights that are not compressed experts
-    layer_bytes: int   # the BF16 experts of the largest layer: its working set when a batch routes to all of them
-    expert_bytes: int  # every expert in BF16
+    other_bytes: int      # weights that are not compressed experts
+    in_flight_bytes: int  # the BF16 experts of the largest expert tensor: decoded at once when a batch routes to all
+    expert_bytes: int     # every expert in BF16
 
     @property
     def minimum(self) -> int:
-        return self.other_bytes + self.layer_bytes
-
-
-def _layer(name: str) -> str:
-    parts = name.split(".")
-    return ".".join(parts[:2]) if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() else name
+        return self.other_bytes + self.in_flight_bytes
 
 
 def model_memory(path: str | os.PathLike[str]) -> ModelMemory:
@@ -126,12 +122,9 @@ def model_memory(path: str | os.PathLike[str]) -> ModelMemory:
 
     zf = format.open_zipmoe(path)
     compressed = {c.name for c in zf.compressed}
-    per_layer: dict[str, int] = {}
-    for c in zf.compressed:
-        per_layer[_layer(c.name)] = per_layer.get(_layer(c.name), 0) + c.source.nbytes
     other = sum(t.nbytes for t in zf.source.tensors if t.name not in compressed)
-    return ModelMemory(other_bytes=other, layer_bytes=max(per_layer.values(), default=0),
-                       expert_bytes=sum(per_layer.values()))
+    return ModelMemory(other_bytes=other, in_flight_bytes=max((c.source.nbytes for c in zf.compressed), default=0),
+                       expert_bytes=sum(c.source.nbytes for c in zf.compressed))
 
 
 def check_budget(budget: int, need: ModelMemory) -> None:
@@ -141,4 +134,5 @@ def check_budget(budget: int, need: ModelMemory) -> None:
         raise ZipmoeError(
             f"memory budget {budget / mib:.0f} MiB is too small for this model: it needs at least "
             f"{need.minimum / mib:.0f} MiB ({need.other_bytes / mib:.0f} MiB of weights that are not experts + "
-            f"{need.layer_bytes / mib:.0f} MiB for the experts of one layer in flight); raise --memory-budget")
+            f"{need.in_flight_bytes / mib:.0f} MiB for the experts of one expert tensor in flight); raise "
+            "--memory-budget")

@@ -499,10 +499,10 @@ def _add_llama_options(p: argparse.ArgumentParser, *, ctx: str | None = "default
         p.add_argument("-c", "--ctx-size", type=_positive, metavar="N", help=f"context size in tokens ({ctx})")
     p.add_argument("--memory-budget", metavar="SIZE",
                    help="everything the model may keep resident: e.g. 6GiB, 512MiB, 60%%, or auto (what the machine "
-                        "or container has free, less a margin). It holds the weights that are not experts, one "
-                        "layer's experts in flight, and the expert cache: decoded experts, unless --hot-share, "
-                        "--sm-share or --planner split it. Too small: an error says the minimum. Default: "
-                        "unbounded. Sets ZIPMOE_MEMORY_BUDGET")
+                        "or container has free, less a margin). It holds the weights that are not experts, the "
+                        "experts of one expert tensor in flight, and the expert cache: decoded experts, unless "
+                        "--hot-share, --sm-share or --planner split it. Too small: an error says the minimum. "
+                        "Default: unbounded. Sets ZIPMOE_MEMORY_BUDGET")
     p.add_argument("--policy", choices=("tlfu", "lru", "lfu", "fifo"),
                    help="eviction under a budget: tlfu (default, the paper's token-weighted LFU), lru, lfu, fifo")
     p.add_argument("--hot-share", type=_fraction, metavar="F",

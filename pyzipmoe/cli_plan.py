@@ -24,10 +24,11 @@ DESCRIPTION = (
     "Plan how many experts of each MoE layer of MODEL to keep hot (decoded), warm (compressed in RAM) or sm (sign and "
     "mantissa in RAM, exponent codes read from disk) within SIZE bytes, the rest cold (read from disk when routed), "
     "so that generation is fastest. SIZE is the model's whole budget, as `zipmoe run --memory-budget` takes it: "
-    "the weights that are not experts and the experts of the layer in flight come first, the tiers get the rest "
-    "(the KV cache and compute buffers are not counted). Routing frequencies come from --trace (without it every expert is "
-    "equally likely); costs from the model's calibration, --costs, or else a conservative estimate (0.5 GB/s of "
-    "decoding per core, a 0.5 GB/s disk with 0.1 ms per read, 10 GB/s of memory bandwidth). Prints the slots, bytes, "
+    "the weights that are not experts and the experts of the expert tensor in flight come first, the tiers get the "
+    "rest (the KV cache and compute buffers are not counted). Routing frequencies come from --trace (without it "
+    "every expert is equally likely); costs from the model's calibration, --costs, or else a conservative estimate "
+    "(0.5 GB/s of decoding per core, a 0.5 GB/s disk with 0.1 ms per read, 10 GB/s of memory bandwidth). Prints "
+    "the slots, bytes, "
     "predicted hit rates and tokens/s per layer, and the plan as the runtime reads it: ZIPMOE_PLAN="
     "\"<layer>:<hot>,<warm>,<sm>;...\". This is the frequency model, which a run uses for its first tokens "
     "when given --trace; without one a run starts with decoded experts, and pyzipmoe.Llama (zipmoe run -p) "
@@ -159,7 +160,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     counts = _counts(args, geometry)
     costs, costs_source = _costs(args, model_path, geometry)
     plan = planner.runtime_plan(planner.cost_model(geometry, costs, counts), budget - need.minimum)
-    memory = {"budget": budget, "other_bytes": need.other_bytes, "layer_in_flight_bytes": need.layer_bytes,
+    memory = {"budget": budget, "other_bytes": need.other_bytes, "in_flight_bytes": need.in_flight_bytes,
               "tier_bytes": budget - need.minimum}
     if args.json:
         print(json.dumps({**_to_json(model_path, geometry, costs, costs_source, args.trace, plan), "memory": memory},
@@ -168,7 +169,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from .cli import human_size
 
         print(f"memory:       {human_size(budget)} in all = {human_size(need.other_bytes)} of weights that are not "
-              f"experts + {human_size(need.layer_bytes)} for one layer's experts in flight + "
+              f"experts + {human_size(need.in_flight_bytes)} for one expert tensor's experts in flight + "
               f"{human_size(budget - need.minimum)} for the tiers")
         print(_report(model_path, geometry, costs, costs_source, args.trace, plan))
     return 0

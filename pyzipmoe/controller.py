@@ -56,7 +56,7 @@ class Planned:
     """A model's plan and what it was made from."""
 
     need: ModelMemory
-    budget: int  # bytes, the whole budget (weights that are not experts + one layer in flight + tiers)
+    budget: int  # bytes, the whole budget (weights that are not experts + one expert tensor in flight + tiers)
     model: planner.CostModel
     plan: planner.Plan
     costs_source: str
@@ -65,7 +65,7 @@ class Planned:
 def plan_model(model_path: str | os.PathLike[str], budget: int, *, trace: str | os.PathLike[str] | None = None,
                need: ModelMemory | None = None) -> Planned:
     """The planner's best split of `budget` between tiers, per layer. Raises ZipmoeError if the budget cannot
-    hold the weights that are not experts and one layer's experts."""
+    hold the weights that are not experts and one expert tensor's experts."""
     need = need or model_memory(model_path)
     check_budget(budget, need)
     geometry = planner.geometry_from_gguf(model_path)
@@ -127,7 +127,7 @@ def runtime_environment(model_path: str | os.PathLike[str], *, budget: str | int
 
 def apply_plan(plan: planner.Plan, lib: Any = None, *, reserve: int | None = None) -> None:
     """Gives the running stores new slots (each applies them at its next invocation), and `reserve` bytes of
-    evicted experts' pages to keep for the next decodes: the allowance for the layer in flight, which a plan
+    evicted experts' pages to keep for the next decodes: the allowance for the expert tensor in flight, which a plan
     leaves beside its slots (as ZIPMOE_PLAN does at load)."""
     if lib is None:
         from ._native import lib
@@ -188,10 +188,10 @@ class MemoryMonitor:
 
     Every `interval` seconds it reads the memory (pyzipmoe.memory.read_memory: psutil and the cgroup limit) and
     computes the budget the model could have now: what it holds (its weights that are not experts and the tiers'
-    resident bytes, which include the experts of the layer in flight) plus what could still be allocated, less
+    resident bytes, which include the experts in flight) plus what could still be allocated, less
     the safety margin of `--memory-budget auto` (so less than it holds when others ate into the margin), never
     less than the model's minimum nor more than `ceiling` (the user's budget, if one was given). As with "auto"
-    at load, the budget's reserve for one layer in flight comes out of that memory, not out of the margin: it is
+    at load, the budget's reserve for one expert tensor in flight comes out of that memory, not out of the margin: it is
     not held between tokens (decoded, those experts are resident bytes). Hysteresis keeps it
     from chasing noise: it shrinks when that budget falls more than `threshold` below the current one, and grows
     only when it rises more than twice `threshold` above it. A re-plan only sets slots; the stores evict at their
@@ -250,7 +250,7 @@ class MemoryMonitor:
         self.planned = Planned(self.planned.need, self.planned.budget, model,
                                planner.runtime_plan(model, self.budget - self.planned.need.minimum),
                                self.planned.costs_source)
-        apply_plan(self.planned.plan, self._lib, reserve=self.planned.need.layer_bytes)
+        apply_plan(self.planned.plan, self._lib, reserve=self.planned.need.in_flight_bytes)
         self.replans.append((self.budget, self.planned.plan))
         if self._on_change:
             self._on_change(self.planned.plan)
@@ -266,7 +266,7 @@ class MemoryMonitor:
         tiers = target - self.planned.need.minimum
         plan = planner.fixed_split_plan(self.planned.model, tiers, *self.split) if self.split is not None \
             else planner.runtime_plan(self.planned.model, tiers)
-        apply_plan(plan, self._lib, reserve=self.planned.need.layer_bytes)
+        apply_plan(plan, self._lib, reserve=self.planned.need.in_flight_bytes)
         self.budget = target
         self.replans.append((target, plan))
         if self._on_change:

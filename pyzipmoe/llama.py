@@ -270,7 +270,7 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
     zipmoe_cache: "unbounded" (default) keeps decoded experts in memory; "none" decodes an expert on every
         use (slow; for measurements and tests).
     memory_budget: everything the model may keep resident ("6GiB", "60%", bytes, or "auto": what the machine or
-        container has free, less a margin): its weights that are not experts, one layer's experts in flight and
+        container has free, less a margin): its weights that are not experts, one expert tensor's experts in flight and
         the expert cache, which gets the rest. None: unbounded. Too small a budget raises ZipmoeError saying the
         minimum. The runtime's budget is per process: the last model loaded sets it.
     cache_policy: eviction under a budget: "tlfu" (default, token-weighted LFU), "lru", "lfu" or "fifo".

@@ -24,9 +24,9 @@ decoding on all cores overlapping the reads; t_read = bytes / disk_bandwidth + r
 generation speed is 1 / (base_seconds_per_token + the sum of the layers' delays).
 
 The budget covers the expert tiers only (every layer's hot, warm and sm slots): not the dense tensors, the KV
-cache, nor the experts the layer in flight decodes. It is cut into `steps` units; each layer's table of best delay
-per unit count (the splits no cheaper split beats) is combined across layers by dynamic programming. A plan never
-exceeds the budget; rounding may leave up to one unit per layer unused.
+cache, nor the experts the expert tensor in flight decodes. It is cut into `steps` units; each layer's table of best
+delay per unit count (the splits no cheaper split beats) is combined across layers by dynamic programming. A plan
+never exceeds the budget; rounding may leave up to one unit per layer unused.
 
 The plan reaches the runtime as the environment variable ZIPMOE_PLAN, one entry per MoE layer (block index),
 separated by semicolons; the experts of a layer beyond its slots are cold, and layers without experts are not

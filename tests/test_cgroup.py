@@ -3,7 +3,7 @@
 The model is the "small" synthetic preset (61 MiB of BF16: 48 MiB of experts in 4 layers of 16, 13 MiB of other
 weights). The limit is 85 % of the BF16 file (52 MiB) and ZIPMOE_MEMORY_BUDGET is the limit less MARGIN (the
 program's own memory: heap, thread stacks, KV cache and compute buffers, a few MiB here), 40 MiB: room for the 13
-MiB of other weights, one layer's experts in flight (12 MiB) and 15 MiB of cache tiers, so the runtime must
+MiB of other weights, one expert tensor's experts in flight (4 MiB) and 23 MiB of cache tiers, so the runtime must
 evict. The limit is meaningful at this size: llama-simple's own memory besides the model is about 5 MiB (a run of
 the BF16 model with its file already cached peaks at 4.6 MiB in its cgroup), while zipmoe with an unbounded cache
 peaks at about 92 MiB, and a runtime that ignored the budget was OOM-killed in this limit (measured while writing

@@ -23,7 +23,7 @@ that exceeds --timeout as timeout; the benchmark goes on.
 
 zipmoe is told its budget with ZIPMOE_MEMORY_BUDGET = limit - --overhead (default 256 MiB: KV cache, compute
 buffers, the program, allocator slack; printed with the results). The budget means everything the model keeps
-resident (non-expert weights, expert cache tiers, one layer's working set); a budget the runtime refuses as too
+resident (non-expert weights, expert cache tiers, one expert tensor's working set); a budget the runtime refuses as too
 small is reported as such. --zipmoe-env passes more variables (policy, tier shares, a plan) to zipmoe runs.
 Stock runs get no ZIPMOE_* variables.
 

@@ -195,7 +195,7 @@ typedef enum {
 /* The budgets of every store of the process, per tier (UINT64_MAX: unbounded): hot_bytes of decoded
  * experts, warm_bytes of whole compressed regions and sm_bytes of sign+mantissa planes kept in RAM,
  * shared out among stores in proportion to their BF16 size; and the eviction policy. hot_bytes = 0
- * decodes on every use. The experts the layer in flight routes to are decoded whatever the budget
+ * decodes on every use. The experts the expert tensor in flight routes to are decoded whatever the budget
  * (zipmoe_stats reports the peak). May be called at any time: stores shrink or grow their tiers at
  * their next invocation. Defaults: hot unbounded, warm and sm 0, token-weighted LFU. */
 ZIPMOE_API int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, uint64_t sm_bytes,
@@ -206,7 +206,8 @@ ZIPMOE_API int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_byte
  * budgets. prefix NULL removes every rule. Takes effect like zipmoe_cache_configure. */
 ZIPMOE_API int64_t zipmoe_cache_set_slots(const char * prefix, int64_t hot, int64_t warm, int64_t sm);
 
-/* What the budget holds for the layer in flight (its routed experts, decoded beyond the tiers' limits). The
+/* What the budget holds for the expert tensor in flight (its routed experts, decoded beyond the tiers' limits:
+ * once another store plans, a store's are evicted down to its limits again). The
  * memory of evicted experts is kept within it (slots.c), for the next experts decoded: they then neither fault
  * nor zero their pages. Default 0: evicted experts' pages are freed. */
 ZIPMOE_API void    zipmoe_cache_set_reserve(uint64_t bytes);

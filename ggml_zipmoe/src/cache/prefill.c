@@ -5,8 +5,8 @@
  * read-ahead and warm-up, at load. Each store routes batches of its own experts through the ordinary
  * zipmoe_store_materialize path, so every budget, tier and transition rule holds as in generation; the batches
  * are as large as the hot tier (the last one stays decoded, the earlier ones fall into the compressed tiers as
- * the policy has them), or, without a hot tier, one batch of what the compressed tiers hold. Layer after layer,
- * so the decoded working set beyond the tiers stays one layer's. Where a store's hot tier holds every expert, the
+ * the policy has them), or, without a hot tier, one batch of what the compressed tiers hold. Store after store,
+ * so the decoded working set beyond the tiers stays one store's. Where a store's hot tier holds every expert, the
  * threads then make its decoded experts huge pages (zipmoe_store_collapse): done later on the reader thread, the
  * kernel's copying of the whole model held the first ~200 tokens to a third of their speed on 2 cores. */
 #define _GNU_SOURCE

@@ -7,8 +7,8 @@
  * 2048x768 layer, measured by `zipmoe calibrate`). A slot keeps its pages: mapping it over an expert's range
  * (MAP_FIXED replaces the range's mapping in one step, so the range is never a hole) with MAP_POPULATE fills
  * the page tables at once, with no fault and no zeroing. Slots of one size are shared by every store of the
- * process, so the slots one layer frees serve the next layer. Free slots keep their pages up to a limit (the
- * budget's allowance for the layer in flight); beyond it their pages are given back (a hole punched). */
+ * process, so the slots one store frees serve the next. Free slots keep their pages up to a limit (the budget's
+ * allowance for the expert tensor in flight); beyond it their pages are given back (a hole punched). */
 #define _GNU_SOURCE
 #include "zipmoe-impl.h"
 

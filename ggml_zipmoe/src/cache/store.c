@@ -17,15 +17,15 @@
  * the plan's chunks one by one and decode them; the last thread to leave publishes (hot), evicts down to
  * the limits and releases the plan. A decoded expert lies at a place in the BF16 memory, not always its own
  * index (a miss takes the place of the expert evicted for it, pages and all), and each thread writes where
- * the routed experts lie for its share of the rows, which the engine's matmul reads as its ids. No thread waits for a sibling, every chunk is decoded exactly once,
- * and the engine's barrier after the op makes the decoded bytes visible to the matmul. Threads need not
- * agree on taking the lock-free fast path (a configuration change may land between their checks): those
- * that join the plan finish it between them, and a thread arriving after it was published finds its
- * experts decoded. The experts routed by the invocation are never evicted by it:
- * the matmul that reads them has not run yet. They stay pinned until the store's next invocation, or
- * until a store of another layer plans (its layer's matmuls ran before), which bounds the decoded working
- * set beyond the limits to one layer's routed experts. A second invocation on the same store (another
- * graph) waits until the first has released its plan. */
+ * the routed experts lie for its share of the rows, which the engine's matmul reads as its ids. No thread
+ * waits for a sibling, every chunk is decoded exactly once, and the engine's barrier after the op makes the
+ * decoded bytes visible to the matmul. Threads need not agree on taking the lock-free fast path (a
+ * configuration change may land between their checks): those that join the plan finish it between them,
+ * and a thread arriving after it was published finds its experts decoded. The experts routed by the
+ * invocation are never evicted by it: the matmul that reads them has not run yet. They stay pinned until the
+ * store's next invocation, or until another store plans (the engine runs each op's matmul before the next
+ * expert tensor's op), which bounds the decoded working set beyond the limits to one store's routed experts.
+ * A second invocation on the same store (another graph) waits until the first has released its plan. */
 #define _GNU_SOURCE
 #include "zipmoe-impl.h"
 
@@ -971,17 +971,19 @@ static void settle(zipmoe_store * s) {
     atomic_store(&s->fast_ok, s->hot_used <= s->hot_limit && s->cfg_gen == atomic_load(&g_cfg_gen));
 }
 
-/* Under s->mu: stores of other layers give up what their last invocation pinned beyond their limits.
- * Their matmuls ran before this layer's (one graph computes at a time, layer after layer), so the
- * decoded working set beyond the limits stays one layer's. A store busy with a plan is left alone. */
-static void trim_other_layers(const zipmoe_store * s) {
+/* Under s->mu: the other stores give up what their last invocation pinned beyond their limits. Their matmuls
+ * ran before this op (one graph computes at a time, and each op's matmul runs before the next expert tensor's
+ * op: the graph orders a matmul right after the op that feeds it, checked in zipmoe-llama.cpp), so the decoded
+ * working set beyond the limits stays one store's: a prompt's gate, up and down tensors take turns with the
+ * same allowance. A store busy with a plan (or a read-ahead into it) is left alone. */
+static void trim_others(const zipmoe_store * s) {
     /* s->mu is held: the list's lock only if free, as zipmoe_cache_activations takes it before a store's (the
      * next plan trims instead) */
-    if (s->layer < 0 || pthread_mutex_trylock(&g_list_mu) != 0) {
+    if (pthread_mutex_trylock(&g_list_mu) != 0) {
         return;
     }
     for (zipmoe_store * o = g_list; o; o = o->next) {
-        if (o == s || o->layer < 0 || o->layer == s->layer || atomic_load(&o->fast_ok) || pthread_mutex_trylock(&o->mu) != 0) {
+        if (o == s || atomic_load(&o->fast_ok) || pthread_mutex_trylock(&o->mu) != 0) {
             continue;
         }
         if (o->plan_key == NULL) {
@@ -1159,7 +1161,7 @@ static int64_t make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int
     }
     atomic_store(&s->streak, 0);
     atomic_store(&s->predicted_fresh, 0);
-    trim_other_layers(s);
+    trim_others(s);
     zipmoe_store * prev = atomic_exchange(&g_last_planned, s);
     if (prev && prev != s) {
         atomic_store(&prev->next_store, s); /* the graph's order, for the next prompt's read-ahead */

@@ -140,7 +140,7 @@ static int layer_of(const std::string & name) {
 
 // The budget from the environment (how bare llama-cli is configured; pyzipmoe sets the same):
 //   ZIPMOE_MEMORY_BUDGET  bytes the model may keep resident: its weights that are not experts, the experts of
-//                         one layer in flight and the cache tiers, which get the rest; unset: unbounded
+//                         one expert tensor in flight and the cache tiers, which get the rest; unset: unbounded
 //   ZIPMOE_HOT_SHARE      the tiers' fraction for decoded experts (default 1: on a disk that reads faster than
 //                         the cores decode, compressed tiers save little; the planner decides otherwise)
 //   ZIPMOE_SM_SHARE       the fraction for sign+mantissa planes (default 0); whole compressed experts get the rest
@@ -177,12 +177,11 @@ bool zipmoe_llama_configure(uint64_t other_bytes, std::string & info, std::strin
     } else {
         g_predict = false;
     }
-    std::map<int, uint64_t> per_layer; // stores outside any "blk.N." count as a layer each
-    uint64_t                working_set = 0, experts = 0;
-    int                     unnamed     = -1;
+    // a store's routed experts stay decoded until the next store plans (its matmul ran by then): the working set
+    // beyond the tiers is the largest expert tensor's, all of whose experts a prompt may route to
+    uint64_t working_set = 0, experts = 0;
     for (const auto & [name, bytes] : stores) {
-        const int layer = layer_of(name);
-        working_set     = std::max(working_set, per_layer[layer >= 0 ? layer : unnamed--] += bytes);
+        working_set = std::max(working_set, bytes);
         experts += bytes;
     }
     uint64_t      hot = UINT64_MAX, warm = 0, sm = 0, in_flight = working_set;
@@ -197,7 +196,8 @@ bool zipmoe_llama_configure(uint64_t other_bytes, std::string & info, std::strin
         if (budget < minimum) {
             err = "memory budget " + mib(budget) + " is too small for this model: it needs at least " + mib(minimum) +
                   " (" + mib(other_bytes) + " of weights that are not experts + " + mib(working_set) +
-                  " for the experts of one layer in flight); raise ZIPMOE_MEMORY_BUDGET (zipmoe --memory-budget)";
+                  " for the experts of one expert tensor in flight); raise ZIPMOE_MEMORY_BUDGET (zipmoe "
+                  "--memory-budget)";
             return false;
         }
         double hot_share = 1, sm_share = 0;
@@ -212,17 +212,17 @@ bool zipmoe_llama_configure(uint64_t other_bytes, std::string & info, std::strin
         hot  = (uint64_t) ((double) tiers * hot_share);
         sm   = std::min(tiers - hot, (uint64_t) ((double) tiers * sm_share));
         warm = tiers - hot - sm;
-        // The layer in flight's experts that are decoded already need no room of their own: the hot tier holds
-        // them. Its share of every layer (the budgets are shared by BF16 size) comes out of the allowance for
-        // the layer in flight, whose largest layer then decodes at most (1 - hot / experts) of itself anew.
+        // The experts in flight that are decoded already need no room of their own: the hot tier holds them.
+        // Its share of every store (the budgets are shared by BF16 size) comes out of the allowance for the
+        // tensor in flight, whose largest store then decodes at most (1 - hot / experts) of itself anew.
         if (hot > 0 && experts > working_set) {
-            const double layer_share = (double) working_set / (double) experts;
-            const uint64_t grown     = std::min(experts, (uint64_t) ((double) hot / (1.0 - layer_share)));
-            in_flight = working_set - std::min(working_set, (uint64_t) std::ceil((double) grown * layer_share));
+            const double store_share = (double) working_set / (double) experts;
+            const uint64_t grown     = std::min(experts, (uint64_t) ((double) hot / (1.0 - store_share)));
+            in_flight = working_set - std::min(working_set, (uint64_t) std::ceil((double) grown * store_share));
             hot       = grown;
         }
         info = "zipmoe: memory budget " + mib(budget) + ": " + mib(other_bytes) + " weights that are not experts, " +
-               mib(in_flight) + " for one layer in flight beyond its decoded experts, cache tiers " + mib(hot) +
+               mib(in_flight) + " for one expert tensor in flight beyond its decoded experts, cache tiers " + mib(hot) +
                " decoded, " + mib(warm) + " compressed, " + mib(sm) + " sign+mantissa (experts " + mib(experts) +
                " in BF16)";
     } else {
@@ -273,7 +273,7 @@ bool zipmoe_llama_configure(uint64_t other_bytes, std::string & info, std::strin
             return false;
         }
         info += "; slots per layer from ZIPMOE_PLAN";
-        // a plan leaves the whole allowance for the layer in flight beside its slots (the planner credits none of
+        // a plan leaves the whole allowance for the tensor in flight beside its slots (the planner credits none of
         // it): evicted experts' pages are kept within it. Without that, a budget whose shares credit the
         // allowance to the hot tier (all of it from the model's size up) had every decode fault in zeroed pages:
         // 2x the time of a decode-bound plan (tiered-cache.md)
@@ -282,7 +282,7 @@ bool zipmoe_llama_configure(uint64_t other_bytes, std::string & info, std::strin
         zipmoe_cache_set_slots(nullptr, 0, 0, 0);
     }
     zipmoe_cache_configure(hot, warm, sm, policy);
-    // evicted experts' memory is kept, within the allowance for the layer in flight, for the next decodes
+    // evicted experts' memory is kept, within the allowance for the tensor in flight, for the next decodes
     zipmoe_cache_set_reserve(hot == 0 ? working_set : in_flight);
     return true;
 }
@@ -539,10 +539,40 @@ ggml_tensor * zipmoe_llama_build(ggml_context * ctx, zipmoe_llama_tensor * zt, g
     return r;
 }
 
+// Whether each zipmoe op of gf is followed by its matmul before the next zipmoe op: what lets a store's plan evict
+// the experts the previous store pinned (store.c, trim_others), and the budget hold one expert tensor in flight.
+// ggml computes nodes in the graph's order, and llama.cpp's graphs have it (a matmul's inputs are visited right
+// before it); a graph that did not would keep decoded experts beyond the budget, so it is said once. Checked
+// when the graph's size changes (a prompt's, a token's: llama.cpp reuses graph objects).
+static void check_graph_order(const ggml_cgraph * gf) {
+    static std::atomic<int>  checked{ -1 };
+    static std::atomic<bool> said{ false };
+    const int                n_nodes = ggml_graph_n_nodes(const_cast<ggml_cgraph *>(gf));
+    if (checked.exchange(n_nodes) == n_nodes || said.load()) {
+        return;
+    }
+    const ggml_tensor * open = nullptr; // a zipmoe op whose matmul has not come yet
+    for (int i = 0; i < n_nodes; i++) {
+        const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(gf), i);
+        if ((node->op == GGML_OP_MAP_CUSTOM2 || node->op == GGML_OP_MAP_CUSTOM3) && node->src[1] &&
+            zipmoe_llama_find(node->src[1])) {
+            if (open && !said.exchange(true)) {
+                std::fprintf(stderr, "zipmoe: warning: this graph decodes %s's experts before %s's matmul has run: "
+                                     "decoded experts may exceed the memory budget\n", node->src[1]->name,
+                             open->src[1]->name);
+            }
+            open = node;
+        } else if (node->op == GGML_OP_MUL_MAT_ID && node->src[2] == open) {
+            open = nullptr;
+        }
+    }
+}
+
 bool zipmoe_llama_take_error(const ggml_cgraph * gf, std::string & msg) {
     if (g_registry_size.load(std::memory_order_relaxed) == 0) {
         return false;
     }
+    check_graph_order(gf);
     // exactly the stores this graph materialised: another model's errors are its own graph's to report
     bool failed = false;
     for (int i = 0; i < ggml_graph_n_nodes(const_cast<ggml_cgraph *>(gf)); i++) {
