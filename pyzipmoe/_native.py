@@ -96,6 +96,7 @@ int64_t zipmoe_store_predict(zipmoe_store * s, const int32_t * experts, int64_t 
 int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void * ids, int64_t ne0,
                                  int64_t ne1, size_t nb0, size_t nb1, int32_t * where, int ith, int nth);
 int64_t zipmoe_store_place(zipmoe_store * s, int64_t e);
+void    zipmoe_cache_set_store_turns(int enabled);
 int64_t zipmoe_store_activations(zipmoe_store * s, uint64_t * counts, int64_t n);
 int64_t zipmoe_cache_activations(const char * prefix, uint64_t * counts, int64_t n);
 int64_t zipmoe_cache_routing(const char * prefix, uint64_t * masks, int64_t words, int64_t max_tokens);

@@ -366,6 +366,26 @@ def test_a_miss_takes_the_place_of_the_expert_it_evicts(zipmoe_model, tiny_model
     assert lib.zipmoe_store_place(store.handle, 99) == lib.ZIPMOE_ERR_ARG
 
 
+@pytest.mark.parametrize("turns", [1, 0])
+def test_a_plan_evicts_what_the_store_before_it_decoded_beyond_its_limits(zipmoe_model, turns):
+    """The engine runs each op's matmul before the next expert tensor's op, so a store's plan evicts what the other
+    stores' last invocations decoded beyond their limits, those of its own layer too: one tensor in flight. With
+    store turns off (a graph that breaks that order), only the stores of other layers."""
+    zf = format.open_zipmoe(zipmoe_model)
+    stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
+    first, second = [k for k, ct in enumerate(zf.compressed) if ct.name.startswith("blk.0.")][:2]
+    lib.zipmoe_cache_configure(budget_for(zf, zf.compressed[first], 1)[0], 0, 0, lib.ZIPMOE_POLICY_LRU)
+    lib.zipmoe_cache_set_store_turns(turns)
+    try:
+        a, b = stores[first], stores[second]
+        a.materialize(np.array([[0, 1, 2, 3]]), 2)  # 3 beyond a's one hot slot, pinned for its matmul
+        b.materialize(np.array([[0]]), 2)
+        decoded = sum(lib.zipmoe_store_place(a.handle, e) >= 0 for e in range(4))
+        assert decoded == (1 if turns else 4)
+    finally:
+        lib.zipmoe_cache_set_store_turns(1)
+
+
 def test_activation_counts_are_tokens_routed(zipmoe_model):
     zf = format.open_zipmoe(zipmoe_model)
     store = Store(zipmoe_model, zf.compressed[0])

@@ -206,6 +206,12 @@ ZIPMOE_API int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_byte
  * budgets. prefix NULL removes every rule. Takes effect like zipmoe_cache_configure. */
 ZIPMOE_API int64_t zipmoe_cache_set_slots(const char * prefix, int64_t hot, int64_t warm, int64_t sm);
 
+/* 1 (default): a store's invocation evicts what every other store's last invocation decoded beyond its limits,
+ * which the engine must have read by then (ggml runs each op's matmul before the next expert tensor's op); the
+ * budget then holds one expert tensor in flight. 0: only stores of other layers ("blk.N." names), for an engine
+ * whose graph does not keep that order; a layer's experts are then in flight at once. */
+ZIPMOE_API void    zipmoe_cache_set_store_turns(int enabled);
+
 /* What the budget holds for the expert tensor in flight (its routed experts, decoded beyond the tiers' limits:
  * once another store plans, a store's are evicted down to its limits again). The
  * memory of evicted experts is kept within it (slots.c), for the next experts decoded: they then neither fault

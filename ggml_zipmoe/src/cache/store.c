@@ -914,7 +914,7 @@ static void release_hot(zipmoe_store * s, int64_t e, int keep_pages) {
     } else if (hi > lo) {
         madvise((void *) lo, hi - lo, MADV_DONTNEED);
     }
-    for (uintptr_t hp = begin & ~(HUGE_PAGE - 1); !keep_pages && hp < begin + bytes; hp += HUGE_PAGE) { /* split now */
+    for (uintptr_t hp = begin & ~(HUGE_PAGE - 1); hp < begin + bytes; hp += HUGE_PAGE) { /* split (or about to be) */
         if (hp >= s->hp_base && (hp - s->hp_base) / HUGE_PAGE < s->n_hp) {
             s->hp_done[(hp - s->hp_base) / HUGE_PAGE] = 0;
         }
@@ -976,14 +976,20 @@ static void settle(zipmoe_store * s) {
  * op: the graph orders a matmul right after the op that feeds it, checked in zipmoe-llama.cpp), so the decoded
  * working set beyond the limits stays one store's: a prompt's gate, up and down tensors take turns with the
  * same allowance. A store busy with a plan (or a read-ahead into it) is left alone. */
+static _Atomic int g_store_turns = 1; /* zipmoe_cache_set_store_turns */
+
+void zipmoe_cache_set_store_turns(int enabled) { atomic_store(&g_store_turns, enabled != 0); }
+
 static void trim_others(const zipmoe_store * s) {
     /* s->mu is held: the list's lock only if free, as zipmoe_cache_activations takes it before a store's (the
      * next plan trims instead) */
-    if (pthread_mutex_trylock(&g_list_mu) != 0) {
+    const int turns = atomic_load(&g_store_turns);
+    if ((!turns && s->layer < 0) || pthread_mutex_trylock(&g_list_mu) != 0) {
         return;
     }
     for (zipmoe_store * o = g_list; o; o = o->next) {
-        if (o == s || atomic_load(&o->fast_ok) || pthread_mutex_trylock(&o->mu) != 0) {
+        if (o == s || (!turns && (o->layer < 0 || o->layer == s->layer)) || atomic_load(&o->fast_ok) ||
+            pthread_mutex_trylock(&o->mu) != 0) {
             continue;
         }
         if (o->plan_key == NULL) {
@@ -1478,8 +1484,9 @@ static void prefetch_hint(zipmoe_store * s, const zipmoe_store * like) {
 void zipmoe_store_prefetch(zipmoe_store * s, const zipmoe_store * like, int predicted) {
     /* On the reader thread, once the previous store (like, for a store of the same layer) has its bytes: s's
      * lock is held while reading, so that s's invocation, when it comes, plans with what arrived. Not when an
-     * invocation of s is in flight or the lock is busy: then s reads for itself. like's routed counts are stable
-     * until like's next invocation, which follows s's. */
+     * invocation of s is in flight or the lock is busy: then s reads for itself. like's routed counts hold until
+     * like's next invocation or a trim by another store's plan (not s's, which waits for this lock): a read-ahead
+     * that runs late reads fewer experts, never more (trims only clear them). */
     if (pthread_mutex_trylock(&s->mu) != 0) {
         return;
     }

@@ -17,7 +17,6 @@
 #include <cctype>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -222,8 +221,8 @@ bool zipmoe_llama_configure(uint64_t other_bytes, std::string & info, std::strin
             hot       = grown;
         }
         info = "zipmoe: memory budget " + mib(budget) + ": " + mib(other_bytes) + " weights that are not experts, " +
-               mib(in_flight) + " for one expert tensor in flight beyond its decoded experts, cache tiers " + mib(hot) +
-               " decoded, " + mib(warm) + " compressed, " + mib(sm) + " sign+mantissa (experts " + mib(experts) +
+               mib(in_flight) + " for one expert tensor in flight beyond its decoded experts, cache tiers " +
+               mib(hot) + " decoded, " + mib(warm) + " compressed, " + mib(sm) + " sign+mantissa (experts " + mib(experts) +
                " in BF16)";
     } else {
         info = "zipmoe: no memory budget: decoded experts are kept (set ZIPMOE_MEMORY_BUDGET or --memory-budget)";
@@ -542,14 +541,15 @@ ggml_tensor * zipmoe_llama_build(ggml_context * ctx, zipmoe_llama_tensor * zt, g
 // Whether each zipmoe op of gf is followed by its matmul before the next zipmoe op: what lets a store's plan evict
 // the experts the previous store pinned (store.c, trim_others), and the budget hold one expert tensor in flight.
 // ggml computes nodes in the graph's order, and llama.cpp's graphs have it (a matmul's inputs are visited right
-// before it); a graph that did not would keep decoded experts beyond the budget, so it is said once. Checked
+// before it). A graph that does not may have read evicted experts: false, with a message, and the stores keep
+// each layer's experts until the next layer from then on (zipmoe_cache_set_store_turns). Checked after a compute
 // when the graph's size changes (a prompt's, a token's: llama.cpp reuses graph objects).
-static void check_graph_order(const ggml_cgraph * gf) {
+static bool check_graph_order(const ggml_cgraph * gf, std::string & msg) {
     static std::atomic<int>  checked{ -1 };
     static std::atomic<bool> said{ false };
     const int                n_nodes = ggml_graph_n_nodes(const_cast<ggml_cgraph *>(gf));
     if (checked.exchange(n_nodes) == n_nodes || said.load()) {
-        return;
+        return true;
     }
     const ggml_tensor * open = nullptr; // a zipmoe op whose matmul has not come yet
     for (int i = 0; i < n_nodes; i++) {
@@ -557,24 +557,27 @@ static void check_graph_order(const ggml_cgraph * gf) {
         if ((node->op == GGML_OP_MAP_CUSTOM2 || node->op == GGML_OP_MAP_CUSTOM3) && node->src[1] &&
             zipmoe_llama_find(node->src[1])) {
             if (open && !said.exchange(true)) {
-                std::fprintf(stderr, "zipmoe: warning: this graph decodes %s's experts before %s's matmul has run: "
-                                     "decoded experts may exceed the memory budget\n", node->src[1]->name,
-                             open->src[1]->name);
+                zipmoe_cache_set_store_turns(0);
+                msg = std::string("zipmoe: this graph decodes ") + node->src[1]->name + "'s experts before " +
+                      open->src[1]->name + "'s matmul has run, so its output may be wrong; from now on a layer's " +
+                      "experts stay decoded until the next layer (beyond the memory budget by up to two expert " +
+                      "tensors' experts): decode again";
+                return false;
             }
             open = node;
         } else if (node->op == GGML_OP_MUL_MAT_ID && node->src[2] == open) {
             open = nullptr;
         }
     }
+    return true;
 }
 
 bool zipmoe_llama_take_error(const ggml_cgraph * gf, std::string & msg) {
     if (g_registry_size.load(std::memory_order_relaxed) == 0) {
         return false;
     }
-    check_graph_order(gf);
     // exactly the stores this graph materialised: another model's errors are its own graph's to report
-    bool failed = false;
+    bool failed = !check_graph_order(gf, msg);
     for (int i = 0; i < ggml_graph_n_nodes(const_cast<ggml_cgraph *>(gf)); i++) {
         const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(gf), i);
         if ((node->op != GGML_OP_MAP_CUSTOM2 && node->op != GGML_OP_MAP_CUSTOM3) || !node->src[1]) {
