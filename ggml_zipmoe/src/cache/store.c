@@ -971,15 +971,16 @@ static void settle(zipmoe_store * s) {
     atomic_store(&s->fast_ok, s->hot_used <= s->hot_limit && s->cfg_gen == atomic_load(&g_cfg_gen));
 }
 
-/* Under s->mu: the other stores give up what their last invocation pinned beyond their limits. Their matmuls
- * ran before this op (one graph computes at a time, and each op's matmul runs before the next expert tensor's
- * op: the graph orders a matmul right after the op that feeds it, checked in zipmoe-llama.cpp), so the decoded
- * working set beyond the limits stays one store's: a prompt's gate, up and down tensors take turns with the
- * same allowance. A store busy with a plan (or a read-ahead into it) is left alone. */
 static _Atomic int g_store_turns = 1; /* zipmoe_cache_set_store_turns */
 
 void zipmoe_cache_set_store_turns(int enabled) { atomic_store(&g_store_turns, enabled != 0); }
 
+/* Under s->mu: the other stores give up what their last invocation pinned beyond their limits. Their matmuls
+ * ran before this op (one graph computes at a time, and each op's matmul runs before the next expert tensor's
+ * op: the graph orders a matmul right after the op that feeds it, checked in zipmoe-llama.cpp), so the decoded
+ * working set beyond the limits stays one store's: a prompt's gate, up and down tensors take turns with the
+ * same allowance. Without store turns (after a graph that broke that order), only the stores of other layers,
+ * whose matmuls ran before this layer's. A store busy with a plan (or a read-ahead into it) is left alone. */
 static void trim_others(const zipmoe_store * s) {
     /* s->mu is held: the list's lock only if free, as zipmoe_cache_activations takes it before a store's (the
      * next plan trims instead) */
