@@ -893,13 +893,21 @@ static int make_room(zipmoe_store * s, int tier, uint64_t need, uint64_t worth, 
     return 1;
 }
 
-/* Under s->mu: expert e leaves the hot tier and its place. The place's pages go back to the system (pages it
- * shares with a hot neighbour stay), or, with keep_pages, stay for an expert about to be decoded there. */
-static void release_hot(zipmoe_store * s, int64_t e, int keep_pages) {
+/* Under s->mu: place p's 2 MiB pages are no longer known to be huge (split, or about to be by a slot's mmap). */
+static void forget_huge_pages(zipmoe_store * s, int64_t p) {
+    const uintptr_t begin = (uintptr_t) place_addr(s, p);
+    for (uintptr_t hp = begin & ~(HUGE_PAGE - 1); hp < begin + s->hot_size; hp += HUGE_PAGE) {
+        if (hp >= s->hp_base && (hp - s->hp_base) / HUGE_PAGE < s->n_hp) {
+            s->hp_done[(hp - s->hp_base) / HUGE_PAGE] = 0;
+        }
+    }
+}
+
+/* Under s->mu: place p's pages go back (its slot to the pool, or its anonymous pages to the system: pages it
+ * shares with a hot neighbour stay), and the place is free. */
+static void vacate_place(zipmoe_store * s, int64_t p) {
     const size_t    page  = (size_t) sysconf(_SC_PAGESIZE);
     const size_t    bytes = (size_t) s->hot_size;
-    expert_state *  x     = &s->experts[e];
-    const int64_t   p     = x->place;
     place_state *   at    = &s->places[p];
     const uintptr_t begin = (uintptr_t) place_addr(s, p);
     uintptr_t       lo    = zipmoe_align_up(begin, page);
@@ -907,23 +915,29 @@ static void release_hot(zipmoe_store * s, int64_t e, int keep_pages) {
     if (p > 0 && !place_hot(s, p - 1) && (begin & (page - 1)) && begin - (begin & (page - 1)) >= (uintptr_t) s->dst) {
         lo = begin & ~(uintptr_t) (page - 1); /* the shared first page holds nothing hot */
     }
-    if (keep_pages) {
-        /* the entrant overwrites every byte */
-    } else if (at->slot >= 0 && zipmoe_slots_detach((void *) begin, bytes, at->slot)) {
+    if (at->slot >= 0 && zipmoe_slots_detach((void *) begin, bytes, at->slot)) {
         at->slot = -1; /* its pages serve the next expert decoded */
     } else if (hi > lo) {
         madvise((void *) lo, hi - lo, MADV_DONTNEED);
     }
-    for (uintptr_t hp = begin & ~(HUGE_PAGE - 1); hp < begin + bytes; hp += HUGE_PAGE) { /* split (or about to be) */
-        if (hp >= s->hp_base && (hp - s->hp_base) / HUGE_PAGE < s->n_hp) {
-            s->hp_done[(hp - s->hp_base) / HUGE_PAGE] = 0;
-        }
-    }
+    forget_huge_pages(s, p);
     at->expert = -1;
-    x->place   = -1;
-    x->hot     = 0;
-    s->hot_used -= bytes;
-    account(&g_hot_bytes, -(int64_t) bytes);
+}
+
+/* Under s->mu: expert e leaves the hot tier and its place, which gives its pages back (vacate_place), or, with
+ * keep_pages, keeps them for an expert about to be decoded there (the caller hands the place on). */
+static void release_hot(zipmoe_store * s, int64_t e, int keep_pages) {
+    expert_state * x = &s->experts[e];
+    if (keep_pages) {
+        forget_huge_pages(s, x->place);
+        s->places[x->place].expert = -1;
+    } else {
+        vacate_place(s, x->place);
+    }
+    x->place = -1;
+    x->hot   = 0;
+    s->hot_used -= s->hot_size;
+    account(&g_hot_bytes, -(int64_t) s->hot_size);
     atomic_fetch_add(&g_evictions, 1);
 }
 
@@ -1099,7 +1113,7 @@ static void log_route(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int64_
 }
 
 /* Under s->mu: a free place for expert e, its own index if free. One exists while e is not decoded. */
-static int64_t free_place(const zipmoe_store * s, int64_t e) {
+static int64_t unused_place(const zipmoe_store * s, int64_t e) {
     const int64_t n = s->info.n_expert;
     for (int64_t i = 0; i < n; i++) {
         const int64_t p = (e + i) % n;
@@ -1134,7 +1148,7 @@ static void place_plan(zipmoe_store * s) {
             }
         }
         if (p < 0) {
-            p = free_place(s, e);
+            p = unused_place(s, e);
         }
         x->place                = p;
         s->places[p].expert     = e;
@@ -1596,13 +1610,9 @@ static void discard_plan(zipmoe_store * s) {
     for (int64_t j = 0; j < s->plan_n; j++) {
         const plan_item * it = &s->plan[j];
         expert_state *    x  = &s->experts[it->expert];
-        if (!x->hot && x->place >= 0) { /* its place is free again */
-            place_state * at = &s->places[x->place];
-            if (at->slot >= 0 && zipmoe_slots_detach(place_addr(s, x->place), (size_t) s->hot_size, at->slot)) {
-                at->slot = -1;
-            }
-            at->expert = -1;
-            x->place   = -1;
+        if (!x->hot && x->place >= 0) { /* what it decoded there is partial */
+            vacate_place(s, x->place);
+            x->place = -1;
         }
         if (it->read_sm && x->res != RES_NONE) {
             drop_region(s, it->expert);
