@@ -1150,9 +1150,9 @@ static void place_plan(zipmoe_store * s) {
         if (p < 0) {
             p = unused_place(s, e);
         }
-        x->place                = p;
-        s->places[p].expert     = e;
-        entering               += s->hot_size;
+        x->place            = p;
+        s->places[p].expert = e;
+        entering += s->hot_size;
     }
 }
 
