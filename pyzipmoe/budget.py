@@ -5,13 +5,14 @@ The runtime in libllama reads ZIPMOE_MEMORY_BUDGET (bytes), ZIPMOE_HOT_SHARE and
 loads (ggml_zipmoe/src/op/zipmoe-llama.cpp); this module validates what a user gives before it gets there.
 
 A budget covers everything the model keeps resident: its weights that are not experts (read through llama.cpp's
-mmap), the experts of the expert tensor in flight (decoded whatever the budget, since its matmul needs them; a
+mmap; a token embedding read a row per token only for the rows of a batch, embd_charge), the experts of the expert tensor in flight (decoded whatever the budget, since its matmul needs them; a
 prompt may route to all of them) and the cache tiers, which get the rest. `model_memory` gives the first two, whose
 sum is the smallest budget that works.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 from dataclasses import dataclass
@@ -107,24 +108,55 @@ def cache_environment(budget: str | int | None = None, policy: str | None = None
 class ModelMemory:
     """What a zipmoe model keeps resident whatever its budget, in bytes."""
 
-    other_bytes: int      # weights that are not compressed experts
+    other_bytes: int      # weights that are not compressed experts, as charged (a token embedding: embd_charge)
     in_flight_bytes: int  # the BF16 experts of the largest expert tensor: decoded at once when a batch routes to all
     expert_bytes: int     # every expert in BF16
+    embd_bytes: int = 0   # a token embedding read a row per token, whole (0: none; it is charged in full)
+    embd_charged: int = 0  # what other_bytes counts of it
+
+    @property
+    def embd_note(self) -> str:
+        """" (token_embd: ...)" where the token embedding is charged for fewer bytes than it has, as the runtime says."""
+        if self.embd_charged >= self.embd_bytes:
+            return ""
+        mib = 1 << 20
+        return f" (token_embd: the rows of a batch, {self.embd_charged / mib:.0f} MiB of {self.embd_bytes / mib:.0f} MiB)"
 
     @property
     def minimum(self) -> int:
         return self.other_bytes + self.in_flight_bytes
 
 
+EMBD_BATCH_ROWS = 2048  # llama.cpp's default n_batch: the most distinct rows one batch reads of the token embedding
+
+
+def embd_charge(embd_bytes: int, row_bytes: int, page: int = mmap.PAGESIZE) -> int:
+    """What the budget charges for a mapped token embedding read a row per token: the rows of one batch, each
+    spanning its pages (an unaligned row touches one page more), at most the table. The rest of the table is clean
+    page cache the kernel may take back at any time. The runtime's embd_charge (zipmoe-llama.cpp) says the same."""
+    if row_bytes <= 0:
+        return embd_bytes
+    return min(embd_bytes, EMBD_BATCH_ROWS * (-(-row_bytes // page) + 1) * page)
+
+
 def model_memory(path: str | os.PathLike[str]) -> ModelMemory:
-    """The runtime's own accounting (zipmoe_llama_configure) for a zipmoe GGUF, from its header and indexes."""
+    """The runtime's own accounting (zipmoe_llama_configure) for a zipmoe GGUF, from its header and indexes, when
+    llama.cpp maps the file (its default): a token embedding with an output matrix of its own is then read a row
+    per token, and charged by embd_charge (loaded without mmap, the runtime charges all of it)."""
     from . import format
 
     zf = format.open_zipmoe(path)
     compressed = {c.name for c in zf.compressed}
     other = sum(t.nbytes for t in zf.source.tensors if t.name not in compressed)
+    by_name = {t.name: t for t in zf.source.tensors}
+    embd, embd_bytes, embd_charged = by_name.get("token_embd.weight"), 0, 0
+    if embd is not None and "output.weight" in by_name:
+        embd_bytes = embd.nbytes
+        embd_charged = embd_charge(embd.nbytes, format.tensor_nbytes(embd.ggml_type, embd.dims[:1]))
+        other += embd_charged - embd_bytes
     return ModelMemory(other_bytes=other, in_flight_bytes=max((c.source.nbytes for c in zf.compressed), default=0),
-                       expert_bytes=sum(c.source.nbytes for c in zf.compressed))
+                       expert_bytes=sum(c.source.nbytes for c in zf.compressed), embd_bytes=embd_bytes,
+                       embd_charged=embd_charged)
 
 
 def check_budget(budget: int, need: ModelMemory) -> None:
@@ -133,6 +165,7 @@ def check_budget(budget: int, need: ModelMemory) -> None:
         mib = 1 << 20
         raise ZipmoeError(
             f"memory budget {budget / mib:.0f} MiB is too small for this model: it needs at least "
-            f"{need.minimum / mib:.0f} MiB ({need.other_bytes / mib:.0f} MiB of weights that are not experts + "
+            f"{need.minimum / mib:.0f} MiB ({need.other_bytes / mib:.0f} MiB of weights that are not experts"
+            f"{need.embd_note} + "
             f"{need.in_flight_bytes / mib:.0f} MiB for the experts of one expert tensor in flight); raise "
             "--memory-budget")

@@ -161,7 +161,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     costs, costs_source = _costs(args, model_path, geometry)
     plan = planner.runtime_plan(planner.cost_model(geometry, costs, counts), budget - need.minimum)
     memory = {"budget": budget, "other_bytes": need.other_bytes, "in_flight_bytes": need.in_flight_bytes,
-              "tier_bytes": budget - need.minimum}
+              "tier_bytes": budget - need.minimum, "embd_bytes": need.embd_bytes, "embd_charged_bytes": need.embd_charged}
     if args.json:
         print(json.dumps({**_to_json(model_path, geometry, costs, costs_source, args.trace, plan), "memory": memory},
                          indent=2))
@@ -169,7 +169,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from .cli import human_size
 
         print(f"memory:       {human_size(budget)} in all = {human_size(need.other_bytes)} of weights that are not "
-              f"experts + {human_size(need.in_flight_bytes)} for one expert tensor's experts in flight + "
+              f"experts{need.embd_note} + {human_size(need.in_flight_bytes)} for one expert tensor's experts in flight + "
               f"{human_size(budget - need.minimum)} for the tiers")
         print(_report(model_path, geometry, costs, costs_source, args.trace, plan))
     return 0

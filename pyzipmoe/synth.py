@@ -101,6 +101,7 @@ class SynthConfig:
     n_ctx: int = 256
     seed: int = 0
     routing: Routing = "uniform"
+    tied_output: bool = False  # no output.weight: llama.cpp then multiplies by token_embd for the logits
 
     def __post_init__(self) -> None:
         problems = list(_config_problems(self))
@@ -361,7 +362,9 @@ def _tensor_plan(c: SynthConfig) -> list[_TensorSpec]:
             _bf16(p + "ffn_up_exps.weight", (c.n_expert, c.n_ff_exp, c.n_embd)),
             _bf16(p + "ffn_down_exps.weight", (c.n_expert, c.n_embd, c.n_ff_exp)),
         ]
-    plan += [_norm("output_norm.weight", c.n_embd), _bf16("output.weight", embd_shape)]
+    plan.append(_norm("output_norm.weight", c.n_embd))
+    if not c.tied_output:
+        plan.append(_bf16("output.weight", embd_shape))
     return plan
 
 

@@ -59,3 +59,15 @@ def test_importing_pyzipmoe_sets_the_spinning_for_this_process(given, expect):
                            "print(json.dumps(os.environ.get('GOMP_SPINCOUNT')))"],
                           env=env, capture_output=True, text=True, check=True)
     assert json.loads(done.stdout) == expect
+
+
+def test_a_token_embedding_is_charged_for_the_pages_of_a_batch_of_rows():
+    """embd_charge: 2048 rows (llama.cpp's default batch), each on the pages it may span, at most the whole table."""
+    from pyzipmoe.budget import embd_charge
+
+    page = 4096
+    assert embd_charge(1 << 30, 2048, page) == 2048 * 2 * page       # a row within a page may cross into the next
+    assert embd_charge(1 << 30, 4096, page) == 2048 * 2 * page
+    assert embd_charge(1 << 30, 5000, page) == 2048 * 3 * page
+    assert embd_charge(10 << 20, 2048, page) == 10 << 20             # a small table: all of it
+    assert embd_charge(1 << 30, 0, page) == 1 << 30                  # no row size: charged whole

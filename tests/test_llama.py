@@ -408,6 +408,44 @@ def test_a_budget_below_the_minimum_is_refused_saying_the_minimum(arch: str, zip
         assert f"too small for this model: it needs at least {mib}" in out.stderr, out.stderr[-2000:]
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["own output", "tied output"])
+def test_a_token_embedding_read_by_rows_is_charged_for_a_batch_of_rows(tied: bool, ours: Path, tmp_path: Path) -> None:
+    """With an output matrix of its own, the mapped token_embd is read a row per token: the budget charges the pages
+    of a batch of rows, not the table. Tied to the output it is read whole, and charged whole. Python and libllama
+    agree to the byte: the minimum loads and generates what the BF16 model does, a byte less is refused."""
+    import mmap
+    from dataclasses import replace
+
+    from pyzipmoe import convert, synth
+    from pyzipmoe.budget import RUNTIME_ENV, embd_charge, model_memory
+
+    simple = _program(ours, "llama-simple")
+    src, packed = tmp_path / "wide.gguf", tmp_path / "wide.zipmoe.gguf"
+    synth.write_config(src, replace(synth.PRESETS["tiny"], n_vocab=16384, n_embd=1024, tied_output=tied))
+    convert.convert(src, packed, threads=2)
+    need, table = model_memory(packed), 16384 * 1024 * 2
+    if tied:
+        assert (need.embd_bytes, need.embd_charged, need.embd_note) == (0, 0, "")
+    else:
+        assert need.embd_bytes == table
+        assert need.embd_charged == embd_charge(table, 2048) == 2048 * 2 * mmap.PAGESIZE < table
+        assert "token_embd: the rows of a batch, 16 MiB of 32 MiB" in need.embd_note
+
+    def generate(model: Path, budget: int | None) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if k not in RUNTIME_ENV}
+        if budget is not None:
+            env["ZIPMOE_MEMORY_BUDGET"] = str(budget)
+        return subprocess.run([str(simple), "-m", str(model), "-n", "6", "the expert"], env=env, capture_output=True,
+                              text=True, timeout=TIMEOUT, check=False)
+
+    reference, fits, short = generate(src, None), generate(packed, need.minimum), generate(packed, need.minimum - 1)
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    assert fits.returncode == 0, fits.stderr[-2000:]
+    assert fits.stdout == reference.stdout
+    assert ("(token_embd: the rows of a batch" in fits.stderr) != tied, fits.stderr[-2000:]
+    assert short.returncode != 0 and "too small for this model: it needs at least" in short.stderr, short.stderr[-2000:]
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_plain_gguf_same_logits_as_stock_build(logits: Callable, stock: Path, arch: str, tiny_models: dict[str, Path],
                                                tmp_path: Path) -> None:
