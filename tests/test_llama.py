@@ -408,6 +408,45 @@ def test_a_budget_below_the_minimum_is_refused_saying_the_minimum(arch: str, zip
         assert f"too small for this model: it needs at least {mib}" in out.stderr, out.stderr[-2000:]
 
 
+RSS_CHILD = """
+import json, re, sys
+from pyzipmoe import Llama
+job = json.loads(sys.argv[1])
+def anon():
+    return int(re.search(r"RssAnon:\\s+(\\d+) kB", open("/proc/self/status").read())[1]) << 10
+llm = Llama(job["model"], n_ctx=512, n_threads=2, verbose=False, memory_budget=job["budget"], hot_share=0.0)
+llm("once", max_tokens=16, temperature=0)
+before, stats0 = anon(), llm.zipmoe_stats()
+for i in range(4):
+    llm(f"story {i}: the expert", max_tokens=48, temperature=0)
+after, stats1 = anon(), llm.zipmoe_stats()
+print(json.dumps({"before": before, "after": after, "misses": stats1["misses"] - stats0["misses"],
+                  "warm": stats1["warm_bytes"]}))
+"""
+
+
+def test_compressed_tiers_give_back_what_they_evict(ours: Path, tmp_path: Path) -> None:
+    """A warm tier that keeps evicting and admitting regions (a hundred KiB each) holds the process's anonymous
+    memory where it was: what a tier gives up goes back to the system. Their blocks from malloc stayed in glibc's
+    heaps and the process grew past its budget (~400 MB at 75% of the 2.8g model)."""
+    from dataclasses import replace
+
+    from pyzipmoe import convert, synth
+    from pyzipmoe.budget import model_memory
+
+    src, packed = tmp_path / "small.gguf", tmp_path / "small.zipmoe.gguf"
+    synth.write_config(src, replace(synth.PRESETS["small"], n_layer=2))
+    convert.convert(src, packed, threads=2)
+    need = model_memory(packed)
+    budget = need.minimum + need.expert_bytes // 3  # compressed, about half of the experts
+    done = subprocess.run([sys.executable, "-c", RSS_CHILD, json.dumps({"model": str(packed), "budget": budget})],
+                          env=worker_env(ours), capture_output=True, text=True, timeout=TIMEOUT, check=False)
+    assert done.returncode == 0, _tail(done.stderr)
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["misses"] > 200 and got["warm"] > need.expert_bytes // 4, got  # the tier was full and churned
+    assert got["after"] - got["before"] < 4 << 20, got  # 1.1 MiB here (the context's own), 5.4 from malloc
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["own output", "tied output"])
 def test_a_token_embedding_read_by_rows_is_charged_for_a_batch_of_rows(tied: bool, ours: Path, tmp_path: Path) -> None:
     """With an output matrix of its own, the mapped token_embd is read a row per token: the budget charges the pages
