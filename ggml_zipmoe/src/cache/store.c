@@ -436,6 +436,14 @@ void zipmoe_cache_set_read_buffer(uint64_t bytes) {
     atomic_store(&g_read_buffer, bytes < ZIPMOE_DIRECT_ALIGN ? ZIPMOE_DIRECT_ALIGN : (size_t) bytes);
 }
 
+static void read_buffer_free(uint8_t ** data, size_t * cap) {
+    if (*data) {
+        munmap(*data, *cap);
+    }
+    *data = NULL;
+    *cap  = 0;
+}
+
 /* Makes *data (a read buffer, aligned for O_DIRECT) fit need: grown when smaller, given back when a need fits
  * STAGE_KEEP again after a prompt's larger one; never smaller than STAGE_KEEP, so that generation does not
  * regrow it (and fault in fresh pages) for every larger token. *cap is 0 if the allocation failed. */
@@ -443,11 +451,12 @@ static void read_buffer_fit(uint8_t ** data, size_t * cap, size_t need) {
     if (*cap >= need && !(*cap > STAGE_KEEP && need <= STAGE_KEEP)) {
         return;
     }
-    free(*data);
-    void *       p    = NULL;
+    read_buffer_free(data, cap);
     const size_t size = need > STAGE_KEEP ? need : STAGE_KEEP;
-    *data             = posix_memalign(&p, ZIPMOE_DIRECT_ALIGN, size) == 0 ? p : NULL;
-    *cap              = *data ? size : 0;
+    /* a mapping (page-aligned, as O_DIRECT wants): from malloc, a large block given back could stay in its heap */
+    void * p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    *data    = p == MAP_FAILED ? NULL : (uint8_t *) p;
+    *cap     = *data ? size : 0;
 }
 
 static pthread_mutex_t g_pf_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -1302,9 +1311,7 @@ static uint8_t * staging_take(const zipmoe_store * s, size_t need) {
 static void staging_trim(size_t need) {
     pthread_mutex_lock(&g_stage_mu);
     if (!g_stage_owner && g_stage_cap > STAGE_KEEP && need <= STAGE_KEEP) {
-        free(g_stage);
-        g_stage     = NULL;
-        g_stage_cap = 0;
+        read_buffer_free(&g_stage, &g_stage_cap);
         atomic_store(&g_stage_cap_bytes, 0);
     }
     pthread_mutex_unlock(&g_stage_mu);
