@@ -5,9 +5,10 @@ The runtime in libllama reads ZIPMOE_MEMORY_BUDGET (bytes), ZIPMOE_HOT_SHARE and
 loads (ggml_zipmoe/src/op/zipmoe-llama.cpp); this module validates what a user gives before it gets there.
 
 A budget covers everything the model keeps resident: its weights that are not experts (read through llama.cpp's
-mmap; a token embedding read a row per token only for the rows of a batch, embd_charge), the experts of the expert tensor in flight (decoded whatever the budget, since its matmul needs them; a
-prompt may route to all of them) and the cache tiers, which get the rest. `model_memory` gives the first two, whose
-sum is the smallest budget that works.
+mmap; a token embedding read a row per token only for the rows of a batch, embd_charge), the experts of the
+expert tensor in flight (decoded whatever the budget, since its matmul needs them; a prompt may route to all of
+them) and the cache tiers, which get the rest. `model_memory` gives the first two, whose sum is the smallest
+budget that works.
 """
 
 from __future__ import annotations
@@ -116,11 +117,11 @@ class ModelMemory:
 
     @property
     def embd_note(self) -> str:
-        """" (token_embd: ...)" where the token embedding is charged for fewer bytes than it has, as the runtime says."""
+        """What the runtime's messages add where the token embedding is charged for fewer bytes than it has."""
         if self.embd_charged >= self.embd_bytes:
             return ""
-        mib = 1 << 20
-        return f" (token_embd: the rows of a batch, {self.embd_charged / mib:.0f} MiB of {self.embd_bytes / mib:.0f} MiB)"
+        charged, whole = self.embd_charged / (1 << 20), self.embd_bytes / (1 << 20)
+        return f" (token_embd: the rows of a batch, {charged:.0f} MiB of {whole:.0f} MiB)"
 
     @property
     def minimum(self) -> int:
@@ -139,10 +140,10 @@ def embd_charge(embd_bytes: int, row_bytes: int, page: int = mmap.PAGESIZE) -> i
     return min(embd_bytes, EMBD_BATCH_ROWS * (-(-row_bytes // page) + 1) * page)
 
 
-def model_memory(path: str | os.PathLike[str]) -> ModelMemory:
-    """The runtime's own accounting (zipmoe_llama_configure) for a zipmoe GGUF, from its header and indexes, when
-    llama.cpp maps the file (its default): a token embedding with an output matrix of its own is then read a row
-    per token, and charged by embd_charge (loaded without mmap, the runtime charges all of it)."""
+def model_memory(path: str | os.PathLike[str], *, mapped: bool = True) -> ModelMemory:
+    """The runtime's own accounting (zipmoe_llama_configure) for a zipmoe GGUF, from its header and indexes.
+    mapped: llama.cpp maps the file without locking it (its default), so that a token embedding with an output
+    matrix of its own is read a row per token and charged by embd_charge; else it is charged whole."""
     from . import format
 
     zf = format.open_zipmoe(path)
@@ -150,7 +151,7 @@ def model_memory(path: str | os.PathLike[str]) -> ModelMemory:
     other = sum(t.nbytes for t in zf.source.tensors if t.name not in compressed)
     by_name = {t.name: t for t in zf.source.tensors}
     embd, embd_bytes, embd_charged = by_name.get("token_embd.weight"), 0, 0
-    if embd is not None and "output.weight" in by_name:
+    if mapped and embd is not None and "output.weight" in by_name:
         embd_bytes = embd.nbytes
         embd_charged = embd_charge(embd.nbytes, format.tensor_nbytes(embd.ggml_type, embd.dims[:1]))
         other += embd_charged - embd_bytes

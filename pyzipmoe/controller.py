@@ -95,7 +95,7 @@ def planner_by_default(model_path: str | os.PathLike[str], *, budget: str | int 
 def runtime_environment(model_path: str | os.PathLike[str], *, budget: str | int | None = None,
                         policy: str | None = None, hot_share: float | None = None, sm_share: float | None = None,
                         use_planner: bool = False, trace: str | os.PathLike[str] | None = None,
-                        is_zipmoe: bool = True, plan: str | None = None) -> dict[str, str]:
+                        is_zipmoe: bool = True, plan: str | None = None, mapped: bool = True) -> dict[str, str]:
     """The runtime's environment for one model. The runtime splits the budget by the shares (hot_share of what
     the tiers get decoded, default all; sm_share as sign+mantissa planes; the rest compressed), or the planner
     splits it per layer (use_planner, without shares), or `plan` (as `zipmoe plan` prints it) gives the slots.
@@ -106,7 +106,7 @@ def runtime_environment(model_path: str | os.PathLike[str], *, budget: str | int
     runtime's routing log holds enough of them."""
     if budget is None or not is_zipmoe:
         return cache_environment(budget if is_zipmoe else None, policy, hot_share, sm_share)
-    need = model_memory(model_path)
+    need = model_memory(model_path, mapped=mapped)
     nbytes = parse_budget(budget, model_bytes=need.minimum + need.expert_bytes) if str(budget) == AUTO \
         else parse_budget(budget)
     check_budget(nbytes, need)
@@ -294,10 +294,10 @@ class MemoryMonitor:
 
 
 def monitor_for(model_path: str | os.PathLike[str], budget: str | int, *, trace: str | os.PathLike[str] | None = None,
-                **kwargs: Any) -> MemoryMonitor:
+                mapped: bool = True, **kwargs: Any) -> MemoryMonitor:
     """A monitor for a model loaded with `runtime_environment(model_path, budget=budget, ...)`: "auto" may grow
-    up to the model's size, a fixed budget is also the ceiling."""
-    need = model_memory(model_path)
+    up to the model's size, a fixed budget is also the ceiling. mapped: as model_memory."""
+    need = model_memory(model_path, mapped=mapped)
     full = need.minimum + need.expert_bytes
     nbytes = parse_budget(budget, model_bytes=full) if str(budget) == AUTO else parse_budget(budget)
     planned = plan_model(Path(model_path), nbytes, trace=trace, need=need)

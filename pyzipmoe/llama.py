@@ -312,9 +312,11 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
         if planner is None:
             planner = planner_by_default(model_path, budget=memory_budget, hot_share=hot_share, sm_share=sm_share,
                                          plan=plan, is_zipmoe=self.is_zipmoe)
+        # llama-cpp-python maps the file unless told otherwise (or given a LoRA): the runtime's accounting differs
+        mapped = kwargs.get("use_mmap", True) and not kwargs.get("use_mlock", False) and not kwargs.get("lora_path")
         cache_env = runtime_environment(model_path, budget=memory_budget, policy=cache_policy, hot_share=hot_share,
                                         sm_share=sm_share, trace=trace, is_zipmoe=self.is_zipmoe, plan=plan,
-                                        use_planner=planner)
+                                        use_planner=planner, mapped=mapped)
         if prefill is not None:
             cache_env[PREFILL_ENV] = "1" if prefill else "0"
         mark = _error_log.mark()
@@ -336,7 +338,7 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
             hot = hot_share if hot_share is not None else 1.0 - sm
             split = None if use_planner else (hot, max(0.0, 1.0 - hot - sm), sm)
             self.zipmoe_monitor = monitor_for(model_path, memory_budget, trace=trace, split=split,
-                                              policy=cache_policy).start()
+                                              policy=cache_policy, mapped=mapped).start()
             self._stack.callback(self.zipmoe_monitor.stop)
 
     def _load_error(self, path: str, e: Exception, logged: str) -> ZipmoeLoadError:

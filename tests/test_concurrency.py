@@ -96,8 +96,8 @@ def lib_dir(llama_lib_dir: Path) -> Path:
     return llama_lib_dir
 
 
-def _start(lib_dir: Path, **job: object) -> subprocess.Popen:
-    env = dict(os.environ, LLAMA_CPP_LIB_PATH=str(lib_dir), OMP_NUM_THREADS=str(job.get("threads", 1)))
+def _start(lib_dir: Path, env: dict[str, str] | None = None, **job: object) -> subprocess.Popen:
+    env = dict(os.environ, LLAMA_CPP_LIB_PATH=str(lib_dir), OMP_NUM_THREADS=str(job.get("threads", 1)), **(env or {}))
     return subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(job)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -122,6 +122,21 @@ def test_two_instances_and_threads_match_one_instance(lib_dir: Path, zipmoe_mode
     # each instance has its own stores, and decoded exactly the experts a single instance decodes
     assert res["loaded"]["stores"] == 2 * single["stats"]["stores"]
     assert res["stats"]["resident"] == 2 * single["stats"]["resident"]
+
+
+def test_two_instances_under_a_budget_take_turns(lib_dir: Path, zipmoe_model: Path, single: dict) -> None:
+    """Under a budget a store's plan evicts what the other stores decoded beyond their limits, another model's too,
+    and decodes over their places. Two instances computing from two threads at once take turns a graph at a time
+    (zipmoe_llama_compute_turn), so every matmul reads what its own op decoded: the tokens and logits of one
+    instance without a budget."""
+    from pyzipmoe.budget import model_memory
+
+    budget = model_memory(zipmoe_model).minimum + (16 << 10)  # tiers of a few experts: every token evicts
+    res = _result(_start(lib_dir, env={"ZIPMOE_MEMORY_BUDGET": str(budget), "ZIPMOE_PREFILL": "0"}, mode="two",
+                         model=str(zipmoe_model), threads=2, rounds=8))
+    (expected,) = single["runs"]
+    for i, run in enumerate(res["runs"]):
+        assert run == expected, f"run {i} differs from a single instance's"
 
 
 def test_two_processes_sharing_the_file_match_one(lib_dir: Path, zipmoe_model: Path, single: dict) -> None:

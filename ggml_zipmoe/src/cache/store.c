@@ -620,7 +620,8 @@ static uint64_t region_size(const zipmoe_store * s, int64_t e) {
  * and allocate in turn stayed in glibc's heaps: with a warm tier at 75% of the 2.8g model the process grew
  * ~400 MB past its budget and the page cache of the other weights thrashed (19 GB read for 32 tokens). */
 static uint8_t * region_alloc(uint64_t size) {
-    void * p = mmap(NULL, (size_t) size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    /* not populated: the pages fault in where the bytes are written (mostly the reader's pread), not under s->mu */
+    void * p = mmap(NULL, (size_t) size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     return p == MAP_FAILED ? NULL : (uint8_t *) p;
 }
 
@@ -1359,7 +1360,7 @@ static int use_prefetched(zipmoe_store * s, plan_item * it) {
         it->codes = x->region;
     } else if (x->res == RES_SM) {
         if (it->read_sm) {
-            memcpy(x->region, bytes, (size_t) span.exp_offset); /* from == 0 */
+            memcpy(x->region, bytes, (size_t) s->sm_size); /* from == 0; the plane, not its padding to the codes */
         }
         it->sm         = x->region;
         it->codes      = bytes;
@@ -1448,7 +1449,7 @@ static void schedule_reads(zipmoe_store * s) {
             it->codes = x->region;
         } else if (x->res == RES_SM) { /* the plane into the sm region if it is not there yet, the codes staged */
             if (it->read_sm) {
-                item->seg[item->n_seg++] = (zipmoe_read_seg) { span.offset, span.exp_offset, x->region, 0 };
+                item->seg[item->n_seg++] = (zipmoe_read_seg) { span.offset, s->sm_size, x->region, 0 }; /* no padding */
             }
             const size_t pad         = direct_pad(s, span.offset + span.exp_offset);
             item->seg[item->n_seg++] = (zipmoe_read_seg) { span.offset + span.exp_offset, codes_size, stage + used + pad, 1 };

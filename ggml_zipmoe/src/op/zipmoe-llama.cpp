@@ -242,10 +242,9 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
             hot       = grown;
         }
         info = "zipmoe: memory budget " + mib(budget) + ": " + mib(other_bytes) + " weights that are not experts" +
-               embd_note + ", " +
-               mib(in_flight) + " for one expert tensor in flight beyond its decoded experts, cache tiers " +
-               mib(hot) + " decoded, " + mib(warm) + " compressed, " + mib(sm) + " sign+mantissa (experts " + mib(experts) +
-               " in BF16)";
+               embd_note + ", " + mib(in_flight) + " for one expert tensor in flight beyond its decoded experts, " +
+               "cache tiers " + mib(hot) + " decoded, " + mib(warm) + " compressed, " + mib(sm) +
+               " sign+mantissa (experts " + mib(experts) + " in BF16)";
     } else {
         info = "zipmoe: no memory budget: decoded experts are kept (set ZIPMOE_MEMORY_BUDGET or --memory-budget)";
     }
@@ -592,6 +591,21 @@ static bool check_graph_order(const ggml_cgraph * gf, std::string & msg) {
         }
     }
     return true;
+}
+
+std::unique_lock<std::mutex> zipmoe_llama_compute_turn(const ggml_cgraph * gf) {
+    static std::mutex turn;
+    if (g_registry_size.load(std::memory_order_relaxed) == 0) {
+        return {};
+    }
+    for (int i = 0; i < ggml_graph_n_nodes(const_cast<ggml_cgraph *>(gf)); i++) {
+        const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(gf), i);
+        if ((node->op == GGML_OP_MAP_CUSTOM2 || node->op == GGML_OP_MAP_CUSTOM3) && node->src[1] &&
+            zipmoe_llama_find(node->src[1])) {
+            return std::unique_lock<std::mutex>(turn);
+        }
+    }
+    return {};
 }
 
 bool zipmoe_llama_take_error(const ggml_cgraph * gf, std::string & msg) {

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 
 struct zipmoe_llama_tensor; // one compressed expert tensor: its store and its ggml buffer
@@ -45,6 +46,11 @@ zipmoe_llama_tensor * zipmoe_llama_find(const ggml_tensor * w);
 // token to every expert) nothing is decoded and ids is returned as it is.
 ggml_tensor * zipmoe_llama_build(ggml_context * ctx, zipmoe_llama_tensor * zt, ggml_tensor * ids,
                                  ggml_tensor * w, bool warmup);
+
+// Held while graph gf computes, if it has zipmoe experts: such graphs compute one at a time in a process. A
+// store's plan evicts what other stores decoded beyond their limits (and decodes over their places), which is
+// safe only once their matmuls ran: true within a graph (check_graph_order), not across two computing at once.
+std::unique_lock<std::mutex> zipmoe_llama_compute_turn(const ggml_cgraph * gf);
 
 // The first decoding error of the zipmoe ops of graph gf since its last compute (a damaged chunk, say);
 // false if none.
