@@ -593,15 +593,19 @@ static bool check_graph_order(const ggml_cgraph * gf, std::string & msg) {
     return true;
 }
 
+// The zipmoe tensor a graph node materialises, or nullptr.
+static zipmoe_llama_tensor * materialised_by(const ggml_tensor * node) {
+    const bool custom = node->op == GGML_OP_MAP_CUSTOM2 || node->op == GGML_OP_MAP_CUSTOM3;
+    return custom && node->src[1] ? zipmoe_llama_find(node->src[1]) : nullptr;
+}
+
 std::unique_lock<std::mutex> zipmoe_llama_compute_turn(const ggml_cgraph * gf) {
     static std::mutex turn;
     if (g_registry_size.load(std::memory_order_relaxed) == 0) {
         return {};
     }
     for (int i = 0; i < ggml_graph_n_nodes(const_cast<ggml_cgraph *>(gf)); i++) {
-        const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(gf), i);
-        if ((node->op == GGML_OP_MAP_CUSTOM2 || node->op == GGML_OP_MAP_CUSTOM3) && node->src[1] &&
-            zipmoe_llama_find(node->src[1])) {
+        if (materialised_by(ggml_graph_node(const_cast<ggml_cgraph *>(gf), i))) {
             return std::unique_lock<std::mutex>(turn);
         }
     }
@@ -615,11 +619,7 @@ bool zipmoe_llama_take_error(const ggml_cgraph * gf, std::string & msg) {
     // exactly the stores this graph materialised: another model's errors are its own graph's to report
     bool failed = !check_graph_order(gf, msg);
     for (int i = 0; i < ggml_graph_n_nodes(const_cast<ggml_cgraph *>(gf)); i++) {
-        const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(gf), i);
-        if ((node->op != GGML_OP_MAP_CUSTOM2 && node->op != GGML_OP_MAP_CUSTOM3) || !node->src[1]) {
-            continue;
-        }
-        if (zipmoe_llama_tensor * zt = zipmoe_llama_find(node->src[1])) {
+        if (zipmoe_llama_tensor * zt = materialised_by(ggml_graph_node(const_cast<ggml_cgraph *>(gf), i))) {
             char buf[256];
             if (zipmoe_store_take_error(zt->store, buf, sizeof buf) != ZIPMOE_OK && !failed) {
                 msg    = buf;
