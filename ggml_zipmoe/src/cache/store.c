@@ -436,10 +436,24 @@ void zipmoe_cache_set_read_buffer(uint64_t bytes) {
     atomic_store(&g_read_buffer, bytes < ZIPMOE_DIRECT_ALIGN ? ZIPMOE_DIRECT_ALIGN : (size_t) bytes);
 }
 
-static void read_buffer_free(uint8_t ** data, size_t * cap) {
-    if (*data) {
-        munmap(*data, *cap);
+/* A compressed tier's copy of an expert (its region, or its sign+mantissa plane) and a read buffer are mappings
+ * of their own, so that what is given up goes back to the system at once (page-aligned, as O_DIRECT wants). From
+ * malloc, the ~2 MB blocks that threads free and allocate in turn stayed in glibc's heaps: with a warm tier at 75% of the 2.8g model the process grew
+ * ~400 MB past its budget and the page cache of the other weights thrashed (19 GB read for 32 tokens). */
+static uint8_t * region_alloc(uint64_t size) {
+    /* not populated: the pages fault in where the bytes are written (mostly the reader's pread), not under s->mu */
+    void * p = mmap(NULL, (size_t) size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? NULL : (uint8_t *) p;
+}
+
+static void region_free(uint8_t * p, uint64_t size) {
+    if (p) {
+        munmap(p, (size_t) size);
     }
+}
+
+static void read_buffer_free(uint8_t ** data, size_t * cap) {
+    region_free(*data, *cap);
     *data = NULL;
     *cap  = 0;
 }
@@ -453,10 +467,8 @@ static void read_buffer_fit(uint8_t ** data, size_t * cap, size_t need) {
     }
     read_buffer_free(data, cap);
     const size_t size = need > STAGE_KEEP ? need : STAGE_KEEP;
-    /* a mapping (page-aligned, as O_DIRECT wants): from malloc, a large block given back could stay in its heap */
-    void * p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    *data    = p == MAP_FAILED ? NULL : (uint8_t *) p;
-    *cap     = *data ? size : 0;
+    *data             = region_alloc(size);
+    *cap              = *data ? size : 0;
 }
 
 static pthread_mutex_t g_pf_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -613,22 +625,6 @@ static uint64_t region_size(const zipmoe_store * s, int64_t e) {
     zipmoe_expert_span span;
     zipmoe_tensor_expert_span(s->tensor, e, &span);
     return span.size;
-}
-
-/* A compressed tier's copy of an expert (its region, or its sign+mantissa plane) is a mapping of its own, so
- * that what a tier gives up goes back to the system at once. From malloc, the ~2 MB blocks that threads free
- * and allocate in turn stayed in glibc's heaps: with a warm tier at 75% of the 2.8g model the process grew
- * ~400 MB past its budget and the page cache of the other weights thrashed (19 GB read for 32 tokens). */
-static uint8_t * region_alloc(uint64_t size) {
-    /* not populated: the pages fault in where the bytes are written (mostly the reader's pread), not under s->mu */
-    void * p = mmap(NULL, (size_t) size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    return p == MAP_FAILED ? NULL : (uint8_t *) p;
-}
-
-static void region_free(uint8_t * p, uint64_t size) {
-    if (p) {
-        munmap(p, (size_t) size);
-    }
 }
 
 /* The region at p, of old bytes, with size bytes, the first min(old, size) kept; NULL (p unchanged) if it
