@@ -28,6 +28,8 @@ int zipmoe_simd_level(void);
 void zipmoe_split_bf16(const uint16_t * src, size_t n, uint8_t * exp, uint8_t * sm);
 void zipmoe_merge_bf16(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst);
 void zipmoe_split_bf16_scalar(const uint16_t * src, size_t n, uint8_t * exp, uint8_t * sm);
+void zipmoe_split_sm_bf16(const uint16_t * src, size_t n, uint8_t * sm);
+void zipmoe_split_sm_bf16_scalar(const uint16_t * src, size_t n, uint8_t * sm);
 void zipmoe_merge_bf16_scalar(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst);
 void zipmoe_exponent_histogram(const uint16_t * src, size_t n, uint64_t hist[256]);
 uint64_t zipmoe_checksum(const void * data, size_t size, uint64_t seed);

@@ -61,6 +61,15 @@ def split_bf16(values: np.ndarray, *, scalar: bool = False) -> tuple[np.ndarray,
     return exp, sm
 
 
+def split_sm_bf16(values: np.ndarray, *, scalar: bool = False) -> np.ndarray:
+    """The sign+mantissa plane of BF16 bits alone (what an expert leaving the hot tier keeps)."""
+    src = _u16(values)
+    sm = np.empty(src.size, np.uint8)
+    fn = lib.zipmoe_split_sm_bf16_scalar if scalar else lib.zipmoe_split_sm_bf16
+    fn(_ptr(src, "uint16_t *"), src.size, _ptr(sm, "uint8_t *"))
+    return sm
+
+
 def merge_bf16(exp: np.ndarray, sm: np.ndarray, *, scalar: bool = False) -> np.ndarray:
     if exp.shape != sm.shape or exp.dtype != np.uint8 or sm.dtype != np.uint8:
         raise ValueError("exponent and sign+mantissa planes must be uint8 arrays of one shape")

@@ -68,6 +68,9 @@ def test_split_merge_all_bit_patterns_scalar_and_simd_agree():
     np.testing.assert_array_equal(exp_s, exp_v)
     np.testing.assert_array_equal(sm_s, sm_v)
     np.testing.assert_array_equal(exp_s, (ALL_BF16 >> 7) & 0xFF)
+    np.testing.assert_array_equal(sm_s, ((ALL_BF16 >> 8) & 0x80) | (ALL_BF16 & 0x7F))
+    np.testing.assert_array_equal(codec.split_sm_bf16(ALL_BF16, scalar=True), sm_s)
+    np.testing.assert_array_equal(codec.split_sm_bf16(ALL_BF16), sm_s)
     np.testing.assert_array_equal(codec.merge_bf16(exp_s, sm_s, scalar=True), ALL_BF16)
     np.testing.assert_array_equal(codec.merge_bf16(exp_s, sm_s), ALL_BF16)
 
@@ -80,6 +83,8 @@ def test_simd_matches_scalar_at_every_length_and_alignment(n, offset):
     exp_v, sm_v = codec.split_bf16(values)
     np.testing.assert_array_equal(exp_s, exp_v)
     np.testing.assert_array_equal(sm_s, sm_v)
+    np.testing.assert_array_equal(codec.split_sm_bf16(values, scalar=True), sm_s)
+    np.testing.assert_array_equal(codec.split_sm_bf16(values), sm_s)
     np.testing.assert_array_equal(codec.merge_bf16(exp_v, sm_v), values)
     np.testing.assert_array_equal(codec.merge_bf16(exp_v, sm_v, scalar=True), values)
 

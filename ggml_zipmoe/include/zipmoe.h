@@ -69,8 +69,11 @@ ZIPMOE_API int zipmoe_simd_level(void);
 /* bf16 -> exponent plane (bits 14..7) and sign+mantissa plane (bit 15 -> bit 7, bits 6..0). */
 ZIPMOE_API void zipmoe_split_bf16(const uint16_t * src, size_t n, uint8_t * exp, uint8_t * sm);
 ZIPMOE_API void zipmoe_merge_bf16(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst);
+/* The sign+mantissa plane alone: what a decoded expert keeps when it leaves the hot tier for the sm one. */
+ZIPMOE_API void zipmoe_split_sm_bf16(const uint16_t * src, size_t n, uint8_t * sm);
 /* The portable reference versions the SIMD ones are tested against. */
 ZIPMOE_API void zipmoe_split_bf16_scalar(const uint16_t * src, size_t n, uint8_t * exp, uint8_t * sm);
+ZIPMOE_API void zipmoe_split_sm_bf16_scalar(const uint16_t * src, size_t n, uint8_t * sm);
 ZIPMOE_API void zipmoe_merge_bf16_scalar(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst);
 
 /* Histogram of the exponent bytes of n BF16 values, added to hist[256]. */

@@ -63,6 +63,7 @@ int zipmoe_cpu_has_avx2(void);
 
 /* split_avx2.c: only called when the CPU has AVX2 */
 void zipmoe_split_bf16_avx2(const uint16_t * src, size_t n, uint8_t * exp, uint8_t * sm);
+void zipmoe_split_sm_bf16_avx2(const uint16_t * src, size_t n, uint8_t * sm);
 void zipmoe_merge_bf16_avx2(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst);
 
 /* codec.c: the chunk checksum over both planes (docs/FORMAT.md) */

@@ -987,10 +987,7 @@ static int64_t evict_hot(zipmoe_store * s, int64_t e, int keep_pages) {
     if (x->res == RES_NONE && s->sm_limit > 0 && make_room(s, TIER_SM, s->sm_size, worth, e)) {
         uint8_t * sm = region_alloc(s->sm_size);
         if (sm) {
-            const uint16_t * v = place_addr(s, x->place);
-            for (int64_t i = 0; i < s->info.n_per_expert; i++) {
-                sm[i] = (uint8_t) (((v[i] >> 8) & 0x80) | (v[i] & 0x7f)); /* as zipmoe_split_bf16 */
-            }
+            zipmoe_split_sm_bf16(place_addr(s, x->place), (size_t) s->info.n_per_expert, sm);
             x->region = sm;
             x->res    = RES_SM;
             x->admitted_res = atomic_load(&g_tick);

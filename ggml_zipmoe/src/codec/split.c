@@ -9,6 +9,12 @@ void zipmoe_split_bf16_scalar(const uint16_t * src, size_t n, uint8_t * exp, uin
     }
 }
 
+void zipmoe_split_sm_bf16_scalar(const uint16_t * src, size_t n, uint8_t * sm) {
+    for (size_t i = 0; i < n; i++) {
+        sm[i] = (uint8_t) (((src[i] >> 8) & 0x80) | (src[i] & 0x7f));
+    }
+}
+
 void zipmoe_merge_bf16_scalar(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst) {
     for (size_t i = 0; i < n; i++) {
         dst[i] = (uint16_t) (((sm[i] & 0x80u) << 8) | ((unsigned) exp[i] << 7) | (sm[i] & 0x7fu));
@@ -38,6 +44,16 @@ void zipmoe_split_bf16(const uint16_t * src, size_t n, uint8_t * exp, uint8_t * 
     }
 #endif
     zipmoe_split_bf16_scalar(src, n, exp, sm);
+}
+
+void zipmoe_split_sm_bf16(const uint16_t * src, size_t n, uint8_t * sm) {
+#if defined(ZIPMOE_HAVE_AVX2)
+    if (zipmoe_cpu_has_avx2()) {
+        zipmoe_split_sm_bf16_avx2(src, n, sm);
+        return;
+    }
+#endif
+    zipmoe_split_sm_bf16_scalar(src, n, sm);
 }
 
 void zipmoe_merge_bf16(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst) {

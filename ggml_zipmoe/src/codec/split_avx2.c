@@ -3,25 +3,39 @@
 
 #include <immintrin.h>
 
+/* 16 values -> their sign+mantissa bytes, one per 16-bit lane */
+static inline __m256i sm_lanes(__m256i v) {
+    return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 8), _mm256_set1_epi16(0x0080)),
+                           _mm256_and_si256(v, _mm256_set1_epi16(0x007f)));
+}
+
+/* two vectors of 16-bit lanes -> 32 bytes in order (packus works per 128-bit lane: a 64-bit permute fixes it) */
+static inline __m256i pack_lanes(__m256i a, __m256i b) {
+    return _mm256_permute4x64_epi64(_mm256_packus_epi16(a, b), 0xd8);
+}
+
 void zipmoe_split_bf16_avx2(const uint16_t * src, size_t n, uint8_t * exp, uint8_t * sm) {
-    const __m256i lo8  = _mm256_set1_epi16(0x00ff);
-    const __m256i m7f  = _mm256_set1_epi16(0x007f);
-    const __m256i m80  = _mm256_set1_epi16(0x0080);
+    const __m256i lo8 = _mm256_set1_epi16(0x00ff);
     size_t i = 0;
     for (; i + 32 <= n; i += 32) {
         const __m256i a = _mm256_loadu_si256((const __m256i *) (src + i));
         const __m256i b = _mm256_loadu_si256((const __m256i *) (src + i + 16));
-        const __m256i ea = _mm256_and_si256(_mm256_srli_epi16(a, 7), lo8);
-        const __m256i eb = _mm256_and_si256(_mm256_srli_epi16(b, 7), lo8);
-        const __m256i sa = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 8), m80), _mm256_and_si256(a, m7f));
-        const __m256i sb = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 8), m80), _mm256_and_si256(b, m7f));
-        /* packus works per 128-bit lane: fix the order with a 64-bit permute */
-        const __m256i e = _mm256_permute4x64_epi64(_mm256_packus_epi16(ea, eb), 0xd8);
-        const __m256i s = _mm256_permute4x64_epi64(_mm256_packus_epi16(sa, sb), 0xd8);
+        const __m256i e = pack_lanes(_mm256_and_si256(_mm256_srli_epi16(a, 7), lo8),
+                                     _mm256_and_si256(_mm256_srli_epi16(b, 7), lo8));
         _mm256_storeu_si256((__m256i *) (exp + i), e);
-        _mm256_storeu_si256((__m256i *) (sm + i), s);
+        _mm256_storeu_si256((__m256i *) (sm + i), pack_lanes(sm_lanes(a), sm_lanes(b)));
     }
     zipmoe_split_bf16_scalar(src + i, n - i, exp + i, sm + i);
+}
+
+void zipmoe_split_sm_bf16_avx2(const uint16_t * src, size_t n, uint8_t * sm) {
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *) (src + i));
+        const __m256i b = _mm256_loadu_si256((const __m256i *) (src + i + 16));
+        _mm256_storeu_si256((__m256i *) (sm + i), pack_lanes(sm_lanes(a), sm_lanes(b)));
+    }
+    zipmoe_split_sm_bf16_scalar(src + i, n - i, sm + i);
 }
 
 void zipmoe_merge_bf16_avx2(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst) {
