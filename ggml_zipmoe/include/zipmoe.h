@@ -197,7 +197,8 @@ typedef enum {
 
 /* The budgets of every store of the process, per tier (UINT64_MAX: unbounded): hot_bytes of decoded
  * experts, warm_bytes of whole compressed regions and sm_bytes of sign+mantissa planes kept in RAM,
- * shared out among stores in proportion to their BF16 size; and the eviction policy. hot_bytes = 0
+ * shared out among stores in proportion to their BF16 size (the hot tier in whole experts, what a share
+ * holds beyond them going on to the next store); and the eviction policy. hot_bytes = 0
  * decodes on every use. The experts the expert tensor in flight routes to are decoded whatever the budget
  * (zipmoe_stats reports the peak). May be called at any time: stores shrink or grow their tiers at
  * their next invocation. Defaults: hot unbounded, warm and sm 0, token-weighted LFU. */

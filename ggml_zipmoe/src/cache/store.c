@@ -143,6 +143,7 @@ struct zipmoe_store {
     _Atomic uint64_t route_n;     /* entries written, ever: entry i lies at i % ROUTE_RING */
     uint64_t        hot_used, warm_used, sm_used;
     uint64_t        hot_limit, warm_limit, sm_limit; /* refreshed when the configuration changes */
+    int64_t         hot_slots;   /* under g_cfg_mu: its whole experts of the hot budget (share_hot_slots); -1: none */
     _Atomic uint64_t cfg_gen;
     zipmoe_policy   policy;
     int             use_slots;   /* decode into memfd slots (slots.c): the hot tier cannot hold every expert */
@@ -187,17 +188,64 @@ static pthread_mutex_t g_list_mu = PTHREAD_MUTEX_INITIALIZER; /* the open stores
 static zipmoe_store *  g_list;
 static _Atomic(zipmoe_store *) g_last_planned; /* the store that planned last: learns the graph's order */
 
+/* A store's share of a budget, in proportion to its BF16 size. */
+static uint64_t quota(const zipmoe_store * s, uint64_t budget) {
+    if (budget == UINT64_MAX) {
+        return UINT64_MAX;
+    }
+    const uint64_t total = atomic_load(&g_bf16_total);
+    const uint64_t mine  = (uint64_t) s->info.n_expert * s->hot_size;
+    return total ? (uint64_t) ((double) budget * (double) mine / (double) total) : 0;
+}
+
+/* Under g_cfg_mu: the planner's rule for a store (the longest matching prefix), or NULL. */
+static const slot_rule * find_rule(const char * name) {
+    const slot_rule * rule = NULL;
+    size_t            best = 0;
+    for (int i = 0; i < g_n_rules; i++) {
+        const size_t len = strlen(g_rules[i].prefix);
+        if (len >= best && strncmp(name, g_rules[i].prefix, len) == 0) {
+            rule = &g_rules[i];
+            best = len;
+        }
+    }
+    return rule;
+}
+
+/* Under g_list_mu and g_cfg_mu (in that order), whenever the budget, the rules or the open stores change: each
+ * store that no rule sets gets the whole experts of its share of the hot budget, and what its share holds beyond
+ * them goes on to the next store in the list. Rounded down store by store, every share would leave up to one
+ * expert's bytes unused: 0.97 of an expert on each of the 24 stores of the 2.8g model at 75%, whose LFU caches
+ * of 20 slots miss 10% more often than of 21 (its routing log, simulated). The total stays within the budget. */
+static void share_hot_slots(void) {
+    uint64_t carry = 0;
+    for (zipmoe_store * o = g_list; o; o = o->next) {
+        o->hot_slots = -1;
+        if (g_hot_budget == UINT64_MAX || o->hot_size == 0 || find_rule(o->name)) {
+            continue;
+        }
+        const uint64_t share = quota(o, g_hot_budget) + carry;
+        const uint64_t slots = share / o->hot_size < (uint64_t) o->info.n_expert ? share / o->hot_size
+                                                                                 : (uint64_t) o->info.n_expert;
+        o->hot_slots = (int64_t) slots;
+        carry        = share - slots * o->hot_size;
+    }
+}
+
 int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, uint64_t sm_bytes, zipmoe_policy policy) {
     if (policy < ZIPMOE_POLICY_TOKEN_LFU || policy > ZIPMOE_POLICY_FIFO) {
         return ZIPMOE_ERR_ARG;
     }
+    pthread_mutex_lock(&g_list_mu);
     pthread_mutex_lock(&g_cfg_mu);
     g_hot_budget  = hot_bytes;
     g_warm_budget = warm_bytes;
     g_sm_budget   = sm_bytes;
     g_policy      = policy;
+    share_hot_slots();
     atomic_fetch_add(&g_cfg_gen, 1);
     pthread_mutex_unlock(&g_cfg_mu);
+    pthread_mutex_unlock(&g_list_mu);
     return ZIPMOE_OK;
 }
 
@@ -208,6 +256,7 @@ static _Atomic int g_direct_io = 1;
 void zipmoe_cache_set_direct_io(int enabled) { atomic_store(&g_direct_io, enabled != 0); }
 
 int64_t zipmoe_cache_set_slots(const char * prefix, int64_t hot, int64_t warm, int64_t sm) {
+    pthread_mutex_lock(&g_list_mu);
     pthread_mutex_lock(&g_cfg_mu);
     int64_t rc = ZIPMOE_OK;
     if (!prefix) {
@@ -236,19 +285,11 @@ int64_t zipmoe_cache_set_slots(const char * prefix, int64_t hot, int64_t warm, i
             g_rules[i].sm   = sm;
         }
     }
+    share_hot_slots();
     atomic_fetch_add(&g_cfg_gen, 1);
     pthread_mutex_unlock(&g_cfg_mu);
+    pthread_mutex_unlock(&g_list_mu);
     return rc;
-}
-
-/* A store's share of a budget, in proportion to its BF16 size. */
-static uint64_t quota(const zipmoe_store * s, uint64_t budget) {
-    if (budget == UINT64_MAX) {
-        return UINT64_MAX;
-    }
-    const uint64_t total = atomic_load(&g_bf16_total);
-    const uint64_t mine  = (uint64_t) s->info.n_expert * s->hot_size;
-    return total ? (uint64_t) ((double) budget * (double) mine / (double) total) : 0;
 }
 
 static uint64_t slots_bytes(int64_t slots, uint64_t size) {
@@ -258,21 +299,13 @@ static uint64_t slots_bytes(int64_t slots, uint64_t size) {
 /* Under s->mu: the store's tier limits for the current configuration. */
 static void refresh_limits(zipmoe_store * s) {
     pthread_mutex_lock(&g_cfg_mu);
-    const slot_rule * rule = NULL;
-    size_t            best = 0;
-    for (int i = 0; i < g_n_rules; i++) { /* the longest matching prefix */
-        const size_t len = strlen(g_rules[i].prefix);
-        if (len >= best && strncmp(s->name, g_rules[i].prefix, len) == 0) {
-            rule = &g_rules[i];
-            best = len;
-        }
-    }
+    const slot_rule * rule = find_rule(s->name);
     if (rule) {
         s->hot_limit  = slots_bytes(rule->hot, s->hot_size);
         s->warm_limit = slots_bytes(rule->warm, s->mean_region);
         s->sm_limit   = slots_bytes(rule->sm, s->sm_size);
     } else {
-        s->hot_limit  = quota(s, g_hot_budget);
+        s->hot_limit  = s->hot_slots >= 0 ? slots_bytes(s->hot_slots, s->hot_size) : quota(s, g_hot_budget);
         s->warm_limit = quota(s, g_warm_budget);
         s->sm_limit   = quota(s, g_sm_budget);
     }
@@ -583,6 +616,7 @@ int64_t zipmoe_store_open(const char * name, const void * index, size_t index_si
     }
     zipmoe_tensor_get_info(s->tensor, &s->info);
     s->hot_size    = (uint64_t) s->info.n_per_expert * 2;
+    s->hot_slots   = -1; /* until share_hot_slots, once it is in the list */
     s->sm_size     = (uint64_t) s->info.n_per_expert;
     s->mean_region = s->info.n_expert ? (s->info.data_size + (uint64_t) s->info.n_expert - 1) / (uint64_t) s->info.n_expert : 0;
     s->plan      = calloc((size_t) s->info.n_expert, sizeof *s->plan);
@@ -612,10 +646,13 @@ int64_t zipmoe_store_open(const char * name, const void * index, size_t index_si
     }
     atomic_fetch_add(&g_stores, 1);
     atomic_fetch_add(&g_bf16_total, (uint64_t) s->info.n_expert * s->hot_size);
-    atomic_fetch_add(&g_cfg_gen, 1); /* the shares of every store changed */
     pthread_mutex_lock(&g_list_mu);
     s->next = g_list;
     g_list  = s;
+    pthread_mutex_lock(&g_cfg_mu);
+    share_hot_slots();
+    atomic_fetch_add(&g_cfg_gen, 1); /* the shares of every store changed */
+    pthread_mutex_unlock(&g_cfg_mu);
     pthread_mutex_unlock(&g_list_mu);
     *out = s;
     return ZIPMOE_OK;
@@ -671,7 +708,12 @@ void zipmoe_store_free(zipmoe_store * s) {
         zipmoe_reader_wait_read_ahead(); /* one that began before nobody could start it any more */
         atomic_fetch_sub(&g_stores, 1);
         atomic_fetch_sub(&g_bf16_total, (uint64_t) s->info.n_expert * s->hot_size);
+        pthread_mutex_lock(&g_list_mu);
+        pthread_mutex_lock(&g_cfg_mu);
+        share_hot_slots(); /* the others' shares grew */
         atomic_fetch_add(&g_cfg_gen, 1);
+        pthread_mutex_unlock(&g_cfg_mu);
+        pthread_mutex_unlock(&g_list_mu);
         atomic_fetch_sub(&g_hot_bytes, s->hot_used);
         atomic_fetch_sub(&g_warm_bytes, s->warm_used);
         atomic_fetch_sub(&g_sm_bytes, s->sm_used);

@@ -37,9 +37,13 @@ static std::unordered_map<const ggml_tensor *, zipmoe_llama_tensor *> g_registry
 static std::atomic<size_t>                                             g_registry_size{0};
 
 // The stores opened since the last zipmoe_llama_configure: the model being loaded.
-static std::mutex                                     g_pending_mu;
-static std::vector<std::pair<std::string, uint64_t>> g_pending; // name, BF16 bytes
-static std::vector<zipmoe_store *>                    g_opened;  // the same stores
+struct pending_store {
+    uint64_t bytes;    // BF16, all experts
+    uint64_t n_expert;
+};
+static std::mutex                         g_pending_mu;
+static std::vector<pending_store>         g_pending;
+static std::vector<zipmoe_store *>        g_opened; // the same stores
 // The model configured last, until all of its stores are bound: then its tiers are filled (zipmoe_cache_prefill).
 static std::vector<zipmoe_store *> g_loading;
 static size_t                      g_loading_bound = 0;
@@ -177,7 +181,7 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
     const std::string embd_note = embd_charged < embd_bytes ? " (token_embd: the rows of a batch, " + mib(embd_charged) +
                                                                   " of " + mib(embd_bytes) + ")"
                                                             : "";
-    std::vector<std::pair<std::string, uint64_t>> stores;
+    std::vector<pending_store> stores;
     {
         std::lock_guard<std::mutex> lock(g_pending_mu);
         stores.swap(g_pending);
@@ -200,9 +204,9 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
     // a store's routed experts stay decoded until the next store plans (its matmul ran by then): the working set
     // beyond the tiers is the largest expert tensor's, all of whose experts a prompt may route to
     uint64_t working_set = 0, experts = 0;
-    for (const auto & [name, bytes] : stores) {
-        working_set = std::max(working_set, bytes);
-        experts += bytes;
+    for (const auto & st : stores) {
+        working_set = std::max(working_set, st.bytes);
+        experts += st.bytes;
     }
     uint64_t      hot = UINT64_MAX, warm = 0, sm = 0, in_flight = working_set;
     zipmoe_policy policy = ZIPMOE_POLICY_TOKEN_LFU;
@@ -233,13 +237,35 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
         sm   = std::min(tiers - hot, (uint64_t) ((double) tiers * sm_share));
         warm = tiers - hot - sm;
         // The experts in flight that are decoded already need no room of their own: the hot tier holds them.
-        // Its share of every store (the budgets are shared by BF16 size) comes out of the allowance for the
-        // tensor in flight, whose largest store then decodes at most (1 - hot / experts) of itself anew.
+        // A store keeps at least the whole experts of its share of the hot tier (the budgets are shared by BF16
+        // size; store.c passes what a share holds beyond whole experts on to the next store, so the rest of the
+        // hot tier may be full meanwhile), and a prompt that routes to all of its experts decodes the others
+        // anew: the allowance is the most any store decodes so. It comes out of what the hot tier and the
+        // allowance share; a smaller hot tier can only need more allowance, so a few steps down from the
+        // fractional answer (the hot tier at h / (1 - L / experts)) find the largest hot tier that fits.
         if (hot > 0 && experts > working_set) {
+            const uint64_t shared    = hot + working_set;
+            const auto     allowance = [&](uint64_t h) {
+                uint64_t most = 0;
+                for (const auto & st : stores) {
+                    if (st.n_expert == 0) {
+                        continue;
+                    }
+                    const uint64_t expert = st.bytes / st.n_expert;
+                    const uint64_t share  = (uint64_t) ((double) h * (double) st.bytes / (double) experts); // quota()
+                    most = std::max(most, st.bytes - std::min(st.bytes, share / expert * expert));
+                }
+                return most;
+            };
             const double store_share = (double) working_set / (double) experts;
-            const uint64_t grown     = std::min(experts, (uint64_t) ((double) hot / (1.0 - store_share)));
-            in_flight = working_set - std::min(working_set, (uint64_t) std::ceil((double) grown * store_share));
-            hot       = grown;
+            uint64_t     grown       = std::min(experts, (uint64_t) ((double) hot / (1.0 - store_share)));
+            for (int step = 0; step < 64 && grown + allowance(grown) > shared; step++) {
+                grown = shared - allowance(grown);
+            }
+            if (grown + allowance(grown) <= shared) {
+                in_flight = shared - grown;
+                hot       = grown;
+            }
         }
         info = "zipmoe: memory budget " + mib(budget) + ": " + mib(other_bytes) + " weights that are not experts" +
                embd_note + ", " + mib(in_flight) + " for one expert tensor in flight beyond its decoded experts, " +
@@ -319,7 +345,7 @@ zipmoe_llama_tensor_ptr zipmoe_llama_open(const char * name, const void * index,
     zipmoe_tensor_get_info(zipmoe_store_tensor(store), &info);
     {
         std::lock_guard<std::mutex> lock(g_pending_mu);
-        g_pending.emplace_back(name, (uint64_t) info.n_expert * (uint64_t) info.n_per_expert * 2);
+        g_pending.push_back({ (uint64_t) info.n_expert * (uint64_t) info.n_per_expert * 2, (uint64_t) info.n_expert });
         g_opened.push_back(store);
     }
     zipmoe_llama_tensor_ptr zt(new zipmoe_llama_tensor);
