@@ -1257,9 +1257,11 @@ static int64_t make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int
     atomic_store(&s->streak, 0);
     atomic_store(&s->predicted_fresh, 0);
     trim_others(s);
-    zipmoe_store * prev = atomic_exchange(&g_last_planned, s);
+    /* the graph's order, for the next prompt's read-ahead; not the prefill's (layer by layer in the file's order),
+     * which made a model's first prompt read ahead for stores that came later: 1.8 GB read for 1.1 GB decoded */
+    zipmoe_store * prev = s->prefilling ? NULL : atomic_exchange(&g_last_planned, s);
     if (prev && prev != s) {
-        atomic_store(&prev->next_store, s); /* the graph's order, for the next prompt's read-ahead */
+        atomic_store(&prev->next_store, s);
     }
     for (int64_t e = 0; e < n_expert; e++) { /* read ahead for nothing: the page cache must not keep it */
         if (atomic_exchange(&s->hinted[e], 0) && !s->experts[e].routed) {
