@@ -216,7 +216,8 @@ static const slot_rule * find_rule(const char * name) {
  * store that no rule sets gets the whole experts of its share of the hot budget, and what its share holds beyond
  * them goes on to the next store in the list. Rounded down store by store, every share would leave up to one
  * expert's bytes unused: 0.97 of an expert on each of the 24 stores of the 2.8g model at 75%, whose LFU caches
- * of 20 slots miss 10% more often than of 21 (its routing log, simulated). The total stays within the budget. */
+ * of 20 slots miss 10% more often than of 21 (its routing log, simulated). The total stays within the budget.
+ * Every store refreshes its limits at its next invocation (g_cfg_gen). */
 static void share_hot_slots(void) {
     uint64_t carry = 0;
     for (zipmoe_store * o = g_list; o; o = o->next) {
@@ -230,6 +231,7 @@ static void share_hot_slots(void) {
         o->hot_slots = (int64_t) slots;
         carry        = share - slots * o->hot_size;
     }
+    atomic_fetch_add(&g_cfg_gen, 1);
 }
 
 int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, uint64_t sm_bytes, zipmoe_policy policy) {
@@ -243,7 +245,6 @@ int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, uint64_t
     g_sm_budget   = sm_bytes;
     g_policy      = policy;
     share_hot_slots();
-    atomic_fetch_add(&g_cfg_gen, 1);
     pthread_mutex_unlock(&g_cfg_mu);
     pthread_mutex_unlock(&g_list_mu);
     return ZIPMOE_OK;
@@ -286,7 +287,6 @@ int64_t zipmoe_cache_set_slots(const char * prefix, int64_t hot, int64_t warm, i
         }
     }
     share_hot_slots();
-    atomic_fetch_add(&g_cfg_gen, 1);
     pthread_mutex_unlock(&g_cfg_mu);
     pthread_mutex_unlock(&g_list_mu);
     return rc;
@@ -650,8 +650,7 @@ int64_t zipmoe_store_open(const char * name, const void * index, size_t index_si
     s->next = g_list;
     g_list  = s;
     pthread_mutex_lock(&g_cfg_mu);
-    share_hot_slots();
-    atomic_fetch_add(&g_cfg_gen, 1); /* the shares of every store changed */
+    share_hot_slots(); /* the shares of every store changed */
     pthread_mutex_unlock(&g_cfg_mu);
     pthread_mutex_unlock(&g_list_mu);
     *out = s;
@@ -711,7 +710,6 @@ void zipmoe_store_free(zipmoe_store * s) {
         pthread_mutex_lock(&g_list_mu);
         pthread_mutex_lock(&g_cfg_mu);
         share_hot_slots(); /* the others' shares grew */
-        atomic_fetch_add(&g_cfg_gen, 1);
         pthread_mutex_unlock(&g_cfg_mu);
         pthread_mutex_unlock(&g_list_mu);
         atomic_fetch_sub(&g_hot_bytes, s->hot_used);

@@ -258,10 +258,12 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
             };
             const double store_share = (double) working_set / (double) experts;
             uint64_t     grown       = std::min(experts, (uint64_t) ((double) hot / (1.0 - store_share)));
-            for (int step = 0; step < 64 && grown + allowance(grown) > shared; step++) {
-                grown = shared - allowance(grown);
+            uint64_t need = allowance(grown);
+            for (int step = 0; step < 64 && grown + need > shared; step++) {
+                grown = shared - need;
+                need  = allowance(grown);
             }
-            if (grown + allowance(grown) <= shared) {
+            if (grown + need <= shared) {
                 in_flight = shared - grown;
                 hot       = grown;
             }
