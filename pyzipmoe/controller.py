@@ -190,7 +190,10 @@ class MemoryMonitor:
     computes the budget the model could have now: what it holds (its weights that are not experts and the tiers'
     resident bytes, which include the experts in flight) plus what could still be allocated, less
     the safety margin of `--memory-budget auto` (so less than it holds when others ate into the margin), never
-    less than the model's minimum nor more than `ceiling` (the user's budget, if one was given). As with "auto"
+    less than the model's minimum nor more than `ceiling` (the user's budget, if one was given). A budget the user
+    fixed (`fixed`) keeps at most the room beside it that the process had once the model ran (`spare`): in a
+    container sized to the budget, the margin would otherwise take up to 512 MiB from the tiers for good, though
+    nothing else wanted the memory; the tiers shrink when that room shrinks. As with "auto"
     at load, the budget's reserve for one expert tensor in flight comes out of that memory, not out of the margin: it is
     not held between tokens (decoded, those experts are resident bytes). Hysteresis keeps it
     from chasing noise: it shrinks when that budget falls more than `threshold` below the current one, and grows
@@ -201,12 +204,20 @@ class MemoryMonitor:
     def __init__(self, planned: Planned, *, ceiling: int | None = None, interval: float = 0.5,
                  threshold: float = 0.05, read: Callable[[], Any] | None = None,
                  on_change: Callable[[planner.Plan], None] | None = None, lib: Any = None,
-                 split: tuple[float, float, float] | None = None, policy: str | None = None) -> None:
+                 split: tuple[float, float, float] | None = None, policy: str | None = None,
+                 fixed: bool = False) -> None:
         from . import memory
 
         self.planned = planned
         self.budget = planned.budget
         self.ceiling = ceiling
+        self.fixed = fixed
+        # the room beside a fixed budget that the monitor keeps free: the margin, or less if the process had less
+        # when the model ran; set at the first reading, and again after the model's first decode (note_decode),
+        # which touches the compute buffers for the first time
+        self.spare: int | None = None
+        self._rebase = threading.Event()
+        self._decoded = False
         self.interval = interval
         self.threshold = threshold
         self._read = read or memory.read_memory
@@ -227,9 +238,22 @@ class MemoryMonitor:
 
         reading = self._read()
         held = self.planned.need.other_bytes + resident_bytes(self._lib)
+        room = held + reading.headroom  # what the model could hold now
+        margin = memory.safety_margin(reading)
+        if self.fixed and (self.spare is None or self._rebase.is_set()):
+            spare = max(0, min(margin, room - self.budget))
+            self.spare = spare if self.spare is None else min(self.spare, spare)
+            self._rebase.clear()
         # less than held when the margin is eaten into: the tiers give memory back
-        target = held + reading.headroom - memory.safety_margin(reading)
+        target = room - (self.spare if self.fixed and self.spare is not None else margin)
         return min(target, self.ceiling) if self.ceiling is not None else target
+
+    def note_decode(self) -> None:
+        """Called after each decode of the model (pyzipmoe.Llama): the first one makes the next reading measure
+        the room beside a fixed budget again, now that llama.cpp's compute buffers are in use."""
+        if not self._decoded:
+            self._decoded = True
+            self._rebase.set()
 
     def refresh_routing(self, min_tokens: int = ROUTING_MIN_TOKENS) -> planner.Plan | None:
         """Re-plans the current budget from the routing seen so far, once each layer has routed at least
@@ -301,4 +325,5 @@ def monitor_for(model_path: str | os.PathLike[str], budget: str | int, *, trace:
     full = need.minimum + need.expert_bytes
     nbytes = parse_budget(budget, model_bytes=full) if str(budget) == AUTO else parse_budget(budget)
     planned = plan_model(Path(model_path), nbytes, trace=trace, need=need)
-    return MemoryMonitor(planned, ceiling=full if str(budget) == AUTO else nbytes, **kwargs)
+    auto = str(budget) == AUTO
+    return MemoryMonitor(planned, ceiling=full if auto else nbytes, fixed=not auto, **kwargs)

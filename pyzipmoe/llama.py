@@ -27,7 +27,7 @@ import struct
 import sys
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -329,7 +329,7 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
             if "does not exist" in str(e):
                 raise
             raise self._load_error(model_path, e, _error_log.since(mark)) from e
-        self._wrap_decode(model_path)
+        after_decode = self._wrap_decode(model_path)
         if adapt is None:
             adapt = memory_budget is not None
         if adapt and self.is_zipmoe and memory_budget is not None and plan is None:
@@ -340,6 +340,7 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
             self.zipmoe_monitor = monitor_for(model_path, memory_budget, trace=trace, split=split,
                                               policy=cache_policy, mapped=mapped).start()
             self._stack.callback(self.zipmoe_monitor.stop)
+            after_decode.append(self.zipmoe_monitor.note_decode)
 
     def _load_error(self, path: str, e: Exception, logged: str) -> ZipmoeLoadError:
         what = f"{path}: llama.cpp could not load the model"
@@ -352,14 +353,16 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
             what += "; check the file with `zipmoe verify`"
         return ZipmoeLoadError(what)
 
-    def _wrap_decode(self, path: str) -> None:
+    def _wrap_decode(self, path: str) -> list[Callable[[], None]]:
         """Turn llama-cpp-python's bare "llama_decode returned N" into a message that says what failed.
 
         Wraps the context's decode (used by eval, generation and embeddings) on this instance only; the
-        closure holds no reference to self, so no reference cycle keeps the model alive.
+        closure holds no reference to self, so no reference cycle keeps the model alive. Returns the list of
+        what to call after each decode that succeeded (the memory monitor's note_decode), empty until filled.
         """
         ctx = self._ctx
         decode = ctx.decode
+        after: list[Callable[[], None]] = []
 
         def checked_decode(batch: Any) -> None:
             mark = _error_log.mark()
@@ -370,8 +373,11 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
                 if not details:
                     raise
                 raise ZipmoeDecodeError(f"{path}: {e}: {'; '.join(details)}") from e
+            for call in after:
+                call()
 
         ctx.decode = checked_decode
+        return after
 
     def zipmoe_stats(self, reset: bool = False) -> dict[str, float]:
         """The runtime's counters (process-wide); see pyzipmoe.llama.zipmoe_stats."""
