@@ -239,6 +239,11 @@ class MemoryMonitor:
         reading = self._read()
         held = self.planned.need.other_bytes + resident_bytes(self._lib)
         room = held + reading.headroom  # what the model could hold now
+        if self.fixed:
+            # all the file cache counts as room, less the weights the model maps (in held, and in that cache while
+            # resident): with only the inactive list's, their pages moving between the kernel's lists looked like
+            # memory going and coming (a cgroup at its limit: 357 -> 213 MiB of room in a second, and a re-plan)
+            room = held + max(0, reading.headroom_with_file_cache - self.planned.need.other_bytes)
         margin = memory.safety_margin(reading)
         if self.fixed and (self.spare is None or self._rebase.is_set()):
             spare = max(0, min(margin, room - self.budget))

@@ -35,6 +35,7 @@ class MemoryReading:
     cgroup_limit: int | None = None  # the tightest memory limit of this process's cgroup and its ancestors
     cgroup_usage: int | None = None  # that cgroup's charged memory, page cache included
     cgroup_reclaimable: int | None = None  # its inactive file cache, dropped before the cgroup OOM-kills
+    cgroup_file_cache: int | None = None  # all its file cache, active and inactive (not shmem)
 
     @property
     def limit(self) -> int:
@@ -49,6 +50,17 @@ class MemoryReading:
         in_use = (self.cgroup_usage or 0) - (self.cgroup_reclaimable or 0)
         return max(0, min(self.available, self.cgroup_limit - in_use))
 
+    @property
+    def headroom_with_file_cache(self) -> int:
+        """What could be allocated if the kernel dropped every page of file cache, active ones too: psutil's
+        available (which counts them already), or less if the cgroup has less. Unlike `headroom` it does not move
+        when the kernel moves pages between its active and inactive lists, which it does all the time in a cgroup
+        at its limit."""
+        if self.cgroup_limit is None:
+            return self.available
+        file_cache = self.cgroup_file_cache if self.cgroup_file_cache is not None else self.cgroup_reclaimable or 0
+        return max(0, min(self.available, self.cgroup_limit - ((self.cgroup_usage or 0) - file_cache)))
+
 
 @dataclass(frozen=True)
 class CgroupMemory:
@@ -58,6 +70,7 @@ class CgroupMemory:
     limit: int
     usage: int
     reclaimable: int
+    file_cache: int = 0  # active and inactive file cache
 
 
 # ----------------------------------------------------------------------------------------- cgroup files
@@ -150,10 +163,11 @@ def read_stat(path: Path, key: str) -> int | None:
     return None
 
 
-_FILES = {  # version -> (limit file, usage file, memory.stat keys of the inactive file cache, first found wins)
-    # v1's usage covers the cgroup's descendants, and so does total_inactive_file; inactive_file is this cgroup's
-    1: ("memory.limit_in_bytes", "memory.usage_in_bytes", ("total_inactive_file", "inactive_file")),
-    2: ("memory.max", "memory.current", ("inactive_file",)),
+_FILES = {  # version -> (limit file, usage file, memory.stat keys of the inactive and of the active file cache,
+    # first found wins); v1's usage covers the cgroup's descendants, and so do its total_ keys
+    1: ("memory.limit_in_bytes", "memory.usage_in_bytes", ("total_inactive_file", "inactive_file"),
+        ("total_active_file", "active_file")),
+    2: ("memory.max", "memory.current", ("inactive_file",), ("active_file",)),
 }
 
 
@@ -165,7 +179,7 @@ def cgroup_memory(*, cgroup_root: Path = CGROUP_ROOT, proc_self: Path = PROC_SEL
     version, dirs = cgroup_dirs("memory", cgroup_root=cgroup_root, proc_self=proc_self)
     if not version:
         return None
-    limit_file, usage_file, inactive_keys = _FILES[version]
+    limit_file, usage_file, inactive_keys, active_keys = _FILES[version]
     best: CgroupMemory | None = None
     for d in dirs:
         limit = read_int(d / limit_file)  # v2's "max" reads as None: no limit
@@ -174,7 +188,8 @@ def cgroup_memory(*, cgroup_root: Path = CGROUP_ROOT, proc_self: Path = PROC_SEL
         usage = read_int(d / usage_file) or 0
         reclaimable = next((v for k in inactive_keys if (v := read_stat(d / "memory.stat", k)) is not None), 0)
         reclaimable = min(reclaimable, usage)
-        here = CgroupMemory(d, limit, usage, reclaimable)
+        active = next((v for k in active_keys if (v := read_stat(d / "memory.stat", k)) is not None), 0)
+        here = CgroupMemory(d, limit, usage, reclaimable, min(usage, reclaimable + active))
         if best is None or _room(here) < _room(best):
             best = here
     return best
@@ -196,7 +211,7 @@ def read_memory(*, cgroup_root: Path = CGROUP_ROOT, proc_self: Path = PROC_SELF)
     return MemoryReading(
         total=int(vm.total), available=int(vm.available), rss=int(psutil.Process().memory_info().rss),
         cgroup_limit=cg.limit if cg else None, cgroup_usage=cg.usage if cg else None,
-        cgroup_reclaimable=cg.reclaimable if cg else None,
+        cgroup_reclaimable=cg.reclaimable if cg else None, cgroup_file_cache=cg.file_cache if cg else None,
     )
 
 

@@ -46,9 +46,11 @@ def test_v1_limit_and_usage_of_own_cgroup(fake):
     write_tree(cg, {"memory/memory.limit_in_bytes": f"{V1_UNLIMITED}\n",
                     "memory/docker/abc/memory.limit_in_bytes": f"{4 * GiB}\n",
                     "memory/docker/abc/memory.usage_in_bytes": f"{GiB}\n",
-                    "memory/docker/abc/memory.stat": "cache 300\ninactive_file 100\ntotal_inactive_file 200\n"})
+                    "memory/docker/abc/memory.stat": "cache 300\ninactive_file 100\ntotal_inactive_file 200\n"
+                                                     "active_file 7\ntotal_active_file 50\n"})
     got = read(fake)
     assert (got.limit, got.usage, got.reclaimable) == (4 * GiB, GiB, 200)  # total_ (hierarchical) wins
+    assert got.file_cache == 250
     assert got.path == cg / "memory/docker/abc"
 
 
@@ -92,6 +94,7 @@ def test_v2_limit_usage_and_inactive_file(fake):
                     "system.slice/zipmoe.service/memory.stat": f"anon 5\nfile 9\ninactive_file {GiB}\nactive_file 3\n"})
     got = read(fake)
     assert (got.limit, got.usage, got.reclaimable) == (6 * GiB, 2 * GiB, GiB)
+    assert got.file_cache == GiB + 3
 
 
 def test_v2_max_is_no_limit(fake):
@@ -226,3 +229,16 @@ def test_bad_budgets_say_what_to_write(text, says):
 def test_zero_is_a_budget():
     """Not an error: the runtime then keeps no expert and decodes on every use (test_llama runs it)."""
     assert parse_budget("0") == 0 and parse_budget(0) == 0 and parse_budget("0%", total=1000) == 0
+
+
+def test_headroom_with_file_cache_counts_the_active_list_too():
+    """The kernel moves pages between its active and inactive lists all the time; what could be had if it dropped
+    every page of file cache does not move with them (the memory monitor's reading for a fixed budget)."""
+    before = MemoryReading(total=16 * GiB, available=8 * GiB, rss=0, cgroup_limit=2 * GiB, cgroup_usage=2 * GiB,
+                           cgroup_reclaimable=300 * MiB, cgroup_file_cache=500 * MiB)
+    after = MemoryReading(total=16 * GiB, available=8 * GiB, rss=0, cgroup_limit=2 * GiB, cgroup_usage=2 * GiB,
+                          cgroup_reclaimable=100 * MiB, cgroup_file_cache=500 * MiB)
+    assert (before.headroom, after.headroom) == (300 * MiB, 100 * MiB)
+    assert before.headroom_with_file_cache == after.headroom_with_file_cache == 500 * MiB
+    machine = MemoryReading(total=16 * GiB, available=3 * GiB, rss=0)  # psutil's available counts the cache
+    assert machine.headroom_with_file_cache == machine.headroom == 3 * GiB
