@@ -239,18 +239,19 @@ class MemoryMonitor:
         reading = self._read()
         held = self.planned.need.other_bytes + resident_bytes(self._lib)
         room = held + reading.headroom  # what the model could hold now
+        keep = memory.safety_margin(reading)  # what stays free
         if self.fixed:
             # all the file cache counts as room, less the weights the model maps (in held, and in that cache while
             # resident): with only the inactive list's, their pages moving between the kernel's lists looked like
             # memory going and coming (a cgroup at its limit: 357 -> 213 MiB of room in a second, and a re-plan)
             room = held + max(0, reading.headroom_with_file_cache - self.planned.need.other_bytes)
-        margin = memory.safety_margin(reading)
-        if self.fixed and (self.spare is None or self._rebase.is_set()):
-            spare = max(0, min(margin, room - self.budget))
-            self.spare = spare if self.spare is None else min(self.spare, spare)
-            self._rebase.clear()
+            if self.spare is None or self._rebase.is_set():
+                spare = max(0, min(keep, room - self.budget))
+                self.spare = spare if self.spare is None else min(self.spare, spare)
+                self._rebase.clear()
+            keep = self.spare
         # less than held when the margin is eaten into: the tiers give memory back
-        target = room - (self.spare if self.fixed and self.spare is not None else margin)
+        target = room - keep
         return min(target, self.ceiling) if self.ceiling is not None else target
 
     def note_decode(self) -> None:
