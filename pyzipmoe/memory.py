@@ -147,20 +147,20 @@ def read_int(path: Path) -> int | None:
         return None
 
 
-def read_stat(path: Path, key: str) -> int | None:
-    """One "key value" line of a memory.stat-like file."""
+def read_stats(path: Path) -> dict[str, int]:
+    """The "key value" lines of a memory.stat-like file whose value is an integer; empty if unreadable."""
     try:
         lines = path.read_text().splitlines()
     except OSError:
-        return None
+        return {}
+    stats = {}
     for line in lines:
         name, _, value = line.partition(" ")
-        if name == key:
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
+        try:
+            stats[name] = int(value)
+        except ValueError:
+            continue
+    return stats
 
 
 _FILES = {  # version -> (limit file, usage file, memory.stat keys of the inactive and of the active file cache,
@@ -186,9 +186,9 @@ def cgroup_memory(*, cgroup_root: Path = CGROUP_ROOT, proc_self: Path = PROC_SEL
         if limit is None or limit >= UNLIMITED_FROM:
             continue
         usage = read_int(d / usage_file) or 0
-        reclaimable = next((v for k in inactive_keys if (v := read_stat(d / "memory.stat", k)) is not None), 0)
-        reclaimable = min(reclaimable, usage)
-        active = next((v for k in active_keys if (v := read_stat(d / "memory.stat", k)) is not None), 0)
+        stats = read_stats(d / "memory.stat")  # once: a monitor reads every directory twice a second
+        reclaimable = min(next((stats[k] for k in inactive_keys if k in stats), 0), usage)
+        active = next((stats[k] for k in active_keys if k in stats), 0)
         here = CgroupMemory(d, limit, usage, reclaimable, min(usage, reclaimable + active))
         if best is None or _room(here) < _room(best):
             best = here

@@ -503,7 +503,6 @@ def test_a_fixed_budget_in_a_container_sized_to_it_keeps_its_tiers(zipmoe_model:
     assert auto.budget == max(need.minimum, held + read().headroom - memory.safety_margin(read()))
 
 
-
 @pytest.mark.parametrize("scenario", ["between", "during"])
 def test_slots_changed_around_an_invocation_keep_the_store_working(scenario: str, zipmoe_model: Path,
                                                                    tiny_model: Path) -> None:
