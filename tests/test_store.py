@@ -366,6 +366,45 @@ def test_a_miss_takes_the_place_of_the_expert_it_evicts(zipmoe_model, tiny_model
     assert lib.zipmoe_store_place(store.handle, 99) == lib.ZIPMOE_ERR_ARG
 
 
+@pytest.mark.parametrize("sm_tier", [False, True])
+def test_generation_keeps_the_allowance_decoded_and_a_batch_takes_it_back_first(zipmoe_model, tiny_model, stats,
+                                                                              sm_tier):
+    """While every store of a graph is routed no more experts than it keeps decoded (a token's top-k), each miss
+    takes its victim's place and the allowance for the tensor in flight can hold decoded experts too
+    (zipmoe_cache_set_token_hot). A graph that may route more (a prompt's batch) gets the smaller hot tier back
+    before its first store decodes beyond its share, so it peaks where it always did. Not with an sm tier, whose
+    misses do not evict first."""
+    zf = format.open_zipmoe(zipmoe_model)
+    stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
+    size, n_expert = expert_bytes(zf.compressed[0]), zf.compressed[0].source.dims[2]
+    assert all(expert_bytes(ct) == size and ct.source.dims[2] == n_expert for ct in zf.compressed)
+    refs = [source_experts(tiny_model, ct) for ct in zf.compressed]
+    batch, excess = 4 * len(stores), n_expert - 4  # hot experts in a batch; what a store routed to all decodes beyond
+    sm = budget_for(zf, zf.compressed[0], 0, size)[1] if sm_tier else 0  # two sign+mantissa planes a store
+    lib.zipmoe_cache_configure(batch * size, 0, sm, POLICIES["tlfu"])
+    lib.zipmoe_cache_set_token_hot((batch + excess) * size + len(stores))  # (the shares are rounded down)
+
+    def run(ids: np.ndarray) -> None:
+        for k, st in enumerate(stores):
+            assert all(r >= 0 for r in st.materialize(ids, 2))
+            np.testing.assert_array_equal(st.weights[st.where], refs[k][ids])
+
+    lib.zipmoe_cache_begin_graph(2)
+    for t in range(n_expert):
+        run(np.array([[t, (t + 3) % n_expert]]))
+    assert stats()["hot_bytes"] == (batch if sm_tier else batch + excess) * size
+    lib.zipmoe_cache_begin_graph(5)  # more than the stores that keep 4 experts decoded in generation
+    assert stats()["hot_bytes"] == batch * size
+    lib.zipmoe_stats_reset()
+    run(np.arange(n_expert).reshape(1, -1))
+    assert stats()["peak_hot_bytes"] == (batch + excess) * size
+    lib.zipmoe_cache_begin_graph(2)  # generation again: the tier grows back as misses come
+    for t in range(n_expert):
+        run(np.array([[t, (t + 5) % n_expert]]))
+    assert stats()["hot_bytes"] == (batch if sm_tier else batch + excess) * size
+    assert stats()["peak_hot_bytes"] == (batch + excess) * size
+
+
 @pytest.mark.parametrize("turns", [1, 0])
 def test_a_plan_evicts_what_the_store_before_it_decoded_beyond_its_limits(zipmoe_model, turns):
     """The engine runs each op's matmul before the next expert tensor's op, so a store's plan evicts what the other

@@ -222,6 +222,17 @@ ZIPMOE_API void    zipmoe_cache_set_store_turns(int enabled);
  * nor zero their pages. Default 0: evicted experts' pages are freed. */
 ZIPMOE_API void    zipmoe_cache_set_reserve(uint64_t bytes);
 
+/* A larger hot budget for graphs whose stores are each routed no more experts than they keep decoded (generation:
+ * a token routes top-k): there a miss takes the place of the expert it evicts, and the allowance for the expert
+ * tensor in flight (zipmoe_cache_set_reserve) can hold decoded experts too. At most zipmoe_cache_configure's hot
+ * budget plus that allowance; reset by zipmoe_cache_configure. Not with an sm tier or slot rules. */
+ZIPMOE_API void    zipmoe_cache_set_token_hot(uint64_t hot_bytes);
+
+/* Before computing a graph (one at a time) whose stores may each be routed up to `routed` distinct experts: the
+ * hot budget for it, zipmoe_cache_set_token_hot's where every store keeps at least `routed` experts decoded under
+ * it, else zipmoe_cache_configure's; going back to the smaller one, every store is evicted down to it first. */
+ZIPMOE_API void    zipmoe_cache_begin_graph(int64_t routed);
+
 /* Whether stores bound from now on read around the page cache (O_DIRECT) where the file system allows it.
  * Default 1; 0 reads through the page cache and drops what was read from it (for file systems whose O_DIRECT
  * misbehaves, and to compare). */

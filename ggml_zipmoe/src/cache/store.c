@@ -173,7 +173,11 @@ typedef struct {
 #define MAX_SLOT_RULES 4096
 
 static pthread_mutex_t  g_cfg_mu      = PTHREAD_MUTEX_INITIALIZER;
-static uint64_t         g_hot_budget  = UINT64_MAX;
+static uint64_t         g_hot_budget  = UINT64_MAX; /* the hot tier's budget now: g_hot_batch or g_hot_tokens */
+static uint64_t         g_hot_batch   = UINT64_MAX; /* zipmoe_cache_configure's */
+static uint64_t         g_hot_tokens  = UINT64_MAX; /* zipmoe_cache_set_token_hot's, at least g_hot_batch */
+static int              g_token_mode;  /* g_hot_budget is g_hot_tokens (zipmoe_cache_begin_graph) */
+static int64_t          g_token_slots = -1; /* the fewest hot slots a shared store has under g_hot_tokens; -1: none */
 static uint64_t         g_warm_budget = 0;
 static uint64_t         g_sm_budget   = 0;
 static zipmoe_policy    g_policy      = ZIPMOE_POLICY_TOKEN_LFU;
@@ -212,25 +216,40 @@ static const slot_rule * find_rule(const char * name) {
     return rule;
 }
 
-/* Under g_list_mu and g_cfg_mu (in that order), whenever the budget, the rules or the open stores change: each
- * store that no rule sets gets the whole experts of its share of the hot budget, and what its share holds beyond
- * them goes on to the next store in the list. Rounded down store by store, every share would leave up to one
- * expert's bytes unused: 0.97 of an expert on each of the 24 stores of the 2.8g model at 75%, whose LFU caches
- * of 20 slots miss 10% more often than of 21 (its routing log, simulated). The total stays within the budget.
- * Every store refreshes its limits at its next invocation (g_cfg_gen). */
-static void share_hot_slots(void) {
-    uint64_t carry = 0;
+/* Under g_list_mu and g_cfg_mu (in that order): each store that no rule sets gets the whole experts of its share
+ * of a hot budget, and what its share holds beyond them goes on to the next store in the list. Rounded down store
+ * by store, every share would leave up to one expert's bytes unused: 0.97 of an expert on each of the 24 stores of
+ * the 2.8g model at 75%, whose LFU caches of 20 slots miss 10% more often than of 21 (its routing log, simulated).
+ * The total stays within the budget. Sets the stores' hot_slots when `set`; returns the fewest slots of a store it
+ * shares to, or -1 when it shares to none. */
+static int64_t shared_slots(uint64_t budget, int set) {
+    uint64_t carry  = 0;
+    int64_t  fewest = -1;
     for (zipmoe_store * o = g_list; o; o = o->next) {
-        o->hot_slots = -1;
-        if (g_hot_budget == UINT64_MAX || o->hot_size == 0 || find_rule(o->name)) {
+        if (set) {
+            o->hot_slots = -1;
+        }
+        if (budget == UINT64_MAX || o->hot_size == 0 || find_rule(o->name)) {
             continue;
         }
-        const uint64_t share = quota(o, g_hot_budget) + carry;
+        const uint64_t share = quota(o, budget) + carry;
         const uint64_t slots = share / o->hot_size < (uint64_t) o->info.n_expert ? share / o->hot_size
                                                                                  : (uint64_t) o->info.n_expert;
-        o->hot_slots = (int64_t) slots;
-        carry        = share - slots * o->hot_size;
+        if (set) {
+            o->hot_slots = (int64_t) slots;
+        }
+        fewest = fewest < 0 || (int64_t) slots < fewest ? (int64_t) slots : fewest;
+        carry  = share - slots * o->hot_size;
     }
+    return fewest;
+}
+
+/* Under g_list_mu and g_cfg_mu, whenever the budget, the rules or the open stores change: the hot slots of the
+ * budget in force, and the fewest a store would have in generation's. Every store refreshes its limits at its
+ * next invocation (g_cfg_gen). */
+static void share_hot_slots(void) {
+    shared_slots(g_hot_budget, 1);
+    g_token_slots = g_hot_tokens != UINT64_MAX && g_hot_tokens > g_hot_batch ? shared_slots(g_hot_tokens, 0) : -1;
     atomic_fetch_add(&g_cfg_gen, 1);
 }
 
@@ -241,6 +260,9 @@ int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, uint64_t
     pthread_mutex_lock(&g_list_mu);
     pthread_mutex_lock(&g_cfg_mu);
     g_hot_budget  = hot_bytes;
+    g_hot_batch   = hot_bytes;
+    g_hot_tokens  = hot_bytes; /* (zipmoe_cache_set_token_hot gives generation more) */
+    g_token_mode  = 0;
     g_warm_budget = warm_bytes;
     g_sm_budget   = sm_bytes;
     g_policy      = policy;
@@ -251,6 +273,19 @@ int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, uint64_t
 }
 
 void zipmoe_cache_set_reserve(uint64_t bytes) { zipmoe_slots_set_keep(bytes); }
+
+void zipmoe_cache_set_token_hot(uint64_t hot_bytes) {
+    pthread_mutex_lock(&g_list_mu);
+    pthread_mutex_lock(&g_cfg_mu);
+    g_hot_tokens = hot_bytes > g_hot_batch ? hot_bytes : g_hot_batch;
+    if (g_token_mode) {
+        g_hot_budget = g_hot_tokens;
+    }
+    share_hot_slots();
+    pthread_mutex_unlock(&g_cfg_mu);
+    pthread_mutex_unlock(&g_list_mu);
+}
+
 
 static _Atomic int g_direct_io = 1;
 
@@ -1085,6 +1120,38 @@ static void trim_others(const zipmoe_store * s) {
             if (o->cfg_gen != atomic_load(&g_cfg_gen)) {
                 refresh_limits(o);
             }
+            settle(o);
+        }
+        pthread_mutex_unlock(&o->mu);
+    }
+    pthread_mutex_unlock(&g_list_mu);
+}
+
+/* Generation's hot budget needs no room for the tensor in flight: a miss takes the place of the expert it evicts
+ * (place_plan), and one exists in its own store while the store is routed no more experts than it keeps decoded.
+ * Not with an sm tier (place_plan does not evict first there) or a planner's slots (which leave the allowance for
+ * evicted experts' pages). Back to the smaller budget, every store gives up what it holds beyond its limits now,
+ * before any store of the graph decodes beyond its own. */
+void zipmoe_cache_begin_graph(int64_t routed) {
+    pthread_mutex_lock(&g_list_mu);
+    pthread_mutex_lock(&g_cfg_mu);
+    const int tokens = g_hot_tokens != UINT64_MAX && g_hot_tokens > g_hot_batch && g_sm_budget == 0 && g_n_rules == 0 &&
+                       g_token_slots >= 0 && routed <= g_token_slots;
+    const int shrink = g_token_mode && !tokens;
+    if (tokens != g_token_mode) {
+        g_token_mode = tokens;
+        g_hot_budget = tokens ? g_hot_tokens : g_hot_batch;
+        share_hot_slots();
+    }
+    pthread_mutex_unlock(&g_cfg_mu);
+    for (zipmoe_store * o = shrink ? g_list : NULL; o; o = o->next) {
+        /* (a read-ahead into o holds its lock while it reads: it takes no other store's lock but by trying) */
+        pthread_mutex_lock(&o->mu);
+        if (o->plan_key == NULL && !o->prefilling) { /* no graph computes: what the last one pinned is read */
+            for (int64_t e = 0; e < o->info.n_expert; e++) {
+                o->experts[e].routed = 0;
+            }
+            refresh_limits(o);
             settle(o);
         }
         pthread_mutex_unlock(&o->mu);

@@ -315,8 +315,10 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
             return false;
         }
     }
-    if (const char * v = std::getenv("ZIPMOE_PLAN"); v && *v) {
-        if (!apply_plan(v, err)) {
+    const char * plan = std::getenv("ZIPMOE_PLAN");
+    plan              = plan && *plan ? plan : nullptr;
+    if (plan) {
+        if (!apply_plan(plan, err)) {
             return false;
         }
         info += "; slots per layer from ZIPMOE_PLAN";
@@ -331,6 +333,12 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
     zipmoe_cache_configure(hot, warm, sm, policy);
     // evicted experts' memory is kept, within the allowance for the tensor in flight, for the next decodes
     zipmoe_cache_set_reserve(hot == 0 ? working_set : in_flight);
+    // a token's misses take their victims' places: generation needs no allowance beside the hot tier, which then
+    // holds it too (a prompt's first store evicts it again: zipmoe_cache_begin_graph); not with a plan
+    if (hot > 0 && hot != UINT64_MAX && sm == 0 && !plan) {
+        zipmoe_cache_set_token_hot(hot + in_flight);
+        info += "; while generating, " + mib(hot + in_flight) + " decoded";
+    }
     return true;
 }
 
@@ -631,12 +639,22 @@ std::unique_lock<std::mutex> zipmoe_llama_compute_turn(const ggml_cgraph * gf) {
     if (g_registry_size.load(std::memory_order_relaxed) == 0) {
         return {};
     }
+    // the most experts one store of the graph may be routed: a token's top-k in generation, which lets the hot
+    // tier hold the allowance for the tensor in flight too (zipmoe_cache_begin_graph)
+    int64_t routed = -1;
     for (int i = 0; i < ggml_graph_n_nodes(const_cast<ggml_cgraph *>(gf)); i++) {
-        if (materialised_by(ggml_graph_node(const_cast<ggml_cgraph *>(gf), i))) {
-            return std::unique_lock<std::mutex>(turn);
+        const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(gf), i);
+        if (materialised_by(node)) {
+            const ggml_tensor * ids = node->src[0];
+            routed = std::max(routed, std::min<int64_t>(ids->ne[0] * ids->ne[1], node->src[1]->ne[2]));
         }
     }
-    return {};
+    if (routed < 0) {
+        return {};
+    }
+    std::unique_lock<std::mutex> lock(turn);
+    zipmoe_cache_begin_graph(routed);
+    return lock;
 }
 
 bool zipmoe_llama_take_error(const ggml_cgraph * gf, std::string & msg) {
