@@ -131,6 +131,7 @@ typedef struct {
     uint64_t bytes_read_ahead;
     uint64_t bytes_read_guessed;
     uint64_t guesses_used;
+    uint64_t staging_transient_bytes;
 } zipmoe_stats;
 typedef struct {
     uint64_t experts;

@@ -265,6 +265,27 @@ def test_a_prompts_read_ahead_takes_back_a_buffer_left_to_a_store_not_invoked(zi
         lib.zipmoe_cache_set_read_buffer(16 << 20)
 
 
+def test_the_read_buffers_report_what_a_prompt_grew_them_by(zipmoe_model, stats):
+    """staging_transient_bytes: what the read buffers hold beyond what each keeps between uses (a prompt's reads),
+    which the memory monitor counts as held; gone once the reads fit what a buffer keeps again."""
+    zf = format.open_zipmoe(zipmoe_model)
+    stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
+    ct, store = zf.compressed[0], stores[0]
+    lib.zipmoe_cache_configure(budget_for(zf, ct, 1)[0], 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
+    keep = 8192  # one expert's compressed region of the tiny preset, laid out for O_DIRECT
+    lib.zipmoe_cache_set_read_buffer(keep)
+    try:
+        assert all(r >= 0 for r in store.materialize(np.arange(ct.source.dims[2]).reshape(1, -1), 2))  # a prompt
+        s = stats()
+        assert s["staging_bytes"] > keep and s["staging_transient_bytes"] == s["staging_bytes"] - keep, s
+        for e in (1, 2):  # tokens: the first settles the store down to one decoded expert, the second misses
+            assert all(r >= 0 for r in store.materialize(np.array([[e]]), 2))
+        s = stats()
+        assert s["staging_bytes"] == keep and s["staging_transient_bytes"] == 0, s
+    finally:
+        lib.zipmoe_cache_set_read_buffer(16 << 20)
+
+
 def test_bind_refuses_a_data_companion_outside_the_file(zipmoe_model, tmp_path):
     zf = format.open_zipmoe(zipmoe_model)
     ct = zf.compressed[-1]

@@ -329,6 +329,8 @@ typedef struct {
     uint64_t bytes_read_ahead;  /* of bytes_read: read for the store invoked next while this one computed */
     uint64_t bytes_read_guessed; /* of bytes_read_ahead: the experts the previous layer guessed (ZIPMOE_PREDICT) */
     uint64_t guesses_used;      /* experts decoded from bytes read on such a guess */
+    uint64_t staging_transient_bytes; /* of staging_bytes: beyond what each buffer keeps between uses (a prompt's */
+                                      /* reads; given back once the reads fit that again)                       */
 } zipmoe_stats;
 
 ZIPMOE_API void zipmoe_stats_get(zipmoe_stats * out);

@@ -357,6 +357,7 @@ static _Atomic uint64_t g_stores, g_hot_bytes, g_warm_bytes, g_sm_bytes, g_exper
 static _Atomic uint64_t g_hits_hot, g_hits_warm, g_hits_sm, g_misses, g_read_bytes, g_read_ns, g_evictions;
 static _Atomic uint64_t g_peak_hot, g_peak_resident, g_stall_ns, g_reading_calls;
 static _Atomic uint64_t g_stage_cap_bytes, g_pf_cap_bytes; /* the reader's buffers: zipmoe_stats' staging_bytes */
+static _Atomic uint64_t g_stage_over_bytes, g_pf_over_bytes; /* of them, beyond STAGE_KEEP each */
 static _Atomic uint64_t g_read_ahead_bytes;
 static _Atomic uint64_t g_guessed_bytes, g_guesses_used;
 static _Atomic uint64_t g_prefill_dummy; /* what a prefill's invocations count instead of the model's routing */
@@ -392,6 +393,7 @@ void zipmoe_stats_get(zipmoe_stats * out) {
     out->bytes_read_ahead    = atomic_load(&g_read_ahead_bytes);
     out->bytes_read_guessed  = atomic_load(&g_guessed_bytes);
     out->guesses_used        = atomic_load(&g_guesses_used);
+    out->staging_transient_bytes = atomic_load(&g_stage_over_bytes) + atomic_load(&g_pf_over_bytes);
 }
 
 void zipmoe_stats_reset(void) {
@@ -520,6 +522,9 @@ static void region_free(uint8_t * p, uint64_t size) {
     }
 }
 
+/* What a read buffer of cap bytes holds beyond what it keeps between uses. */
+static uint64_t read_buffer_over(size_t cap) { return cap > STAGE_KEEP ? cap - STAGE_KEEP : 0; }
+
 static void read_buffer_free(uint8_t ** data, size_t * cap) {
     region_free(*data, *cap);
     *data = NULL;
@@ -609,6 +614,7 @@ static prefetch_buffer * prefetch_take(zipmoe_store * s, size_t need, int * defe
     if (b) {
         read_buffer_fit(&b->data, &b->cap, need);
         atomic_store(&g_pf_cap_bytes, g_pf[0].cap + g_pf[1].cap);
+        atomic_store(&g_pf_over_bytes, read_buffer_over(g_pf[0].cap) + read_buffer_over(g_pf[1].cap));
     }
     if (b && b->data) {
         b->owner = s;
@@ -1400,6 +1406,7 @@ static uint8_t * staging_take(const zipmoe_store * s, size_t need) {
     if (!g_stage_owner) {
         read_buffer_fit(&g_stage, &g_stage_cap, need);
         atomic_store(&g_stage_cap_bytes, g_stage_cap);
+        atomic_store(&g_stage_over_bytes, read_buffer_over(g_stage_cap));
         if (g_stage) {
             g_stage_owner = s;
             buf           = g_stage;
@@ -1416,6 +1423,7 @@ static void staging_trim(size_t need) {
     if (!g_stage_owner && g_stage_cap > STAGE_KEEP && need <= STAGE_KEEP) {
         read_buffer_free(&g_stage, &g_stage_cap);
         atomic_store(&g_stage_cap_bytes, 0);
+        atomic_store(&g_stage_over_bytes, 0);
     }
     pthread_mutex_unlock(&g_stage_mu);
 }
