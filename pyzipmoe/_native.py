@@ -132,6 +132,7 @@ typedef struct {
     uint64_t bytes_read_guessed;
     uint64_t guesses_used;
     uint64_t staging_transient_bytes;
+    uint64_t decoding_bytes;
 } zipmoe_stats;
 typedef struct {
     uint64_t experts;

@@ -173,17 +173,21 @@ def live_routing(geometry: planner.ModelGeometry, lib: Any = None) -> dict[int, 
 
 
 def resident_bytes(lib: Any = None) -> int:
-    """What the runtime holds now, process-wide: its tiers, and its read buffers beyond what they keep between
-    uses (a prompt's reads, tens of MiB a store, given back after it). Counted as held, a prompt's buffers leave
-    the room the monitor computes unchanged: else, at 40% of the 2.8g model, a prompt's 52 MB read-ahead buffer
-    took 5.3% of the budget from a fixed budget's tiers, past the hysteresis that would let them grow back."""
+    """What the runtime holds now, process-wide: its tiers, the experts being decoded (counted in the tiers once
+    published), the pages of evicted experts it keeps for the next decodes (within the budget's allowance for the
+    tensor in flight), and its read buffers beyond what they keep between uses (a prompt's reads, tens of MiB a
+    store, given back after it). Counted as held, what moves between them leaves the room the monitor computes
+    unchanged. Left out, each made the held bytes dip during a prompt at 40% of the 2.8g model in a container of
+    the budget + 160 MiB, where the room is what is held: a prompt's first store moves generation's share of the
+    allowance from the hot tier to those pages (78 MiB), a store of a prompt decodes ~75 MiB beyond its share,
+    its read-ahead buffer holds ~36 MiB more, and a reading that fell on a dip shrank the tiers."""
     if lib is None:
         from ._native import ffi, lib
     else:
         from ._native import ffi
     s = ffi.new("zipmoe_stats *")
     lib.zipmoe_stats_get(s)
-    return int(s.hot_bytes + s.warm_bytes + s.sm_bytes + s.staging_transient_bytes)
+    return int(s.hot_bytes + s.warm_bytes + s.sm_bytes + s.decoding_bytes + s.pool_bytes + s.staging_transient_bytes)
 
 
 class MemoryMonitor:

@@ -445,11 +445,12 @@ class _FakeStats:
     def __init__(self, resident: int) -> None:
         self.resident = resident
         self.read_buffers = 0  # beyond what they keep between uses
+        self.pool = 0  # pages of evicted experts kept for the next decodes
         self.slots: list[tuple[bytes, int, int, int]] = []
 
     def zipmoe_stats_get(self, s: Any) -> None:
-        s.hot_bytes, s.warm_bytes, s.sm_bytes = self.resident, 0, 0
-        s.staging_transient_bytes = self.read_buffers
+        s.hot_bytes, s.warm_bytes, s.sm_bytes = self.resident - self.pool, 0, 0
+        s.pool_bytes, s.staging_transient_bytes = self.pool, self.read_buffers
 
     def zipmoe_cache_set_slots(self, prefix: bytes, hot: int, warm: int, sm: int) -> int:
         self.slots.append((prefix, hot, warm, sm))
@@ -494,11 +495,14 @@ def test_a_fixed_budget_in_a_container_sized_to_it_keeps_its_tiers(zipmoe_model:
     assert mon.spare == budget // 10 - budget // 40
     inactive["share"] = 0.1  # the pages were used again: the kernel moved them to its active list
     assert not mon.step()
-    lib.read_buffers = budget // 15  # a prompt's reads: the runtime's buffers grow, the room beside them shrinks
+    # a prompt: its first store evicts generation's share of the allowance, whose pages the runtime keeps for the
+    # experts in flight, and its reads grow the runtime's buffers (the room beside them shrinks by as much)
+    lib.pool = budget // 15
+    lib.read_buffers = budget // 15
     room["bytes"] -= lib.read_buffers
     assert not mon.step() and mon.budget == budget
     room["bytes"] += lib.read_buffers  # the prompt ended
-    lib.read_buffers = 0
+    lib.pool = lib.read_buffers = 0
     assert not mon.step()
     taken = budget // 15  # another process takes some
     room["bytes"] -= taken

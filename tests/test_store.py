@@ -171,7 +171,7 @@ def damaged_copy(zipmoe_model: Path, tmp_path: Path, expert: int) -> tuple[Path,
     return bad, zf
 
 
-def test_corrupt_chunk_is_reported_with_tensor_and_expert(zipmoe_model, tmp_path):
+def test_corrupt_chunk_is_reported_with_tensor_and_expert(zipmoe_model, tmp_path, stats):
     bad, zf = damaged_copy(zipmoe_model, tmp_path, 4)
     ct = zf.compressed[0]
     store = Store(bad, ct)
@@ -184,6 +184,7 @@ def test_corrupt_chunk_is_reported_with_tensor_and_expert(zipmoe_model, tmp_path
     assert lib.zipmoe_store_take_error(store.handle, ffi.NULL, 0) == 0  # taken
     # the failed expert is not marked resident: using it again fails again, never silently
     assert any(r == lib.ZIPMOE_ERR_CHECKSUM for r in store.materialize(np.array([[4]]), 1))
+    assert stats()["decoding_bytes"] == 0  # a discarded plan's experts are not being decoded any more
 
 
 def test_out_of_range_expert_ids_are_an_error_not_a_write(zipmoe_model):
@@ -429,6 +430,7 @@ def test_generation_keeps_the_allowance_decoded_and_a_batch_takes_it_back_first(
         run(np.array([[t, (t + 5) % n_expert]]))
     assert stats()["hot_bytes"] == (batch if sm_tier else batch + excess) * size
     assert stats()["peak_hot_bytes"] == (batch + excess) * size
+    assert stats()["decoding_bytes"] == 0  # (counted from the plan's places to its publish)
 
 
 @pytest.mark.parametrize("turns", [1, 0])

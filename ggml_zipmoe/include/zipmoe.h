@@ -331,6 +331,7 @@ typedef struct {
     uint64_t guesses_used;      /* experts decoded from bytes read on such a guess */
     uint64_t staging_transient_bytes; /* of staging_bytes: beyond what each buffer keeps between uses (a prompt's */
                                       /* reads; given back once the reads fit that again)                       */
+    uint64_t decoding_bytes;    /* experts being decoded now: their pages are in use before hot_bytes counts them */
 } zipmoe_stats;
 
 ZIPMOE_API void zipmoe_stats_get(zipmoe_stats * out);

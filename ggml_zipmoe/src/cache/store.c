@@ -114,6 +114,7 @@ struct zipmoe_store {
     _Atomic(const void *) last_key; /* the last plan's key and the g_op_seq it began at: a thread arriving */
     _Atomic uint64_t      last_seq; /* with both unchanged is a late sibling of that invocation           */
     int64_t         plan_n;
+    uint64_t        plan_decoding; /* bytes of the plan's experts that are not hot: in g_decoding_bytes until publish */
     plan_item *     plan;
     int             planning;   /* from make_plan until publish: the plan's compressed regions are in use */
     int             prefilling; /* zipmoe_cache_prefill routes its own batches: no counts, no routing log */
@@ -359,6 +360,7 @@ static _Atomic uint64_t g_peak_hot, g_peak_resident, g_stall_ns, g_reading_calls
 static _Atomic uint64_t g_stage_cap_bytes, g_pf_cap_bytes; /* the reader's buffers: zipmoe_stats' staging_bytes */
 static _Atomic uint64_t g_stage_over_bytes, g_pf_over_bytes; /* of them, beyond STAGE_KEEP each */
 static _Atomic uint64_t g_read_ahead_bytes;
+static _Atomic uint64_t g_decoding_bytes; /* planned experts not hot yet: their places' pages are in use */
 static _Atomic uint64_t g_guessed_bytes, g_guesses_used;
 static _Atomic uint64_t g_prefill_dummy; /* what a prefill's invocations count instead of the model's routing */
 
@@ -394,6 +396,7 @@ void zipmoe_stats_get(zipmoe_stats * out) {
     out->bytes_read_guessed  = atomic_load(&g_guessed_bytes);
     out->guesses_used        = atomic_load(&g_guesses_used);
     out->staging_transient_bytes = atomic_load(&g_stage_over_bytes) + atomic_load(&g_pf_over_bytes);
+    out->decoding_bytes          = atomic_load(&g_decoding_bytes);
 }
 
 void zipmoe_stats_reset(void) {
@@ -1379,6 +1382,7 @@ static int64_t make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int
  * a token's every store spent before its first read had started), before any thread decodes: the planned experts'
  * ranges get the pages of a slot, so decoding neither faults nor zeroes them. */
 static void map_plan(zipmoe_store * s) {
+    s->plan_decoding = 0;
     for (int64_t j = 0; j < s->plan_n; j++) {
         const expert_state * x     = &s->experts[s->plan[j].expert];
         place_state *        at    = &s->places[x->place];
@@ -1386,7 +1390,15 @@ static void map_plan(zipmoe_store * s) {
         if (!x->hot && at->slot < 0 && s->use_slots && zipmoe_slots_usable(range, (size_t) s->hot_size)) {
             at->slot = zipmoe_slots_attach(range, (size_t) s->hot_size);
         }
+        s->plan_decoding += x->hot ? 0 : s->hot_size;
     }
+    atomic_fetch_add(&g_decoding_bytes, s->plan_decoding);
+}
+
+/* Under s->mu, when the plan is published or discarded: its experts are hot now, or not at all. */
+static void end_decoding(zipmoe_store * s) {
+    atomic_fetch_sub(&g_decoding_bytes, s->plan_decoding);
+    s->plan_decoding = 0;
 }
 
 /* ---------------------------------------------------------------- reads */
@@ -1748,12 +1760,14 @@ static void publish(zipmoe_store * s) {
             account(&g_hot_bytes, (int64_t) s->hot_size);
         }
     }
+    end_decoding(s); /* (after: a reading of the stats never misses them) */
     settle(s);
 }
 
 /* Under s->mu, after a failed invocation: what was planned is not hot, and what it read may be partial. */
 static void discard_plan(zipmoe_store * s) {
     s->planning = 0;
+    end_decoding(s);
     for (int64_t j = 0; j < s->plan_n; j++) {
         const plan_item * it = &s->plan[j];
         expert_state *    x  = &s->experts[it->expert];
