@@ -25,6 +25,7 @@ from . import planner
 from .budget import AUTO, POLICY_ENV, ModelMemory, cache_environment, check_budget, model_memory, parse_budget
 from .errors import ZipmoeError
 
+PENDING_STEPS = 20  # readings a shrink for the mapped weights waits for the tiers to come down to it, at most
 ROUTING_MIN_TOKENS = 64  # tokens a layer routes between two re-plans from the routing seen
 ROUTING_LOG_TOKENS = 512  # generated tokens whose routing the runtime remembers per store (store.c: ROUTE_LOG)
 DEFAULT_POLICY = "tlfu"  # the runtime's eviction policy unless ZIPMOE_CACHE_POLICY says otherwise (store.c)
@@ -181,13 +182,19 @@ def resident_bytes(lib: Any = None) -> int:
     the budget + 160 MiB, where the room is what is held: a prompt's first store moves generation's share of the
     allowance from the hot tier to those pages (78 MiB), a store of a prompt decodes ~75 MiB beyond its share,
     its read-ahead buffer holds ~36 MiB more, and a reading that fell on a dip shrank the tiers."""
+    kept, transient = _runtime_bytes(lib)
+    return kept + transient
+
+
+def _runtime_bytes(lib: Any = None) -> tuple[int, int]:
+    """resident_bytes in two: what the budget covers, and the read buffers' transient bytes, which it does not."""
     if lib is None:
         from ._native import ffi, lib
     else:
         from ._native import ffi
     s = ffi.new("zipmoe_stats *")
     lib.zipmoe_stats_get(s)
-    return int(s.hot_bytes + s.warm_bytes + s.sm_bytes + s.decoding_bytes + s.pool_bytes + s.staging_transient_bytes)
+    return int(s.hot_bytes + s.warm_bytes + s.sm_bytes + s.decoding_bytes + s.pool_bytes), int(s.staging_transient_bytes)
 
 
 class MemoryMonitor:
@@ -200,7 +207,9 @@ class MemoryMonitor:
     less than the model's minimum nor more than `ceiling` (the user's budget, if one was given). A budget the user
     fixed (`fixed`) keeps at most the room beside it that the process had once the model ran (`spare`): in a
     container sized to the budget, the margin would otherwise take up to 512 MiB from the tiers for good, though
-    nothing else wanted the memory; the tiers shrink when that room shrinks. As with "auto"
+    nothing else wanted the memory; the tiers shrink when that room shrinks, and, whatever the hysteresis, when the
+    page cache lacks some of the model's mapped weights (`weights_short`: the process no longer fits, as after a
+    long prompt's batch), by twice the lack, once until the stores are down to it. As with "auto"
     at load, the budget's reserve for one expert tensor in flight comes out of that memory, not out of the margin: it is
     not held between tokens (decoded, those experts are resident bytes). Hysteresis keeps it
     from chasing noise: it shrinks when that budget falls more than `threshold` below the current one, and grows
@@ -223,6 +232,12 @@ class MemoryMonitor:
         # when the model ran; set at the first reading, and again after the model's first decode (note_decode),
         # which touches the compute buffers for the first time
         self.spare: int | None = None
+        # fixed budgets: bytes of the mapped weights the page cache lacked at the last reading, the held bytes
+        # that the budget covers then, and the budget of a shrink made for those weights until the tiers are down
+        # to it (PENDING_STEPS readings at most)
+        self.weights_short = 0
+        self._kept = 0
+        self._pending: tuple[int, int] | None = None  # (budget, readings left)
         self._rebase = threading.Event()
         self._decoded = False
         self.interval = interval
@@ -244,14 +259,20 @@ class MemoryMonitor:
         from . import memory
 
         reading = self._read()
-        held = self.planned.need.other_bytes + resident_bytes(self._lib)
+        kept, transient = _runtime_bytes(self._lib)
+        self._kept = self.planned.need.other_bytes + kept
+        held = self._kept + transient
         room = held + reading.headroom  # what the model could hold now
         keep = memory.safety_margin(reading)  # what stays free
         if self.fixed:
             # all the file cache counts as room, less the weights the model maps (in held, and in that cache while
             # resident): with only the inactive list's, their pages moving between the kernel's lists looked like
             # memory going and coming (a cgroup at its limit: 357 -> 213 MiB of room in a second, and a re-plan)
-            room = held + max(0, reading.headroom_with_file_cache - self.planned.need.other_bytes)
+            cache_room = reading.headroom_with_file_cache - self.planned.need.other_bytes
+            # less than nothing: the page cache lacks some of those weights, and every token reads them again (a
+            # cyclic read a little larger than its cache misses on every page); step() makes room for them
+            self.weights_short = max(0, -cache_room)
+            room = held + max(0, cache_room)
             if self.spare is None or self._rebase.is_set():
                 spare = max(0, min(keep, room - self.budget))
                 self.spare = spare if self.spare is None else min(self.spare, spare)
@@ -298,6 +319,24 @@ class MemoryMonitor:
         target = max(self.target_budget(), self.planned.need.minimum)
         shrink = target < self.budget * (1 - self.threshold)
         grow = target > self.budget * (1 + 2 * self.threshold)
+        if self._pending is not None:
+            # a shrink for the weights that are not experts: nothing else until the tiers are down to it (the
+            # stores evict at their next invocations; readings before that still find the weights short, and
+            # acting on them shrank three and four times in a row)
+            budget, left = self._pending
+            if self._kept > budget + budget // 100 and left > 0:
+                self._pending = (budget, left - 1)
+                return False
+            self._pending = None
+        if self.weights_short:
+            # whatever the hysteresis: room for them, as much again (at least 1% of the budget) so that a reading
+            # with them back finds room to spare. The room beside the budget went to the process itself (a long
+            # prompt's compute buffers) or to others: keep none of it free any more
+            short = self.weights_short
+            target = max(self.planned.need.minimum, min(self._kept, self.budget) - short - max(short, self.budget // 100))
+            shrink, grow = target < self.budget, False
+            self.spare = 0
+            self._pending = (target, PENDING_STEPS)
         if not (shrink or grow):
             return False
         tiers = target - self.planned.need.minimum

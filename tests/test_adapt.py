@@ -515,6 +515,45 @@ def test_a_fixed_budget_in_a_container_sized_to_it_keeps_its_tiers(zipmoe_model:
     assert auto.budget == max(need.minimum, held + read().headroom - memory.safety_margin(read()))
 
 
+def test_a_fixed_budget_makes_room_once_for_the_weights_the_page_cache_lost(zipmoe_model: Path) -> None:
+    """A long prompt after short ones touches ~87 MiB more of llama.cpp's compute buffers (the 2.8g model): in a
+    container sized to the budget the process no longer fits, the kernel takes page cache of the mapped weights
+    that are not experts, and every token reads them again (1.7-2.4 against ~10 tokens/s at 75%). The monitor then
+    shrinks the tiers by twice what the cache lacks, whatever the hysteresis, and once: until the stores are down to
+    it, readings that still find the weights short change nothing (acting on them shrank three and four times in a
+    row). Then it keeps nothing beside the budget free for others any more: the process took that room."""
+    from pyzipmoe import controller, memory
+    from pyzipmoe.budget import model_memory
+
+    need = model_memory(zipmoe_model)
+    budget = need.minimum + need.expert_bytes
+    lib = _FakeStats(need.expert_bytes)  # every expert decoded
+    limit = budget + budget // 20 + budget // 50
+    process = {"bytes": budget // 20}  # the process's memory besides the model: compute buffers, KV cache, Python
+
+    def read() -> memory.MemoryReading:
+        # a cgroup at its limit: the kernel keeps what fits of the file cache, the mapped weights first
+        anon = lib.resident + process["bytes"]
+        file_cache = min(limit - anon, need.other_bytes + budget // 50)
+        return memory.MemoryReading(total=64 << 30, available=32 << 30, rss=0, cgroup_limit=limit,
+                                    cgroup_usage=anon + file_cache, cgroup_reclaimable=file_cache,
+                                    cgroup_file_cache=file_cache)
+
+    mon = controller.monitor_for(zipmoe_model, budget, read=read, interval=3600, lib=lib)
+    mon.note_decode()
+    assert not mon.step() and mon.budget == budget and mon.weights_short == 0
+    short = budget // 40
+    process["bytes"] += need.in_flight_bytes + budget // 50 + short  # a long prompt's batch
+    assert mon.step()
+    assert mon.budget == need.other_bytes + need.expert_bytes - 2 * short  # what is held, less twice the lack
+    assert mon.spare == 0
+    for _ in range(3):  # the stores have not evicted yet: the weights are still short, and nothing changes
+        assert not mon.step() and mon.weights_short == short
+    lib.resident = mon.budget - need.minimum  # they have
+    assert not mon.step() and mon.weights_short == 0
+    assert not mon.step()
+
+
 @pytest.mark.parametrize("scenario", ["between", "during"])
 def test_slots_changed_around_an_invocation_keep_the_store_working(scenario: str, zipmoe_model: Path,
                                                                    tiny_model: Path) -> None:
