@@ -262,8 +262,8 @@ int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, uint64_t
     pthread_mutex_lock(&g_cfg_mu);
     g_hot_budget  = hot_bytes;
     g_hot_batch   = hot_bytes;
-    g_hot_tokens  = hot_bytes; /* (zipmoe_cache_set_token_hot gives generation more) */
-    g_token_mode  = 0;
+    g_hot_tokens  = hot_bytes; /* (zipmoe_cache_set_token_hot gives generation more; in token mode until the next
+                                * graph, whose zipmoe_cache_begin_graph trims every store down to hot_bytes) */
     g_warm_budget = warm_bytes;
     g_sm_budget   = sm_bytes;
     g_policy      = policy;
@@ -1118,7 +1118,9 @@ static void trim_others(const zipmoe_store * s) {
         return;
     }
     for (zipmoe_store * o = g_list; o; o = o->next) {
-        if (o == s || (!turns && (o->layer < 0 || o->layer == s->layer)) || atomic_load(&o->fast_ok) ||
+        /* (a store on the fast path is within its limits, unless they changed since it settled) */
+        const int settled = atomic_load(&o->fast_ok) && atomic_load(&o->cfg_gen) == atomic_load(&g_cfg_gen);
+        if (o == s || (!turns && (o->layer < 0 || o->layer == s->layer)) || settled ||
             pthread_mutex_trylock(&o->mu) != 0) {
             continue;
         }
@@ -1154,8 +1156,11 @@ void zipmoe_cache_begin_graph(int64_t routed) {
     }
     pthread_mutex_unlock(&g_cfg_mu);
     for (zipmoe_store * o = shrink ? g_list : NULL; o; o = o->next) {
-        /* (a read-ahead into o holds its lock while it reads: it takes no other store's lock but by trying) */
+        /* (a read-ahead into o holds its lock while it reads: it takes no other store's lock but by trying, and a
+         * guessed one stops for a waiter) */
+        atomic_fetch_add(&o->waiting, 1);
         pthread_mutex_lock(&o->mu);
+        atomic_fetch_sub(&o->waiting, 1);
         if (o->plan_key == NULL && !o->prefilling) { /* no graph computes: what the last one pinned is read */
             for (int64_t e = 0; e < o->info.n_expert; e++) {
                 o->experts[e].routed = 0;
@@ -1282,6 +1287,11 @@ static int64_t unused_place(const zipmoe_store * s, int64_t e) {
 static void place_plan(zipmoe_store * s) {
     const int reuse    = s->use_slots && s->hot_limit > 0 && s->sm_limit == 0;
     uint64_t  entering = 0;
+    s->plan_decoding   = 0; /* counted before the victims leave the hot tier: the stats never miss those pages */
+    for (int64_t j = 0; j < s->plan_n; j++) {
+        s->plan_decoding += s->experts[s->plan[j].expert].hot ? 0 : s->hot_size;
+    }
+    atomic_fetch_add(&g_decoding_bytes, s->plan_decoding);
     for (int64_t j = 0; j < s->plan_n; j++) {
         const int64_t  e = s->plan[j].expert;
         expert_state * x = &s->experts[e];
@@ -1382,7 +1392,6 @@ static int64_t make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int
  * a token's every store spent before its first read had started), before any thread decodes: the planned experts'
  * ranges get the pages of a slot, so decoding neither faults nor zeroes them. */
 static void map_plan(zipmoe_store * s) {
-    s->plan_decoding = 0;
     for (int64_t j = 0; j < s->plan_n; j++) {
         const expert_state * x     = &s->experts[s->plan[j].expert];
         place_state *        at    = &s->places[x->place];
@@ -1390,9 +1399,7 @@ static void map_plan(zipmoe_store * s) {
         if (!x->hot && at->slot < 0 && s->use_slots && zipmoe_slots_usable(range, (size_t) s->hot_size)) {
             at->slot = zipmoe_slots_attach(range, (size_t) s->hot_size);
         }
-        s->plan_decoding += x->hot ? 0 : s->hot_size;
     }
-    atomic_fetch_add(&g_decoding_bytes, s->plan_decoding);
 }
 
 /* Under s->mu, when the plan is published or discarded: its experts are hot now, or not at all. */
