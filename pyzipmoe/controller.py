@@ -182,19 +182,21 @@ def resident_bytes(lib: Any = None) -> int:
     the budget + 160 MiB, where the room is what is held: a prompt's first store moves generation's share of the
     allowance from the hot tier to those pages (78 MiB), a store of a prompt decodes ~75 MiB beyond its share,
     its read-ahead buffer holds ~36 MiB more, and a reading that fell on a dip shrank the tiers."""
-    kept, transient = _runtime_bytes(lib)
+    kept, transient, _ = _runtime_bytes(lib)
     return kept + transient
 
 
-def _runtime_bytes(lib: Any = None) -> tuple[int, int]:
-    """resident_bytes in two: what the budget covers, and the read buffers' transient bytes, which it does not."""
+def _runtime_bytes(lib: Any = None) -> tuple[int, int, int]:
+    """resident_bytes in two, what the budget covers and the read buffers' transient bytes, which it does not;
+    and the invocations the runtime has served (it is running when they move)."""
     if lib is None:
         from ._native import ffi, lib
     else:
         from ._native import ffi
     s = ffi.new("zipmoe_stats *")
     lib.zipmoe_stats_get(s)
-    return int(s.hot_bytes + s.warm_bytes + s.sm_bytes + s.decoding_bytes + s.pool_bytes), int(s.staging_transient_bytes)
+    return (int(s.hot_bytes + s.warm_bytes + s.sm_bytes + s.decoding_bytes + s.pool_bytes),
+            int(s.staging_transient_bytes), int(s.materialize_calls))
 
 
 class MemoryMonitor:
@@ -237,7 +239,8 @@ class MemoryMonitor:
         # to it (PENDING_STEPS readings at most)
         self.weights_short = 0
         self._kept = 0
-        self._pending: tuple[int, int] | None = None  # (budget, readings left)
+        self._calls = 0
+        self._pending: tuple[int, int, int] | None = None  # (budget, readings left, invocations at the last one)
         self._rebase = threading.Event()
         self._decoded = False
         self.interval = interval
@@ -259,7 +262,7 @@ class MemoryMonitor:
         from . import memory
 
         reading = self._read()
-        kept, transient = _runtime_bytes(self._lib)
+        kept, transient, self._calls = _runtime_bytes(self._lib)
         self._kept = self.planned.need.other_bytes + kept
         held = self._kept + transient
         room = held + reading.headroom  # what the model could hold now
@@ -270,8 +273,9 @@ class MemoryMonitor:
             # memory going and coming (a cgroup at its limit: 357 -> 213 MiB of room in a second, and a re-plan)
             cache_room = reading.headroom_with_file_cache - self.planned.need.other_bytes
             # less than nothing: the page cache lacks some of those weights, and every token reads them again (a
-            # cyclic read a little larger than its cache misses on every page); step() makes room for them
-            self.weights_short = max(0, -cache_room)
+            # cyclic read a little larger than its cache misses on every page); step() makes room for them. Not
+            # for a prompt's read buffers, which go when it ends
+            self.weights_short = max(0, -(cache_room + transient))
             room = held + max(0, cache_room)
             if self.spare is None or self._rebase.is_set():
                 spare = max(0, min(keep, room - self.budget))
@@ -319,16 +323,21 @@ class MemoryMonitor:
         target = max(self.target_budget(), self.planned.need.minimum)
         shrink = target < self.budget * (1 - self.threshold)
         grow = target > self.budget * (1 + 2 * self.threshold)
+        weights_rule = self.weights_short > 0
         if self._pending is not None:
-            # a shrink for the weights that are not experts: nothing else until the tiers are down to it (the
-            # stores evict at their next invocations; readings before that still find the weights short, and
-            # acting on them shrank three and four times in a row)
-            budget, left = self._pending
-            if self._kept > budget + budget // 100 and left > 0:
-                self._pending = (budget, left - 1)
-                return False
-            self._pending = None
-        if self.weights_short:
+            # a shrink for the weights that are not experts: neither that rule nor a grow until the tiers are down
+            # to it (the stores evict at their next invocations; readings before that still find the weights short,
+            # and acting on them shrank three and four times in a row), for PENDING_STEPS readings while the
+            # model runs at most; an idle model waits as long as it is idle
+            budget, left, calls = self._pending
+            if self._kept > budget + budget // 100:
+                left -= self._calls != calls
+                self._pending = (budget, left, self._calls) if left > 0 else None
+            else:
+                self._pending = None
+            if self._pending is not None:
+                weights_rule = grow = False
+        if weights_rule:
             # whatever the hysteresis: room for them, as much again (at least 1% of the budget) so that a reading
             # with them back finds room to spare. The room beside the budget went to the process itself (a long
             # prompt's compute buffers) or to others: keep none of it free any more
@@ -336,7 +345,8 @@ class MemoryMonitor:
             target = max(self.planned.need.minimum, min(self._kept, self.budget) - short - max(short, self.budget // 100))
             shrink, grow = target < self.budget, False
             self.spare = 0
-            self._pending = (target, PENDING_STEPS)
+            if shrink:
+                self._pending = (target, PENDING_STEPS, self._calls)
         if not (shrink or grow):
             return False
         tiers = target - self.planned.need.minimum

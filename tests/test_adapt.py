@@ -446,11 +446,13 @@ class _FakeStats:
         self.resident = resident
         self.read_buffers = 0  # beyond what they keep between uses
         self.pool = 0  # pages of evicted experts kept for the next decodes
+        self.calls = 0  # invocations served
         self.slots: list[tuple[bytes, int, int, int]] = []
 
     def zipmoe_stats_get(self, s: Any) -> None:
         s.hot_bytes, s.warm_bytes, s.sm_bytes = self.resident - self.pool, 0, 0
         s.pool_bytes, s.staging_transient_bytes = self.pool, self.read_buffers
+        s.decoding_bytes, s.materialize_calls = 0, self.calls
 
     def zipmoe_cache_set_slots(self, prefix: bytes, hot: int, warm: int, sm: int) -> int:
         self.slots.append((prefix, hot, warm, sm))
@@ -533,7 +535,7 @@ def test_a_fixed_budget_makes_room_once_for_the_weights_the_page_cache_lost(zipm
 
     def read() -> memory.MemoryReading:
         # a cgroup at its limit: the kernel keeps what fits of the file cache, the mapped weights first
-        anon = lib.resident + process["bytes"]
+        anon = lib.resident + lib.read_buffers + process["bytes"]
         file_cache = min(limit - anon, need.other_bytes + budget // 50)
         return memory.MemoryReading(total=64 << 30, available=32 << 30, rss=0, cgroup_limit=limit,
                                     cgroup_usage=anon + file_cache, cgroup_reclaimable=file_cache,
@@ -543,12 +545,18 @@ def test_a_fixed_budget_makes_room_once_for_the_weights_the_page_cache_lost(zipm
     mon.note_decode()
     assert not mon.step() and mon.budget == budget and mon.weights_short == 0
     short = budget // 40
+    lib.read_buffers = need.in_flight_bytes + budget // 50 + short  # a prompt's reads: gone when it ends
+    assert not mon.step() and mon.weights_short == 0
+    lib.read_buffers = 0
     process["bytes"] += need.in_flight_bytes + budget // 50 + short  # a long prompt's batch
     assert mon.step()
     assert mon.budget == need.other_bytes + need.expert_bytes - 2 * short  # what is held, less twice the lack
     assert mon.spare == 0
-    for _ in range(3):  # the stores have not evicted yet: the weights are still short, and nothing changes
+    for _ in range(controller.PENDING_STEPS + 5):  # an idle model: the stores evict nothing, and nothing changes
         assert not mon.step() and mon.weights_short == short
+    for _ in range(3):  # it runs, the stores have not evicted yet: nothing changes either
+        lib.calls += 1
+        assert not mon.step()
     lib.resident = mon.budget - need.minimum  # they have
     assert not mon.step() and mon.weights_short == 0
     assert not mon.step()
