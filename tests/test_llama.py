@@ -342,20 +342,20 @@ def test_prefill_decodes_at_load_and_gives_the_same_logits(logits: Callable, our
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("tiers_kib, hot_experts", [(80, 28), (90, 30)], ids=["whole shares", "carried shares"])
+@pytest.mark.parametrize("tiers_kib, hot_experts", [(80, 28), (90, 30)], ids=["80 KiB", "90 KiB"])
 def test_the_decoded_experts_in_flight_count_once(logits: Callable, ours: Path, arch: str,
                                                   zipmoe_models: dict[tuple[str, str], Path], tmp_path: Path,
                                                   tiers_kib: int, hot_experts: int) -> None:
     """The budget's allowance for the expert tensor in flight need not hold the experts the hot tier holds
     already, and a prompt that routes to every expert still peaks within the budget: the stores take turns with
-    the allowance. The tiny preset has 6 expert tensors of 8 experts of 4 KiB. With 80 KiB for the tiers, 96 KiB
-    stay decoded in a prompt, 4 of each store's 8. With 90 KiB the hot tier is 108608 bytes (the allowance 16 KiB:
-    a store keeps at least 4 experts), 18101 bytes a store, 4.4 experts: rounded down one by one that was 24
-    experts; what a share holds beyond whole experts goes on to the next store, 4, 4, 5, 4, 5, 4 = 26, and the
-    peak holds at a store that keeps 4 too (the allowance of the fractional share, one expert short, went 2 KiB
-    over). Generated tokens route 2 experts a store, whose misses take their victims' places: the hot tier holds
-    the allowance too, the tiers and the 32 KiB of the largest tensor, 28 and 30 experts; the second attempt's
-    prompt, after that, is back within the budget before its first store decodes beyond its share."""
+    the allowance. The tiny preset has 6 expert tensors of 8 experts of 4 KiB (23136 bytes compressed). With 80
+    and 90 KiB for the tiers a prompt's batch leaves 28618 and 26062 bytes of them to its read buffers, and keeps
+    61558 and 78450 bytes decoded: 2.5 and 3.2 experts a store, whose fractions go on from store to store, 15 and
+    19 experts (rounded down one by one, 12 and 18); the allowance is what a store that keeps only its whole
+    experts decodes anew (with the fractional share's, one expert short, the peak went 2 KiB over once).
+    Generated tokens route 2 experts a store, whose misses take their victims' places: the hot tier then holds
+    all of it, the tiers and the 32 KiB of the largest tensor, 28 and 30 experts; the second attempt's prompt,
+    after that, is back within the budget before its first store decodes beyond its share."""
     from pyzipmoe.budget import model_memory
 
     ref_reports, ref = logits(arch, "bf16")

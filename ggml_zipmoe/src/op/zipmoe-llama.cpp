@@ -37,8 +37,9 @@ static std::atomic<size_t>                                             g_registr
 
 // The stores opened since the last zipmoe_llama_configure: the model being loaded.
 struct pending_store {
-    uint64_t bytes;    // BF16, all experts
+    uint64_t bytes;      // BF16, all experts
     uint64_t n_expert;
+    uint64_t compressed; // the data companion
 };
 static std::mutex                         g_pending_mu;
 static std::vector<pending_store>         g_pending;
@@ -157,7 +158,8 @@ static uint64_t embd_charge(uint64_t embd_bytes, uint64_t row_bytes) {
 
 // The budget from the environment (how bare llama-cli is configured; pyzipmoe sets the same):
 //   ZIPMOE_MEMORY_BUDGET  bytes the model may keep resident: its weights that are not experts, the experts of
-//                         one expert tensor in flight and the cache tiers, which get the rest; unset: unbounded
+//                         one expert tensor in flight, a prompt's read buffers and the cache tiers, which get the
+//                         rest (and, in generation, the room of the two before); unset: unbounded
 //   ZIPMOE_HOT_SHARE      the tiers' fraction for decoded experts (default 1: on a disk that reads faster than
 //                         the cores decode, compressed tiers save little; the planner decides otherwise)
 //   ZIPMOE_SM_SHARE       the fraction for sign+mantissa planes (default 0); whole compressed experts get the rest
@@ -207,7 +209,7 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
         working_set = std::max(working_set, st.bytes);
         experts += st.bytes;
     }
-    uint64_t      hot = UINT64_MAX, warm = 0, sm = 0, in_flight = working_set;
+    uint64_t      hot = UINT64_MAX, warm = 0, sm = 0, in_flight = working_set, reads = 0;
     zipmoe_policy policy = ZIPMOE_POLICY_TOKEN_LFU;
     if (const char * v = std::getenv("ZIPMOE_MEMORY_BUDGET"); v && *v) {
         uint64_t budget = 0;
@@ -231,7 +233,21 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
             err = "ZIPMOE_HOT_SHARE + ZIPMOE_SM_SHARE is more than 1";
             return false;
         }
-        const uint64_t tiers = budget - minimum;
+        uint64_t tiers = budget - minimum;
+        // A prompt's reads: the staging buffer of the store that decodes and the read-ahead buffer of the next hold
+        // the compressed bytes of what a store does not keep decoded, each. Out of the budget, at 40% of the 2.8g
+        // model they took ~100 MiB from the page cache of the other weights under a limit of the budget + 160 MiB
+        // (llama-bench pp512: 166-171 tokens/s, 171-179 with the budget 100 MiB smaller, stock 161-171). So the
+        // tiers of a batch leave room for them (at most half the tiers); generation, whose reads are a few
+        // experts, has it back (zipmoe_cache_set_token_hot).
+        if (hot_share > 0 && experts > 0) {
+            const double kept = std::min(1.0, (double) tiers * hot_share / (double) experts);
+            for (const auto & st : stores) {
+                reads = std::max(reads, 2 * (uint64_t) ((double) st.compressed * (1.0 - kept)));
+            }
+            reads = std::min(reads, tiers / 2);
+            tiers -= reads;
+        }
         hot  = (uint64_t) ((double) tiers * hot_share);
         sm   = std::min(tiers - hot, (uint64_t) ((double) tiers * sm_share));
         warm = tiers - hot - sm;
@@ -270,6 +286,7 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
         }
         info = "zipmoe: memory budget " + mib(budget) + ": " + mib(other_bytes) + " weights that are not experts" +
                embd_note + ", " + mib(in_flight) + " for one expert tensor in flight beyond its decoded experts, " +
+               (reads ? mib(reads) + " for a prompt's reads, " : std::string()) +
                "cache tiers " + mib(hot) + " decoded, " + mib(warm) + " compressed, " + mib(sm) +
                " sign+mantissa (experts " + mib(experts) + " in BF16)";
     } else {
@@ -336,8 +353,8 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
     // a token's misses take their victims' places: generation needs no allowance beside the hot tier, which then
     // holds it too (a prompt's first store evicts it again: zipmoe_cache_begin_graph); not with a plan
     if (hot > 0 && hot != UINT64_MAX && sm == 0 && !plan) {
-        zipmoe_cache_set_token_hot(hot + in_flight);
-        info += "; while generating, " + mib(hot + in_flight) + " decoded";
+        zipmoe_cache_set_token_hot(hot + in_flight + reads);
+        info += "; while generating, " + mib(hot + in_flight + reads) + " decoded";
     }
     return true;
 }
@@ -354,7 +371,8 @@ zipmoe_llama_tensor_ptr zipmoe_llama_open(const char * name, const void * index,
     zipmoe_tensor_get_info(zipmoe_store_tensor(store), &info);
     {
         std::lock_guard<std::mutex> lock(g_pending_mu);
-        g_pending.push_back({ (uint64_t) info.n_expert * (uint64_t) info.n_per_expert * 2, (uint64_t) info.n_expert });
+        g_pending.push_back({ (uint64_t) info.n_expert * (uint64_t) info.n_per_expert * 2, (uint64_t) info.n_expert,
+                              info.data_size });
         g_opened.push_back(store);
     }
     zipmoe_llama_tensor_ptr zt(new zipmoe_llama_tensor);
