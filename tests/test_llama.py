@@ -138,7 +138,7 @@ print(json.dumps(out))
 
 
 def run_worker(model: Path, lib_dir: Path, runs: list[dict[str, Any]], out: Path, prompt: str = PROMPT,
-               env: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
+               env: dict[str, str] | None = None, n_gen: int = N_GEN) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
     """Loads `model` with libllama from lib_dir in a child process, once per run, evaluates PROMPT and N_GEN
     greedy tokens with logits_all; returns each run's report and logits (run{i}: float32 [positions, n_vocab]).
 
@@ -146,7 +146,7 @@ def run_worker(model: Path, lib_dir: Path, runs: list[dict[str, Any]], out: Path
     as memory_budget (optional; prefill is off unless it says so, so that the runs decode), "attempts": times to
     evaluate (optional)}; its report has prompt, generated,
     stats (zipmoe), or load_error / errors. env: more environment variables for the child."""
-    job = {"model": str(model), "runs": runs, "prompt": prompt, "n_gen": N_GEN, "n_ctx": N_CTX, "out": str(out)}
+    job = {"model": str(model), "runs": runs, "prompt": prompt, "n_gen": n_gen, "n_ctx": N_CTX, "out": str(out)}
     done = subprocess.run([sys.executable, "-c", WORKER, json.dumps(job)], env={**worker_env(lib_dir), **(env or {})},
                           capture_output=True,
                           text=True, timeout=TIMEOUT, check=False)
@@ -342,10 +342,10 @@ def test_prefill_decodes_at_load_and_gives_the_same_logits(logits: Callable, our
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("tiers_kib, hot_experts", [(80, 28), (90, 30)], ids=["80 KiB", "90 KiB"])
+@pytest.mark.parametrize("tiers_kib, hot_experts, reads", [(80, 28, 28618), (90, 30, 26062)], ids=["80 KiB", "90 KiB"])
 def test_the_decoded_experts_in_flight_count_once(logits: Callable, ours: Path, arch: str,
                                                   zipmoe_models: dict[tuple[str, str], Path], tmp_path: Path,
-                                                  tiers_kib: int, hot_experts: int) -> None:
+                                                  tiers_kib: int, hot_experts: int, reads: int) -> None:
     """The budget's allowance for the expert tensor in flight need not hold the experts the hot tier holds
     already, and a prompt that routes to every expert still peaks within the budget: the stores take turns with
     the allowance. The tiny preset has 6 expert tensors of 8 experts of 4 KiB (23136 bytes compressed). With 80
@@ -373,6 +373,11 @@ def test_the_decoded_experts_in_flight_count_once(logits: Callable, ours: Path, 
         stats = reports[k]["stats"]
         assert stats["hot_bytes"] == hot_experts * 4096, (what, stats)
         assert stats["peak_resident_bytes"] <= extra + need.in_flight_bytes, (what, stats)
+    # the prompt alone: its decoded experts leave the room of its read buffers
+    reports, _ = run_worker(zipmoe_models[arch, "huff"], ours, runs[:1], tmp_path / "prompt.npz", n_gen=0)
+    _no_error(reports[0])
+    stats = reports[0]["stats"]
+    assert 0 < stats["peak_hot_bytes"] <= extra + need.in_flight_bytes - reads, stats
 
 
 @pytest.mark.parametrize("arch", ARCHS)
