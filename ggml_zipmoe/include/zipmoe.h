@@ -223,9 +223,10 @@ ZIPMOE_API void    zipmoe_cache_set_store_turns(int enabled);
 ZIPMOE_API void    zipmoe_cache_set_reserve(uint64_t bytes);
 
 /* A larger hot budget for graphs whose stores are each routed no more experts than they keep decoded (generation:
- * a token routes top-k): there a miss takes the place of the expert it evicts, and the allowance for the expert
- * tensor in flight (zipmoe_cache_set_reserve) can hold decoded experts too. At most zipmoe_cache_configure's hot
- * budget plus that allowance; reset by zipmoe_cache_configure. Not with an sm tier or slot rules. */
+ * a token routes top-k): there a miss takes the place of the expert it evicts and reads a few experts, so the room
+ * a batch keeps beside the hot tier (the allowance for the expert tensor in flight, zipmoe_cache_set_reserve, and
+ * a prompt's read buffers) can hold decoded experts. Reset by zipmoe_cache_configure. Not with an sm tier or slot
+ * rules. */
 ZIPMOE_API void    zipmoe_cache_set_token_hot(uint64_t hot_bytes);
 
 /* Before computing a graph (one at a time) whose stores may each be routed up to `routed` distinct experts: the

@@ -287,7 +287,6 @@ void zipmoe_cache_set_token_hot(uint64_t hot_bytes) {
     pthread_mutex_unlock(&g_list_mu);
 }
 
-
 static _Atomic int g_direct_io = 1;
 
 void zipmoe_cache_set_direct_io(int enabled) { atomic_store(&g_direct_io, enabled != 0); }
@@ -1138,8 +1137,9 @@ static void trim_others(const zipmoe_store * s) {
     pthread_mutex_unlock(&g_list_mu);
 }
 
-/* Generation's hot budget needs no room for the tensor in flight: a miss takes the place of the expert it evicts
- * (place_plan), and one exists in its own store while the store is routed no more experts than it keeps decoded.
+/* Generation's hot budget needs no room for the tensor in flight (nor a prompt's reads): a miss takes the place of
+ * the expert it evicts (place_plan), and one exists in its own store while the store is routed no more experts
+ * than it keeps decoded.
  * Not with an sm tier (place_plan does not evict first there) or a planner's slots (which leave the allowance for
  * evicted experts' pages). Back to the smaller budget, every store gives up what it holds beyond its limits now,
  * before any store of the graph decodes beyond its own. */

@@ -350,8 +350,9 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
     zipmoe_cache_configure(hot, warm, sm, policy);
     // evicted experts' memory is kept, within the allowance for the tensor in flight, for the next decodes
     zipmoe_cache_set_reserve(hot == 0 ? working_set : in_flight);
-    // a token's misses take their victims' places: generation needs no allowance beside the hot tier, which then
-    // holds it too (a prompt's first store evicts it again: zipmoe_cache_begin_graph); not with a plan
+    // a token's misses take their victims' places and read a few experts: generation needs neither the allowance
+    // nor the read room beside the hot tier, which then holds them too (a prompt's first store evicts them again:
+    // zipmoe_cache_begin_graph); not with a plan
     if (hot > 0 && hot != UINT64_MAX && sm == 0 && !plan) {
         zipmoe_cache_set_token_hot(hot + in_flight + reads);
         info += "; while generating, " + mib(hot + in_flight + reads) + " decoded";
