@@ -356,8 +356,8 @@ static void refresh_limits(zipmoe_store * s) {
 static _Atomic uint64_t g_stores, g_hot_bytes, g_warm_bytes, g_sm_bytes, g_experts, g_chunks, g_bytes, g_ns, g_calls;
 static _Atomic uint64_t g_hits_hot, g_hits_warm, g_hits_sm, g_misses, g_read_bytes, g_read_ns, g_evictions;
 static _Atomic uint64_t g_peak_hot, g_peak_resident, g_stall_ns, g_reading_calls;
-static _Atomic uint64_t g_stage_cap_bytes, g_pf_cap_bytes; /* the reader's buffers: zipmoe_stats' staging_bytes */
-static _Atomic uint64_t g_stage_over_bytes, g_pf_over_bytes; /* of them, beyond STAGE_KEEP each */
+static _Atomic uint64_t g_stage_cap_bytes, g_pf_cap_bytes[2]; /* the reader's buffers: zipmoe_stats' staging_bytes */
+static uint64_t read_buffers_transient(void);
 static _Atomic uint64_t g_read_ahead_bytes;
 static _Atomic uint64_t g_decoding_bytes; /* planned experts not hot yet: their places' pages are in use */
 static _Atomic uint64_t g_guessed_bytes, g_guesses_used;
@@ -388,13 +388,13 @@ void zipmoe_stats_get(zipmoe_stats * out) {
     out->hits_sm             = atomic_load(&g_hits_sm);
     out->stall_ns            = atomic_load(&g_stall_ns);
     out->peak_resident_bytes = atomic_load(&g_peak_resident);
-    out->staging_bytes       = atomic_load(&g_stage_cap_bytes) + atomic_load(&g_pf_cap_bytes);
+    out->staging_bytes = atomic_load(&g_stage_cap_bytes) + atomic_load(&g_pf_cap_bytes[0]) + atomic_load(&g_pf_cap_bytes[1]);
     out->pool_bytes          = zipmoe_slots_kept();
     out->reading_calls       = atomic_load(&g_reading_calls);
     out->bytes_read_ahead    = atomic_load(&g_read_ahead_bytes);
     out->bytes_read_guessed  = atomic_load(&g_guessed_bytes);
     out->guesses_used        = atomic_load(&g_guesses_used);
-    out->staging_transient_bytes = atomic_load(&g_stage_over_bytes) + atomic_load(&g_pf_over_bytes);
+    out->staging_transient_bytes = read_buffers_transient();
     out->decoding_bytes          = atomic_load(&g_decoding_bytes);
 }
 
@@ -524,8 +524,17 @@ static void region_free(uint8_t * p, uint64_t size) {
     }
 }
 
-/* What a read buffer of cap bytes holds beyond what it keeps between uses. */
-static uint64_t read_buffer_over(size_t cap) { return cap > STAGE_KEEP ? cap - STAGE_KEEP : 0; }
+/* What the read buffers hold beyond what each keeps between uses (zipmoe_stats' staging_transient_bytes). */
+static uint64_t read_buffers_transient(void) {
+    const uint64_t keep  = STAGE_KEEP;
+    uint64_t       total = 0;
+    const uint64_t caps[] = { atomic_load(&g_stage_cap_bytes), atomic_load(&g_pf_cap_bytes[0]),
+                              atomic_load(&g_pf_cap_bytes[1]) };
+    for (size_t i = 0; i < sizeof caps / sizeof caps[0]; i++) {
+        total += caps[i] > keep ? caps[i] - keep : 0;
+    }
+    return total;
+}
 
 static void read_buffer_free(uint8_t ** data, size_t * cap) {
     region_free(*data, *cap);
@@ -615,8 +624,7 @@ static prefetch_buffer * prefetch_take(zipmoe_store * s, size_t need, int * defe
     }
     if (b) {
         read_buffer_fit(&b->data, &b->cap, need);
-        atomic_store(&g_pf_cap_bytes, g_pf[0].cap + g_pf[1].cap);
-        atomic_store(&g_pf_over_bytes, read_buffer_over(g_pf[0].cap) + read_buffer_over(g_pf[1].cap));
+        atomic_store(&g_pf_cap_bytes[b - g_pf], b->cap);
     }
     if (b && b->data) {
         b->owner = s;
@@ -1146,8 +1154,8 @@ static void trim_others(const zipmoe_store * s) {
 void zipmoe_cache_begin_graph(int64_t routed) {
     pthread_mutex_lock(&g_list_mu);
     pthread_mutex_lock(&g_cfg_mu);
-    const int tokens = g_hot_tokens != UINT64_MAX && g_hot_tokens > g_hot_batch && g_sm_budget == 0 && g_n_rules == 0 &&
-                       g_token_slots >= 0 && routed <= g_token_slots;
+    /* (g_token_slots >= 0: generation's hot budget is larger than a batch's, and shared out) */
+    const int tokens = g_sm_budget == 0 && g_n_rules == 0 && g_token_slots >= 0 && routed <= g_token_slots;
     const int shrink = g_token_mode && !tokens;
     if (tokens != g_token_mode) {
         g_token_mode = tokens;
@@ -1425,7 +1433,6 @@ static uint8_t * staging_take(const zipmoe_store * s, size_t need) {
     if (!g_stage_owner) {
         read_buffer_fit(&g_stage, &g_stage_cap, need);
         atomic_store(&g_stage_cap_bytes, g_stage_cap);
-        atomic_store(&g_stage_over_bytes, read_buffer_over(g_stage_cap));
         if (g_stage) {
             g_stage_owner = s;
             buf           = g_stage;
@@ -1442,7 +1449,6 @@ static void staging_trim(size_t need) {
     if (!g_stage_owner && g_stage_cap > STAGE_KEEP && need <= STAGE_KEEP) {
         read_buffer_free(&g_stage, &g_stage_cap);
         atomic_store(&g_stage_cap_bytes, 0);
-        atomic_store(&g_stage_over_bytes, 0);
     }
     pthread_mutex_unlock(&g_stage_mu);
 }
