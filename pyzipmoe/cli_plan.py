@@ -159,9 +159,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     check_budget(budget, need)
     counts = _counts(args, geometry)
     costs, costs_source = _costs(args, model_path, geometry)
-    plan = planner.runtime_plan(planner.cost_model(geometry, costs, counts), budget - need.minimum)
+    plan = planner.plan_tiers(planner.cost_model(geometry, costs, counts), budget - need.minimum)
     memory = {"budget": budget, "other_bytes": need.other_bytes, "in_flight_bytes": need.in_flight_bytes,
-              "tier_bytes": budget - need.minimum, "embd_bytes": need.embd_bytes, "embd_charged_bytes": need.embd_charged}
+              "read_bytes": plan.read_bytes, "tier_bytes": budget - need.minimum - plan.read_bytes,
+              "embd_bytes": need.embd_bytes, "embd_charged_bytes": need.embd_charged}
     if args.json:
         print(json.dumps({**_to_json(model_path, geometry, costs, costs_source, args.trace, plan), "memory": memory},
                          indent=2))
@@ -170,7 +171,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         print(f"memory:       {human_size(budget)} in all = {human_size(need.other_bytes)} of weights that are not "
               f"experts{need.embd_note} + {human_size(need.in_flight_bytes)} for one expert tensor's experts in flight + "
-              f"{human_size(budget - need.minimum)} for the tiers")
+              f"{human_size(plan.read_bytes)} for a prompt's reads + "
+              f"{human_size(budget - need.minimum - plan.read_bytes)} for the tiers")
         print(_report(model_path, geometry, costs, costs_source, args.trace, plan))
     return 0
 

@@ -73,7 +73,7 @@ def plan_model(model_path: str | os.PathLike[str], budget: int, *, trace: str | 
     costs, source = machine_costs(model_path, geometry)
     counts = planner.counts_from_trace(trace, geometry.n_layer, geometry.n_expert) if trace else None
     model = planner.cost_model(geometry, costs, counts)
-    return Planned(need, budget, model, planner.runtime_plan(model, budget - need.minimum), source)
+    return Planned(need, budget, model, planner.plan_tiers(model, budget - need.minimum), source)
 
 
 def planner_by_default(model_path: str | os.PathLike[str], *, budget: str | int | None, hot_share: float | None,
@@ -310,7 +310,7 @@ class MemoryMonitor:
         model = planner.cost_model(g, self.planned.model.costs, counts, routing=live_routing(g, self._lib),
                                    policy=self.policy)
         self.planned = Planned(self.planned.need, self.planned.budget, model,
-                               planner.runtime_plan(model, self.budget - self.planned.need.minimum),
+                               planner.plan_tiers(model, self.budget - self.planned.need.minimum),
                                self.planned.costs_source)
         apply_plan(self.planned.plan, self._lib, reserve=self.planned.need.in_flight_bytes)
         self.replans.append((self.budget, self.planned.plan))
@@ -350,8 +350,7 @@ class MemoryMonitor:
         if not (shrink or grow):
             return False
         tiers = target - self.planned.need.minimum
-        plan = planner.fixed_split_plan(self.planned.model, tiers, *self.split) if self.split is not None \
-            else planner.runtime_plan(self.planned.model, tiers)
+        plan = planner.plan_tiers(self.planned.model, tiers, self.split)
         apply_plan(plan, self._lib, reserve=self.planned.need.in_flight_bytes)
         self.budget = target
         self.replans.append((target, plan))

@@ -45,7 +45,7 @@ import os
 import re
 import zipfile
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +58,7 @@ __all__ = [
     "ModelGeometry", "Plan", "PlanInputError", "RecencyDesign", "TierSeconds", "conditional_poisson", "cost_model",
     "costs_from_dict", "costs_from_file", "counts_from_trace", "cp_inclusion", "decode_plan", "default_costs",
     "expected_delay", "fixed_split_plan", "geometry_from_gguf", "hit_rates", "inclusion_targets", "layer_delay", "layer_design",
-    "layer_table", "lfu_ranks", "lru_ranks", "miss_fractions", "plan", "plan_for_budget", "runtime_plan", "poisson_binomial", "pool_designs",
+    "layer_table", "lfu_ranks", "lru_ranks", "miss_fractions", "plan", "plan_for_budget", "plan_tiers", "prompt_read_bytes", "runtime_plan", "poisson_binomial", "pool_designs",
     "pooling_strength", "recency_design", "split_delays", "tier_count_distribution", "tier_seconds", "token_delays",
     "uniform_counts", "validate_counts",
 ]
@@ -129,6 +129,9 @@ class ModelGeometry:
     warm_bytes: tuple[int, ...]  # its compressed region (the mean over the layer's experts, rounded up)
     sm_bytes: tuple[int, ...]  # its sign+mantissa plane (1 byte a value)
     dense_bytes: int = 0  # every other tensor a token reads (only the default base cost uses it)
+    # per MoE layer: the largest expert tensor's share of the layer's bytes (a store reads one tensor; gate, up and
+    # down: 1/3); empty: one tensor a layer
+    tensor_shares: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_expert_used <= self.n_expert:
@@ -142,6 +145,10 @@ class ModelGeometry:
             sizes = getattr(self, name)
             if len(sizes) != len(self.layers) or any(s < 0 for s in sizes):
                 raise ZipmoeError(f"{name} must give one size (>= 0) for each of the {len(self.layers)} MoE layers")
+        if self.tensor_shares and (len(self.tensor_shares) != len(self.layers)
+                                   or not all(0 < f <= 1 for f in self.tensor_shares)):
+            raise ZipmoeError(f"tensor_shares must give one fraction in (0, 1] for each of the {len(self.layers)} "
+                              "MoE layers")
 
     @classmethod
     def uniform(cls, n_layer: int, n_expert: int, n_expert_used: int, hot_bytes: int, warm_bytes: int,
@@ -153,6 +160,10 @@ class ModelGeometry:
     def read_sm_bytes(self, i: int) -> int:
         """What an sm-tier expert of MoE layer i reads from disk: its exponent codes."""
         return max(0, self.warm_bytes[i] - self.sm_bytes[i])
+
+    def tensor_share(self, i: int) -> float:
+        """The largest expert tensor's share of MoE layer i's bytes."""
+        return self.tensor_shares[i] if self.tensor_shares else 1.0
 
     @property
     def all_hot_bytes(self) -> int:
@@ -207,13 +218,14 @@ def geometry_from_gguf(path: str | os.PathLike[str]) -> ModelGeometry:
 
     layers = tuple(sorted(by_layer))
     values = [sum(t.expert.info.n_per_expert for t in by_layer[i]) for i in layers]
+    shares = [max(t.expert.info.n_per_expert for t in by_layer[i]) / v for i, v in zip(layers, values)]
     regions = [sum(sum(t.expert.span(e).size for e in range(n_expert)) for t in by_layer[i]) for i in layers]
     companion = (DATA_SUFFIX, INDEX_SUFFIX)
     dense = sum(t.nbytes for t in z.gguf.tensors if not t.name.endswith(companion) and t.name != SOURCE_HEADER)
     return ModelGeometry(n_layer=n_layer, n_expert=n_expert, n_expert_used=n_used, layers=layers,
                          hot_bytes=tuple(2 * v for v in values),
                          warm_bytes=tuple(-(-r // n_expert) for r in regions),
-                         sm_bytes=tuple(values), dense_bytes=dense)
+                         sm_bytes=tuple(values), dense_bytes=dense, tensor_shares=tuple(shares))
 
 
 def default_costs(geometry: ModelGeometry, cores: int | None = None) -> Costs:
@@ -1005,6 +1017,42 @@ def fixed_split_plan(model: CostModel, budget: int, hot_share: float, warm_share
     return _plan_from_splits(model, [tuple(slots)] * len(g.layers), budget)  # type: ignore[list-item]
 
 
+def prompt_read_bytes(geometry: ModelGeometry, splits: Sequence[tuple[int, int, int]]) -> int:
+    """What a prompt's read buffers hold at once under these slots (hot, warm, sm per MoE layer): the store that
+    decodes stages what its experts that are not in RAM read (a cold expert's region, an sm expert's codes), and the
+    next store's are read ahead into a second buffer as large; twice the largest store's, then. The runtime's glue
+    charges the same for its shares (zipmoe_llama_configure)."""
+    g = geometry
+    most = 0.0
+    for i, (hot, warm, sm) in enumerate(splits):
+        cold = g.n_expert - hot - warm - sm
+        most = max(most, (cold * g.warm_bytes[i] + sm * g.read_sm_bytes(i)) * g.tensor_share(i))
+    return 2 * int(most)
+
+
+READ_ROOM_ROUNDS = 8  # plans made to find the room for a prompt's reads before taking the most the glue gives them
+
+
+def plan_tiers(model: CostModel, tiers: int, split: tuple[float, float, float] | None = None) -> Plan:
+    """The plan a run applies for `tiers` bytes (the budget less its minimum): runtime_plan's, or with `split`
+    (hot, warm, sm shares) fixed_split_plan's, for the most bytes that leave a prompt's read buffers room beside
+    the slots (prompt_read_bytes, at most half of `tiers`, as the glue caps it). Out of the budget, those buffers
+    (~100 MiB at 40% of the 2.8g model) sat in a container's room beside it and squeezed out the page cache of the
+    weights that are not experts. Plan.read_bytes says how much was left. Fewer slots can only read more, so the
+    room grows from round to round until the plan's reads fit it."""
+    def make(nbytes: int) -> Plan:
+        return runtime_plan(model, nbytes) if split is None else fixed_split_plan(model, nbytes, *split)
+
+    g, cap, room = model.geometry, tiers // 2, 0
+    for _ in range(READ_ROOM_ROUNDS):
+        plan = make(tiers - room)
+        need = min(cap, prompt_read_bytes(g, [(lp.hot, lp.warm, lp.sm) for lp in plan.layers]))
+        if need <= room:
+            return replace(plan, read_bytes=room)
+        room = need
+    return replace(make(tiers - cap), read_bytes=cap)
+
+
 def plan(geometry: ModelGeometry, costs: Costs, counts: np.ndarray | None, budget: int, *,
          steps: int = DEFAULT_BUDGET_STEPS) -> Plan:
     """cost_model then plan_for_budget: the best plan for one budget."""
@@ -1031,6 +1079,7 @@ class Plan:
     layers: tuple[LayerPlan, ...]
     budget: int  # bytes the expert tiers could use
     base_seconds_per_token: float
+    read_bytes: int = 0  # bytes left beside the tiers for a prompt's read buffers (plan_tiers)
 
     @property
     def nbytes(self) -> int:
@@ -1060,7 +1109,8 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "budget": self.budget, "bytes": self.nbytes, "base_seconds_per_token": self.base_seconds_per_token,
+            "budget": self.budget, "bytes": self.nbytes, "read_bytes": self.read_bytes,
+            "base_seconds_per_token": self.base_seconds_per_token,
             "delay_seconds_per_token": self.delay, "tokens_per_second": self.tokens_per_second,
             "hit_rates": self.hit_rates, "plan": self.encode(),
             "layers": [{"layer": lp.layer, "hot": lp.hot, "warm": lp.warm, "sm": lp.sm, "cold": lp.cold,

@@ -118,7 +118,7 @@ def fake_run(model, res):
             res["steps"].append(("shrink", mon.step(), mon.budget))
             res["right_after_shrink"] = stats()
             res["shrink_plan"] = mon.replans[-1][1].encode() if mon.replans else None
-            res["expected_shrink_plan"] = planner.runtime_plan(mon.planned.model, tiers).encode()
+            res["expected_shrink_plan"] = planner.plan_tiers(mon.planned.model, tiers).encode()
             res["steps"].append(("same reading", mon.step(), mon.budget))
         if i == job["grow_at"]:
             res["before_grow"] = stats()

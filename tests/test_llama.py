@@ -402,6 +402,36 @@ def test_a_plan_keeps_evicted_pages_within_the_allowance_in_flight(logits: Calla
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_a_planned_budget_holds_a_prompt_s_read_buffers(logits: Callable, ours: Path, arch: str,
+                                                         zipmoe_models: dict[tuple[str, str], Path],
+                                                         tmp_path: Path) -> None:
+    """The planner's slots leave a prompt's read buffers room in the budget, as the glue's shares do: a prompt
+    in one batch routes to every expert, stages the compressed bytes of the decoding store's cold experts and reads
+    the next store's ahead, and the tiers, the experts in flight and what the buffers grew by fit the budget less
+    the weights that are not experts together. (The buffers keep 8 KiB each between uses here, so that the tiny
+    preset's reads show; before plan_tiers the plan took all of the tiers' bytes and the buffers came on top.)"""
+    from pyzipmoe.budget import model_memory
+    from pyzipmoe.controller import plan_model
+
+    ref_reports, ref = logits(arch, "bf16")
+    path = zipmoe_models[arch, "huff"]
+    need = model_memory(path)
+    budget = need.minimum + need.expert_bytes // 2
+    plan = plan_model(path, budget).plan
+    assert plan.read_bytes > 0 and any(lp.cold for lp in plan.layers), plan
+    runs = [{"config": CONFIGS[1], "zipmoe": {"memory_budget": str(budget), "plan": plan.encode()}}]
+    reports, got = run_worker(path, ours, runs, tmp_path / "reads.npz", n_gen=0,
+                              env={"ZIPMOE_READ_BUFFER": "8KiB"})
+    _no_error(reports[0])
+    n_prompt = len(ref_reports[1]["prompt"])
+    assert_bit_identical(got["run0"][:n_prompt], ref["run1"][:n_prompt], f"{arch} {runs[0]}")
+    stats = reports[0]["stats"]
+    assert stats["staging_transient_bytes"] > 0, stats
+    held = stats["peak_resident_bytes"] + stats["staging_transient_bytes"]
+    assert held <= budget - need.other_bytes, (plan.read_bytes, stats)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_a_budget_below_the_minimum_is_refused_saying_the_minimum(arch: str, zipmoe_models: dict[tuple[str, str], Path],
                                                                  ours: Path, tmp_path: Path) -> None:
     """Python refuses it before loading, and bare libllama (the environment variable) refuses it at load."""

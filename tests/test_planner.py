@@ -486,6 +486,43 @@ def test_fixed_split_plan(small_model: planner.CostModel):
         planner.fixed_split_plan(small_model, budget, 0.8, 0.3, 0)
 
 
+def test_a_prompt_reads_what_the_largest_tensor_keeps_out_of_ram_into_two_buffers():
+    """prompt_read_bytes: a cold expert's region and an sm expert's codes, of the largest expert tensor (the share
+    of its layer), twice: the staging buffer of the store that decodes and the read-ahead of the next."""
+    g = ModelGeometry(n_layer=2, n_expert=8, n_expert_used=2, layers=(0, 1), hot_bytes=(60, 60),
+                      warm_bytes=(40, 40), sm_bytes=(30, 30), tensor_shares=(0.5, 1 / 3))
+    assert g.read_sm_bytes(0) == 10
+    # layer 0: 4 cold, 2 sm -> (4 * 40 + 2 * 10) / 2 = 90; layer 1: 1 cold -> 40 / 3
+    assert planner.prompt_read_bytes(g, [(2, 0, 2), (7, 0, 0)]) == 2 * 90
+    assert planner.prompt_read_bytes(g, [(8, 0, 0), (4, 4, 0)]) == 0  # everything in RAM: nothing read
+    with pytest.raises(ZipmoeError, match="tensor_shares"):
+        ModelGeometry(n_layer=1, n_expert=2, n_expert_used=1, layers=(0,), hot_bytes=(4,), warm_bytes=(3,),
+                      sm_bytes=(2,), tensor_shares=(0.0,))
+
+
+@pytest.mark.parametrize("split", [None, (1.0, 0.0, 0.0), (0.5, 0.3, 0.2)], ids=["planner", "decoded", "mixed"])
+def test_a_run_s_plan_leaves_room_for_a_prompt_s_reads(small_model: planner.CostModel,
+                                                       split: tuple[float, float, float] | None):
+    """plan_tiers: the slots and a prompt's read buffers fit the tiers' bytes together (at most half of them for
+    the buffers, as the glue caps them), the plan being the one made for what the buffers leave; a budget that
+    holds every expert decoded reads nothing and keeps them all."""
+    g = small_model.geometry
+    rooms = []
+    for tiers in range(0, g.all_hot_bytes + 1, 29):
+        plan = planner.plan_tiers(small_model, tiers, split)
+        reads = planner.prompt_read_bytes(g, [(lp.hot, lp.warm, lp.sm) for lp in plan.layers])
+        assert min(tiers // 2, reads) <= plan.read_bytes <= tiers // 2, tiers  # the room holds its reads
+        assert plan.nbytes + plan.read_bytes <= tiers and plan.budget == tiers - plan.read_bytes, tiers
+        same = planner.runtime_plan(small_model, plan.budget) if split is None \
+            else planner.fixed_split_plan(small_model, plan.budget, *split)
+        assert same.encode() == plan.encode(), tiers
+        rooms.append(plan.read_bytes)
+    assert max(rooms) > 0
+    everything = planner.plan_tiers(small_model, g.all_hot_bytes, split)
+    if split != (0.5, 0.3, 0.2):  # (a mixed split keeps sm experts, whose codes a prompt reads)
+        assert everything.read_bytes == 0 and all(lp.hot == g.n_expert for lp in everything.layers)
+
+
 def test_plan_string_and_environment(small_model: planner.CostModel):
     plan = planner.plan_for_budget(small_model, 300)
     text = plan.encode()
@@ -619,17 +656,19 @@ def test_cli_json_with_trace_and_costs(tiny_zipmoe: Path, tmp_path: Path, capsys
     counts[0, :, :3] = [50, 30, 20]
     np.savez(tmp_path / "trace.npz", counts=counts)
     (tmp_path / "costs.json").write_text(json.dumps({"cores": 4, "base_seconds_per_token": 0.02}))
-    code, out, err = run_plan(capsys, str(tiny_zipmoe), "--memory-budget", whole(tiny_zipmoe, 60000), "--json",
+    code, out, err = run_plan(capsys, str(tiny_zipmoe), "--memory-budget", whole(tiny_zipmoe, 90000), "--json",
                               "--trace", str(tmp_path / "trace.npz"), "--costs", str(tmp_path / "costs.json"))
     assert code == 0 and err == ""
     data = json.loads(out)
-    assert data["budget"] == 60000 and data["bytes"] <= 60000  # the tiers' part
-    assert data["memory"]["budget"] == int(whole(tiny_zipmoe, 60000))
+    # the tiers' part, less the room a prompt's read buffers take beside them
+    assert data["budget"] + data["read_bytes"] == 90000 and data["bytes"] <= data["budget"]
+    assert data["memory"]["budget"] == int(whole(tiny_zipmoe, 90000))
+    assert (data["memory"]["read_bytes"], data["memory"]["tier_bytes"]) == (data["read_bytes"], data["budget"])
     assert data["costs"]["cores"] == 4
     assert (data["frequencies"], data["trace"]) == ("trace", str(tmp_path / "trace.npz"))
     assert data["env"] == {"ZIPMOE_PLAN": data["plan"]}
     assert data["tokens_per_second"] <= data["all_hot_tokens_per_second"] == pytest.approx(50)
-    assert data["hit_rates"]["cold"] == pytest.approx(0)  # room for the three experts that take all routing
+    assert data["hit_rates"]["cold"] == pytest.approx(0)  # room for the three experts that take all routing, beside a prompt's reads of the others
     assert [layer["hot"] + layer["warm"] + layer["sm"] + layer["cold"] for layer in data["layers"]] == [8, 8]
 
 
