@@ -140,6 +140,44 @@ def apply_plan(plan: planner.Plan, lib: Any = None, *, reserve: int | None = Non
         lib.zipmoe_cache_set_reserve(reserve)
 
 
+def store_sizes(model_path: str | os.PathLike[str]) -> list[tuple[int, int, int]]:
+    """(BF16 bytes, experts, compressed bytes) of each expert tensor of a zipmoe GGUF, as the runtime's glue
+    passes them to zipmoe_budget_split_tiers at load."""
+    from .format import open_zipmoe
+
+    return [(c.source.nbytes, c.source.dims[2], c.expert.info.data_size) for c in open_zipmoe(model_path).compressed]
+
+
+_POLICY_IDS = {"tlfu": "ZIPMOE_POLICY_TOKEN_LFU", "lru": "ZIPMOE_POLICY_LRU", "lfu": "ZIPMOE_POLICY_LFU",
+               "fifo": "ZIPMOE_POLICY_FIFO"}
+
+
+def apply_shares(tiers: int, split: tuple[float, float, float], sizes: list[tuple[int, int, int]], policy: str,
+                 lib: Any = None) -> dict[str, int]:
+    """Gives the running stores a budget split by shares again, as the loader split ZIPMOE_MEMORY_BUDGET
+    (zipmoe_budget_split_tiers: a prompt's read room, the allowance for the tensor in flight, and generation's
+    larger hot budget holding both), instead of slots, which have neither; removes any slots. `tiers`: the budget
+    less its minimum. Returns the split."""
+    from ._native import ffi
+    from ._native import lib as native
+
+    lib = lib or native
+    hot_share, _, sm_share = split
+    stores = ffi.new("zipmoe_store_size[]", [{"bf16_bytes": b, "n_expert": n, "compressed_bytes": c}
+                                             for b, n, c in sizes])
+    out = ffi.new("zipmoe_budget_split *")
+    if native.zipmoe_budget_split_tiers(stores, len(sizes), tiers, hot_share, sm_share, out) < 0:
+        raise ZipmoeError(f"the runtime refused to split {tiers} bytes by shares {split}")
+    lib.zipmoe_cache_set_slots(ffi.NULL, 0, 0, 0)
+    rc = lib.zipmoe_cache_configure(out.hot, out.warm, out.sm, getattr(native, _POLICY_IDS[policy]))
+    if rc < 0:
+        raise ZipmoeError(f"the runtime refused the tiers of a {tiers}-byte budget (status {rc})")
+    lib.zipmoe_cache_set_reserve(out.in_flight)  # (the largest tensor's experts, without a hot tier)
+    if out.token_hot:
+        lib.zipmoe_cache_set_token_hot(out.token_hot)
+    return {name: int(getattr(out, name)) for name in ("hot", "warm", "sm", "in_flight", "reads", "token_hot")}
+
+
 def live_counts(geometry: planner.ModelGeometry, lib: Any = None) -> np.ndarray:
     """Tokens routed to each expert of each block so far, from the runtime's own counters: [n_layer, n_expert]."""
     if lib is None:
@@ -215,15 +253,16 @@ class MemoryMonitor:
     at load, the budget's reserve for one expert tensor in flight comes out of that memory, not out of the margin: it is
     not held between tokens (decoded, those experts are resident bytes). Hysteresis keeps it
     from chasing noise: it shrinks when that budget falls more than `threshold` below the current one, and grows
-    only when it rises more than twice `threshold` above it. A re-plan only sets slots; the stores evict at their
-    next invocation (between tokens, a madvise per expert), so there is no stall beyond a token.
+    only when it rises more than twice `threshold` above it. A re-plan only sets slots (a fixed split: the
+    runtime's budgets, as at load); the stores evict at their next invocation (between tokens, a madvise per
+    expert), so there is no stall beyond a token.
     """
 
     def __init__(self, planned: Planned, *, ceiling: int | None = None, interval: float = 0.5,
                  threshold: float = 0.05, read: Callable[[], Any] | None = None,
-                 on_change: Callable[[planner.Plan], None] | None = None, lib: Any = None,
+                 on_change: Callable[[planner.Plan | None], None] | None = None, lib: Any = None,
                  split: tuple[float, float, float] | None = None, policy: str | None = None,
-                 fixed: bool = False) -> None:
+                 fixed: bool = False, sizes: list[tuple[int, int, int]] | None = None) -> None:
         from . import memory
 
         self.planned = planned
@@ -249,10 +288,14 @@ class MemoryMonitor:
         self._on_change = on_change
         self._lib = lib
         self.split = split  # fixed (hot, warm, sm) shares of the tiers instead of the planner's split
+        # with a split: the model's expert tensors (store_sizes), so that a new budget is split by the runtime's
+        # shares as at load (apply_shares); without them, by slots
+        self.sizes = sizes
         # the run's eviction policy, whose hits the recency model predicts: the runtime read it at load (Llama sets
         # the environment only while it loads, so it passes what it asked for)
         self.policy = policy or os.environ.get(POLICY_ENV) or DEFAULT_POLICY
-        self.replans: list[tuple[int, planner.Plan]] = []  # (budget, plan) of every re-plan, for reports and tests
+        # (budget, plan) of every re-plan, for reports and tests; plan None: split by the runtime's shares
+        self.replans: list[tuple[int, planner.Plan | None]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._routed_at_plan = 0.0  # tokens every layer had routed when the routing last shaped the plan
@@ -350,8 +393,12 @@ class MemoryMonitor:
         if not (shrink or grow):
             return False
         tiers = target - self.planned.need.minimum
-        plan = planner.plan_tiers(self.planned.model, tiers, self.split)
-        apply_plan(plan, self._lib, reserve=self.planned.need.in_flight_bytes)
+        plan: planner.Plan | None = None
+        if self.split is not None and self.sizes:
+            apply_shares(tiers, self.split, self.sizes, self.policy, self._lib)
+        else:
+            plan = planner.plan_tiers(self.planned.model, tiers, self.split)
+            apply_plan(plan, self._lib, reserve=self.planned.need.in_flight_bytes)
         self.budget = target
         self.replans.append((target, plan))
         if self._on_change:
@@ -387,4 +434,6 @@ def monitor_for(model_path: str | os.PathLike[str], budget: str | int, *, trace:
     nbytes = parse_budget(budget, model_bytes=full) if str(budget) == AUTO else parse_budget(budget)
     planned = plan_model(Path(model_path), nbytes, trace=trace, need=need)
     auto = str(budget) == AUTO
+    if kwargs.get("split") is not None:
+        kwargs.setdefault("sizes", store_sizes(model_path))
     return MemoryMonitor(planned, ceiling=full if auto else nbytes, fixed=not auto, **kwargs)

@@ -198,7 +198,7 @@ for name, model in job["models"]:
         arrays[name] = np.array(llm.scores[: llm.n_tokens], dtype=np.float32)
         if zipmoe:
             res["end"] = {**stats(), "rss": rss(), "in_use": in_use()}
-            res["replans"] = [(b, p.encode()) for b, p in mon.replans]
+            res["replans"] = [(b, p.encode() if p is not None else None) for b, p in mon.replans]
             res["final_budget"] = mon.budget
         if zipmoe and job["mode"] == "fake":
             llm.reset()  # the whole prompt again, in one batch, with the grown tiers
@@ -448,6 +448,8 @@ class _FakeStats:
         self.pool = 0  # pages of evicted experts kept for the next decodes
         self.calls = 0  # invocations served
         self.slots: list[tuple[bytes, int, int, int]] = []
+        self.tiers: tuple[int, int, int] | None = None  # the budgets of zipmoe_cache_configure
+        self.token_hot = self.reserve = 0
 
     def zipmoe_stats_get(self, s: Any) -> None:
         s.hot_bytes, s.warm_bytes, s.sm_bytes = self.resident - self.pool, 0, 0
@@ -459,7 +461,16 @@ class _FakeStats:
         return 0
 
     def zipmoe_cache_set_reserve(self, nbytes: int) -> int:
+        self.reserve = nbytes
         return 0
+
+    def zipmoe_cache_configure(self, hot: int, warm: int, sm: int, policy: int) -> int:
+        self.tiers = (hot, warm, sm)
+        self.token_hot = 0  # configure resets it, as the runtime's does
+        return 0
+
+    def zipmoe_cache_set_token_hot(self, nbytes: int) -> None:
+        self.token_hot = nbytes
 
 
 def test_a_fixed_budget_in_a_container_sized_to_it_keeps_its_tiers(zipmoe_model: Path) -> None:
@@ -560,6 +571,37 @@ def test_a_fixed_budget_makes_room_once_for_the_weights_the_page_cache_lost(zipm
     lib.resident = mon.budget - need.minimum  # they have
     assert not mon.step() and mon.weights_short == 0
     assert not mon.step()
+
+
+def test_a_fixed_split_shrinks_by_the_runtime_s_shares_not_by_slots(zipmoe_model: Path) -> None:
+    """pyzipmoe.Llama's decoded-only split, shrunk by the monitor: the runtime's budgets are split again as the
+    loader splits ZIPMOE_MEMORY_BUDGET (zipmoe_budget_split_tiers), not turned into slots, which hold neither a
+    prompt's read room (slots leave it since plan_tiers) nor generation's allowance for the tensor in flight: after
+    a shrink the hot tier generated with ~36 MiB fewer decoded experts at 75% of the 2.8g model. Generation's hot
+    budget is then the whole budget less the weights that are not experts, as at load."""
+    _native_library()
+    from pyzipmoe import controller, memory
+    from pyzipmoe._native import ffi
+    from pyzipmoe.budget import model_memory
+
+    need = model_memory(zipmoe_model)
+    budget = need.minimum + need.expert_bytes
+    lib = _FakeStats(need.expert_bytes)
+    room = {"bytes": budget + budget // 20}  # what the model could hold: the mapped weights are file cache
+
+    def read() -> memory.MemoryReading:
+        return memory.MemoryReading(total=64 << 30, available=room["bytes"] - lib.resident, rss=0)
+
+    mon = controller.monitor_for(zipmoe_model, budget, read=read, interval=3600, lib=lib, split=(1.0, 0.0, 0.0))
+    assert mon.sizes and not mon.step()
+    room["bytes"] -= need.expert_bytes // 2  # another process takes half of the experts' room
+    assert mon.step() and mon.budget < budget - need.expert_bytes // 4
+    assert lib.slots == [(ffi.NULL, 0, 0, 0)], lib.slots  # no slots: the shares apply
+    hot, warm, sm = lib.tiers
+    assert (warm, sm) == (0, 0) and 0 < hot and hot + lib.reserve <= mon.budget - need.other_bytes, lib.tiers
+    assert 0 < lib.reserve <= need.in_flight_bytes
+    assert lib.token_hot == mon.budget - need.other_bytes, (lib.token_hot, mon.budget)
+    assert mon.replans == [(mon.budget, None)]
 
 
 @pytest.mark.parametrize("scenario", ["between", "during"])
@@ -717,12 +759,16 @@ def test_lowered_cgroup_limit_while_generating(llama_lib_dir: Path, cgroup_paren
     # the monitor was stopped once it had re-planned, CGROUP_AFTER tokens or more before the end: those ran under
     # the last plan
     assert got.get("stopped_at") is not None and got["stopped_at"] <= CGROUP_N_GEN - CGROUP_AFTER, where
-    # the tiers shrank, within the last plan, and the process gave the memory back
+    # the tiers shrank, within the last budget (pyzipmoe.Llama's decoded-only split: the runtime's shares, whose
+    # generation holds the allowance for the tensor in flight too), and the process gave the memory back
     budget, plan = got["replans"][-1]
     assert budget < need.minimum + CGROUP_TIERS + (4 << 20), where  # the target, give or take the noise
     end = got["end"]
     assert end["resident"] < before["resident"] // 2, where
-    _budget_checks(packed, plan, budget - need.minimum, end["resident"], where)
+    if plan is None:
+        assert end["resident"] <= budget - need.other_bytes, where
+    else:
+        _budget_checks(packed, plan, budget - need.minimum, end["resident"], where)
     freed = before["resident"] - end["resident"]
     assert end["rss"] < before["rss"] - freed // 2, where
     assert end["in_use"] < before["in_use"] - freed // 2, where  # given back to the cgroup, not only unmapped

@@ -293,6 +293,31 @@ def test_the_read_buffers_report_what_a_prompt_grew_them_by(zipmoe_model, stats)
         lib.zipmoe_cache_set_read_buffer(16 << 20)
 
 
+@pytest.mark.parametrize("tiers, reads", [((80 << 10) + 64, 28618), ((90 << 10) + 64, 26062)])
+def test_a_budget_split_by_shares_leaves_a_prompt_s_reads_room_and_generation_all_of_it(zipmoe_model, tiers, reads):
+    """zipmoe_budget_split_tiers, which libllama's loader and the memory monitor both apply: a prompt's read
+    buffers take twice the largest tensor's compressed bytes beyond what the hot tier keeps (the figures
+    test_llama's test_the_decoded_experts_in_flight_count_once measures through the loader), the hot tier and the
+    allowance for the tensor in flight share the rest with the largest tensor's experts, and generation's hot
+    budget holds all of it; with an sm tier, no generation budget; bad shares are refused."""
+    from pyzipmoe.controller import store_sizes
+
+    sizes = store_sizes(zipmoe_model)
+    stores = ffi.new("zipmoe_store_size[]", [{"bf16_bytes": b, "n_expert": n, "compressed_bytes": c}
+                                             for b, n, c in sizes])
+    working_set = max(b for b, _, _ in sizes)
+    out = ffi.new("zipmoe_budget_split *")
+    assert lib.zipmoe_budget_split_tiers(stores, len(sizes), tiers, 1.0, 0.0, out) == 0
+    assert out.reads == reads and (out.warm, out.sm) == (0, 0)
+    assert out.hot + out.in_flight == tiers - reads + working_set and out.in_flight <= working_set
+    assert out.token_hot == tiers + working_set
+    assert lib.zipmoe_budget_split_tiers(stores, len(sizes), tiers, 0.5, 0.25, out) == 0
+    assert out.sm > 0 and out.warm > 0 and out.token_hot == 0
+    assert out.hot + out.warm + out.sm + out.reads <= tiers + working_set - out.in_flight
+    assert lib.zipmoe_budget_split_tiers(stores, len(sizes), tiers, 0.8, 0.3, out) == lib.ZIPMOE_ERR_ARG
+    assert lib.zipmoe_budget_split_tiers(ffi.NULL, 1, tiers, 1.0, 0.0, out) == lib.ZIPMOE_ERR_ARG
+
+
 def test_bind_refuses_a_data_companion_outside_the_file(zipmoe_model, tmp_path):
     zf = format.open_zipmoe(zipmoe_model)
     ct = zf.compressed[-1]

@@ -244,6 +244,30 @@ ZIPMOE_API void    zipmoe_cache_set_direct_io(int enabled);
  * waiting for the other to be given back; larger buffers are freed once a need fits this again. */
 ZIPMOE_API void    zipmoe_cache_set_read_buffer(uint64_t bytes);
 
+/* One expert tensor's sizes, for splitting a budget. */
+typedef struct {
+    uint64_t bf16_bytes;       /* all of its experts decoded */
+    uint64_t n_expert;
+    uint64_t compressed_bytes; /* its data companion */
+} zipmoe_store_size;
+
+/* What a budget split by shares gives each use (bytes), for zipmoe_cache_configure (hot, warm, sm),
+ * zipmoe_cache_set_reserve (in_flight) and zipmoe_cache_set_token_hot (token_hot; 0: none). */
+typedef struct {
+    uint64_t hot, warm, sm;
+    uint64_t in_flight; /* the expert tensor in flight beyond the experts the hot tier holds */
+    uint64_t reads;     /* a prompt's read buffers: staging and the next store's read-ahead */
+    uint64_t token_hot; /* generation's hot tier: hot + in_flight + reads (not with an sm tier) */
+} zipmoe_budget_split;
+
+/* Splits `tiers` bytes (a budget less the weights that are not experts and the largest tensor's experts) of a
+ * model whose expert tensors are `stores`: a prompt's read buffers first (at most half), then hot_share decoded
+ * and sm_share sign+mantissa planes, the rest whole compressed regions; the hot tier grows by what the allowance
+ * for the tensor in flight need not hold (the experts it keeps decoded already). What libllama's loader applies
+ * for ZIPMOE_MEMORY_BUDGET, and the memory monitor when it changes such a budget. */
+ZIPMOE_API int64_t zipmoe_budget_split_tiers(const zipmoe_store_size * stores, size_t n_stores, uint64_t tiers,
+                                             double hot_share, double sm_share, zipmoe_budget_split * out);
+
 /* Opens a store from an index (validated as zipmoe_tensor_open does). */
 ZIPMOE_API int64_t zipmoe_store_open(const char * name, const void * index, size_t index_size, uint64_t data_size,
                                      zipmoe_store ** out);

@@ -209,7 +209,7 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
         working_set = std::max(working_set, st.bytes);
         experts += st.bytes;
     }
-    uint64_t      hot = UINT64_MAX, warm = 0, sm = 0, in_flight = working_set, reads = 0;
+    uint64_t      hot = UINT64_MAX, warm = 0, sm = 0, in_flight = working_set, reads = 0, token_hot = 0;
     zipmoe_policy policy = ZIPMOE_POLICY_TOKEN_LFU;
     if (const char * v = std::getenv("ZIPMOE_MEMORY_BUDGET"); v && *v) {
         uint64_t budget = 0;
@@ -233,57 +233,21 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
             err = "ZIPMOE_HOT_SHARE + ZIPMOE_SM_SHARE is more than 1";
             return false;
         }
-        uint64_t tiers = budget - minimum;
-        // A prompt's reads: the staging buffer of the store that decodes and the read-ahead buffer of the next hold
-        // the compressed bytes of what a store does not keep decoded, each. Out of the budget, at 40% of the 2.8g
-        // model they took ~100 MiB from the page cache of the other weights under a limit of the budget + 160 MiB
-        // (llama-bench pp512: 166-171 tokens/s, 171-179 with the budget 100 MiB smaller, stock 161-171). So the
-        // tiers of a batch leave room for them (at most half the tiers); generation, whose reads are a few
-        // experts, has it back (zipmoe_cache_set_token_hot).
-        if (hot_share > 0 && experts > 0) {
-            const double kept = std::min(1.0, (double) tiers * hot_share / (double) experts);
-            for (const auto & st : stores) {
-                reads = std::max(reads, 2 * (uint64_t) ((double) st.compressed * (1.0 - kept)));
-            }
-            reads = std::min(reads, tiers / 2);
-            tiers -= reads;
+        std::vector<zipmoe_store_size> sizes;
+        for (const auto & st : stores) {
+            sizes.push_back({ st.bytes, st.n_expert, st.compressed });
         }
-        hot  = (uint64_t) ((double) tiers * hot_share);
-        sm   = std::min(tiers - hot, (uint64_t) ((double) tiers * sm_share));
-        warm = tiers - hot - sm;
-        // The experts in flight that are decoded already need no room of their own: the hot tier holds them.
-        // A store keeps at least the whole experts of its share of the hot tier (the budgets are shared by BF16
-        // size; store.c passes what a share holds beyond whole experts on to the next store, so the rest of the
-        // hot tier may be full meanwhile), and a prompt that routes to all of its experts decodes the others
-        // anew: the allowance is the most any store decodes so. It comes out of what the hot tier and the
-        // allowance share; a smaller hot tier can only need more allowance, so a few steps down from the
-        // fractional answer (the hot tier at h / (1 - L / experts)) find the largest hot tier that fits.
-        if (hot > 0 && experts > working_set) {
-            const uint64_t shared    = hot + working_set;
-            const auto     allowance = [&](uint64_t h) {
-                uint64_t most = 0;
-                for (const auto & st : stores) {
-                    if (st.n_expert == 0) {
-                        continue;
-                    }
-                    const uint64_t expert = st.bytes / st.n_expert;
-                    const uint64_t share  = (uint64_t) ((double) h * (double) st.bytes / (double) experts); // quota()
-                    most = std::max(most, st.bytes - std::min(st.bytes, share / expert * expert));
-                }
-                return most;
-            };
-            const double store_share = (double) working_set / (double) experts;
-            uint64_t     grown       = std::min(experts, (uint64_t) ((double) hot / (1.0 - store_share)));
-            uint64_t need = allowance(grown);
-            for (int step = 0; step < 64 && grown + need > shared; step++) {
-                grown = shared - need;
-                need  = allowance(grown);
-            }
-            if (grown + need <= shared) {
-                in_flight = shared - grown;
-                hot       = grown;
-            }
+        zipmoe_budget_split split{};
+        if (zipmoe_budget_split_tiers(sizes.data(), sizes.size(), budget - minimum, hot_share, sm_share, &split) < 0) {
+            err = "the memory budget could not be split between the cache tiers";
+            return false;
         }
+        hot       = split.hot;
+        warm      = split.warm;
+        sm        = split.sm;
+        in_flight = split.in_flight;
+        reads     = split.reads;
+        token_hot = split.token_hot;
         info = "zipmoe: memory budget " + mib(budget) + ": " + mib(other_bytes) + " weights that are not experts" +
                embd_note + ", " + mib(in_flight) + " for one expert tensor in flight beyond its decoded experts, " +
                (reads ? mib(reads) + " for a prompt's reads, " : std::string()) +
@@ -350,12 +314,11 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
     zipmoe_cache_configure(hot, warm, sm, policy);
     // evicted experts' memory is kept, within the allowance for the tensor in flight, for the next decodes
     zipmoe_cache_set_reserve(hot == 0 ? working_set : in_flight);
-    // a token's misses take their victims' places and read a few experts: generation needs neither the allowance
-    // nor the read room beside the hot tier, which then holds them too (a prompt's first store evicts them again:
-    // zipmoe_cache_begin_graph); not with a plan
-    if (hot > 0 && hot != UINT64_MAX && sm == 0 && !plan) {
-        zipmoe_cache_set_token_hot(hot + in_flight + reads);
-        info += "; while generating, " + mib(hot + in_flight + reads) + " decoded";
+    // generation's hot tier also holds the allowance and the read room (a prompt's first store evicts them again:
+    // zipmoe_cache_begin_graph); not with a plan, nor decoding on every use
+    if (token_hot > 0 && hot > 0 && !plan) {
+        zipmoe_cache_set_token_hot(token_hot);
+        info += "; while generating, " + mib(token_hot) + " decoded";
     }
     return true;
 }

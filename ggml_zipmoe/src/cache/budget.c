@@ -1,0 +1,83 @@
+/* budget.c - one memory budget's room for the experts split between the cache tiers (by shares), a prompt's read
+ * buffers and the allowance for the expert tensor in flight, and generation's larger hot budget. The glue applies
+ * it at load (zipmoe-llama.cpp), the memory monitor (pyzipmoe/controller.py) when it changes a budget split by
+ * shares, so that both keep the same accounting. A pure function: nothing here touches the stores. */
+#include "zipmoe-impl.h"
+
+static uint64_t min_u64(uint64_t a, uint64_t b) { return a < b ? a : b; }
+static uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
+
+/* The most a store decodes anew when a batch routes to all of its experts, with hot tier h shared out by BF16 size
+ * (store.c's quota()): a store keeps at least the whole experts of its share. */
+static uint64_t allowance_for(const zipmoe_store_size * stores, size_t n, uint64_t h, uint64_t experts) {
+    uint64_t most = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (stores[i].n_expert == 0) {
+            continue;
+        }
+        const uint64_t expert = stores[i].bf16_bytes / stores[i].n_expert;
+        const uint64_t share  = (uint64_t) ((double) h * (double) stores[i].bf16_bytes / (double) experts);
+        const uint64_t kept   = expert ? share / expert * expert : 0;
+        most                  = max_u64(most, stores[i].bf16_bytes - min_u64(stores[i].bf16_bytes, kept));
+    }
+    return most;
+}
+
+int64_t zipmoe_budget_split_tiers(const zipmoe_store_size * stores, size_t n_stores, uint64_t tiers, double hot_share,
+                                  double sm_share, zipmoe_budget_split * out) {
+    if ((!stores && n_stores) || !out || !(hot_share >= 0 && sm_share >= 0 && hot_share + sm_share <= 1 + 1e-9)) {
+        return ZIPMOE_ERR_ARG;
+    }
+    uint64_t working_set = 0, experts = 0;
+    for (size_t i = 0; i < n_stores; i++) {
+        working_set = max_u64(working_set, stores[i].bf16_bytes);
+        experts += stores[i].bf16_bytes;
+    }
+    *out           = (zipmoe_budget_split) { 0 };
+    out->in_flight = working_set;
+    // A prompt's reads: the staging buffer of the store that decodes and the read-ahead buffer of the next hold the
+    // compressed bytes of what a store does not keep decoded, each. Out of the budget, at 40% of the 2.8g model they
+    // took ~100 MiB from the page cache of the other weights under a limit of the budget + 160 MiB (llama-bench
+    // pp512: 166-171 tokens/s, 171-179 with the budget 100 MiB smaller, stock 161-171). So the tiers of a batch
+    // leave room for them (at most half the tiers); generation, whose reads are a few experts, has it back
+    // (token_hot).
+    if (hot_share > 0 && experts > 0) {
+        const double kept = (double) tiers * hot_share < (double) experts ? (double) tiers * hot_share / (double) experts : 1.0;
+        for (size_t i = 0; i < n_stores; i++) {
+            out->reads = max_u64(out->reads, 2 * (uint64_t) ((double) stores[i].compressed_bytes * (1.0 - kept)));
+        }
+        out->reads = min_u64(out->reads, tiers / 2);
+        tiers -= out->reads;
+    }
+    out->hot  = (uint64_t) ((double) tiers * hot_share);
+    out->sm   = min_u64(tiers - out->hot, (uint64_t) ((double) tiers * sm_share));
+    out->warm = tiers - out->hot - out->sm;
+    // The experts in flight that are decoded already need no room of their own: the hot tier holds them. A store
+    // keeps at least the whole experts of its share of the hot tier (store.c passes what a share holds beyond
+    // whole experts on to the next store, so the rest of the hot tier may be full meanwhile), and a prompt that
+    // routes to all of its experts decodes the others anew: the allowance is the most any store decodes so. It
+    // comes out of what the hot tier and the allowance share; a smaller hot tier can only need more allowance, so
+    // a few steps down from the fractional answer (the hot tier at h / (1 - L / experts)) find the largest hot
+    // tier that fits.
+    if (out->hot > 0 && experts > working_set) {
+        const uint64_t shared = out->hot + working_set;
+        uint64_t       grown  = min_u64(experts,
+                                           (uint64_t) ((double) out->hot / (1.0 - (double) working_set / (double) experts)));
+        uint64_t need = allowance_for(stores, n_stores, grown, experts);
+        for (int step = 0; step < 64 && grown + need > shared; step++) {
+            grown = shared - need;
+            need  = allowance_for(stores, n_stores, grown, experts);
+        }
+        if (grown + need <= shared) {
+            out->in_flight = shared - grown;
+            out->hot       = grown;
+        }
+    }
+    // a token's misses take their victims' places and read a few experts: generation needs neither the allowance
+    // nor the read room beside the hot tier, which then holds them too (not with an sm tier: store.c's place_plan
+    // does not evict first there)
+    if (out->hot > 0 && out->sm == 0) {
+        out->token_hot = out->hot + out->in_flight + out->reads;
+    }
+    return ZIPMOE_OK;
+}
