@@ -88,6 +88,7 @@ int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, uint64_t
 int64_t zipmoe_cache_set_slots(const char * prefix, int64_t hot, int64_t warm, int64_t sm);
 void    zipmoe_cache_set_reserve(uint64_t bytes);
 void    zipmoe_cache_set_token_hot(uint64_t hot_bytes);
+void    zipmoe_cache_set_token_room(uint64_t bytes);
 void    zipmoe_cache_begin_graph(int64_t routed);
 void    zipmoe_cache_set_direct_io(int enabled);
 void    zipmoe_cache_set_read_buffer(uint64_t bytes);

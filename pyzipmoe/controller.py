@@ -126,10 +126,13 @@ def runtime_environment(model_path: str | os.PathLike[str], *, budget: str | int
 # ------------------------------------------------------------------------------------------ live adaptation
 
 
-def apply_plan(plan: planner.Plan, lib: Any = None, *, reserve: int | None = None) -> None:
-    """Gives the running stores new slots (each applies them at its next invocation), and `reserve` bytes of
-    evicted experts' pages to keep for the next decodes: the allowance for the expert tensor in flight, which a plan
-    leaves beside its slots (as ZIPMOE_PLAN does at load)."""
+def apply_plan(plan: planner.Plan, lib: Any = None, *, reserve: int | None = None,
+               token_room: int | None = None) -> None:
+    """Gives the running stores new slots (each applies them at its next invocation), `reserve` bytes of evicted
+    experts' pages to keep for the next decodes (the allowance for the expert tensor in flight, which a plan leaves
+    beside its slots), and `token_room`, what the stores may hold in generation, whose misses need neither that
+    allowance nor a prompt's read room: beyond the slots it holds more decoded experts (the budget less the weights
+    that are not experts; as ZIPMOE_PLAN does at load)."""
     if lib is None:
         from ._native import lib
     for lp in plan.layers:
@@ -138,6 +141,8 @@ def apply_plan(plan: planner.Plan, lib: Any = None, *, reserve: int | None = Non
             raise ZipmoeError(f"the runtime refused the slots of layer {lp.layer} (status {rc})")
     if reserve is not None:
         lib.zipmoe_cache_set_reserve(reserve)
+    if token_room is not None:
+        lib.zipmoe_cache_set_token_room(token_room)
 
 
 def store_sizes(model_path: str | os.PathLike[str]) -> list[tuple[int, int, int]]:
@@ -329,6 +334,14 @@ class MemoryMonitor:
         target = room - keep
         return min(target, self.ceiling) if self.ceiling is not None else target
 
+    def give_generation_room(self) -> None:
+        """For a plan the run loaded with (ZIPMOE_PLAN from the planner): what apply_plan gives every re-plan, the
+        budget less the weights that are not experts for generation's decoded experts beyond the slots."""
+        lib = self._lib
+        if lib is None:
+            from ._native import lib
+        lib.zipmoe_cache_set_token_room(self.budget - self.planned.need.other_bytes)
+
     def note_decode(self) -> None:
         """Called after each decode of the model (pyzipmoe.Llama): the first one makes the next reading measure
         the room beside a fixed budget again, now that llama.cpp's compute buffers are in use."""
@@ -355,7 +368,8 @@ class MemoryMonitor:
         self.planned = Planned(self.planned.need, self.planned.budget, model,
                                planner.plan_tiers(model, self.budget - self.planned.need.minimum),
                                self.planned.costs_source)
-        apply_plan(self.planned.plan, self._lib, reserve=self.planned.need.in_flight_bytes)
+        apply_plan(self.planned.plan, self._lib, reserve=self.planned.need.in_flight_bytes,
+                   token_room=self.budget - self.planned.need.other_bytes)
         self.replans.append((self.budget, self.planned.plan))
         if self._on_change:
             self._on_change(self.planned.plan)
@@ -398,7 +412,8 @@ class MemoryMonitor:
             apply_shares(tiers, self.split, self.sizes, self.policy, self._lib)
         else:
             plan = planner.plan_tiers(self.planned.model, tiers, self.split)
-            apply_plan(plan, self._lib, reserve=self.planned.need.in_flight_bytes)
+            apply_plan(plan, self._lib, reserve=self.planned.need.in_flight_bytes,
+                       token_room=target - self.planned.need.other_bytes)
         self.budget = target
         self.replans.append((target, plan))
         if self._on_change:

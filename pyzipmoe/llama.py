@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _point_llama_cpp_at_our_build, build_dir, llama_lib_dir
-from .budget import CACHE_ENV, PREFILL_ENV
+from .budget import CACHE_ENV, PLAN_ENV, PREFILL_ENV
 from .errors import NativeLibraryError, UnsupportedError, ZipmoeError
 
 CACHE_MODES = ("unbounded", "none")
@@ -338,7 +338,10 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
             hot = hot_share if hot_share is not None else 1.0 - sm
             split = None if use_planner else (hot, max(0.0, 1.0 - hot - sm), sm)
             self.zipmoe_monitor = monitor_for(model_path, memory_budget, trace=trace, split=split,
-                                              policy=cache_policy, mapped=mapped).start()
+                                              policy=cache_policy, mapped=mapped)
+            if PLAN_ENV in cache_env:  # the planner's first plan, from the trace
+                self.zipmoe_monitor.give_generation_room()
+            self.zipmoe_monitor.start()
             self._stack.callback(self.zipmoe_monitor.stop)
             after_decode.append(self.zipmoe_monitor.note_decode)
 

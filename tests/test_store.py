@@ -419,12 +419,14 @@ def test_a_miss_takes_the_place_of_the_expert_it_evicts(zipmoe_model, tiny_model
     assert lib.zipmoe_store_place(store.handle, 99) == lib.ZIPMOE_ERR_ARG
 
 
-@pytest.mark.parametrize("sm_tier", [False, True])
+@pytest.mark.parametrize("sm_tier", [False, True], ids=["hot", "sm tier"])
+@pytest.mark.parametrize("plan", [False, True], ids=["shares", "plan"])
 def test_generation_keeps_the_allowance_decoded_and_a_batch_takes_it_back_first(zipmoe_model, tiny_model, stats,
-                                                                              sm_tier):
+                                                                              sm_tier, plan):
     """While every store of a graph is routed no more experts than it keeps decoded (a token's top-k), each miss
     takes its victim's place and the allowance for the tensor in flight can hold decoded experts too
-    (zipmoe_cache_set_token_hot). A graph that may route more (a prompt's batch) gets the smaller hot tier back
+    (zipmoe_cache_set_token_hot; for a planner's slots zipmoe_cache_set_token_room, the same bytes beyond the
+    rules' as extra hot slots). A graph that may route more (a prompt's batch) gets the smaller hot tier back
     before its first store decodes beyond its share, so it peaks where it always did. Not with an sm tier, whose
     misses do not evict first."""
     zf = format.open_zipmoe(zipmoe_model)
@@ -434,31 +436,42 @@ def test_generation_keeps_the_allowance_decoded_and_a_batch_takes_it_back_first(
     refs = [source_experts(tiny_model, ct) for ct in zf.compressed]
     batch, excess = 4 * len(stores), n_expert - 4  # hot experts in a batch; what a store routed to all decodes beyond
     sm = budget_for(zf, zf.compressed[0], 0, size)[1] if sm_tier else 0  # two sign+mantissa planes a store
-    lib.zipmoe_cache_configure(batch * size, 0, sm, POLICIES["tlfu"])
-    lib.zipmoe_cache_set_token_hot((batch + excess) * size + len(stores))  # (the shares are rounded down)
+    layers = sorted({ct.name[: ct.name.index(".", 4) + 1] for ct in zf.compressed})  # "blk.N."
+
+    def configure() -> None:
+        if plan:  # every store 4 hot slots (2 sm), and the room the shares' token budget has, as apply_plan gives it
+            for prefix in layers:
+                assert lib.zipmoe_cache_set_slots(prefix.encode(), 4, 0, 2 if sm_tier else 0) == 0
+            lib.zipmoe_cache_set_token_room((batch + excess) * size + len(stores))  # (sm: no room taken)
+        else:
+            lib.zipmoe_cache_configure(batch * size, 0, sm, POLICIES["tlfu"])
+            lib.zipmoe_cache_set_token_hot((batch + excess) * size + len(stores))  # (the shares are rounded down)
 
     def run(ids: np.ndarray) -> None:
         for k, st in enumerate(stores):
             assert all(r >= 0 for r in st.materialize(ids, 2))
             np.testing.assert_array_equal(st.weights[st.where], refs[k][ids])
 
-    lib.zipmoe_cache_begin_graph(2)
-    for t in range(n_expert):
-        run(np.array([[t, (t + 3) % n_expert]]))
-    assert stats()["hot_bytes"] == (batch if sm_tier else batch + excess) * size
-    lib.zipmoe_cache_configure(batch * size, 0, sm, POLICIES["tlfu"])  # as another model's load configures it:
-    lib.zipmoe_cache_set_token_hot((batch + excess) * size + len(stores))  # still token-sized until the next graph
-    lib.zipmoe_cache_begin_graph(5)  # more than the stores that keep 4 experts decoded in generation
-    assert stats()["hot_bytes"] == batch * size
-    lib.zipmoe_stats_reset()
-    run(np.arange(n_expert).reshape(1, -1))
-    assert stats()["peak_hot_bytes"] == (batch + excess) * size
-    lib.zipmoe_cache_begin_graph(2)  # generation again: the tier grows back as misses come
-    for t in range(n_expert):
-        run(np.array([[t, (t + 5) % n_expert]]))
-    assert stats()["hot_bytes"] == (batch if sm_tier else batch + excess) * size
-    assert stats()["peak_hot_bytes"] == (batch + excess) * size
-    assert stats()["decoding_bytes"] == 0  # (counted from the plan's places to its publish)
+    try:
+        configure()
+        lib.zipmoe_cache_begin_graph(2)
+        for t in range(n_expert):
+            run(np.array([[t, (t + 3) % n_expert]]))
+        assert stats()["hot_bytes"] == (batch if sm_tier else batch + excess) * size
+        configure()  # as another model's load (or the monitor) configures it: still token-sized until the next graph
+        lib.zipmoe_cache_begin_graph(5)  # more than the stores that keep 4 experts decoded in generation
+        assert stats()["hot_bytes"] == batch * size
+        lib.zipmoe_stats_reset()
+        run(np.arange(n_expert).reshape(1, -1))
+        assert stats()["peak_hot_bytes"] == (batch + excess) * size
+        lib.zipmoe_cache_begin_graph(2)  # generation again: the tier grows back as misses come
+        for t in range(n_expert):
+            run(np.array([[t, (t + 5) % n_expert]]))
+        assert stats()["hot_bytes"] == (batch if sm_tier else batch + excess) * size
+        assert stats()["peak_hot_bytes"] == (batch + excess) * size
+        assert stats()["decoding_bytes"] == 0  # (counted from the plan's places to its publish)
+    finally:
+        lib.zipmoe_cache_set_slots(ffi.NULL, 0, 0, 0)
 
 
 @pytest.mark.parametrize("turns", [1, 0])

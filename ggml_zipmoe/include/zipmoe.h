@@ -225,9 +225,15 @@ ZIPMOE_API void    zipmoe_cache_set_reserve(uint64_t bytes);
 /* A larger hot budget for graphs whose stores are each routed no more experts than they keep decoded (generation:
  * a token routes top-k): there a miss takes the place of the expert it evicts and reads a few experts, so the room
  * a batch keeps beside the hot tier (the allowance for the expert tensor in flight, zipmoe_cache_set_reserve, and
- * a prompt's read buffers) can hold decoded experts. Reset by zipmoe_cache_configure. Not with an sm tier or slot
- * rules. */
+ * a prompt's read buffers) can hold decoded experts. Reset by zipmoe_cache_configure. Not with an sm tier; with
+ * slot rules, zipmoe_cache_set_token_room. */
 ZIPMOE_API void    zipmoe_cache_set_token_hot(uint64_t hot_bytes);
+
+/* The same for a planner's slots (zipmoe_cache_set_slots): what the stores may hold in all (their rules' tiers and
+ * generation's decoded experts beyond them) while each is routed no more experts than it keeps decoded; beyond the
+ * rules' bytes it is shared out as hot slots, by BF16 size in whole experts. Only when a rule sets every store and
+ * none keeps an sm tier. 0 (default, and after zipmoe_cache_set_slots(NULL, ...)): none. */
+ZIPMOE_API void    zipmoe_cache_set_token_room(uint64_t bytes);
 
 /* Before computing a graph (one at a time) whose stores may each be routed up to `routed` distinct experts: the
  * hot budget for it, zipmoe_cache_set_token_hot's where every store keeps at least `routed` experts decoded under

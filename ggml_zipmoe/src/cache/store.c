@@ -148,6 +148,7 @@ struct zipmoe_store {
     uint64_t        hot_used, warm_used, sm_used;
     uint64_t        hot_limit, warm_limit, sm_limit; /* refreshed when the configuration changes */
     int64_t         hot_slots;   /* under g_cfg_mu: its whole experts of the hot budget (share_hot_slots); -1: none */
+    int64_t         extra_slots; /* under g_cfg_mu: hot slots beyond its rule's in generation (rule_slots) */
     _Atomic uint64_t cfg_gen;
     zipmoe_policy   policy;
     int             use_slots;   /* decode into memfd slots (slots.c): the hot tier cannot hold every expert */
@@ -181,7 +182,8 @@ static uint64_t         g_hot_budget  = UINT64_MAX; /* the hot tier's budget now
 static uint64_t         g_hot_batch   = UINT64_MAX; /* zipmoe_cache_configure's */
 static uint64_t         g_hot_tokens  = UINT64_MAX; /* zipmoe_cache_set_token_hot's, at least g_hot_batch */
 static int              g_token_mode;  /* g_hot_budget is g_hot_tokens (zipmoe_cache_begin_graph) */
-static int64_t          g_token_slots = -1; /* the fewest hot slots a shared store has under g_hot_tokens; -1: none */
+static int64_t          g_token_slots = -1; /* the fewest hot slots a store has in generation; -1: no token mode */
+static uint64_t         g_rule_room;   /* zipmoe_cache_set_token_room's: what ruled stores hold in generation */
 static uint64_t         g_warm_budget = 0;
 static uint64_t         g_sm_budget   = 0;
 static zipmoe_policy    g_policy      = ZIPMOE_POLICY_TOKEN_LFU;
@@ -220,6 +222,10 @@ static const slot_rule * find_rule(const char * name) {
     return rule;
 }
 
+static uint64_t slots_bytes(int64_t slots, uint64_t size) {
+    return (uint64_t) slots > UINT64_MAX / (size ? size : 1) ? UINT64_MAX : (uint64_t) slots * size;
+}
+
 /* Under g_list_mu and g_cfg_mu (in that order): each store that no rule sets gets the whole experts of its share
  * of a hot budget, and what its share holds beyond them goes on to the next store in the list. Rounded down store
  * by store, every share would leave up to one expert's bytes unused: 0.97 of an expert on each of the 24 stores of
@@ -248,12 +254,58 @@ static int64_t shared_slots(uint64_t budget, int set) {
     return fewest;
 }
 
+/* Under g_list_mu and g_cfg_mu: generation's room beside a planner's rules (zipmoe_cache_set_token_room, less the
+ * bytes the rules' slots take) shared out as extra hot slots among the stores, in whole experts carried from store
+ * to store as shared_slots does; in token mode they are the stores' extra_slots (`set`; 0 otherwise). Only when
+ * every store has a rule without an sm tier (place_plan does not evict first there). Returns the fewest hot slots
+ * a store then has in generation, or -1 when the rules get no room. */
+static int64_t rule_slots(int set) {
+    uint64_t rules = 0;
+    int      every = g_list != NULL && g_rule_room > 0;
+    for (zipmoe_store * o = g_list; o; o = o->next) {
+        const slot_rule * rule = find_rule(o->name);
+        if (set) {
+            o->extra_slots = 0;
+        }
+        every = every && rule && rule->sm == 0;
+        if (rule) {
+            rules += slots_bytes(rule->hot, o->hot_size) + slots_bytes(rule->warm, o->mean_region);
+        }
+    }
+    if (!every || rules >= g_rule_room) {
+        return -1;
+    }
+    const uint64_t room   = g_rule_room - rules;
+    uint64_t       carry  = 0;
+    int64_t        fewest = -1;
+    for (zipmoe_store * o = g_list; o; o = o->next) {
+        const slot_rule * rule  = find_rule(o->name);
+        const int64_t     free  = o->info.n_expert - rule->hot - rule->warm; /* an expert in one tier at a time */
+        const uint64_t    share = quota(o, room) + carry;
+        const uint64_t    fit   = o->hot_size ? share / o->hot_size : 0;
+        const int64_t     extra = free <= 0 ? 0 : fit < (uint64_t) free ? (int64_t) fit : free;
+        if (set && g_token_mode) {
+            o->extra_slots = extra;
+        }
+        fewest = fewest < 0 || rule->hot + extra < fewest ? rule->hot + extra : fewest;
+        carry  = share - (uint64_t) extra * o->hot_size;
+    }
+    return fewest;
+}
+
 /* Under g_list_mu and g_cfg_mu, whenever the budget, the rules or the open stores change: the hot slots of the
  * budget in force, and the fewest a store would have in generation's. Every store refreshes its limits at its
  * next invocation (g_cfg_gen). */
 static void share_hot_slots(void) {
     shared_slots(g_hot_budget, 1);
-    g_token_slots = g_hot_tokens != UINT64_MAX && g_hot_tokens > g_hot_batch ? shared_slots(g_hot_tokens, 0) : -1;
+    const int64_t ruled = rule_slots(1);
+    if (g_n_rules > 0) {
+        g_token_slots = ruled;
+    } else {
+        g_token_slots = g_sm_budget == 0 && g_hot_tokens != UINT64_MAX && g_hot_tokens > g_hot_batch
+                            ? shared_slots(g_hot_tokens, 0)
+                            : -1;
+    }
     atomic_fetch_add(&g_cfg_gen, 1);
 }
 
@@ -290,6 +342,15 @@ void zipmoe_cache_set_token_hot(uint64_t hot_bytes) {
     pthread_mutex_unlock(&g_list_mu);
 }
 
+void zipmoe_cache_set_token_room(uint64_t bytes) {
+    pthread_mutex_lock(&g_list_mu);
+    pthread_mutex_lock(&g_cfg_mu);
+    g_rule_room = bytes;
+    share_hot_slots();
+    pthread_mutex_unlock(&g_cfg_mu);
+    pthread_mutex_unlock(&g_list_mu);
+}
+
 static _Atomic int g_direct_io = 1;
 
 void zipmoe_cache_set_direct_io(int enabled) { atomic_store(&g_direct_io, enabled != 0); }
@@ -299,7 +360,8 @@ int64_t zipmoe_cache_set_slots(const char * prefix, int64_t hot, int64_t warm, i
     pthread_mutex_lock(&g_cfg_mu);
     int64_t rc = ZIPMOE_OK;
     if (!prefix) {
-        g_n_rules = 0;
+        g_n_rules   = 0;
+        g_rule_room = 0; /* (the room was the rules') */
     } else if (strlen(prefix) >= sizeof g_rules[0].prefix || hot < 0 || warm < 0 || sm < 0) {
         rc = ZIPMOE_ERR_ARG;
     } else {
@@ -330,16 +392,12 @@ int64_t zipmoe_cache_set_slots(const char * prefix, int64_t hot, int64_t warm, i
     return rc;
 }
 
-static uint64_t slots_bytes(int64_t slots, uint64_t size) {
-    return (uint64_t) slots > UINT64_MAX / (size ? size : 1) ? UINT64_MAX : (uint64_t) slots * size;
-}
-
 /* Under s->mu: the store's tier limits for the current configuration. */
 static void refresh_limits(zipmoe_store * s) {
     pthread_mutex_lock(&g_cfg_mu);
     const slot_rule * rule = find_rule(s->name);
     if (rule) {
-        s->hot_limit  = slots_bytes(rule->hot, s->hot_size);
+        s->hot_limit  = slots_bytes(rule->hot + s->extra_slots, s->hot_size);
         s->warm_limit = slots_bytes(rule->warm, s->mean_region);
         s->sm_limit   = slots_bytes(rule->sm, s->sm_size);
     } else {
@@ -1170,15 +1228,15 @@ static void trim_others(const zipmoe_store * s) {
 
 /* Generation's hot budget needs no room for the tensor in flight (nor a prompt's reads): a miss takes the place of
  * the expert it evicts (place_plan), and one exists in its own store while the store is routed no more experts
- * than it keeps decoded.
- * Not with an sm tier (place_plan does not evict first there) or a planner's slots (which leave the allowance for
- * evicted experts' pages). Back to the smaller budget, every store gives up what it holds beyond its limits now,
- * before any store of the graph decodes beyond its own. */
+ * than it keeps decoded. So generation's stores keep more decoded: the shares of zipmoe_cache_set_token_hot's
+ * budget, or a planner's rules plus the extra slots of zipmoe_cache_set_token_room's. Not with an sm tier
+ * (place_plan does not evict first there). Back to the smaller budget, every store gives up what it holds beyond
+ * its limits now, before any store of the graph decodes beyond its own. */
 void zipmoe_cache_begin_graph(int64_t routed) {
     pthread_mutex_lock(&g_list_mu);
     pthread_mutex_lock(&g_cfg_mu);
     /* (g_token_slots >= 0: generation's hot budget is larger than a batch's, and shared out) */
-    const int tokens = g_sm_budget == 0 && g_n_rules == 0 && g_token_slots >= 0 && routed <= g_token_slots;
+    const int tokens = g_token_slots >= 0 && routed <= g_token_slots;
     const int shrink = g_token_mode && !tokens;
     if (tokens != g_token_mode) {
         g_token_mode = tokens;

@@ -315,7 +315,8 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
     // evicted experts' memory is kept, within the allowance for the tensor in flight, for the next decodes
     zipmoe_cache_set_reserve(hot == 0 ? working_set : in_flight);
     // generation's hot tier also holds the allowance and the read room (a prompt's first store evicts them again:
-    // zipmoe_cache_begin_graph); not with a plan, nor decoding on every use
+    // zipmoe_cache_begin_graph); not decoding on every use, nor with a plan, whose slots run as planned (the
+    // calibration and the benchmarks measure them; pyzipmoe's memory monitor gives a run's plans that room)
     if (token_hot > 0 && hot > 0 && !plan) {
         zipmoe_cache_set_token_hot(token_hot);
         info += "; while generating, " + mib(token_hot) + " decoded";
