@@ -474,6 +474,43 @@ def test_generation_keeps_the_allowance_decoded_and_a_batch_takes_it_back_first(
         lib.zipmoe_cache_set_slots(ffi.NULL, 0, 0, 0)
 
 
+def test_a_shrink_in_generation_keeps_no_evicted_pages_beside_the_full_tier(zipmoe_model, tiny_model, stats):
+    """In generation (token mode) a miss takes its victim's place, so the pages of experts a shrink evicts are not
+    kept for the next decodes (zipmoe_cache_set_reserve's pool): generation's hot tier holds that room already, and
+    kept pages came on top of it (by up to the whole reserve) until the next prompt."""
+    zf = format.open_zipmoe(zipmoe_model)
+    stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
+    size, n_expert = expert_bytes(zf.compressed[0]), zf.compressed[0].source.dims[2]
+    refs = [source_experts(tiny_model, ct) for ct in zf.compressed]
+    batch, excess = 4 * len(stores), n_expert - 4
+
+    def configure(hot: int) -> None:  # as the memory monitor applies a budget split by shares
+        lib.zipmoe_cache_configure(hot * size, 0, 0, POLICIES["tlfu"])
+        lib.zipmoe_cache_set_reserve(excess * size)
+        lib.zipmoe_cache_set_token_hot((hot + excess) * size + len(stores))
+
+    def tokens(n: int, step: int) -> None:
+        for t in range(n):
+            ids = np.array([[t % n_expert, (t + step) % n_expert]])
+            for k, st in enumerate(stores):
+                assert all(r >= 0 for r in st.materialize(ids, 2))
+                np.testing.assert_array_equal(st.weights[st.where], refs[k][ids])
+
+    try:
+        configure(batch)
+        lib.zipmoe_cache_begin_graph(2)
+        tokens(2 * n_expert, 3)  # the tier grows to generation's budget, in slots
+        assert stats()["hot_bytes"] == (batch + excess) * size
+        configure(batch - len(stores))  # one expert a store less
+        lib.zipmoe_cache_begin_graph(2)
+        tokens(n_expert, 5)
+        s = stats()
+        assert s["hot_bytes"] == (batch - len(stores) + excess) * size, s
+        assert s["hot_bytes"] + s["pool_bytes"] <= (batch - len(stores) + excess) * size + len(stores), s
+    finally:
+        lib.zipmoe_cache_set_reserve(0)
+
+
 @pytest.mark.parametrize("turns", [1, 0])
 def test_a_plan_evicts_what_the_store_before_it_decoded_beyond_its_limits(zipmoe_model, turns):
     """The engine runs each op's matmul before the next expert tensor's op, so a store's plan evicts what the other

@@ -236,8 +236,11 @@ ZIPMOE_API void    zipmoe_cache_set_token_hot(uint64_t hot_bytes);
 ZIPMOE_API void    zipmoe_cache_set_token_room(uint64_t bytes);
 
 /* Before computing a graph (one at a time) whose stores may each be routed up to `routed` distinct experts: the
- * hot budget for it, zipmoe_cache_set_token_hot's where every store keeps at least `routed` experts decoded under
- * it, else zipmoe_cache_configure's; going back to the smaller one, every store is evicted down to it first. */
+ * hot budget for it, generation's (zipmoe_cache_set_token_hot's shares, or a planner's rules plus the extra slots
+ * of zipmoe_cache_set_token_room) where every store keeps at least `routed` experts decoded under it, else the
+ * batch's (zipmoe_cache_configure's, the rules'); going back to the smaller one, every store is evicted down to it
+ * first. In generation evicted experts' pages are not kept (zipmoe_cache_set_reserve): a miss takes its victim's
+ * place, and the reserve's room is the hot tier's. */
 ZIPMOE_API void    zipmoe_cache_begin_graph(int64_t routed);
 
 /* Whether stores bound from now on read around the page cache (O_DIRECT) where the file system allows it.

@@ -184,6 +184,7 @@ static uint64_t         g_hot_tokens  = UINT64_MAX; /* zipmoe_cache_set_token_ho
 static int              g_token_mode;  /* g_hot_budget is g_hot_tokens (zipmoe_cache_begin_graph) */
 static int64_t          g_token_slots = -1; /* the fewest hot slots a store has in generation; -1: no token mode */
 static uint64_t         g_rule_room;   /* zipmoe_cache_set_token_room's: what ruled stores hold in generation */
+static uint64_t         g_reserve;     /* zipmoe_cache_set_reserve's: evicted experts' pages kept, outside token mode */
 static uint64_t         g_warm_budget = 0;
 static uint64_t         g_sm_budget   = 0;
 static zipmoe_policy    g_policy      = ZIPMOE_POLICY_TOKEN_LFU;
@@ -221,6 +222,8 @@ static const slot_rule * find_rule(const char * name) {
     }
     return rule;
 }
+
+static uint64_t add_sat(uint64_t a, uint64_t b) { return a + b < a ? UINT64_MAX : a + b; }
 
 static uint64_t slots_bytes(int64_t slots, uint64_t size) {
     return (uint64_t) slots > UINT64_MAX / (size ? size : 1) ? UINT64_MAX : (uint64_t) slots * size;
@@ -268,8 +271,8 @@ static int64_t rule_slots(int set) {
             o->extra_slots = 0;
         }
         every = every && rule && rule->sm == 0;
-        if (rule) {
-            rules += slots_bytes(rule->hot, o->hot_size) + slots_bytes(rule->warm, o->mean_region);
+        if (rule) { /* (saturating: absurd slot counts must not wrap into room) */
+            rules = add_sat(rules, add_sat(slots_bytes(rule->hot, o->hot_size), slots_bytes(rule->warm, o->mean_region)));
         }
     }
     if (!every || rules >= g_rule_room) {
@@ -328,7 +331,17 @@ int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, uint64_t
     return ZIPMOE_OK;
 }
 
-void zipmoe_cache_set_reserve(uint64_t bytes) { zipmoe_slots_set_keep(bytes); }
+/* Evicted experts' pages are kept for a batch's decodes beyond the limits; in token mode a miss takes its victim's
+ * place instead, and the room the reserve would keep is generation's hot tier's: pages kept there would come on
+ * top of a full tier (after a shrink in generation, by up to the whole reserve). */
+static void keep_reserve(void) { zipmoe_slots_set_keep(g_token_mode ? 0 : g_reserve); }
+
+void zipmoe_cache_set_reserve(uint64_t bytes) {
+    pthread_mutex_lock(&g_cfg_mu);
+    g_reserve = bytes;
+    keep_reserve();
+    pthread_mutex_unlock(&g_cfg_mu);
+}
 
 void zipmoe_cache_set_token_hot(uint64_t hot_bytes) {
     pthread_mutex_lock(&g_list_mu);
@@ -1079,31 +1092,25 @@ static int make_room(zipmoe_store * s, int tier, uint64_t need, uint64_t worth, 
     return 1;
 }
 
-/* Under s->mu: place p's 2 MiB pages are no longer known to be huge (split, or about to be by a slot's mmap). */
+/* Under s->mu, before place p's pages are given back or replaced (a slot's mmap): its 2 MiB pages known to be huge
+ * are split first. A huge page partly unmapped stays whole, charged to the process's cgroup though no longer
+ * resident, until the kernel's deferred split runs under memory pressure: after a budget shrank a store that held
+ * every expert in huge pages, test_lowered_cgroup_limit_while_generating found ~22 MiB more in its cgroup than the
+ * process's pages (a probe: 64 MiB of huge pages with 3/4 of each unmapped stayed charged whole, by MADV_DONTNEED
+ * as by a slot's MAP_FIXED). MADV_COLD on part of a huge page splits it (Linux 5.4 on; elsewhere it does nothing);
+ * on the place's own pages, so that hot neighbours keep their standing with the kernel. */
 static void forget_huge_pages(zipmoe_store * s, int64_t p) {
-    const uintptr_t begin = (uintptr_t) place_addr(s, p);
-    for (uintptr_t hp = begin & ~(HUGE_PAGE - 1); hp < begin + s->hot_size; hp += HUGE_PAGE) {
-        if (hp >= s->hp_base && (hp - s->hp_base) / HUGE_PAGE < s->n_hp) {
-            s->hp_done[(hp - s->hp_base) / HUGE_PAGE] = 0;
-        }
-    }
-}
-
-/* Under s->mu, after [lo, hi) of the store's memory was given back (MADV_DONTNEED): the huge pages known to hold
- * part of it are split, so that the kernel frees those pages now. A huge page partly unmapped stays whole, charged
- * to the process's cgroup though no longer resident, until the kernel's deferred split runs under memory pressure:
- * after a budget shrank a store that held every expert in huge pages, test_lowered_cgroup_limit_while_generating
- * found ~22 MiB more in its cgroup than the process's pages. MADV_COLD on one page still mapped in a huge page
- * splits it (Linux 5.4 on; elsewhere it does nothing), and leaves its other pages resident. */
-static void split_huge_pages(zipmoe_store * s, uintptr_t lo, uintptr_t hi) {
-    const size_t page = (size_t) sysconf(_SC_PAGESIZE);
-    for (uintptr_t hp = lo & ~(HUGE_PAGE - 1); hp < hi; hp += HUGE_PAGE) {
+    const size_t    page  = (size_t) sysconf(_SC_PAGESIZE);
+    const uintptr_t begin = (uintptr_t) place_addr(s, p), end = begin + s->hot_size;
+    for (uintptr_t hp = begin & ~(HUGE_PAGE - 1); hp < end; hp += HUGE_PAGE) {
         if (hp < s->hp_base || (hp - s->hp_base) / HUGE_PAGE >= s->n_hp || !s->hp_done[(hp - s->hp_base) / HUGE_PAGE]) {
             continue;
         }
-        const uintptr_t kept = lo > hp ? hp : hi < hp + HUGE_PAGE ? hi : 0; /* a page it still maps */
-        if (kept) {
-            madvise((void *) kept, page, MADV_COLD);
+        s->hp_done[(hp - s->hp_base) / HUGE_PAGE] = 0;
+        const uintptr_t lo = zipmoe_align_up(begin > hp ? begin : hp, page);
+        const uintptr_t hi = (end < hp + HUGE_PAGE ? end : hp + HUGE_PAGE) & ~(uintptr_t) (page - 1);
+        if (hi > lo && hi - lo < HUGE_PAGE) { /* (all of it: unmapped whole, it is freed whole) */
+            madvise((void *) lo, hi - lo, MADV_COLD);
         }
     }
 }
@@ -1115,6 +1122,7 @@ static void vacate_place(zipmoe_store * s, int64_t p) {
     const size_t    bytes = (size_t) s->hot_size;
     place_state *   at    = &s->places[p];
     const uintptr_t begin = (uintptr_t) place_addr(s, p);
+    forget_huge_pages(s, p); /* (splits them while they are mapped) */
     uintptr_t       lo    = zipmoe_align_up(begin, page);
     uintptr_t       hi    = (begin + bytes) & ~(uintptr_t) (page - 1);
     if (p > 0 && !place_hot(s, p - 1) && (begin & (page - 1)) && begin - (begin & (page - 1)) >= (uintptr_t) s->dst) {
@@ -1124,9 +1132,7 @@ static void vacate_place(zipmoe_store * s, int64_t p) {
         at->slot = -1; /* its pages serve the next expert decoded */
     } else if (hi > lo) {
         madvise((void *) lo, hi - lo, MADV_DONTNEED);
-        split_huge_pages(s, lo, hi);
     }
-    forget_huge_pages(s, p);
     at->expert = -1;
 }
 
@@ -1242,6 +1248,7 @@ void zipmoe_cache_begin_graph(int64_t routed) {
         g_token_mode = tokens;
         g_hot_budget = tokens ? g_hot_tokens : g_hot_batch;
         share_hot_slots();
+        keep_reserve();
     }
     pthread_mutex_unlock(&g_cfg_mu);
     for (zipmoe_store * o = shrink ? g_list : NULL; o; o = o->next) {
