@@ -126,23 +126,22 @@ def runtime_environment(model_path: str | os.PathLike[str], *, budget: str | int
 # ------------------------------------------------------------------------------------------ live adaptation
 
 
-def apply_plan(plan: planner.Plan, lib: Any = None, *, reserve: int | None = None,
-               token_room: int | None = None) -> None:
+def apply_plan(plan: planner.Plan, lib: Any = None, *, reserve: int | None = None, token_room: int = 0) -> None:
     """Gives the running stores new slots (each applies them at its next invocation), `reserve` bytes of evicted
     experts' pages to keep for the next decodes (the allowance for the expert tensor in flight, which a plan leaves
-    beside its slots), and `token_room`, what the stores may hold in generation, whose misses need neither that
-    allowance nor a prompt's read room: beyond the slots it holds more decoded experts (the budget less the weights
-    that are not experts; as ZIPMOE_PLAN does at load)."""
+    beside its slots, as ZIPMOE_PLAN does at load), and `token_room`, what the stores may hold in generation, whose
+    misses need neither that allowance nor a prompt's read room: beyond the slots it holds more decoded experts (a
+    run's: the budget less the weights that are not experts; 0: the slots as planned). The room is set first: a
+    smaller one never meets the larger slots it replaces."""
     if lib is None:
         from ._native import lib
+    lib.zipmoe_cache_set_token_room(token_room)
     for lp in plan.layers:
         rc = lib.zipmoe_cache_set_slots(f"blk.{lp.layer}.".encode(), lp.hot, lp.warm, lp.sm)
         if rc < 0:
             raise ZipmoeError(f"the runtime refused the slots of layer {lp.layer} (status {rc})")
     if reserve is not None:
         lib.zipmoe_cache_set_reserve(reserve)
-    if token_room is not None:
-        lib.zipmoe_cache_set_token_room(token_room)
 
 
 def store_sizes(model_path: str | os.PathLike[str]) -> list[tuple[int, int, int]]:
@@ -258,9 +257,9 @@ class MemoryMonitor:
     at load, the budget's reserve for one expert tensor in flight comes out of that memory, not out of the margin: it is
     not held between tokens (decoded, those experts are resident bytes). Hysteresis keeps it
     from chasing noise: it shrinks when that budget falls more than `threshold` below the current one, and grows
-    only when it rises more than twice `threshold` above it. A re-plan only sets slots (a fixed split: the
-    runtime's budgets, as at load); the stores evict at their next invocation (between tokens, a madvise per
-    expert), so there is no stall beyond a token.
+    only when it rises more than twice `threshold` above it. A re-plan only sets slots and their room in
+    generation (a fixed split: the runtime's budgets, as at load); the stores evict at their next invocation
+    (between tokens, a madvise per expert), so there is no stall beyond a token.
     """
 
     def __init__(self, planned: Planned, *, ceiling: int | None = None, interval: float = 0.5,
@@ -296,6 +295,9 @@ class MemoryMonitor:
         # with a split: the model's expert tensors (store_sizes), so that a new budget is split by the runtime's
         # shares as at load (apply_shares); without them, by slots
         self.sizes = sizes
+        # whether the plans it applies hold generation's room beyond their slots (apply_plan's token_room): off to
+        # measure plans as planned (pyzipmoe.timing, which tools/bench_planner.py compares with predictions)
+        self.generation_room = True
         # the run's eviction policy, whose hits the recency model predicts: the runtime read it at load (Llama sets
         # the environment only while it loads, so it passes what it asked for)
         self.policy = policy or os.environ.get(POLICY_ENV) or DEFAULT_POLICY
@@ -334,13 +336,17 @@ class MemoryMonitor:
         target = room - keep
         return min(target, self.ceiling) if self.ceiling is not None else target
 
+    def _token_room(self, budget: int) -> int:
+        """What a plan's stores may hold in generation under `budget` (apply_plan's token_room)."""
+        return budget - self.planned.need.other_bytes if self.generation_room else 0
+
     def give_generation_room(self) -> None:
-        """For a plan the run loaded with (ZIPMOE_PLAN from the planner): what apply_plan gives every re-plan, the
-        budget less the weights that are not experts for generation's decoded experts beyond the slots."""
+        """For a plan the run loaded with (ZIPMOE_PLAN from the planner's trace): the token room every re-plan
+        gets, generation's decoded experts beyond the slots."""
         lib = self._lib
         if lib is None:
             from ._native import lib
-        lib.zipmoe_cache_set_token_room(self.budget - self.planned.need.other_bytes)
+        lib.zipmoe_cache_set_token_room(self._token_room(self.budget))
 
     def note_decode(self) -> None:
         """Called after each decode of the model (pyzipmoe.Llama): the first one makes the next reading measure
@@ -369,7 +375,7 @@ class MemoryMonitor:
                                planner.plan_tiers(model, self.budget - self.planned.need.minimum),
                                self.planned.costs_source)
         apply_plan(self.planned.plan, self._lib, reserve=self.planned.need.in_flight_bytes,
-                   token_room=self.budget - self.planned.need.other_bytes)
+                   token_room=self._token_room(self.budget))
         self.replans.append((self.budget, self.planned.plan))
         if self._on_change:
             self._on_change(self.planned.plan)
@@ -412,8 +418,7 @@ class MemoryMonitor:
             apply_shares(tiers, self.split, self.sizes, self.policy, self._lib)
         else:
             plan = planner.plan_tiers(self.planned.model, tiers, self.split)
-            apply_plan(plan, self._lib, reserve=self.planned.need.in_flight_bytes,
-                       token_room=target - self.planned.need.other_bytes)
+            apply_plan(plan, self._lib, reserve=self.planned.need.in_flight_bytes, token_room=self._token_room(target))
         self.budget = target
         self.replans.append((target, plan))
         if self._on_change:

@@ -129,8 +129,8 @@ class ModelGeometry:
     warm_bytes: tuple[int, ...]  # its compressed region (the mean over the layer's experts, rounded up)
     sm_bytes: tuple[int, ...]  # its sign+mantissa plane (1 byte a value)
     dense_bytes: int = 0  # every other tensor a token reads (only the default base cost uses it)
-    # per MoE layer: the largest expert tensor's share of the layer's bytes (a store reads one tensor; gate, up and
-    # down: 1/3); empty: one tensor a layer
+    # per MoE layer: the largest expert tensor's share of the layer's compressed bytes (a store reads one tensor;
+    # gate, up and down: about 1/3); empty: one tensor a layer
     tensor_shares: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
@@ -218,8 +218,10 @@ def geometry_from_gguf(path: str | os.PathLike[str]) -> ModelGeometry:
 
     layers = tuple(sorted(by_layer))
     values = [sum(t.expert.info.n_per_expert for t in by_layer[i]) for i in layers]
-    shares = [max(t.expert.info.n_per_expert for t in by_layer[i]) / v for i, v in zip(layers, values)]
-    regions = [sum(sum(t.expert.span(e).size for e in range(n_expert)) for t in by_layer[i]) for i in layers]
+    tensor_regions = [[sum(t.expert.span(e).size for e in range(n_expert)) for t in by_layer[i]] for i in layers]
+    regions = [sum(r) for r in tensor_regions]
+    # what a prompt reads of a layer's experts is read one tensor at a time: the largest compressed one's share
+    shares = [max(r) / sum(r) if sum(r) else 1.0 for r in tensor_regions]
     companion = (DATA_SUFFIX, INDEX_SUFFIX)
     dense = sum(t.nbytes for t in z.gguf.tensors if not t.name.endswith(companion) and t.name != SOURCE_HEADER)
     return ModelGeometry(n_layer=n_layer, n_expert=n_expert, n_expert_used=n_used, layers=layers,

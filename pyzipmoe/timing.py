@@ -87,6 +87,7 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
     predicted = None
     monitor = getattr(llm, "zipmoe_monitor", None)
     if job["replan"] and monitor is not None:
+        monitor.generation_room = False  # the plan as planned: what the prediction is for, as the fixed splits run
         plan = monitor.refresh_routing(min_tokens=1)
         predicted = plan.tokens_per_second if plan else None
         monitor.stop()  # nothing else changes while timing

@@ -113,9 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         planned = controller.plan_model(model, budget)
         tiers = budget - planned.need.minimum
         recency = planner.cost_model(geometry, planned.model.costs, routing=routing)
-        rows = [("planner", planner.runtime_plan(recency, tiers))]
+        # (as a run applies them: leaving a prompt's read buffers room beside the slots, planner.plan_tiers)
+        rows = [("planner", planner.plan_tiers(recency, tiers))]
         for h, w, s in splits(args.step):
-            rows.append((f"hot {h:.0%} warm {w:.0%} sm {s:.0%}", planner.fixed_split_plan(recency, tiers, h, w, s)))
+            rows.append((f"hot {h:.0%} warm {w:.0%} sm {s:.0%}", planner.plan_tiers(recency, tiers, (h, w, s))))
         print(f"\nbudget {pct:g}% = {budget / 2**20:.0f} MiB ({tiers / 2**20:.0f} MiB for the tiers)", flush=True)
         print(f"{'split':<28} {'predicted':>9} {'measured':>9}  plan", flush=True)
         for name, plan in rows:
