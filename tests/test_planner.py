@@ -488,12 +488,15 @@ def test_fixed_split_plan(small_model: planner.CostModel):
 
 def test_a_prompt_reads_what_the_largest_tensor_keeps_out_of_ram_into_two_buffers():
     """prompt_read_bytes: a cold expert's region and an sm expert's codes, of the largest expert tensor (the share
-    of its layer), twice: the staging buffer of the store that decodes and the read-ahead of the next."""
+    of its layer), each in its span of O_DIRECT blocks, twice: the staging buffer of the store that decodes and
+    the read-ahead of the next."""
     g = ModelGeometry(n_layer=2, n_expert=8, n_expert_used=2, layers=(0, 1), hot_bytes=(60, 60),
                       warm_bytes=(40, 40), sm_bytes=(30, 30), tensor_shares=(0.5, 1 / 3))
     assert g.read_sm_bytes(0) == 10
-    # layer 0: 4 cold, 2 sm -> (4 * 40 + 2 * 10) / 2 = 90; layer 1: 1 cold -> 40 / 3
-    assert planner.prompt_read_bytes(g, [(2, 0, 2), (7, 0, 0)]) == 2 * 90
+    # layer 0: 4 cold, 2 sm -> (4 * 40 + 2 * 10) / 2 = 90, and each of the 6 reads up to two O_DIRECT blocks more;
+    # layer 1: 1 cold -> 40 / 3 + 2 blocks
+    block = planner.DIRECT_ALIGN
+    assert planner.prompt_read_bytes(g, [(2, 0, 2), (7, 0, 0)]) == 2 * (90 + 6 * 2 * block)
     assert planner.prompt_read_bytes(g, [(8, 0, 0), (4, 4, 0)]) == 0  # everything in RAM: nothing read
     with pytest.raises(ZipmoeError, match="tensor_shares"):
         ModelGeometry(n_layer=1, n_expert=2, n_expert_used=1, layers=(0,), hot_bytes=(4,), warm_bytes=(3,),
@@ -656,13 +659,13 @@ def test_cli_json_with_trace_and_costs(tiny_zipmoe: Path, tmp_path: Path, capsys
     counts[0, :, :3] = [50, 30, 20]
     np.savez(tmp_path / "trace.npz", counts=counts)
     (tmp_path / "costs.json").write_text(json.dumps({"cores": 4, "base_seconds_per_token": 0.02}))
-    code, out, err = run_plan(capsys, str(tiny_zipmoe), "--memory-budget", whole(tiny_zipmoe, 90000), "--json",
+    code, out, err = run_plan(capsys, str(tiny_zipmoe), "--memory-budget", whole(tiny_zipmoe, 120000), "--json",
                               "--trace", str(tmp_path / "trace.npz"), "--costs", str(tmp_path / "costs.json"))
     assert code == 0 and err == ""
     data = json.loads(out)
     # the tiers' part, less the room a prompt's read buffers take beside them
-    assert data["budget"] + data["read_bytes"] == 90000 and data["bytes"] <= data["budget"]
-    assert data["memory"]["budget"] == int(whole(tiny_zipmoe, 90000))
+    assert data["budget"] + data["read_bytes"] == 120000 and data["bytes"] <= data["budget"]
+    assert data["memory"]["budget"] == int(whole(tiny_zipmoe, 120000))
     assert (data["memory"]["read_bytes"], data["memory"]["tier_bytes"]) == (data["read_bytes"], data["budget"])
     assert data["costs"]["cores"] == 4
     assert (data["frequencies"], data["trace"]) == ("trace", str(tmp_path / "trace.npz"))

@@ -44,7 +44,11 @@ int64_t zipmoe_budget_split_tiers(const zipmoe_store_size * stores, size_t n_sto
     if (hot_share > 0 && experts > 0) {
         const double kept = (double) tiers * hot_share < (double) experts ? (double) tiers * hot_share / (double) experts : 1.0;
         for (size_t i = 0; i < n_stores; i++) {
-            out->reads = max_u64(out->reads, 2 * (uint64_t) ((double) stores[i].compressed_bytes * (1.0 - kept)));
+            // each expert's read takes its span of whole O_DIRECT blocks in the buffer: up to two blocks more
+            const double   cold   = (double) stores[i].n_expert * (1.0 - kept);
+            const uint64_t buffer = (uint64_t) ((double) stores[i].compressed_bytes * (1.0 - kept) +
+                                                cold * 2 * (double) ZIPMOE_DIRECT_ALIGN + 0.999);
+            out->reads            = max_u64(out->reads, 2 * buffer);
         }
         out->reads = min_u64(out->reads, tiers / 2);
         tiers -= out->reads;
