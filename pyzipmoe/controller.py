@@ -160,8 +160,8 @@ def apply_shares(tiers: int, split: tuple[float, float, float], sizes: list[tupl
                  lib: Any = None) -> dict[str, int]:
     """Gives the running stores a budget split by shares again, as the loader split ZIPMOE_MEMORY_BUDGET
     (zipmoe_budget_split_tiers: a prompt's read room, the allowance for the tensor in flight, and generation's
-    larger hot budget holding both), instead of slots, which have neither; removes any slots. `tiers`: the budget
-    less its minimum. Returns the split."""
+    larger hot budget holding both), instead of slots; removes any slots, all in one call
+    (zipmoe_cache_apply_split). `tiers`: the budget less its minimum. Returns the split."""
     from ._native import ffi
     from ._native import lib as native
 
@@ -172,13 +172,9 @@ def apply_shares(tiers: int, split: tuple[float, float, float], sizes: list[tupl
     out = ffi.new("zipmoe_budget_split *")
     if native.zipmoe_budget_split_tiers(stores, len(sizes), tiers, hot_share, sm_share, out) < 0:
         raise ZipmoeError(f"the runtime refused to split {tiers} bytes by shares {split}")
-    lib.zipmoe_cache_set_slots(ffi.NULL, 0, 0, 0)
-    rc = lib.zipmoe_cache_configure(out.hot, out.warm, out.sm, getattr(native, _POLICY_IDS[policy]))
+    rc = lib.zipmoe_cache_apply_split(out, getattr(native, _POLICY_IDS[policy]))  # at once: no moment between
     if rc < 0:
         raise ZipmoeError(f"the runtime refused the tiers of a {tiers}-byte budget (status {rc})")
-    lib.zipmoe_cache_set_reserve(out.in_flight)  # (the largest tensor's experts, without a hot tier)
-    if out.token_hot:
-        lib.zipmoe_cache_set_token_hot(out.token_hot)
     return {name: int(getattr(out, name)) for name in ("hot", "warm", "sm", "in_flight", "reads", "token_hot")}
 
 

@@ -479,6 +479,13 @@ class _FakeStats:
     def zipmoe_cache_set_token_room(self, nbytes: int) -> None:
         self.token_room = nbytes
 
+    def zipmoe_cache_apply_split(self, split: Any, policy: int) -> int:
+        self.slots.append((None, 0, 0, 0))  # (every rule removed)
+        self.zipmoe_cache_configure(split.hot, split.warm, split.sm, policy)
+        self.zipmoe_cache_set_reserve(split.in_flight)
+        self.zipmoe_cache_set_token_hot(split.token_hot)
+        return 0
+
 
 def test_a_fixed_budget_in_a_container_sized_to_it_keeps_its_tiers(zipmoe_model: Path) -> None:
     """A container whose limit leaves less room beside the budget than the safety margin (512 MiB) is how the
@@ -588,7 +595,6 @@ def test_a_fixed_split_shrinks_by_the_runtime_s_shares_not_by_slots(zipmoe_model
     budget is then the whole budget less the weights that are not experts, as at load."""
     _native_library()
     from pyzipmoe import controller, memory
-    from pyzipmoe._native import ffi
     from pyzipmoe.budget import model_memory
 
     need = model_memory(zipmoe_model)
@@ -603,7 +609,7 @@ def test_a_fixed_split_shrinks_by_the_runtime_s_shares_not_by_slots(zipmoe_model
     assert mon.sizes and not mon.step()
     room["bytes"] -= need.expert_bytes // 2  # another process takes half of the experts' room
     assert mon.step() and mon.budget < budget - need.expert_bytes // 4
-    assert lib.slots == [(ffi.NULL, 0, 0, 0)], lib.slots  # no slots: the shares apply
+    assert lib.slots == [(None, 0, 0, 0)], lib.slots  # no slots: the shares apply
     hot, warm, sm = lib.tiers
     assert (warm, sm) == (0, 0) and 0 < hot and hot + lib.reserve <= mon.budget - need.other_bytes, lib.tiers
     assert 0 < lib.reserve <= need.in_flight_bytes

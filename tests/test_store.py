@@ -425,9 +425,9 @@ def test_a_miss_takes_the_place_of_the_expert_it_evicts(zipmoe_model, tiny_model
 
 
 @pytest.mark.parametrize("sm_tier", [False, True], ids=["hot", "sm tier"])
-@pytest.mark.parametrize("plan", [False, True], ids=["shares", "plan"])
+@pytest.mark.parametrize("how", ["shares", "split", "plan"])
 def test_generation_keeps_the_allowance_decoded_and_a_batch_takes_it_back_first(zipmoe_model, tiny_model, stats,
-                                                                              sm_tier, plan):
+                                                                              sm_tier, how):
     """While every store of a graph is routed no more experts than it keeps decoded (a token's top-k), each miss
     takes its victim's place and the allowance for the tensor in flight can hold decoded experts too
     (zipmoe_cache_set_token_hot; for a planner's slots zipmoe_cache_set_token_room, the same bytes beyond the
@@ -444,11 +444,15 @@ def test_generation_keeps_the_allowance_decoded_and_a_batch_takes_it_back_first(
     layers = sorted({ct.name[: ct.name.index(".", 4) + 1] for ct in zf.compressed})  # "blk.N."
 
     def configure() -> None:
-        if plan:  # every store 4 hot slots (2 sm), and the room the shares' token budget has, as apply_plan gives it
+        if how == "plan":  # every store 4 hot slots (2 sm), and the room the shares' token budget has (apply_plan)
             for prefix in layers:
                 assert lib.zipmoe_cache_set_slots(prefix.encode(), 4, 0, 2 if sm_tier else 0) == 0
             lib.zipmoe_cache_set_token_room((batch + excess) * size + len(stores))  # (sm: no room taken)
-        else:
+        elif how == "split":  # the same budgets in one call, as the memory monitor applies a split
+            split = ffi.new("zipmoe_budget_split *", {"hot": batch * size, "sm": sm, "token_hot": 0 if sm_tier else
+                                                      (batch + excess) * size + len(stores)})
+            assert lib.zipmoe_cache_apply_split(split, POLICIES["tlfu"]) == 0
+        else:  # as the loader applies them
             lib.zipmoe_cache_configure(batch * size, 0, sm, POLICIES["tlfu"])
             lib.zipmoe_cache_set_token_hot((batch + excess) * size + len(stores))  # (the shares are rounded down)
 

@@ -277,6 +277,11 @@ typedef struct {
 ZIPMOE_API int64_t zipmoe_budget_split_tiers(const zipmoe_store_size * stores, size_t n_stores, uint64_t tiers,
                                              double hot_share, double sm_share, zipmoe_budget_split * out);
 
+/* Applies a split at once, as zipmoe_cache_configure (hot, warm, sm), zipmoe_cache_set_reserve (in_flight) and
+ * zipmoe_cache_set_token_hot (token_hot) would one after the other, and removes every slot rule: a running model's
+ * new budget (the memory monitor's), without a moment at a batch's hot budget in between. */
+ZIPMOE_API int64_t zipmoe_cache_apply_split(const zipmoe_budget_split * split, zipmoe_policy policy);
+
 /* Opens a store from an index (validated as zipmoe_tensor_open does). */
 ZIPMOE_API int64_t zipmoe_store_open(const char * name, const void * index, size_t index_size, uint64_t data_size,
                                      zipmoe_store ** out);

@@ -364,6 +364,28 @@ void zipmoe_cache_set_token_room(uint64_t bytes) {
     pthread_mutex_unlock(&g_list_mu);
 }
 
+int64_t zipmoe_cache_apply_split(const zipmoe_budget_split * split, zipmoe_policy policy) {
+    if (!split || policy < ZIPMOE_POLICY_TOKEN_LFU || policy > ZIPMOE_POLICY_FIFO) {
+        return ZIPMOE_ERR_ARG;
+    }
+    pthread_mutex_lock(&g_list_mu);
+    pthread_mutex_lock(&g_cfg_mu);
+    g_n_rules     = 0;
+    g_rule_room   = 0;
+    g_hot_batch   = split->hot;
+    g_hot_tokens  = split->token_hot > split->hot ? split->token_hot : split->hot;
+    g_hot_budget  = g_token_mode ? g_hot_tokens : g_hot_batch; /* (begin_graph still decides, at the next graph) */
+    g_warm_budget = split->warm;
+    g_sm_budget   = split->sm;
+    g_policy      = policy;
+    g_reserve     = split->in_flight;
+    keep_reserve();
+    share_hot_slots();
+    pthread_mutex_unlock(&g_cfg_mu);
+    pthread_mutex_unlock(&g_list_mu);
+    return ZIPMOE_OK;
+}
+
 static _Atomic int g_direct_io = 1;
 
 void zipmoe_cache_set_direct_io(int enabled) { atomic_store(&g_direct_io, enabled != 0); }
