@@ -157,11 +157,11 @@ _POLICY_IDS = {"tlfu": "ZIPMOE_POLICY_TOKEN_LFU", "lru": "ZIPMOE_POLICY_LRU", "l
 
 
 def apply_shares(tiers: int, split: tuple[float, float, float], sizes: list[tuple[int, int, int]], policy: str,
-                 lib: Any = None) -> dict[str, int]:
+                 lib: Any = None) -> None:
     """Gives the running stores a budget split by shares again, as the loader split ZIPMOE_MEMORY_BUDGET
     (zipmoe_budget_split_tiers: a prompt's read room, the allowance for the tensor in flight, and generation's
     larger hot budget holding both), instead of slots; removes any slots, all in one call
-    (zipmoe_cache_apply_split). `tiers`: the budget less its minimum. Returns the split."""
+    (zipmoe_cache_apply_split). `tiers`: the budget less its minimum."""
     from ._native import ffi
     from ._native import lib as native
 
@@ -175,7 +175,6 @@ def apply_shares(tiers: int, split: tuple[float, float, float], sizes: list[tupl
     rc = lib.zipmoe_cache_apply_split(out, getattr(native, _POLICY_IDS[policy]))  # at once: no moment between
     if rc < 0:
         raise ZipmoeError(f"the runtime refused the tiers of a {tiers}-byte budget (status {rc})")
-    return {name: int(getattr(out, name)) for name in ("hot", "warm", "sm", "in_flight", "reads", "token_hot")}
 
 
 def live_counts(geometry: planner.ModelGeometry, lib: Any = None) -> np.ndarray:

@@ -312,19 +312,25 @@ static void share_hot_slots(void) {
     atomic_fetch_add(&g_cfg_gen, 1);
 }
 
+/* Under g_list_mu and g_cfg_mu: the tier budgets, generation's hot budget (tokens, at least hot) and the policy. */
+static void set_budgets(uint64_t hot, uint64_t tokens, uint64_t warm, uint64_t sm, zipmoe_policy policy) {
+    g_hot_batch   = hot;
+    g_hot_tokens  = tokens > hot ? tokens : hot;
+    g_hot_budget  = g_token_mode ? g_hot_tokens : g_hot_batch; /* (begin_graph decides again at the next graph) */
+    g_warm_budget = warm;
+    g_sm_budget   = sm;
+    g_policy      = policy;
+}
+
 int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, uint64_t sm_bytes, zipmoe_policy policy) {
     if (policy < ZIPMOE_POLICY_TOKEN_LFU || policy > ZIPMOE_POLICY_FIFO) {
         return ZIPMOE_ERR_ARG;
     }
     pthread_mutex_lock(&g_list_mu);
     pthread_mutex_lock(&g_cfg_mu);
-    g_hot_budget  = hot_bytes;
-    g_hot_batch   = hot_bytes;
-    g_hot_tokens  = hot_bytes; /* (zipmoe_cache_set_token_hot gives generation more; in token mode until the next
-                                * graph, whose zipmoe_cache_begin_graph trims every store down to hot_bytes) */
-    g_warm_budget = warm_bytes;
-    g_sm_budget   = sm_bytes;
-    g_policy      = policy;
+    /* (zipmoe_cache_set_token_hot gives generation more; until then, in token mode, the tier is hot_bytes, and the
+     * next graph's zipmoe_cache_begin_graph leaves token mode, trimming every store down to it) */
+    set_budgets(hot_bytes, hot_bytes, warm_bytes, sm_bytes, policy);
     share_hot_slots();
     pthread_mutex_unlock(&g_cfg_mu);
     pthread_mutex_unlock(&g_list_mu);
@@ -370,15 +376,10 @@ int64_t zipmoe_cache_apply_split(const zipmoe_budget_split * split, zipmoe_polic
     }
     pthread_mutex_lock(&g_list_mu);
     pthread_mutex_lock(&g_cfg_mu);
-    g_n_rules     = 0;
-    g_rule_room   = 0;
-    g_hot_batch   = split->hot;
-    g_hot_tokens  = split->token_hot > split->hot ? split->token_hot : split->hot;
-    g_hot_budget  = g_token_mode ? g_hot_tokens : g_hot_batch; /* (begin_graph still decides, at the next graph) */
-    g_warm_budget = split->warm;
-    g_sm_budget   = split->sm;
-    g_policy      = policy;
-    g_reserve     = split->in_flight;
+    g_n_rules   = 0;
+    g_rule_room = 0;
+    set_budgets(split->hot, split->token_hot, split->warm, split->sm, policy);
+    g_reserve = split->in_flight;
     keep_reserve();
     share_hot_slots();
     pthread_mutex_unlock(&g_cfg_mu);

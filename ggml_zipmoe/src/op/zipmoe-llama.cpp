@@ -36,13 +36,8 @@ static std::unordered_map<const ggml_tensor *, zipmoe_llama_tensor *> g_registry
 static std::atomic<size_t>                                             g_registry_size{0};
 
 // The stores opened since the last zipmoe_llama_configure: the model being loaded.
-struct pending_store {
-    uint64_t bytes;      // BF16, all experts
-    uint64_t n_expert;
-    uint64_t compressed; // the data companion
-};
 static std::mutex                         g_pending_mu;
-static std::vector<pending_store>         g_pending;
+static std::vector<zipmoe_store_size>     g_pending;
 static std::vector<zipmoe_store *>        g_opened; // the same stores
 // The model configured last, until all of its stores are bound: then its tiers are filled (zipmoe_cache_prefill).
 static std::vector<zipmoe_store *> g_loading;
@@ -182,7 +177,7 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
     const std::string embd_note = embd_charged < embd_bytes ? " (token_embd: the rows of a batch, " + mib(embd_charged) +
                                                                   " of " + mib(embd_bytes) + ")"
                                                             : "";
-    std::vector<pending_store> stores;
+    std::vector<zipmoe_store_size> stores;
     {
         std::lock_guard<std::mutex> lock(g_pending_mu);
         stores.swap(g_pending);
@@ -206,8 +201,8 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
     // beyond the tiers is the largest expert tensor's, all of whose experts a prompt may route to
     uint64_t working_set = 0, experts = 0;
     for (const auto & st : stores) {
-        working_set = std::max(working_set, st.bytes);
-        experts += st.bytes;
+        working_set = std::max(working_set, st.bf16_bytes);
+        experts += st.bf16_bytes;
     }
     uint64_t      hot = UINT64_MAX, warm = 0, sm = 0, in_flight = working_set, reads = 0, token_hot = 0;
     zipmoe_policy policy = ZIPMOE_POLICY_TOKEN_LFU;
@@ -233,12 +228,8 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
             err = "ZIPMOE_HOT_SHARE + ZIPMOE_SM_SHARE is more than 1";
             return false;
         }
-        std::vector<zipmoe_store_size> sizes;
-        for (const auto & st : stores) {
-            sizes.push_back({ st.bytes, st.n_expert, st.compressed });
-        }
         zipmoe_budget_split split{};
-        if (zipmoe_budget_split_tiers(sizes.data(), sizes.size(), budget - minimum, hot_share, sm_share, &split) < 0) {
+        if (zipmoe_budget_split_tiers(stores.data(), stores.size(), budget - minimum, hot_share, sm_share, &split) < 0) {
             err = "the memory budget could not be split between the cache tiers";
             return false;
         }
