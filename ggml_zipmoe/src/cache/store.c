@@ -960,6 +960,8 @@ int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_offset, void *
  * (generation went from 0.90x to 0.98x of BF16 with them). Not at the first touch during generation: a huge page
  * fault compacts memory and made cold starts 2.5x slower; nor for a page shared with an expert that is not
  * decoded, whose bytes the budget does not count. */
+static void vacate_place(zipmoe_store * s, int64_t p);
+
 int zipmoe_store_collapse(zipmoe_store * s) {
     const uintptr_t dst0 = (uintptr_t) s->dst;
     for (size_t i = 0; i < s->n_hp; i++) {
@@ -967,7 +969,7 @@ int zipmoe_store_collapse(zipmoe_store * s) {
             return 0; /* a token waits on reads: they go first, the rest of this later */
         }
         /* the lock only to choose: collapsing takes milliseconds a page, and the store's invocations must not
-         * wait for it (an expert evicted meanwhile only makes the kernel's collapse fail) */
+         * wait for it (an expert evicted meanwhile: see below) */
         pthread_mutex_lock(&s->mu);
         const uintptr_t lo = s->hp_base + i * HUGE_PAGE;
         const int64_t   p0 = (int64_t) ((lo - dst0) / s->hot_size);
@@ -980,9 +982,22 @@ int zipmoe_store_collapse(zipmoe_store * s) {
             s->hp_done[i] = 1;
         }
         pthread_mutex_unlock(&s->mu);
-        if (hot) {
-            madvise((void *) lo, HUGE_PAGE, MADV_COLLAPSE); /* a failure (no THP here) leaves small pages */
+        if (!hot) {
+            continue;
         }
+        madvise((void *) lo, HUGE_PAGE, MADV_COLLAPSE); /* a failure (no THP here) leaves small pages */
+        /* MADV_COLLAPSE fills a hole with zeroed pages (6.18: 3/4 of each 2 MiB page unmapped came back whole), so
+         * a place vacated since the choice would hold memory the budget no longer counts: vacate it again, the
+         * huge page split first (its eviction may have found the page not yet huge and cleared hp_done). A place
+         * taken by a miss meanwhile is the miss's. */
+        pthread_mutex_lock(&s->mu);
+        for (int64_t p = p0; p <= p1; p++) {
+            if (s->places[p].expert < 0) {
+                s->hp_done[i] = 1;
+                vacate_place(s, p);
+            }
+        }
+        pthread_mutex_unlock(&s->mu);
     }
     atomic_store(&s->collapse_queued, 0);
     return 1;
