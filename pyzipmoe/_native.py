@@ -92,6 +92,7 @@ void    zipmoe_cache_set_token_room(uint64_t bytes);
 void    zipmoe_cache_begin_graph(int64_t routed);
 void    zipmoe_cache_set_direct_io(int enabled);
 void    zipmoe_cache_set_read_buffer(uint64_t bytes);
+void    zipmoe_cache_set_read_room(uint64_t bytes);
 typedef struct { uint64_t bf16_bytes; uint64_t n_expert; uint64_t compressed_bytes; } zipmoe_store_size;
 typedef struct { uint64_t hot, warm, sm; uint64_t in_flight; uint64_t reads; uint64_t token_hot; } zipmoe_budget_split;
 int64_t zipmoe_budget_split_tiers(const zipmoe_store_size * stores, size_t n_stores, uint64_t tiers, double hot_share,

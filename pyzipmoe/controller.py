@@ -136,12 +136,22 @@ def apply_plan(plan: planner.Plan, lib: Any = None, *, reserve: int | None = Non
     if lib is None:
         from ._native import lib
     lib.zipmoe_cache_set_token_room(token_room)
+    set_read_room(plan, lib)
     for lp in plan.layers:
         rc = lib.zipmoe_cache_set_slots(f"blk.{lp.layer}.".encode(), lp.hot, lp.warm, lp.sm)
         if rc < 0:
             raise ZipmoeError(f"the runtime refused the slots of layer {lp.layer} (status {rc})")
     if reserve is not None:
         lib.zipmoe_cache_set_reserve(reserve)
+
+
+def set_read_room(plan: planner.Plan, lib: Any) -> None:
+    """Bounds a prompt's read buffers by the room `plan` left them (plan_tiers' read_bytes); a plan made without
+    one (read_bytes 0: every expert decoded, or slots a user wrote) leaves them unbounded, as ZIPMOE_PLAN at load."""
+    lib.zipmoe_cache_set_read_room(plan.read_bytes if plan.read_bytes > 0 else _UNBOUNDED)
+
+
+_UNBOUNDED = 2**64 - 1
 
 
 def store_sizes(model_path: str | os.PathLike[str]) -> list[tuple[int, int, int]]:
@@ -342,6 +352,7 @@ class MemoryMonitor:
         if lib is None:
             from ._native import lib
         lib.zipmoe_cache_set_token_room(self._token_room(self.budget))
+        set_read_room(self.planned.plan, lib)
 
     def note_decode(self) -> None:
         """Called after each decode of the model (pyzipmoe.Llama): the first one makes the next reading measure

@@ -454,6 +454,7 @@ class _FakeStats:
         self.slots: list[tuple[bytes, int, int, int]] = []
         self.tiers: tuple[int, int, int] | None = None  # the budgets of zipmoe_cache_configure
         self.token_hot = self.token_room = self.reserve = 0
+        self.read_room = 2**64 - 1
 
     def zipmoe_stats_get(self, s: Any) -> None:
         s.hot_bytes, s.warm_bytes, s.sm_bytes = self.resident - self.pool, 0, 0
@@ -479,11 +480,15 @@ class _FakeStats:
     def zipmoe_cache_set_token_room(self, nbytes: int) -> None:
         self.token_room = nbytes
 
+    def zipmoe_cache_set_read_room(self, nbytes: int) -> None:
+        self.read_room = nbytes
+
     def zipmoe_cache_apply_split(self, split: Any, policy: int) -> int:
         self.slots.append((None, 0, 0, 0))  # (every rule removed)
         self.zipmoe_cache_configure(split.hot, split.warm, split.sm, policy)
         self.zipmoe_cache_set_reserve(split.in_flight)
         self.zipmoe_cache_set_token_hot(split.token_hot)
+        self.read_room = split.reads
         return 0
 
 
@@ -535,6 +540,8 @@ def test_a_fixed_budget_in_a_container_sized_to_it_keeps_its_tiers(zipmoe_model:
     room["bytes"] -= taken
     assert mon.step() and mon.budget == budget - taken
     assert lib.slots, "the shrink reached the stores"
+    # the plan's room bounds a prompt's read buffers; here every expert stays decoded: nothing to read, no bound
+    assert mon.planned.plan.read_bytes == 0 and lib.read_room == 2**64 - 1
     assert not mon.step()  # the same reading again
 
     auto = controller.MemoryMonitor(mon.planned, ceiling=budget, read=read, interval=3600, lib=lib)
@@ -614,6 +621,7 @@ def test_a_fixed_split_shrinks_by_the_runtime_s_shares_not_by_slots(zipmoe_model
     assert (warm, sm) == (0, 0) and 0 < hot and hot + lib.reserve <= mon.budget - need.other_bytes, lib.tiers
     assert 0 < lib.reserve <= need.in_flight_bytes
     assert lib.token_hot == mon.budget - need.other_bytes, (lib.token_hot, mon.budget)
+    assert 0 < lib.read_room < lib.token_hot - hot  # (the split's reads bound a prompt's read buffers)
     assert mon.replans == [(mon.budget, None)]
 
 

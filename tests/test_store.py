@@ -25,8 +25,10 @@ def default_budget():
     store of an earlier test left open, since budgets are shared out among the open stores."""
     gc.collect()
     lib.zipmoe_cache_configure(UNBOUNDED, 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
+    lib.zipmoe_cache_set_read_room(UNBOUNDED)
     yield
     lib.zipmoe_cache_configure(UNBOUNDED, 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
+    lib.zipmoe_cache_set_read_room(UNBOUNDED)
     lib.zipmoe_cache_begin_graph(2**62)  # out of generation's hot tier, if the test went into it
 
 
@@ -289,6 +291,63 @@ def test_the_read_buffers_report_what_a_prompt_grew_them_by(zipmoe_model, stats)
         s = stats()
         assert (s["staging_bytes"], s["staging_transient_bytes"]) == (base["staging_bytes"],
                                                                     base["staging_transient_bytes"]), (base, s)
+    finally:
+        lib.zipmoe_cache_set_read_buffer(16 << 20)
+
+
+@pytest.mark.parametrize("nth", [1, 2, 3])
+def test_a_prompt_s_reads_beyond_the_read_room_go_through_a_ring(zipmoe_model, tiny_model, stats, nth):
+    """zipmoe_cache_set_read_room: a prompt that reads more than the room lets a buffer hold is staged through a
+    ring (the reader waits for decoded experts' bytes to be free) and reads the next store ahead only as far as the
+    room goes: the same experts, the buffers no larger than what they keep. Without the room they grow."""
+    zf = format.open_zipmoe(zipmoe_model)
+    layer = [k for k, ct in enumerate(zf.compressed) if ct.name.startswith("blk.0.")]
+    stores = [Store(zipmoe_model, zf.compressed[k]) for k in layer[:2]]  # the first reads the second ahead
+    refs = [source_experts(tiny_model, zf.compressed[k]) for k in layer[:2]]
+    ct = zf.compressed[layer[0]]
+    n_expert = ct.source.dims[2]
+    prompt = np.arange(n_expert).reshape(-1, 2)
+    keep = 8192  # one expert's compressed region of the tiny preset, laid out for O_DIRECT
+    lib.zipmoe_cache_configure(budget_for(zf, ct, 1)[0], 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
+    lib.zipmoe_cache_set_read_buffer(keep)
+    try:
+        def prompt_grows_buffers_by() -> int:
+            for store in stores:  # tokens, whose reads fit `keep`: the buffers shrink back to it
+                for e in (1, 2):
+                    assert all(r >= 0 for r in store.materialize(np.array([[e]]), nth))
+            time.sleep(0.05)
+            base = stats()
+            grown = 0
+            for store, ref in zip(stores + stores, refs + refs):  # the second pass reads ahead, the order learned
+                assert all(r >= 0 for r in store.materialize(prompt, nth))
+                grown = max(grown, stats()["staging_bytes"] - base["staging_bytes"])
+                for e in range(n_expert):  # (decoded until another store plans)
+                    np.testing.assert_array_equal(store.decoded(e), ref[e])
+                time.sleep(0.05)
+            return grown
+
+        assert prompt_grows_buffers_by() > 0  # unbounded: each buffer takes a store's reads at once
+        lib.zipmoe_cache_set_read_room(0)  # each buffer: what it keeps, one expert's region here
+        before = stats()["bytes_read_ahead"]
+        assert prompt_grows_buffers_by() == 0
+        assert stats()["bytes_read_ahead"] > before  # (still read ahead, as far as the buffer goes)
+    finally:
+        lib.zipmoe_cache_set_read_buffer(16 << 20)
+
+
+def test_a_damaged_expert_in_a_ring_fails_its_invocation_without_a_hang(zipmoe_model, tmp_path):
+    """A decode that fails in a ring never releases its bytes: the reader must not wait for them."""
+    bad, zf = damaged_copy(zipmoe_model, tmp_path, 1)
+    ct = zf.compressed[0]
+    store = Store(bad, ct)
+    lib.zipmoe_cache_configure(budget_for(zf, ct, 1)[0], 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
+    lib.zipmoe_cache_set_read_buffer(8192)
+    lib.zipmoe_cache_set_read_room(0)
+    try:
+        results = store.materialize(np.arange(ct.source.dims[2]).reshape(-1, 2), 2)
+        assert any(r == lib.ZIPMOE_ERR_CHECKSUM for r in results)
+        assert lib.zipmoe_store_take_error(store.handle, ffi.NULL, 0) == lib.ZIPMOE_ERR_CHECKSUM
+        assert all(r >= 0 for r in store.materialize(np.array([[3, 0]]), 2))  # the store works on
     finally:
         lib.zipmoe_cache_set_read_buffer(16 << 20)
 

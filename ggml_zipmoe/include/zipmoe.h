@@ -253,6 +253,14 @@ ZIPMOE_API void    zipmoe_cache_set_direct_io(int enabled);
  * waiting for the other to be given back; larger buffers are freed once a need fits this again. */
 ZIPMOE_API void    zipmoe_cache_set_read_buffer(uint64_t bytes);
 
+/* The room a budget leaves a prompt's read buffers (zipmoe_budget_split's reads; a planner's read room): the
+ * staging buffer and a read-ahead buffer take up to half of it each beyond what they keep between uses, and a
+ * store whose reads need more reads them through a ring (the reader waits for decoded experts' bytes to be free)
+ * and reads ahead only what fits. In generation, whose hot tier holds this room, they take no more than they
+ * keep (or one expert's region, if larger). Default UINT64_MAX: no bound (no budget). zipmoe_cache_apply_split
+ * sets it too. */
+ZIPMOE_API void    zipmoe_cache_set_read_room(uint64_t bytes);
+
 /* One expert tensor's sizes, for splitting a budget. */
 typedef struct {
     uint64_t bf16_bytes;       /* all of its experts decoded */

@@ -119,6 +119,11 @@ typedef struct {
     zipmoe_read_seg seg[2];
     int             n_seg;
     _Atomic int     ready;
+    /* in a job whose staging is a ring (ring_wraps): the item's bytes [ring_lo, ring_hi) of the staging buffer
+     * (ring_hi 0: none), which the reader fills only once every earlier item there is released (decoded) */
+    uint64_t        ring_lo, ring_hi;
+    _Atomic int     released;
+    _Atomic int64_t chunks_left; /* chunks of it not decoded yet; the last one releases it */
 } zipmoe_read_item;
 
 typedef struct zipmoe_read_job {
@@ -135,12 +140,17 @@ typedef struct zipmoe_read_job {
     struct zipmoe_store *    prefetch; /* after the reads: zipmoe_store_prefetch(prefetch, prefetch_like, */
     struct zipmoe_store *    prefetch_like; /* prefetch_predicted), or nothing when prefetch is NULL        */
     int                      prefetch_predicted;
+    int                      ring_wraps; /* the staging buffer is smaller than the reads: items reuse its bytes */
     struct zipmoe_read_job * next;
 } zipmoe_read_job;
 
 int  zipmoe_reader_submit(zipmoe_read_job * job);              /* ZIPMOE_OK, or an error: read synchronously */
 int  zipmoe_reader_wait_item(zipmoe_read_job * job, int64_t i); /* ZIPMOE_OK once item i is read */
 void zipmoe_reader_finish(zipmoe_read_job * job, int cancel);   /* waits until the reader is done with job */
+/* By the decoder of item i's last chunk in a ring job: its staged bytes may be read over. */
+void zipmoe_reader_release_item(zipmoe_read_job * job, int64_t i);
+/* A decode failed: the reader stops (the items left are marked failed), and nobody waits for releases. */
+void zipmoe_reader_cancel(zipmoe_read_job * job);
 int  zipmoe_pread_all(int fd, uint64_t offset, void * buf, size_t size);
 /* Reading around the page cache (O_DIRECT): offsets, sizes and buffers aligned to this. */
 #define ZIPMOE_DIRECT_ALIGN ((size_t) 4096)

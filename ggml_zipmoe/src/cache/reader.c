@@ -135,6 +135,31 @@ static zipmoe_read_job * dequeue(void) {
     return job;
 }
 
+/* In a ring job: waits until every earlier item whose staged bytes overlap item j's is released. 0 if the job
+ * was cancelled meanwhile. The decoders claim items in order and item j is read after them, so they are read
+ * and each is being decoded or about to be: no wait here is for something that waits for this thread. */
+static int wait_ring_room(zipmoe_read_job * job, int64_t j) {
+    const zipmoe_read_item * it = &job->items[j];
+    if (!job->ring_wraps || it->ring_hi == 0) {
+        return 1;
+    }
+    for (int64_t k = 0; k < j; k++) {
+        const zipmoe_read_item * o = &job->items[k];
+        if (o->ring_hi == 0 || o->ring_hi <= it->ring_lo || it->ring_hi <= o->ring_lo || atomic_load(&o->released)) {
+            continue;
+        }
+        pthread_mutex_lock(&job->mu);
+        while (!atomic_load(&o->released) && !atomic_load(&job->cancel)) {
+            pthread_cond_wait(&job->cv, &job->mu);
+        }
+        pthread_mutex_unlock(&job->mu);
+        if (atomic_load(&job->cancel)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
 static void run(zipmoe_read_job * job) {
     if (job->collapse) {
         if (!zipmoe_store_collapse(job->collapse)) { /* it yielded to reads: the rest later */
@@ -156,7 +181,7 @@ static void run(zipmoe_read_job * job) {
                 next_hinted = h;
             }
         }
-        int status = 1;
+        int status = wait_ring_room(job, j) ? 1 : -1;
         for (int k = 0; k < it->n_seg && status > 0; k++) {
             const zipmoe_read_seg * g  = &it->seg[k];
             if (atomic_load(&job->cancel)) {
@@ -250,9 +275,23 @@ int zipmoe_reader_wait_item(zipmoe_read_job * job, int64_t i) {
     return status > 0 ? ZIPMOE_OK : ZIPMOE_ERR_IO;
 }
 
+void zipmoe_reader_cancel(zipmoe_read_job * job) {
+    pthread_mutex_lock(&job->mu);
+    atomic_store(&job->cancel, 1);
+    pthread_cond_broadcast(&job->cv); /* a reader waiting for ring room */
+    pthread_mutex_unlock(&job->mu);
+}
+
+void zipmoe_reader_release_item(zipmoe_read_job * job, int64_t i) {
+    pthread_mutex_lock(&job->mu);
+    atomic_store(&job->items[i].released, 1);
+    pthread_cond_broadcast(&job->cv);
+    pthread_mutex_unlock(&job->mu);
+}
+
 void zipmoe_reader_finish(zipmoe_read_job * job, int cancel) {
     if (cancel) {
-        atomic_store(&job->cancel, 1);
+        zipmoe_reader_cancel(job);
     }
     pthread_mutex_lock(&job->mu);
     while (job->busy) {

@@ -182,6 +182,7 @@ static uint64_t         g_hot_budget  = UINT64_MAX; /* the hot tier's budget now
 static uint64_t         g_hot_batch   = UINT64_MAX; /* zipmoe_cache_configure's */
 static uint64_t         g_hot_tokens  = UINT64_MAX; /* zipmoe_cache_set_token_hot's, at least g_hot_batch */
 static int              g_token_mode;  /* g_hot_budget is g_hot_tokens (zipmoe_cache_begin_graph) */
+static _Atomic uint64_t g_read_room = UINT64_MAX; /* a prompt's read buffers' (zipmoe_cache_set_read_room) */
 static int64_t          g_token_slots = -1; /* the fewest hot slots a store has in generation; -1: no token mode */
 static uint64_t         g_rule_room;   /* zipmoe_cache_set_token_room's: what ruled stores hold in generation */
 static uint64_t         g_reserve;     /* zipmoe_cache_set_reserve's: evicted experts' pages kept, outside token mode */
@@ -380,6 +381,7 @@ int64_t zipmoe_cache_apply_split(const zipmoe_budget_split * split, zipmoe_polic
     g_rule_room = 0;
     set_budgets(split->hot, split->token_hot, split->warm, split->sm, policy);
     g_reserve = split->in_flight;
+    atomic_store(&g_read_room, split->reads);
     keep_reserve();
     share_hot_slots();
     pthread_mutex_unlock(&g_cfg_mu);
@@ -603,6 +605,27 @@ static _Atomic size_t g_read_buffer = (size_t) 16 << 20; /* zipmoe_cache_set_rea
 
 void zipmoe_cache_set_read_buffer(uint64_t bytes) {
     atomic_store(&g_read_buffer, bytes < ZIPMOE_DIRECT_ALIGN ? ZIPMOE_DIRECT_ALIGN : (size_t) bytes);
+}
+
+void zipmoe_cache_set_read_room(uint64_t bytes) { atomic_store(&g_read_room, bytes); }
+
+/* The most a large read buffer (the staging buffer, a prompt's read-ahead) may take for reads of `need` bytes, of
+ * which `largest` is the largest single read: half the read room in a batch (the other half is the other buffer's),
+ * what a buffer keeps in generation (whose hot tier holds the room), never less than one read. */
+static size_t read_buffer_bound(size_t need, size_t largest) {
+    const uint64_t room  = atomic_load(&g_read_room);
+    size_t         bound = STAGE_KEEP;
+    if (room == UINT64_MAX) {
+        return need;
+    }
+    pthread_mutex_lock(&g_cfg_mu);
+    const int tokens = g_token_mode;
+    pthread_mutex_unlock(&g_cfg_mu);
+    if (!tokens && room / 2 > bound) {
+        bound = (size_t) (room / 2) & ~(ZIPMOE_DIRECT_ALIGN - 1);
+    }
+    bound = bound > largest ? bound : largest;
+    return need < bound ? need : bound;
 }
 
 /* A compressed tier's copy of an expert (its region, or its sign+mantissa plane) and a read buffer are mappings
@@ -1642,7 +1665,7 @@ static int use_prefetched(zipmoe_store * s, plan_item * it) {
  * into the region that keeps them or into the staging buffer, in the plan's order (what is in RAM is decoded
  * first, meanwhile). Without the reader or the buffer, the decoding threads read chunk by chunk instead. */
 static void schedule_reads(zipmoe_store * s) {
-    size_t  need    = 0;
+    size_t  need    = 0, largest = 0;
     int64_t n_reads = 0;
     for (int64_t j = 0; j < s->plan_n; j++) {
         plan_item *          it = &s->plan[j];
@@ -1653,12 +1676,18 @@ static void schedule_reads(zipmoe_store * s) {
             continue;
         }
         n_reads++;
+        size_t staged = 0;
         if (it->read_sm && x->res == RES_NONE) {
-            need += direct_span(s, span.offset, span.size); /* the whole region */
+            staged = direct_span(s, span.offset, span.size); /* the whole region */
         } else if (x->res != RES_FULL) { /* the codes: the plane goes to (or is in) the sm region */
-            need += direct_span(s, span.offset + span.exp_offset, span.size - span.exp_offset);
+            staged = direct_span(s, span.offset + span.exp_offset, span.size - span.exp_offset);
         }
+        need += staged;
+        largest = staged > largest ? staged : largest;
     }
+    /* beyond the budget's read room the buffer is a ring: an item's bytes follow the previous item's, or start
+     * again at its beginning, once the items there are decoded (the reader waits for them) */
+    const size_t cap = read_buffer_bound(need, largest);
     /* once this store's reads are done, the reader reads the next store's ahead, which then overlap this store's
      * compute instead of following it: a prompt routes to most experts of every layer; a store of the same
      * layer (gate, up, down) routes to exactly these */
@@ -1678,8 +1707,8 @@ static void schedule_reads(zipmoe_store * s) {
         s->job.prefetch           = next;
         s->job.prefetch_predicted = 1;
     }
-    staging_trim(need);
-    uint8_t * stage = n_reads && need ? staging_take(s, need) : NULL;
+    staging_trim(cap);
+    uint8_t * stage = n_reads && need ? staging_take(s, cap) : NULL;
     if ((n_reads == 0 && !s->job.prefetch) || (need && !stage)) {
         for (int64_t j = 0; j < s->plan_n && n_reads; j++) { /* synchronous: let the kernel read ahead */
             zipmoe_expert_span span;
@@ -1691,6 +1720,7 @@ static void schedule_reads(zipmoe_store * s) {
         return;
     }
     size_t used = 0;
+    s->job.ring_wraps = 0;
     for (int64_t j = 0; j < s->plan_n; j++) {
         plan_item *          it   = &s->plan[j];
         const expert_state * x    = &s->experts[it->expert];
@@ -1698,10 +1728,23 @@ static void schedule_reads(zipmoe_store * s) {
         zipmoe_expert_span   span;
         zipmoe_tensor_expert_span(s->tensor, it->expert, &span);
         const uint64_t codes_size = span.size - span.exp_offset;
-        item->n_seg = 0;
+        item->n_seg   = 0;
+        item->ring_lo = item->ring_hi = 0;
         atomic_store(&item->ready, 0);
+        atomic_store(&item->released, 0);
+        atomic_store(&item->chunks_left, s->info.n_chunks);
         if ((!it->read_sm && !it->read_codes) || it->prefetched) {
             continue;
+        }
+        if (x->res != RES_FULL) { /* staged: where in the ring */
+            const size_t staged = x->res == RES_SM ? direct_span(s, span.offset + span.exp_offset, codes_size)
+                                                   : direct_span(s, span.offset, span.size);
+            if (used + staged > cap) {
+                used              = 0;
+                s->job.ring_wraps = 1;
+            }
+            item->ring_lo = used;
+            item->ring_hi = used + staged;
         }
         if (x->res == RES_FULL) { /* into the region the warm tier keeps: all of it, or the codes it lacked */
             const uint64_t from = it->read_sm ? 0 : span.exp_offset;
@@ -1808,14 +1851,17 @@ void zipmoe_store_prefetch(zipmoe_store * s, const zipmoe_store * like, int pred
         return;
     }
     prefetch_drop(s); /* an earlier read-ahead that no invocation used (its experts were decoded by then) */
-    size_t need = 0;
+    size_t need = 0, largest = 0;
     for (int64_t e = 0; e < s->info.n_expert; e++) {
         zipmoe_expert_span span;
         uint64_t           from;
         if (read_ahead_from(s, like, predicted, e, &span, &from)) {
-            need += direct_span(s, span.offset + from, span.size - from);
+            const size_t span_bytes = direct_span(s, span.offset + from, span.size - from);
+            need += span_bytes;
+            largest = span_bytes > largest ? span_bytes : largest;
         }
     }
+    need = read_buffer_bound(need, largest); /* within the read room: what does not fit, s reads for itself */
     if (need > STAGE_KEEP) {
         prefetch_reclaim(s);
     }
@@ -1843,6 +1889,9 @@ void zipmoe_store_prefetch(zipmoe_store * s, const zipmoe_store * like, int pred
         }
         const size_t pad  = direct_pad(s, span.offset + from);
         const size_t size = (size_t) (span.size - from);
+        if (used + direct_span(s, span.offset + from, size) > need) {
+            break; /* the buffer is full */
+        }
         const int    rc   = zipmoe_pread_uncached(s->fd, s->dfd, s->data_offset + span.offset + from,
                                                   b->data + used + pad, size);
         if (rc == ZIPMOE_OK) { /* else s reads it for itself, and reports what fails */
@@ -2076,6 +2125,7 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
     s->plan_in++;
     const int64_t     plan_n = s->plan_n; /* stable until every thread of this invocation has left */
     const plan_item * plan   = s->plan;
+    const int         ring   = s->job_active && s->job.ring_wraps;
     pthread_mutex_unlock(&s->mu);
 
     int64_t       status = 0, chunks = 0;
@@ -2100,7 +2150,14 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
             if (rc < 0) {
                 record_error(s, plan[j].expert, rc);
                 status = rc;
+                if (ring) { /* the reader may wait for this item's room, which is never released now */
+                    zipmoe_reader_cancel(&s->job);
+                }
                 break;
+            }
+            zipmoe_read_item * item = &s->job.items[j];
+            if (ring && item->ring_hi && atomic_fetch_sub(&item->chunks_left, 1) == 1) {
+                zipmoe_reader_release_item(&s->job, j);
             }
             chunks++;
         }

@@ -204,7 +204,7 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
         working_set = std::max(working_set, st.bf16_bytes);
         experts += st.bf16_bytes;
     }
-    uint64_t      hot = UINT64_MAX, warm = 0, sm = 0, in_flight = working_set, reads = 0, token_hot = 0;
+    uint64_t      hot = UINT64_MAX, warm = 0, sm = 0, in_flight = working_set, reads = UINT64_MAX, token_hot = 0;
     zipmoe_policy policy = ZIPMOE_POLICY_TOKEN_LFU;
     if (const char * v = std::getenv("ZIPMOE_MEMORY_BUDGET"); v && *v) {
         uint64_t budget = 0;
@@ -294,6 +294,7 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
             return false;
         }
         info += "; slots per layer from ZIPMOE_PLAN";
+        reads = UINT64_MAX; // (the plan's own read room is the planner's: pyzipmoe passes it)
         // a plan leaves the whole allowance for the tensor in flight beside its slots (the planner credits none of
         // it): evicted experts' pages are kept within it. Without that, a budget whose shares credit the
         // allowance to the hot tier (all of it from the model's size up) had every decode fault in zeroed pages:
@@ -303,6 +304,8 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
         zipmoe_cache_set_slots(nullptr, 0, 0, 0);
     }
     zipmoe_cache_configure(hot, warm, sm, policy);
+    // a prompt's read buffers stay within the room the split left them (beyond it they are rings)
+    zipmoe_cache_set_read_room(reads);
     // evicted experts' memory is kept, within the allowance for the tensor in flight, for the next decodes
     zipmoe_cache_set_reserve(hot == 0 ? working_set : in_flight);
     // generation's hot tier also holds the allowance and the read room (a prompt's first store evicts them again:
