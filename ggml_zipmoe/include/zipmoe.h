@@ -258,7 +258,7 @@ ZIPMOE_API void    zipmoe_cache_set_read_buffer(uint64_t bytes);
  * store whose reads need more reads them through a ring (the reader waits for decoded experts' bytes to be free)
  * and reads ahead only what fits. In generation, whose hot tier holds this room, they take no more than they
  * keep (or one expert's region, if larger). Default UINT64_MAX: no bound (no budget). zipmoe_cache_apply_split
- * sets it too. */
+ * sets it too, to the split's reads (UINT64_MAX where they are 0: every expert decoded, or no hot tier). */
 ZIPMOE_API void    zipmoe_cache_set_read_room(uint64_t bytes);
 
 /* One expert tensor's sizes, for splitting a budget. */

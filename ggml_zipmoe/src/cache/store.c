@@ -381,7 +381,9 @@ int64_t zipmoe_cache_apply_split(const zipmoe_budget_split * split, zipmoe_polic
     g_rule_room = 0;
     set_budgets(split->hot, split->token_hot, split->warm, split->sm, policy);
     g_reserve = split->in_flight;
-    atomic_store(&g_read_room, split->reads);
+    /* (a split that leaves no read room reads nothing beyond its fill, every expert decoded, or keeps no hot tier:
+     * its buffers are not bounded, as before there was a room) */
+    atomic_store(&g_read_room, split->reads ? split->reads : UINT64_MAX);
     keep_reserve();
     share_hot_slots();
     pthread_mutex_unlock(&g_cfg_mu);
@@ -666,7 +668,8 @@ static void read_buffer_free(uint8_t ** data, size_t * cap) {
  * STAGE_KEEP again after a prompt's larger one; never smaller than STAGE_KEEP, so that generation does not
  * regrow it (and fault in fresh pages) for every larger token. *cap is 0 if the allocation failed. */
 static void read_buffer_fit(uint8_t ** data, size_t * cap, size_t need) {
-    if (*cap >= need && !(*cap > STAGE_KEEP && need <= STAGE_KEEP)) {
+    /* (a buffer a larger read room let grow is refitted once the room is smaller) */
+    if (*cap >= need && !(*cap > STAGE_KEEP && need <= STAGE_KEEP) && *cap <= read_buffer_bound(SIZE_MAX, need)) {
         return;
     }
     read_buffer_free(data, cap);
@@ -983,7 +986,7 @@ int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_offset, void *
  * (generation went from 0.90x to 0.98x of BF16 with them). Not at the first touch during generation: a huge page
  * fault compacts memory and made cold starts 2.5x slower; nor for a page shared with an expert that is not
  * decoded, whose bytes the budget does not count. */
-static void vacate_place(zipmoe_store * s, int64_t p);
+static void forget_huge_pages(zipmoe_store * s, int64_t p);
 
 int zipmoe_store_collapse(zipmoe_store * s) {
     const uintptr_t dst0 = (uintptr_t) s->dst;
@@ -1010,14 +1013,23 @@ int zipmoe_store_collapse(zipmoe_store * s) {
         }
         madvise((void *) lo, HUGE_PAGE, MADV_COLLAPSE); /* a failure (no THP here) leaves small pages */
         /* MADV_COLLAPSE fills a hole with zeroed pages (6.18: 3/4 of each 2 MiB page unmapped came back whole), so
-         * a place vacated since the choice would hold memory the budget no longer counts: vacate it again, the
-         * huge page split first (its eviction may have found the page not yet huge and cleared hp_done). A place
-         * taken by a miss meanwhile is the miss's. */
+         * a place vacated since the choice would hold memory the budget no longer counts: its pages go again, the
+         * huge page split first. The page may be huge now whatever an eviction meanwhile found (and cleared
+         * hp_done for), so it counts as huge. A place taken by a miss meanwhile is the miss's; so are the small
+         * pages a free place shares with its neighbours, which a decode in flight may be writing (vacate_place
+         * would take them where the neighbour is not hot yet). */
         pthread_mutex_lock(&s->mu);
+        s->hp_done[i] = 1;
         for (int64_t p = p0; p <= p1; p++) {
-            if (s->places[p].expert < 0) {
-                s->hp_done[i] = 1;
-                vacate_place(s, p);
+            if (s->places[p].expert < 0 && s->places[p].slot < 0) {
+                const size_t    page  = (size_t) sysconf(_SC_PAGESIZE);
+                const uintptr_t begin = (uintptr_t) place_addr(s, p);
+                const uintptr_t from  = zipmoe_align_up(begin, page);
+                const uintptr_t to    = (begin + s->hot_size) & ~(uintptr_t) (page - 1);
+                forget_huge_pages(s, p);
+                if (to > from) {
+                    madvise((void *) from, to - from, MADV_DONTNEED);
+                }
             }
         }
         pthread_mutex_unlock(&s->mu);

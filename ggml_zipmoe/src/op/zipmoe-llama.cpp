@@ -237,11 +237,11 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
         warm      = split.warm;
         sm        = split.sm;
         in_flight = split.in_flight;
-        reads     = split.reads;
+        reads     = split.reads ? split.reads : UINT64_MAX; // (none left: as zipmoe_cache_apply_split)
         token_hot = split.token_hot;
         info = "zipmoe: memory budget " + mib(budget) + ": " + mib(other_bytes) + " weights that are not experts" +
                embd_note + ", " + mib(in_flight) + " for one expert tensor in flight beyond its decoded experts, " +
-               (reads ? mib(reads) + " for a prompt's reads, " : std::string()) +
+               (split.reads ? mib(split.reads) + " for a prompt's reads, " : std::string()) +
                "cache tiers " + mib(hot) + " decoded, " + mib(warm) + " compressed, " + mib(sm) +
                " sign+mantissa (experts " + mib(experts) + " in BF16)";
     } else {
