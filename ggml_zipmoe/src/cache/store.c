@@ -371,6 +371,8 @@ void zipmoe_cache_set_token_room(uint64_t bytes) {
     pthread_mutex_unlock(&g_list_mu);
 }
 
+static void trim_idle_read_buffers(void);
+
 int64_t zipmoe_cache_apply_split(const zipmoe_budget_split * split, zipmoe_policy policy) {
     if (!split || policy < ZIPMOE_POLICY_TOKEN_LFU || policy > ZIPMOE_POLICY_FIFO) {
         return ZIPMOE_ERR_ARG;
@@ -388,6 +390,7 @@ int64_t zipmoe_cache_apply_split(const zipmoe_budget_split * split, zipmoe_polic
     share_hot_slots();
     pthread_mutex_unlock(&g_cfg_mu);
     pthread_mutex_unlock(&g_list_mu);
+    trim_idle_read_buffers(); /* (it takes g_cfg_mu) */
     return ZIPMOE_OK;
 }
 
@@ -609,7 +612,17 @@ void zipmoe_cache_set_read_buffer(uint64_t bytes) {
     atomic_store(&g_read_buffer, bytes < ZIPMOE_DIRECT_ALIGN ? ZIPMOE_DIRECT_ALIGN : (size_t) bytes);
 }
 
-void zipmoe_cache_set_read_room(uint64_t bytes) { atomic_store(&g_read_room, bytes); }
+static size_t read_buffer_bound(size_t need, size_t largest);
+
+/* A buffer larger than this was grown under a larger read room than a batch has now: it is given back (or
+ * refitted) when idle. Not in generation, whose reads of experts larger than what a buffer keeps would regrow it
+ * every token. */
+static size_t read_buffer_refit_limit(void) {
+    pthread_mutex_lock(&g_cfg_mu);
+    const int tokens = g_token_mode;
+    pthread_mutex_unlock(&g_cfg_mu);
+    return tokens ? SIZE_MAX : read_buffer_bound(SIZE_MAX, 0);
+}
 
 /* The most a large read buffer (the staging buffer, a prompt's read-ahead) may take for reads of `need` bytes, of
  * which `largest` is the largest single read: half the read room in a batch (the other half is the other buffer's),
@@ -669,7 +682,7 @@ static void read_buffer_free(uint8_t ** data, size_t * cap) {
  * regrow it (and fault in fresh pages) for every larger token. *cap is 0 if the allocation failed. */
 static void read_buffer_fit(uint8_t ** data, size_t * cap, size_t need) {
     /* (a buffer a larger read room let grow is refitted once the room is smaller) */
-    if (*cap >= need && !(*cap > STAGE_KEEP && need <= STAGE_KEEP) && *cap <= read_buffer_bound(SIZE_MAX, need)) {
+    if (*cap >= need && !(*cap > STAGE_KEEP && need <= STAGE_KEEP) && *cap <= read_buffer_refit_limit()) {
         return;
     }
     read_buffer_free(data, cap);
@@ -713,8 +726,13 @@ static void prefetch_drop(zipmoe_store * s) {
     if (!s->pf) {
         return;
     }
+    const size_t bound = read_buffer_refit_limit();
     pthread_mutex_lock(&g_pf_mu);
     s->pf->owner = NULL;
+    if (s->pf->cap > bound) { /* grown under a larger read room than there is now */
+        read_buffer_free(&s->pf->data, &s->pf->cap);
+        atomic_store(&g_pf_cap_bytes[s->pf - g_pf], 0);
+    }
     zipmoe_store * deferred = g_pf_deferred;
     g_pf_deferred           = NULL;
     if (deferred) {
@@ -1612,6 +1630,31 @@ static void staging_trim(size_t need) {
         atomic_store(&g_stage_cap_bytes, 0);
     }
     pthread_mutex_unlock(&g_stage_mu);
+}
+
+/* Gives back the idle read buffers larger than the read room lets one be (a smaller room from now on): one that
+ * is in use is refitted when it is taken next (read_buffer_fit). */
+static void trim_idle_read_buffers(void) {
+    const size_t bound = read_buffer_refit_limit();
+    pthread_mutex_lock(&g_stage_mu);
+    if (!g_stage_owner && g_stage_cap > bound) {
+        read_buffer_free(&g_stage, &g_stage_cap);
+        atomic_store(&g_stage_cap_bytes, 0);
+    }
+    pthread_mutex_unlock(&g_stage_mu);
+    pthread_mutex_lock(&g_pf_mu);
+    for (int i = 0; i < 2; i++) {
+        if (!g_pf[i].owner && g_pf[i].cap > bound) {
+            read_buffer_free(&g_pf[i].data, &g_pf[i].cap);
+            atomic_store(&g_pf_cap_bytes[i], 0);
+        }
+    }
+    pthread_mutex_unlock(&g_pf_mu);
+}
+
+void zipmoe_cache_set_read_room(uint64_t bytes) {
+    atomic_store(&g_read_room, bytes);
+    trim_idle_read_buffers();
 }
 
 static void staging_give(const zipmoe_store * s) {
