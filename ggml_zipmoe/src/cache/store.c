@@ -612,16 +612,11 @@ void zipmoe_cache_set_read_buffer(uint64_t bytes) {
     atomic_store(&g_read_buffer, bytes < ZIPMOE_DIRECT_ALIGN ? ZIPMOE_DIRECT_ALIGN : (size_t) bytes);
 }
 
-static size_t read_buffer_bound(size_t need, size_t largest);
-
-/* A buffer larger than this was grown under a larger read room than a batch has now: it is given back (or
- * refitted) when idle. Not in generation, whose reads of experts larger than what a buffer keeps would regrow it
- * every token. */
-static size_t read_buffer_refit_limit(void) {
+static int in_token_mode(void) {
     pthread_mutex_lock(&g_cfg_mu);
     const int tokens = g_token_mode;
     pthread_mutex_unlock(&g_cfg_mu);
-    return tokens ? SIZE_MAX : read_buffer_bound(SIZE_MAX, 0);
+    return tokens;
 }
 
 /* The most a large read buffer (the staging buffer, a prompt's read-ahead) may take for reads of `need` bytes, of
@@ -633,15 +628,17 @@ static size_t read_buffer_bound(size_t need, size_t largest) {
     if (room == UINT64_MAX) {
         return need;
     }
-    pthread_mutex_lock(&g_cfg_mu);
-    const int tokens = g_token_mode;
-    pthread_mutex_unlock(&g_cfg_mu);
-    if (!tokens && room / 2 > bound) {
+    if (!in_token_mode() && room / 2 > bound) {
         bound = (size_t) (room / 2) & ~(ZIPMOE_DIRECT_ALIGN - 1);
     }
     bound = bound > largest ? bound : largest;
     return need < bound ? need : bound;
 }
+
+/* A buffer larger than this was grown under a larger read room than a batch has now: it is given back (or
+ * refitted) when idle. Not in generation, whose reads of experts larger than what a buffer keeps would regrow it
+ * every token. */
+static size_t read_buffer_refit_limit(void) { return in_token_mode() ? SIZE_MAX : read_buffer_bound(SIZE_MAX, 0); }
 
 /* A compressed tier's copy of an expert (its region, or its sign+mantissa plane) and a read buffer are mappings
  * of their own, so that what is given up goes back to the system at once (page-aligned, as O_DIRECT wants). From
