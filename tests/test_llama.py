@@ -445,6 +445,34 @@ def test_a_planned_budget_holds_a_prompt_s_read_buffers(ours: Path, small_models
         "peak_resident_bytes", "staging_bytes", "staging_transient_bytes", "pool_bytes")})
 
 
+def test_a_plan_that_takes_all_of_the_tiers_reads_a_prompt_through_rings(ours: Path, small_models: tuple[Path, Path],
+                                                                          tmp_path: Path) -> None:
+    """A ZIPMOE_PLAN whose slots take all of the budget's tiers (one a user wrote, or `zipmoe plan`'s without the
+    room) leaves a prompt's read buffers what its slots leave (zipmoe_cache_rules_bytes): they read through rings of
+    what they keep, and the tiers, the experts in flight and the buffers still fit the budget. Before, the buffers
+    took a store's cold experts at once, beside the budget."""
+    from pyzipmoe.budget import model_memory
+    from pyzipmoe.controller import plan_model
+
+    bf16, path = small_models
+    need = model_memory(path)
+    budget = need.minimum + need.expert_bytes // 2
+    tiers = budget - need.minimum
+    layers = plan_model(path, budget).plan.layers
+    slot = max(lp.nbytes // lp.hot for lp in layers if lp.hot)  # one expert of a layer decoded: its tensors
+    hot = tiers // (len(layers) * slot)
+    plan = ";".join(f"{lp.layer}:{hot},0,0" for lp in layers)
+    runs = [{"config": CONFIGS[1], "zipmoe": {"memory_budget": str(budget), "plan": plan}}]
+    reports, got = run_worker(path, ours, runs, tmp_path / "rings.npz", n_gen=0, env={"ZIPMOE_READ_BUFFER": "64KiB"})
+    _no_error(reports[0])
+    _, ref = run_worker(bf16, ours, [{"config": CONFIGS[1]}], tmp_path / "ref.npz", n_gen=0)
+    assert_bit_identical(got["run0"], ref["run0"], f"small {runs[0]}")
+    stats = reports[0]["stats"]
+    held = stats["peak_resident_bytes"] + stats["staging_transient_bytes"]
+    assert held <= budget - need.other_bytes, (hot, tiers - hot * slot * len(layers), {k: stats[k] for k in (
+        "peak_resident_bytes", "staging_bytes", "staging_transient_bytes", "pool_bytes")})
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_budget_below_the_minimum_is_refused_saying_the_minimum(arch: str, zipmoe_models: dict[tuple[str, str], Path],
                                                                  ours: Path, tmp_path: Path) -> None:

@@ -235,6 +235,10 @@ ZIPMOE_API void    zipmoe_cache_set_token_hot(uint64_t hot_bytes);
  * none keeps an sm tier. 0 (default, and after zipmoe_cache_set_slots(NULL, ...)): none. */
 ZIPMOE_API void    zipmoe_cache_set_token_room(uint64_t bytes);
 
+/* The bytes the slot rules' tiers take over the open stores (a plan's hot, warm and sm slots), what a budget's
+ * tiers less them leave a prompt's read buffers (zipmoe_cache_set_read_room). */
+ZIPMOE_API uint64_t zipmoe_cache_rules_bytes(void);
+
 /* Before computing a graph (one at a time) whose stores may each be routed up to `routed` distinct experts: the
  * hot budget for it, generation's (zipmoe_cache_set_token_hot's shares, or a planner's rules plus the extra slots
  * of zipmoe_cache_set_token_room) where every store keeps at least `routed` experts decoded under it, else the

@@ -371,6 +371,22 @@ void zipmoe_cache_set_token_room(uint64_t bytes) {
     pthread_mutex_unlock(&g_list_mu);
 }
 
+uint64_t zipmoe_cache_rules_bytes(void) {
+    pthread_mutex_lock(&g_list_mu);
+    pthread_mutex_lock(&g_cfg_mu);
+    uint64_t bytes = 0;
+    for (const zipmoe_store * o = g_list; o; o = o->next) {
+        const slot_rule * rule = find_rule(o->name);
+        if (rule) { /* (saturating, as rule_slots) */
+            bytes = add_sat(bytes, add_sat(slots_bytes(rule->hot, o->hot_size), add_sat(slots_bytes(rule->warm, o->mean_region),
+                                                                                   slots_bytes(rule->sm, o->sm_size))));
+        }
+    }
+    pthread_mutex_unlock(&g_cfg_mu);
+    pthread_mutex_unlock(&g_list_mu);
+    return bytes;
+}
+
 static void trim_idle_read_buffers(void);
 
 int64_t zipmoe_cache_apply_split(const zipmoe_budget_split * split, zipmoe_policy policy) {

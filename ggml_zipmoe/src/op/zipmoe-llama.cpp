@@ -205,6 +205,7 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
         experts += st.bf16_bytes;
     }
     uint64_t      hot = UINT64_MAX, warm = 0, sm = 0, in_flight = working_set, reads = UINT64_MAX, token_hot = 0;
+    uint64_t      tiers = UINT64_MAX; // what a budget leaves beyond its minimum
     zipmoe_policy policy = ZIPMOE_POLICY_TOKEN_LFU;
     if (const char * v = std::getenv("ZIPMOE_MEMORY_BUDGET"); v && *v) {
         uint64_t budget = 0;
@@ -228,8 +229,9 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
             err = "ZIPMOE_HOT_SHARE + ZIPMOE_SM_SHARE is more than 1";
             return false;
         }
+        tiers = budget - minimum;
         zipmoe_budget_split split{};
-        if (zipmoe_budget_split_tiers(stores.data(), stores.size(), budget - minimum, hot_share, sm_share, &split) < 0) {
+        if (zipmoe_budget_split_tiers(stores.data(), stores.size(), tiers, hot_share, sm_share, &split) < 0) {
             err = "the memory budget could not be split between the cache tiers";
             return false;
         }
@@ -294,7 +296,9 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
             return false;
         }
         info += "; slots per layer from ZIPMOE_PLAN";
-        reads = UINT64_MAX; // (the plan's own read room is the planner's: pyzipmoe passes it)
+        // a prompt's read buffers get what the plan's slots leave of the tiers (plan_tiers leaves them room)
+        const uint64_t slots = zipmoe_cache_rules_bytes();
+        reads                = tiers == UINT64_MAX ? UINT64_MAX : tiers > slots ? tiers - slots : 0;
         // a plan leaves the whole allowance for the tensor in flight beside its slots (the planner credits none of
         // it): evicted experts' pages are kept within it. Without that, a budget whose shares credit the
         // allowance to the hot tier (all of it from the model's size up) had every decode fault in zeroed pages:
