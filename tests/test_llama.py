@@ -530,7 +530,15 @@ def test_compressed_tiers_give_back_what_they_evict(ours: Path, tmp_path: Path) 
                           env=worker_env(ours), capture_output=True, text=True, timeout=TIMEOUT, check=False)
     assert done.returncode == 0, _tail(done.stderr)
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert got["misses"] > 200 and got["warm"] > need.expert_bytes // 4, got  # the tier was full and churned
+    from pyzipmoe._native import ffi, lib
+    from pyzipmoe.controller import store_sizes
+
+    sizes = store_sizes(packed)
+    split = ffi.new("zipmoe_budget_split *")  # the warm tier the loader gives (beside a prompt's read room)
+    assert lib.zipmoe_budget_split_tiers(ffi.new("zipmoe_store_size[]", [
+        {"bf16_bytes": b, "n_expert": n, "compressed_bytes": c} for b, n, c in sizes]), len(sizes),
+        budget - need.minimum, 0.0, 0.0, split) == 0
+    assert got["misses"] > 200 and got["warm"] > split.warm * 9 // 10 > need.expert_bytes // 6, got  # full, churned
     assert got["after"] - got["before"] < 4 << 20, got  # 1.1 MiB here (the context's own), 5.4 from malloc
 
 

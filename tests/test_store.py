@@ -362,7 +362,8 @@ def test_a_budget_split_by_shares_leaves_a_prompt_s_reads_room_and_generation_al
     tiny preset's 3 KiB regions make the blocks most of it: 80 KiB are capped; test_llama's
     test_the_decoded_experts_in_flight_count_once measures the same through the loader); the hot tier and the
     allowance for the tensor in flight share the rest with the largest tensor's experts, and generation's hot
-    budget holds all of it; with an sm tier, no generation budget; bad shares are refused."""
+    budget holds all of it; with an sm tier, no generation budget; with compressed tiers, the room holds what the
+    warm tier does not keep whole and the sm tier's codes, with or without a hot tier; bad shares are refused."""
     from pyzipmoe.controller import store_sizes
 
     sizes = store_sizes(zipmoe_model)
@@ -380,6 +381,23 @@ def test_a_budget_split_by_shares_leaves_a_prompt_s_reads_room_and_generation_al
     assert lib.zipmoe_budget_split_tiers(stores, len(sizes), tiers, 0.5, 0.25, out) == 0
     assert out.sm > 0 and out.warm > 0 and out.token_hot == 0
     assert out.hot + out.warm + out.sm + out.reads <= tiers + working_set - out.in_flight
+
+    # without a hot tier too: the experts the warm tier does not keep are read whole, the sm tier's their codes
+    def room(hot: float, sm: float) -> int:
+        total = sum(b for b, _, _ in sizes)
+        most = 0
+        for b, n, c in sizes:
+            rest = n * (1 - min(1.0, tiers * hot / total))
+            warm = min(rest, tiers * (1 - hot - sm) * b / total / (c / n))
+            in_sm = min(rest - warm, tiers * sm * b / total / (b / n / 2))
+            cold = rest - warm - in_sm
+            most = max(most, 2 * int(cold * (c / n + 2 * 4096) + in_sm * (c / n - b / n / 2 + 2 * 4096) + 0.999))
+        return min(tiers // 2, most)
+
+    for hot, sm in ((0.0, 0.0), (0.0, 0.5), (0.5, 0.25)):
+        assert lib.zipmoe_budget_split_tiers(stores, len(sizes), tiers, hot, sm, out) == 0
+        assert abs(out.reads - room(hot, sm)) <= 2, (hot, sm, out.reads, room(hot, sm))  # (rounding)
+        assert out.reads > 0 and out.hot + out.warm + out.sm + out.reads <= tiers + working_set - out.in_flight
     assert lib.zipmoe_budget_split_tiers(stores, len(sizes), tiers, 0.8, 0.3, out) == lib.ZIPMOE_ERR_ARG
     assert lib.zipmoe_budget_split_tiers(ffi.NULL, 1, tiers, 1.0, 0.0, out) == lib.ZIPMOE_ERR_ARG
 

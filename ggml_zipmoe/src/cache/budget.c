@@ -6,6 +6,7 @@
 
 static uint64_t min_u64(uint64_t a, uint64_t b) { return a < b ? a : b; }
 static uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
+static double   min_d(double a, double b) { return a < b ? a : b; }
 
 /* The most a store decodes anew when a batch routes to all of its experts, with hot tier h shared out by BF16 size
  * (store.c's quota()): a store keeps at least the whole experts of its share. */
@@ -41,13 +42,25 @@ int64_t zipmoe_budget_split_tiers(const zipmoe_store_size * stores, size_t n_sto
     // pp512: 166-171 tokens/s, 171-179 with the budget 100 MiB smaller, stock 161-171). So the tiers of a batch
     // leave room for them (at most half the tiers); generation, whose reads are a few experts, has it back
     // (token_hot).
-    if (hot_share > 0 && experts > 0) {
-        const double kept = (double) tiers * hot_share < (double) experts ? (double) tiers * hot_share / (double) experts : 1.0;
+    // A store's experts are shared out between the tiers as store.c's quota() does (by BF16 size): those no tier
+    // keeps are read whole, those of the sm tier their codes (the region less the plane, a byte a value).
+    if (experts > 0) {
+        const double hot = (double) tiers * hot_share < (double) experts ? (double) tiers * hot_share / (double) experts : 1.0;
         for (size_t i = 0; i < n_stores; i++) {
+            const double n = (double) stores[i].n_expert;
+            if (n == 0) {
+                continue;
+            }
+            const double share  = (double) stores[i].bf16_bytes / (double) experts;
+            const double region = (double) stores[i].compressed_bytes / n;
+            const double plane  = (double) stores[i].bf16_bytes / n / 2;
+            const double rest   = n * (1.0 - hot);
+            const double warm   = min_d(rest, (double) tiers * (1.0 - hot_share - sm_share) * share / region);
+            const double sm     = min_d(rest - warm, (double) tiers * sm_share * share / plane);
+            const double cold   = rest - warm - sm;
             // each expert's read takes its span of whole O_DIRECT blocks in the buffer: up to two blocks more
-            const double   cold   = (double) stores[i].n_expert * (1.0 - kept);
-            const uint64_t buffer = (uint64_t) ((double) stores[i].compressed_bytes * (1.0 - kept) +
-                                                cold * 2 * (double) ZIPMOE_DIRECT_ALIGN + 0.999);
+            const double   align  = 2 * (double) ZIPMOE_DIRECT_ALIGN;
+            const uint64_t buffer = (uint64_t) (cold * (region + align) + sm * (region - plane + align) + 0.999);
             out->reads            = max_u64(out->reads, 2 * buffer);
         }
         out->reads = min_u64(out->reads, tiers / 2);
