@@ -147,7 +147,8 @@ def apply_plan(plan: planner.Plan, lib: Any = None, *, reserve: int | None = Non
 
 def set_read_room(plan: planner.Plan, lib: Any) -> None:
     """Bounds a prompt's read buffers by the room `plan` left them (plan_tiers' read_bytes); a plan made without
-    one (read_bytes 0: every expert decoded, or slots a user wrote) leaves them unbounded, as ZIPMOE_PLAN at load."""
+    one (read_bytes 0: every expert decoded, or slots a user wrote) leaves them unbounded. (A ZIPMOE_PLAN at load
+    gets what its slots leave of the tiers from the loader.)"""
     lib.zipmoe_cache_set_read_room(plan.read_bytes if plan.read_bytes > 0 else _UNBOUNDED)
 
 

@@ -382,7 +382,8 @@ def test_a_budget_split_by_shares_leaves_a_prompt_s_reads_room_and_generation_al
     assert out.sm > 0 and out.warm > 0 and out.token_hot == 0
     assert out.hot + out.warm + out.sm + out.reads <= tiers + working_set - out.in_flight
 
-    # without a hot tier too: the experts the warm tier does not keep are read whole, the sm tier's their codes
+    # without a hot tier too: the experts the warm tier does not keep are read whole, the sm tier's their codes;
+    # where generation does not get the room back, two regions a buffer
     def room(hot: float, sm: float) -> int:
         total = sum(b for b, _, _ in sizes)
         most = 0
@@ -392,12 +393,17 @@ def test_a_budget_split_by_shares_leaves_a_prompt_s_reads_room_and_generation_al
             in_sm = min(rest - warm, tiers * sm * b / total / (b / n / 2))
             cold = rest - warm - in_sm
             most = max(most, 2 * int(cold * (c / n + 2 * 4096) + in_sm * (c / n - b / n / 2 + 2 * 4096) + 0.999))
+        if not (hot > 0 and sm == 0):  # never given back in generation: two regions a buffer, rings beyond
+            most = min(most, 4 * max(int(c / n + 2 * 4096 + 0.999) for _, n, c in sizes))
         return min(tiers // 2, most)
 
     for hot, sm in ((0.0, 0.0), (0.0, 0.5), (0.5, 0.25)):
         assert lib.zipmoe_budget_split_tiers(stores, len(sizes), tiers, hot, sm, out) == 0
         assert abs(out.reads - room(hot, sm)) <= 2, (hot, sm, out.reads, room(hot, sm))  # (rounding)
         assert out.reads > 0 and out.hot + out.warm + out.sm + out.reads <= tiers + working_set - out.in_flight
+    # a store without sizes reads nothing and divides by nothing
+    empty = ffi.new("zipmoe_store_size[]", [{"bf16_bytes": 1 << 20, "n_expert": 8, "compressed_bytes": 0}])
+    assert lib.zipmoe_budget_split_tiers(empty, 1, tiers, 1.0, 0.0, out) == 0 and out.reads == 0
     assert lib.zipmoe_budget_split_tiers(stores, len(sizes), tiers, 0.8, 0.3, out) == lib.ZIPMOE_ERR_ARG
     assert lib.zipmoe_budget_split_tiers(ffi.NULL, 1, tiers, 1.0, 0.0, out) == lib.ZIPMOE_ERR_ARG
 

@@ -44,12 +44,15 @@ int64_t zipmoe_budget_split_tiers(const zipmoe_store_size * stores, size_t n_sto
     // (token_hot).
     // A store's experts are shared out between the tiers as store.c's quota() does (by BF16 size): those no tier
     // keeps are read whole, those of the sm tier their codes (the region less the plane, a byte a value).
+    // Without generation's hot budget (no hot tier, or an sm tier) the room is never given back, so it holds two
+    // regions a buffer, enough to keep the disk busy: a store that reads more reads through rings (store.c).
     if (experts > 0) {
         const double hot = (double) tiers * hot_share < (double) experts ? (double) tiers * hot_share / (double) experts : 1.0;
+        uint64_t     largest = 0;
         for (size_t i = 0; i < n_stores; i++) {
             const double n = (double) stores[i].n_expert;
-            if (n == 0) {
-                continue;
+            if (n == 0 || stores[i].compressed_bytes == 0 || stores[i].bf16_bytes == 0) {
+                continue; /* (nothing to read, and no sizes to divide by) */
             }
             const double share  = (double) stores[i].bf16_bytes / (double) experts;
             const double region = (double) stores[i].compressed_bytes / n;
@@ -62,6 +65,10 @@ int64_t zipmoe_budget_split_tiers(const zipmoe_store_size * stores, size_t n_sto
             const double   align  = 2 * (double) ZIPMOE_DIRECT_ALIGN;
             const uint64_t buffer = (uint64_t) (cold * (region + align) + sm * (region - plane + align) + 0.999);
             out->reads            = max_u64(out->reads, 2 * buffer);
+            largest               = max_u64(largest, (uint64_t) (region + align + 0.999));
+        }
+        if (!(hot_share > 0 && sm_share == 0)) {
+            out->reads = min_u64(out->reads, 2 * 2 * largest);
         }
         out->reads = min_u64(out->reads, tiers / 2);
         tiers -= out->reads;
