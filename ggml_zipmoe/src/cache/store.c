@@ -1019,6 +1019,14 @@ int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_offset, void *
  * decoded, whose bytes the budget does not count. */
 static void forget_huge_pages(zipmoe_store * s, int64_t p);
 
+/* The small pages that lie wholly in place p: [*lo, *hi) (empty where *hi <= *lo). */
+static void own_pages(const zipmoe_store * s, int64_t p, uintptr_t * lo, uintptr_t * hi) {
+    const size_t    page  = (size_t) sysconf(_SC_PAGESIZE);
+    const uintptr_t begin = (uintptr_t) place_addr(s, p);
+    *lo                   = zipmoe_align_up(begin, page);
+    *hi                   = (begin + s->hot_size) & ~(uintptr_t) (page - 1);
+}
+
 int zipmoe_store_collapse(zipmoe_store * s) {
     const uintptr_t dst0 = (uintptr_t) s->dst;
     for (size_t i = 0; i < s->n_hp; i++) {
@@ -1053,10 +1061,8 @@ int zipmoe_store_collapse(zipmoe_store * s) {
         s->hp_done[i] = 1;
         for (int64_t p = p0; p <= p1; p++) {
             if (s->places[p].expert < 0 && s->places[p].slot < 0) {
-                const size_t    page  = (size_t) sysconf(_SC_PAGESIZE);
-                const uintptr_t begin = (uintptr_t) place_addr(s, p);
-                const uintptr_t from  = zipmoe_align_up(begin, page);
-                const uintptr_t to    = (begin + s->hot_size) & ~(uintptr_t) (page - 1);
+                uintptr_t from, to;
+                own_pages(s, p, &from, &to);
                 forget_huge_pages(s, p);
                 if (to > from) {
                     madvise((void *) from, to - from, MADV_DONTNEED);
@@ -1227,8 +1233,8 @@ static void vacate_place(zipmoe_store * s, int64_t p) {
     place_state *   at    = &s->places[p];
     const uintptr_t begin = (uintptr_t) place_addr(s, p);
     forget_huge_pages(s, p); /* (splits them while they are mapped) */
-    uintptr_t       lo    = zipmoe_align_up(begin, page);
-    uintptr_t       hi    = (begin + bytes) & ~(uintptr_t) (page - 1);
+    uintptr_t lo, hi;
+    own_pages(s, p, &lo, &hi);
     if (p > 0 && !place_hot(s, p - 1) && (begin & (page - 1)) && begin - (begin & (page - 1)) >= (uintptr_t) s->dst) {
         lo = begin & ~(uintptr_t) (page - 1); /* the shared first page holds nothing hot */
     }
@@ -1732,6 +1738,16 @@ static int use_prefetched(zipmoe_store * s, plan_item * it) {
 /* Under s->mu, after make_plan: hands the plan's reads to the reader thread, one or two large reads per expert
  * into the region that keeps them or into the staging buffer, in the plan's order (what is in RAM is decoded
  * first, meanwhile). Without the reader or the buffer, the decoding threads read chunk by chunk instead. */
+/* The bytes item it takes in the staging buffer (0: none, its reads go into the warm tier's region): the codes of
+ * an sm expert, else the whole region, each in its span of O_DIRECT blocks. */
+static size_t staged_bytes(const zipmoe_store * s, const expert_state * x, const zipmoe_expert_span * span) {
+    if (x->res == RES_FULL) {
+        return 0;
+    }
+    return x->res == RES_SM ? direct_span(s, span->offset + span->exp_offset, span->size - span->exp_offset)
+                            : direct_span(s, span->offset, span->size);
+}
+
 static void schedule_reads(zipmoe_store * s) {
     size_t  need    = 0, largest = 0;
     int64_t n_reads = 0;
@@ -1744,12 +1760,7 @@ static void schedule_reads(zipmoe_store * s) {
             continue;
         }
         n_reads++;
-        size_t staged = 0;
-        if (it->read_sm && x->res == RES_NONE) {
-            staged = direct_span(s, span.offset, span.size); /* the whole region */
-        } else if (x->res != RES_FULL) { /* the codes: the plane goes to (or is in) the sm region */
-            staged = direct_span(s, span.offset + span.exp_offset, span.size - span.exp_offset);
-        }
+        const size_t staged = staged_bytes(s, x, &span);
         need += staged;
         largest = staged > largest ? staged : largest;
     }
@@ -1804,9 +1815,8 @@ static void schedule_reads(zipmoe_store * s) {
         if ((!it->read_sm && !it->read_codes) || it->prefetched) {
             continue;
         }
-        if (x->res != RES_FULL) { /* staged: where in the ring */
-            const size_t staged = x->res == RES_SM ? direct_span(s, span.offset + span.exp_offset, codes_size)
-                                                   : direct_span(s, span.offset, span.size);
+        const size_t staged = staged_bytes(s, x, &span);
+        if (staged) { /* where in the ring */
             if (used + staged > cap) {
                 used              = 0;
                 s->job.ring_wraps = 1;
@@ -1828,14 +1838,13 @@ static void schedule_reads(zipmoe_store * s) {
             it->sm         = x->region;
             it->codes      = stage + used + pad;
             it->codes_bias = span.exp_offset;
-            used += direct_span(s, span.offset + span.exp_offset, codes_size);
         } else { /* kept nowhere: the whole region staged */
             const size_t pad         = direct_pad(s, span.offset);
             item->seg[item->n_seg++] = (zipmoe_read_seg) { span.offset, span.size, stage + used + pad, 1 };
             it->sm    = stage + used + pad;
             it->codes = stage + used + pad;
-            used += direct_span(s, span.offset, span.size);
         }
+        used += staged;
         it->staged = 1;
     }
     s->job.fd      = s->fd;
@@ -1957,7 +1966,8 @@ void zipmoe_store_prefetch(zipmoe_store * s, const zipmoe_store * like, int pred
         }
         const size_t pad  = direct_pad(s, span.offset + from);
         const size_t size = (size_t) (span.size - from);
-        if (used + direct_span(s, span.offset + from, size) > need) {
+        const size_t taken = direct_span(s, span.offset + from, size);
+        if (used + taken > need) {
             break; /* the buffer is full */
         }
         const int    rc   = zipmoe_pread_uncached(s->fd, s->dfd, s->data_offset + span.offset + from,
@@ -1970,7 +1980,7 @@ void zipmoe_store_prefetch(zipmoe_store * s, const zipmoe_store * like, int pred
                 atomic_fetch_add(&g_guessed_bytes, size);
             }
         }
-        used += direct_span(s, span.offset + from, size);
+        used += taken;
     }
     pthread_mutex_unlock(&s->mu);
 }
