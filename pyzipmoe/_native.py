@@ -106,6 +106,21 @@ int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_offset, void *
 int64_t zipmoe_store_predict(zipmoe_store * s, const int32_t * experts, int64_t n);
 int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void * ids, int64_t ne0,
                                  int64_t ne1, size_t nb0, size_t nb1, int32_t * where, int ith, int nth);
+typedef struct {
+    int     (*idle)(void * ctx);
+    void *  idle_ctx;
+    int64_t plan_n;
+    const void * plan;
+    uint64_t seq;
+    int32_t ring;
+    int32_t fast;
+} zipmoe_turn;
+int64_t zipmoe_store_materialize_begin(zipmoe_store * s, const void * key, const void * ids, int64_t ne0,
+                                       int64_t ne1, size_t nb0, size_t nb1, int32_t * where, uint8_t * pending,
+                                       int ith, int nth, zipmoe_turn * turn);
+int64_t zipmoe_store_materialize_end(zipmoe_store * s, zipmoe_turn * turn, const void * ids, int64_t ne0,
+                                     int64_t ne1, size_t nb0, size_t nb1);
+int64_t zipmoe_store_materialize_wait(zipmoe_store * s, const zipmoe_turn * turn);
 int64_t zipmoe_store_place(zipmoe_store * s, int64_t e);
 void    zipmoe_cache_set_store_turns(int enabled);
 int64_t zipmoe_store_activations(zipmoe_store * s, uint64_t * counts, int64_t n);

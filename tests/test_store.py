@@ -122,6 +122,79 @@ def test_threads_materialise_exactly_the_routed_experts(zipmoe_model, tiny_model
     assert stats()["experts_decoded"] == 4
 
 
+@pytest.mark.parametrize("nth", [1, 2, 3])
+def test_a_turn_s_decoded_experts_are_ready_at_once_and_the_others_after_its_wait(zipmoe_model, tiny_model, nth,
+                                                                                   stats):
+    """The fused matmul's protocol: _begin gives every thread all places, which experts are pending, and lets the
+    decoded ones be read while the others are read and decoded; _end calls the idle work while a chunk's bytes are
+    in flight; after _wait every routed expert is decoded."""
+    zf = format.open_zipmoe(zipmoe_model)
+    ct = zf.compressed[0]
+    lib.zipmoe_cache_configure(budget_for(zf, ct, 3)[0], 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
+    store = Store(zipmoe_model, ct)
+    ref = source_experts(tiny_model, ct)
+    assert all(r >= 0 for r in store.materialize(np.array([[1, 2]]), nth))
+    ids = np.array([[2, 5, 1, 6]], np.int32)
+    key = ffi.new("char[1]")
+    store.keys.append(key)
+    wheres = [np.full(ids.size, -1, np.int32) for _ in range(nth)]
+    pendings = [np.full(ids.size, 9, np.uint8) for _ in range(nth)]
+    ready_at_begin = [None] * nth
+    idle_calls = [0] * nth
+    results = [None] * nth
+    start = threading.Barrier(nth)
+
+    def run(ith: int) -> None:
+        turn = ffi.new("zipmoe_turn *")
+
+        @ffi.callback("int(void *)")
+        def idle(_ctx):
+            idle_calls[ith] += 1
+            return 0  # no work left: the thread sleeps until its chunk's bytes are read
+
+        start.wait()
+        begun = lib.zipmoe_store_materialize_begin(store.handle, key, ffi.from_buffer(ids), ids.shape[1], 1, 4,
+                                                   ids.shape[1] * 4, ffi.from_buffer("int32_t[]", wheres[ith]),
+                                                   ffi.from_buffer("uint8_t[]", pendings[ith]), ith, nth, turn)
+        ready = pendings[ith] == 0
+        ready_at_begin[ith] = np.array_equal(store.weights[wheres[ith][ready]], ref[ids[0][ready]])
+        turn.idle = idle
+        ended = lib.zipmoe_store_materialize_end(store.handle, turn, ffi.from_buffer(ids), ids.shape[1], 1, 4,
+                                                 ids.shape[1] * 4)
+        waited = lib.zipmoe_store_materialize_wait(store.handle, turn)
+        # whichever thread ends first: after its wait the others' shares are decoded too
+        results[ith] = (begun, ended, waited, np.array_equal(store.weights[wheres[ith]], ref[ids[0]]))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(nth)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for ith in range(nth):
+        begun, ended, waited, all_after_wait = results[ith]
+        assert begun == 0 and ended >= 0 and waited == 0 and all_after_wait
+        # every thread sees every place and the same pending experts: 5 and 6, which the budget did not hold
+        assert pendings[ith].tolist() == [0, 1, 0, 1] and ready_at_begin[ith]
+        np.testing.assert_array_equal(store.weights[wheres[ith]], ref[ids[0]])
+        assert wheres[ith].tolist() == wheres[0].tolist()
+    assert stats()["experts_decoded"] == 4  # 1 and 2 once, then 5 and 6
+    # all decoded now: a turn on the fast path has nothing pending and nothing to wait for
+    turn = ffi.new("zipmoe_turn *")
+    where, pending = np.full(2, -1, np.int32), np.full(2, 9, np.uint8)
+    again = np.array([[5, 6]], np.int32)
+    assert lib.zipmoe_store_materialize_begin(store.handle, ffi.new("char[1]"), ffi.from_buffer(again), 2, 1, 4, 8,
+                                              ffi.from_buffer("int32_t[]", where),
+                                              ffi.from_buffer("uint8_t[]", pending), 0, 1, turn) == 0
+    assert pending.tolist() == [0, 0] and turn.plan_n == 0
+    assert lib.zipmoe_store_materialize_end(store.handle, turn, ffi.from_buffer(again), 2, 1, 4, 8) == 0
+    assert lib.zipmoe_store_materialize_wait(store.handle, turn) == 0
+    np.testing.assert_array_equal(store.weights[where], ref[again[0]])
+    # pending without where is refused
+    assert lib.zipmoe_store_materialize_begin(store.handle, ffi.new("char[1]"), ffi.from_buffer(again), 2, 1, 4, 8,
+                                              ffi.NULL, ffi.from_buffer("uint8_t[]", pending), 0, 1, turn) == \
+        lib.ZIPMOE_ERR_ARG
+
+
 def test_cache_none_decodes_on_every_use(zipmoe_model, tiny_model, stats):
     zf = format.open_zipmoe(zipmoe_model)
     ct = zf.compressed[1]

@@ -314,6 +314,30 @@ ZIPMOE_API int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_off
  * number of chunks this thread decoded, or an error, which is also recorded for zipmoe_store_take_error(). */
 ZIPMOE_API int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void * ids, int64_t ne0,
                                             int64_t ne1, size_t nb0, size_t nb1, int32_t * where, int ith, int nth);
+/* zipmoe_store_materialize in parts, for a caller with work to do while the reads are in flight (the op that
+ * computes ggml_mul_mat_id's rows itself: the matmul of the routed experts that are decoded already).
+ * _begin plans the invocation and starts its reads; where (ne0 * ne1 int32, required) receives the place of every
+ * named expert, not a share, and pending (as many bytes) 1 for the experts this invocation decodes, 0 for those
+ * decoded already, whose values may be read at once. _end decodes this thread's share, calling turn->idle (if set)
+ * instead of sleeping while the bytes of its next chunk are read, and returns the chunks it decoded or an error.
+ * _wait returns once every named expert is decoded (the other threads' shares too): ZIPMOE_OK, or an error if a
+ * chunk failed (recorded for zipmoe_store_take_error). The turn is the caller's; every thread that began must
+ * end. */
+typedef struct {
+    int          (*idle)(void * ctx); /* the caller's: one unit of other work, 0 once it has none left */
+    void *       idle_ctx;
+    int64_t      plan_n; /* set by _begin: experts the invocation decodes */
+    const void * plan;   /* the store's plan, read by _end */
+    uint64_t     seq;    /* the invocation's plan, which _wait waits for */
+    int32_t      ring;   /* its reads go through a ring */
+    int32_t      fast;   /* every named expert was decoded: _end and _wait return at once */
+} zipmoe_turn;
+ZIPMOE_API int64_t zipmoe_store_materialize_begin(zipmoe_store * s, const void * key, const void * ids, int64_t ne0,
+                                                  int64_t ne1, size_t nb0, size_t nb1, int32_t * where,
+                                                  uint8_t * pending, int ith, int nth, zipmoe_turn * turn);
+ZIPMOE_API int64_t zipmoe_store_materialize_end(zipmoe_store * s, zipmoe_turn * turn, const void * ids, int64_t ne0,
+                                                int64_t ne1, size_t nb0, size_t nb1);
+ZIPMOE_API int64_t zipmoe_store_materialize_wait(zipmoe_store * s, const zipmoe_turn * turn);
 /* Where decoded expert e lies in the BF16 memory, in experts (see zipmoe_store_materialize), or -1 if it is not
  * decoded. */
 ZIPMOE_API int64_t zipmoe_store_place(zipmoe_store * s, int64_t e);

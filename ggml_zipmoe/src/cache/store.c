@@ -112,6 +112,9 @@ struct zipmoe_store {
     const void *    plan_key;  /* the invocation that owns the plan, NULL when none */
     int             plan_in;   /* threads of that invocation inside: the last one out publishes */
     int             plan_failed;
+    uint64_t        plan_seq;  /* plans begun, ever: an invocation's turn waits for done_seq to reach its own */
+    uint64_t        done_seq;  /* plans finished (published or discarded) */
+    int             done_failed; /* the last one finished was discarded */
     _Atomic int64_t next_chunk; /* the next chunk of the plan to claim: expert j * n_chunks + chunk */
     uint64_t        plan_t0;
     _Atomic(const void *) last_key; /* the last plan's key and the g_op_seq it began at: a thread arriving */
@@ -2137,11 +2140,32 @@ static void report_places(const zipmoe_store * s, const uint8_t * ids, int64_t n
     }
 }
 
-int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void * ids, int64_t ne0, int64_t ne1,
-                                 size_t nb0, size_t nb1, int32_t * where, int ith, int nth) {
-    if (!s || !key || !ids || ne0 < 0 || ne1 < 0 || nth < 1 || ith < 0 || ith >= nth || s->fd < 0) {
+/* Which routed experts an invocation decodes (pending[r * ne0 + k] = 1), by a thread that holds the plan. */
+static void report_pending(const zipmoe_store * s, const uint8_t * ids, int64_t ne0, int64_t ne1, size_t nb0,
+                           size_t nb1, int64_t plan_n, uint8_t * pending) {
+    for (int64_t r = 0; r < ne1; r++) {
+        for (int64_t k = 0; k < ne0; k++) {
+            int32_t e;
+            memcpy(&e, ids + r * nb1 + k * nb0, sizeof e);
+            uint8_t in_plan = 0;
+            for (int64_t j = 0; j < plan_n && !in_plan; j++) {
+                in_plan = s->plan[j].expert == e;
+            }
+            pending[r * ne0 + k] = in_plan;
+        }
+    }
+}
+
+int64_t zipmoe_store_materialize_begin(zipmoe_store * s, const void * key, const void * ids, int64_t ne0,
+                                       int64_t ne1, size_t nb0, size_t nb1, int32_t * where, uint8_t * pending,
+                                       int ith, int nth, zipmoe_turn * turn) {
+    if (!s || !key || !ids || !turn || (pending && !where) || ne0 < 0 || ne1 < 0 || nth < 1 || ith < 0 || ith >= nth ||
+        s->fd < 0) {
         return ZIPMOE_ERR_ARG;
     }
+    *turn = (zipmoe_turn) { 0 };
+    /* a turn that reports all places (pending given) reports them itself; materialize's threads report their share */
+    const int all_places = pending != NULL;
     /* Once warm, every routed expert is usually decoded already. The resident set changes only when an
      * invocation publishes, and one graph computes at a time, so all threads of this invocation see the
      * same answer and may leave without the lock (which busy machines make costly). Not while the store
@@ -2167,7 +2191,11 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
                 atomic_store(&s->collapse_queued, 0);
             }
         }
-        report_places(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1, where, ith, nth);
+        report_places(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1, where, all_places ? 0 : ith, all_places ? 1 : nth);
+        if (pending) {
+            memset(pending, 0, (size_t) (ne0 * ne1));
+        }
+        turn->fast = 1;
         return 0;
     }
     atomic_fetch_add(&s->waiting, 1); /* a guessed read-ahead holding mu stops: the router has decided */
@@ -2181,6 +2209,7 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
         s->plan_in     = 0;
         s->plan_failed = 0;
         s->plan_t0     = zipmoe_now_ns();
+        s->plan_seq++;
         atomic_store(&s->next_chunk, 0);
     }
     if (s->plan_in == 0 && key == atomic_load(&s->last_key) && atomic_load(&g_op_seq) == atomic_load(&s->last_seq) &&
@@ -2201,13 +2230,25 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
         atomic_fetch_add(s->prefilling ? &g_prefill_dummy : &g_calls, 1);
     }
     s->plan_in++;
-    const int64_t     plan_n = s->plan_n; /* stable until every thread of this invocation has left */
-    const plan_item * plan   = s->plan;
-    const int         ring   = s->job_active && s->job.ring_wraps;
+    turn->plan_n = s->plan_n; /* stable until every thread of this invocation has left */
+    turn->plan   = s->plan;
+    turn->seq    = s->plan_seq;
+    turn->ring   = s->job_active && s->job.ring_wraps;
+    if (all_places) { /* given at the plan: a routed expert keeps its place until the next invocation */
+        report_places(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1, where, 0, 1);
+        report_pending(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1, turn->plan_n, pending);
+    }
     pthread_mutex_unlock(&s->mu);
+    return 0;
+}
 
+/* The decoding of a turn, then its end: materialize's, or the turn of a caller that reported every place. */
+static int64_t end_turn(zipmoe_store * s, zipmoe_turn * turn, const void * ids, int64_t ne0, int64_t ne1, size_t nb0,
+                        size_t nb1, int32_t * where, int ith, int nth) {
     int64_t       status = 0, chunks = 0;
     const int64_t n_chunks = s->info.n_chunks;
+    const int64_t     plan_n = turn->plan_n;
+    const plan_item * plan   = turn->plan;
     if (plan_n > 0) {
         const size_t     chunk_n = (size_t) s->info.chunk_n;
         thread_scratch * ts = thread_scratch_get(chunk_n, chunk_n + zipmoe_chunk_bound(zipmoe_tensor_codec(s->tensor), chunk_n));
@@ -2221,20 +2262,22 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
          * A thread whose chunk is not read yet sleeps until it is. */
         for (int64_t g; status == 0 && (g = atomic_fetch_add(&s->next_chunk, 1)) < plan_n * n_chunks;) {
             const int64_t j = g / n_chunks, c = g % n_chunks;
-            int64_t       rc = plan[j].staged ? zipmoe_reader_wait_item(&s->job, j) : ZIPMOE_OK;
+            while (plan[j].staged && atomic_load(&s->job.items[j].ready) == 0 && turn->idle && turn->idle(turn->idle_ctx)) {
+            } /* (other work while its bytes are read) */
+            int64_t rc = plan[j].staged ? zipmoe_reader_wait_item(&s->job, j) : ZIPMOE_OK;
             if (rc == ZIPMOE_OK) {
                 rc = decode_chunk(s, &plan[j], c, ts);
             }
             if (rc < 0) {
                 record_error(s, plan[j].expert, rc);
                 status = rc;
-                if (ring) { /* the reader may wait for this item's room, which is never released now */
+                if (turn->ring) { /* the reader may wait for this item's room, which is never released now */
                     zipmoe_reader_cancel(&s->job);
                 }
                 break;
             }
             zipmoe_read_item * item = &s->job.items[j];
-            if (ring && item->ring_hi && atomic_fetch_sub(&item->chunks_left, 1) == 1) {
+            if (turn->ring && item->ring_hi && atomic_fetch_sub(&item->chunks_left, 1) == 1) {
                 zipmoe_reader_release_item(&s->job, j);
             }
             chunks++;
@@ -2272,11 +2315,47 @@ int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void 
         if (read && !s->prefilling) {
             atomic_fetch_add(&g_reading_calls, 1);
         }
-        s->plan_key = NULL;
+        s->done_seq    = s->plan_seq;
+        s->done_failed = s->plan_failed;
+        s->plan_key    = NULL;
         pthread_cond_broadcast(&s->cv);
     }
     pthread_mutex_unlock(&s->mu);
     return status < 0 ? status : chunks;
+}
+
+int64_t zipmoe_store_materialize_end(zipmoe_store * s, zipmoe_turn * turn, const void * ids, int64_t ne0,
+                                     int64_t ne1, size_t nb0, size_t nb1) {
+    if (!s || !turn || !ids) {
+        return ZIPMOE_ERR_ARG;
+    }
+    return turn->fast ? 0 : end_turn(s, turn, ids, ne0, ne1, nb0, nb1, NULL, 0, 1);
+}
+
+int64_t zipmoe_store_materialize_wait(zipmoe_store * s, const zipmoe_turn * turn) {
+    if (!s || !turn) {
+        return ZIPMOE_ERR_ARG;
+    }
+    if (turn->fast) {
+        return ZIPMOE_OK;
+    }
+    pthread_mutex_lock(&s->mu);
+    while (s->done_seq < turn->seq) {
+        pthread_cond_wait(&s->cv, &s->mu);
+    }
+    const int failed = s->done_seq == turn->seq && s->done_failed;
+    pthread_mutex_unlock(&s->mu);
+    return failed ? ZIPMOE_ERR_CORRUPT : ZIPMOE_OK; /* (a failed chunk's error is recorded) */
+}
+
+int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void * ids, int64_t ne0, int64_t ne1,
+                                 size_t nb0, size_t nb1, int32_t * where, int ith, int nth) {
+    zipmoe_turn   turn;
+    const int64_t rc = zipmoe_store_materialize_begin(s, key, ids, ne0, ne1, nb0, nb1, where, NULL, ith, nth, &turn);
+    if (rc < 0 || turn.fast) {
+        return rc;
+    }
+    return end_turn(s, &turn, ids, ne0, ne1, nb0, nb1, where, ith, nth);
 }
 
 int64_t zipmoe_cache_activations(const char * prefix, uint64_t * counts, int64_t n) {

@@ -28,6 +28,12 @@ struct zipmoe_llama_tensor {
     int                   layer  = -1;      // N of "blk.N."
     const ggml_tensor *   router = nullptr; // its layer's router weight, seen when a graph was built (registry lock)
     std::vector<zipmoe_llama_tensor *> next; // the expert tensors of the next layer, once found
+    // the fused matmul's claims (mul_mat_id_op): the next row block of each routed slot, and the threads that left
+    struct alignas(64) claim {
+        std::atomic<int64_t> next{ 0 };
+    };
+    claim            blocks[64];
+    std::atomic<int> left{ 0 };
 };
 
 // Weight -> zipmoe tensor. Filled at load, read at graph build; the count keeps plain models lock-free.
@@ -168,6 +174,8 @@ static uint64_t embd_charge(uint64_t embd_bytes, uint64_t row_bytes) {
 //   ZIPMOE_PREDICT        "1": in generation, the next layer's router runs on this layer's input and the experts it
 //                         picks are read ahead (default "0": on the synthetic models it read 10% more and served
 //                         under a tenth of the misses, with no speed difference to measure; tiered-cache.md)
+//   ZIPMOE_FUSED          "0": in generation too, a node that materialises and then ggml_mul_mat_id (default: one
+//                         node computes the matmul's rows, those of decoded experts while the others are read)
 //   ZIPMOE_PREFILL        "0": leave the tiers empty at load (default: fill them, as llama.cpp's read-ahead and
 //                         warm-up fill the page cache for a plain model, so that the first tokens do not wait)
 bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t embd_row_bytes, std::string & info,
@@ -561,17 +569,139 @@ static void materialize_after_guess_op(ggml_tensor * dst, const ggml_tensor * id
     materialize_op(dst, ids, w, ith, nth, userdata);
 }
 
-ggml_tensor * zipmoe_llama_build(ggml_context * ctx, zipmoe_llama_tensor * zt, ggml_tensor * ids, ggml_tensor * w,
-                                 bool warmup) {
-    if (warmup) {
-        return ids; // warmup routes to every expert and its output is discarded: decode nothing
+// ggml_mul_mat_id(w, x, ids) of one token, computed by the op that materialises the experts, so that the rows of
+// the routed experts that are decoded already are computed while the others are read. Each row is the same
+// ggml vec_dot of the same bytes that ggml_mul_mat_id computes (ggml-cpu's mul_mat_id: a BF16 weight's rows are
+// vec_dot-ed with the activations converted by from_float), so the result is bit for bit ggml's. Every thread
+// converts the activations itself (an op has no barrier), then claims blocks of rows: first those of experts it
+// may read now, then, once _end has returned (every expert decoded), the rest.
+static constexpr int64_t MM_BLOCK_ROWS = 32;
+
+// One thread's view of a fused invocation: the places and the activations converted to the weight's vec_dot type.
+struct mm_rows {
+    zipmoe_llama_tensor * zt;
+    ggml_tensor *         dst;
+    const ggml_tensor *   w;
+    const int32_t *       where;
+    const uint8_t *       pending;
+    const uint8_t *       xq;
+    size_t                xq_row;
+    int64_t               ne11;
+    ggml_vec_dot_t        vec_dot;
+    int64_t               cursor; // the first slot of the current phase that may have blocks left
+};
+
+// Claims and computes one block of rows of a routed slot whose pending flag is `which`; false once none is left.
+static bool compute_block(mm_rows & m, uint8_t which) {
+    const int64_t n_used = m.dst->ne[1];
+    const int64_t n_slot = n_used * m.dst->ne[2];
+    const int64_t n_rows = m.w->ne[1];
+    const int64_t blocks = (n_rows + MM_BLOCK_ROWS - 1) / MM_BLOCK_ROWS;
+    for (; m.cursor < n_slot; m.cursor++) {
+        const int64_t k = m.cursor;
+        if (m.pending[k] != which || m.where[k] < 0 || m.where[k] >= m.w->ne[2]) {
+            continue; // (an id out of range fails the invocation: its error is recorded, the output dropped)
+        }
+        const int64_t b = m.zt->blocks[k].next.fetch_add(1, std::memory_order_relaxed);
+        if (b >= blocks) {
+            continue;
+        }
+        const int64_t i1   = k % n_used, i2 = k / n_used;
+        const char *  base = static_cast<const char *>(m.w->data) + (size_t) m.where[k] * m.w->nb[2];
+        const void *  xrow = m.xq + (size_t) (i1 % m.ne11 + i2 * m.ne11) * m.xq_row;
+        float *       out  = reinterpret_cast<float *>(static_cast<char *>(m.dst->data) + i1 * m.dst->nb[1] + i2 * m.dst->nb[2]);
+        const int64_t r1   = std::min(n_rows, (b + 1) * MM_BLOCK_ROWS);
+        for (int64_t r = b * MM_BLOCK_ROWS; r < r1; r++) {
+            m.vec_dot((int) m.w->ne[0], &out[r], 0, base + r * m.w->nb[1], 0, xrow, 0, 1);
+        }
+        return true;
     }
-    ggml_tensor * guess = build_prediction(ctx, zt, ids);
+    return false;
+}
+
+// What a thread decoding for the store does while the bytes of its next chunk are read: a block of decoded rows.
+static int compute_ready_block(void * ctx) { return compute_block(*static_cast<mm_rows *>(ctx), 0); }
+
+static void mul_mat_id_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    auto *              zt  = static_cast<zipmoe_llama_tensor *>(userdata);
+    const ggml_tensor * ids = dst->src[0];
+    const ggml_tensor * w   = dst->src[1];
+    const ggml_tensor * x   = dst->src[2];
+    const int64_t       n_slot = ids->ne[0] * ids->ne[1];
+    int32_t             where[64];
+    uint8_t             pending[64];
+    zipmoe_turn         turn;
+    // errors are recorded by the store and reported by llama_decode (zipmoe_llama_take_error)
+    if (zipmoe_store_materialize_begin(zt->store, dst, ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1],
+                                       where, pending, ith, nth, &turn) >= 0) {
+        const ggml_type                    vdt    = ggml_get_type_traits_cpu(w->type)->vec_dot_type;
+        const size_t                       xq_row = ggml_row_size(vdt, x->ne[0]);
+        thread_local std::vector<uint8_t> xq; // grown once per thread, not per token
+        xq.resize(xq_row * (size_t) (x->ne[1] * x->ne[2]));
+        for (int64_t i2 = 0; i2 < x->ne[2]; i2++) {
+            for (int64_t i1 = 0; i1 < x->ne[1]; i1++) {
+                const char * row = static_cast<const char *>(x->data) + i1 * x->nb[1] + i2 * x->nb[2];
+                uint8_t *    to  = xq.data() + (size_t) (i1 + i2 * x->ne[1]) * xq_row;
+                if (x->type == vdt) {
+                    std::memcpy(to, row, xq_row);
+                } else {
+                    ggml_get_type_traits_cpu(vdt)->from_float(reinterpret_cast<const float *>(row), to, x->ne[0]);
+                }
+            }
+        }
+        mm_rows m = { zt, dst, w, where, pending, xq.data(), xq_row, x->ne[1], ggml_get_type_traits_cpu(w->type)->vec_dot, 0 };
+        turn.idle     = compute_ready_block;
+        turn.idle_ctx = &m;
+        zipmoe_store_materialize_end(zt->store, &turn, ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1]);
+        while (compute_block(m, 0)) {
+        }
+        if (zipmoe_store_materialize_wait(zt->store, &turn) == ZIPMOE_OK) {
+            m.cursor = 0;
+            while (compute_block(m, 1)) {
+            }
+        }
+    }
+    // the last thread out readies the claims for the next compute (which begins after ggml's barrier)
+    if (zt->left.fetch_add(1, std::memory_order_acq_rel) + 1 == nth) {
+        for (int64_t k = 0; k < n_slot; k++) {
+            zt->blocks[k].next.store(0, std::memory_order_relaxed);
+        }
+        zt->left.store(0, std::memory_order_relaxed);
+    }
+}
+
+static ggml_tensor * build_materialize(ggml_context * ctx, zipmoe_llama_tensor * zt, ggml_tensor * ids, ggml_tensor * w,
+                                       ggml_tensor * guess) {
     // a new tensor, not ids: it holds where this store decoded the routed experts (zipmoe_store_materialize),
     // and the layer's other expert tensors read the router's ids through their own op
-    ggml_tensor * r     = guess ? ggml_map_custom3(ctx, ids, w, guess, materialize_after_guess_op, GGML_N_TASKS_MAX, zt)
-                                : ggml_map_custom2(ctx, ids, w, materialize_op, GGML_N_TASKS_MAX, zt);
+    ggml_tensor * r = guess ? ggml_map_custom3(ctx, ids, w, guess, materialize_after_guess_op, GGML_N_TASKS_MAX, zt)
+                            : ggml_map_custom2(ctx, ids, w, materialize_op, GGML_N_TASKS_MAX, zt);
     ggml_format_name(r, "zipmoe-%s", w->name);
+    return r;
+}
+
+// Whether mul_mat_id_op computes ggml_mul_mat_id(w, x, ids): one token (a prompt's batch has ggml's tiling to
+// gain from), the BF16 weights and F32 activations of llama.cpp's MoE layers.
+static bool fusable(const ggml_tensor * w, const ggml_tensor * x, const ggml_tensor * ids) {
+    return ids->ne[1] == 1 && ids->ne[0] * ids->ne[1] <= 64 && ids->type == GGML_TYPE_I32 && w->type == GGML_TYPE_BF16 &&
+           x->type == GGML_TYPE_F32 && x->nb[0] == sizeof(float) && x->ne[2] == ids->ne[1] && x->ne[3] == 1 &&
+           (x->ne[1] == 1 || x->ne[1] == ids->ne[0]) && x->ne[0] == w->ne[0];
+}
+
+ggml_tensor * zipmoe_llama_mul_mat_id(ggml_context * ctx, zipmoe_llama_tensor * zt, ggml_tensor * w, ggml_tensor * x,
+                                      ggml_tensor * ids, bool warmup) {
+    if (warmup) {
+        return ggml_mul_mat_id(ctx, w, x, ids); // warmup routes to every expert and its output is discarded: decode nothing
+    }
+    ggml_tensor * guess = build_prediction(ctx, zt, ids);
+    static const bool fuse = !(std::getenv("ZIPMOE_FUSED") && std::strcmp(std::getenv("ZIPMOE_FUSED"), "0") == 0);
+    if (!fuse || !fusable(w, x, ids)) {
+        return ggml_mul_mat_id(ctx, w, x, build_materialize(ctx, zt, ids, w, guess));
+    }
+    ggml_tensor * args[4] = { ids, w, x, guess }; // (the guess only so that it is computed first)
+    ggml_tensor * r       = ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], ids->ne[0], x->ne[2], 1, args, guess ? 4 : 3,
+                                           mul_mat_id_op, GGML_N_TASKS_MAX, zt);
+    ggml_format_name(r, "zipmoe-mm-%s", w->name);
     return r;
 }
 
@@ -591,8 +721,8 @@ static bool check_graph_order(const ggml_cgraph * gf, std::string & msg) {
     const ggml_tensor * open = nullptr; // a zipmoe op whose matmul has not come yet
     for (int i = 0; i < n_nodes; i++) {
         const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(gf), i);
-        if ((node->op == GGML_OP_MAP_CUSTOM2 || node->op == GGML_OP_MAP_CUSTOM3) && node->src[1] &&
-            zipmoe_llama_find(node->src[1])) {
+        if ((node->op == GGML_OP_MAP_CUSTOM2 || node->op == GGML_OP_MAP_CUSTOM3 || node->op == GGML_OP_CUSTOM) &&
+            node->src[1] && zipmoe_llama_find(node->src[1])) {
             if (open && !said.exchange(true)) {
                 zipmoe_cache_set_store_turns(0);
                 msg = std::string("zipmoe: this graph decodes ") + node->src[1]->name + "'s experts before " +
@@ -601,7 +731,7 @@ static bool check_graph_order(const ggml_cgraph * gf, std::string & msg) {
                       "tensors' experts): decode again";
                 return false;
             }
-            open = node;
+            open = node->op == GGML_OP_CUSTOM ? nullptr : node; // (the fused node is its own matmul)
         } else if (node->op == GGML_OP_MUL_MAT_ID && node->src[2] == open) {
             open = nullptr;
         }
@@ -611,7 +741,7 @@ static bool check_graph_order(const ggml_cgraph * gf, std::string & msg) {
 
 // The zipmoe tensor a graph node materialises, or nullptr.
 static zipmoe_llama_tensor * materialised_by(const ggml_tensor * node) {
-    const bool custom = node->op == GGML_OP_MAP_CUSTOM2 || node->op == GGML_OP_MAP_CUSTOM3;
+    const bool custom = node->op == GGML_OP_MAP_CUSTOM2 || node->op == GGML_OP_MAP_CUSTOM3 || node->op == GGML_OP_CUSTOM;
     return custom && node->src[1] ? zipmoe_llama_find(node->src[1]) : nullptr;
 }
 

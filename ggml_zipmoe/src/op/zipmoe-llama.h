@@ -41,11 +41,12 @@ bool zipmoe_llama_bind(zipmoe_llama_tensor * zt, ggml_tensor * t, bool no_alloc,
 // The zipmoe tensor behind weight w, or nullptr (every tensor of a plain GGUF).
 zipmoe_llama_tensor * zipmoe_llama_find(const ggml_tensor * w);
 
-// The ids ggml_mul_mat_id(w, .., ids) must read: a node that materialises the experts ids names in w and
-// gives where in w each lies (under a budget, not always at its own index). During warmup (which routes every
-// token to every expert) nothing is decoded and ids is returned as it is.
-ggml_tensor * zipmoe_llama_build(ggml_context * ctx, zipmoe_llama_tensor * zt, ggml_tensor * ids,
-                                 ggml_tensor * w, bool warmup);
+// ggml_mul_mat_id(w, x, ids) for a zipmoe-backed weight w: the experts ids names are materialised first, and the
+// matmul reads them where they lie (under a budget, not always at their own index). In generation (one token) one
+// node does both, computing the rows of the experts decoded already while the others are read. During warmup
+// (which routes every token to every expert) nothing is decoded: plain ggml_mul_mat_id.
+ggml_tensor * zipmoe_llama_mul_mat_id(ggml_context * ctx, zipmoe_llama_tensor * zt, ggml_tensor * w, ggml_tensor * x,
+                                      ggml_tensor * ids, bool warmup);
 
 // Held while graph gf computes, if it has zipmoe experts: such graphs compute one at a time in a process. A
 // store's plan evicts what other stores decoded beyond their limits (and decodes over their places), which is
