@@ -1,4 +1,5 @@
 /* split_avx2.c - AVX2 split/merge; compiled with -mavx2, called only after a CPU check. */
+#include <stdint.h>
 #include "zipmoe-impl.h"
 
 #include <immintrin.h>
@@ -38,21 +39,41 @@ void zipmoe_split_sm_bf16_avx2(const uint16_t * src, size_t n, uint8_t * sm) {
     zipmoe_split_sm_bf16_scalar(src + i, n - i, sm + i);
 }
 
-void zipmoe_merge_bf16_avx2(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst) {
-    /* Byte-wise, 32 values at a time: low byte = mantissa | exponent bit 0 << 7,
-     * high byte = sign | exponent >> 1; then interleave the two bytes of each value. */
+/* 32 values: low byte = mantissa | exponent bit 0 << 7, high byte = sign | exponent >> 1; then the two bytes of
+ * each value interleaved (values 0..15 in v[0], 16..31 in v[1]). */
+static inline void merge_lanes(const uint8_t * exp, const uint8_t * sm, __m256i v[2]) {
     const __m256i m7f = _mm256_set1_epi8(0x7f);
     const __m256i m80 = _mm256_set1_epi8((char) 0x80);
-    size_t i = 0;
+    const __m256i e   = _mm256_loadu_si256((const __m256i *) exp);
+    const __m256i s   = _mm256_loadu_si256((const __m256i *) sm);
+    const __m256i lo  = _mm256_or_si256(_mm256_and_si256(s, m7f), _mm256_and_si256(_mm256_slli_epi16(e, 7), m80));
+    const __m256i hi  = _mm256_or_si256(_mm256_and_si256(s, m80), _mm256_and_si256(_mm256_srli_epi16(e, 1), m7f));
+    const __m256i a   = _mm256_unpacklo_epi8(lo, hi); /* values 0..7 and 16..23 */
+    const __m256i b   = _mm256_unpackhi_epi8(lo, hi); /* values 8..15 and 24..31 */
+    v[0]              = _mm256_permute2x128_si256(a, b, 0x20);
+    v[1]              = _mm256_permute2x128_si256(a, b, 0x31);
+}
+
+/* Large outputs (a chunk of an expert, 128 KiB) are written around the caches: a decoded expert lands in memory no
+ * cache holds (an evicted expert's place), and a normal store would first read every line it writes. Measured at
+ * 75% of the 2.8g model, reads from RAM: 51.0-51.7 against 53.1-53.3 ms a token. */
+#define MERGE_STREAM_BYTES (64u << 10)
+
+void zipmoe_merge_bf16_avx2(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst) {
+    size_t  i = 0;
+    __m256i v[2];
+    if (n * sizeof *dst >= MERGE_STREAM_BYTES && (uintptr_t) dst % 32 == 0) {
+        for (; i + 32 <= n; i += 32) {
+            merge_lanes(exp + i, sm + i, v);
+            _mm256_stream_si256((__m256i *) (dst + i), v[0]);
+            _mm256_stream_si256((__m256i *) (dst + i + 16), v[1]);
+        }
+        _mm_sfence(); /* (streamed stores are weakly ordered: visible before whoever reads them next) */
+    }
     for (; i + 32 <= n; i += 32) {
-        const __m256i e  = _mm256_loadu_si256((const __m256i *) (exp + i));
-        const __m256i s  = _mm256_loadu_si256((const __m256i *) (sm + i));
-        const __m256i lo = _mm256_or_si256(_mm256_and_si256(s, m7f), _mm256_and_si256(_mm256_slli_epi16(e, 7), m80));
-        const __m256i hi = _mm256_or_si256(_mm256_and_si256(s, m80), _mm256_and_si256(_mm256_srli_epi16(e, 1), m7f));
-        const __m256i a  = _mm256_unpacklo_epi8(lo, hi); /* values 0..7 and 16..23 */
-        const __m256i b  = _mm256_unpackhi_epi8(lo, hi); /* values 8..15 and 24..31 */
-        _mm256_storeu_si256((__m256i *) (dst + i), _mm256_permute2x128_si256(a, b, 0x20));
-        _mm256_storeu_si256((__m256i *) (dst + i + 16), _mm256_permute2x128_si256(a, b, 0x31));
+        merge_lanes(exp + i, sm + i, v);
+        _mm256_storeu_si256((__m256i *) (dst + i), v[0]);
+        _mm256_storeu_si256((__m256i *) (dst + i + 16), v[1]);
     }
     zipmoe_merge_bf16_scalar(exp + i, sm + i, n - i, dst + i);
 }
