@@ -102,6 +102,7 @@ class SynthConfig:
     seed: int = 0
     routing: Routing = "uniform"
     tied_output: bool = False  # no output.weight: llama.cpp then multiplies by token_embd for the logits
+    expert_scales: bool = False  # ffn_*_exps.scale (F32, one per expert): llama.cpp scales each expert's output
 
     def __post_init__(self) -> None:
         problems = list(_config_problems(self))
@@ -339,6 +340,11 @@ def _norm(name: str, n: int, value: float = 1.0) -> _TensorSpec:
     return _TensorSpec(name, (n,), lambda rng: np.full(n, value, dtype=np.float32), bf16=False)
 
 
+def _expert_scale(name: str, n_expert: int) -> _TensorSpec:
+    """Per-expert output scales, each different (0.5 to 1.5): a graph that scaled by the wrong expert shows."""
+    return _TensorSpec(name, (n_expert,), lambda rng: rng.uniform(0.5, 1.5, n_expert).astype(np.float32), bf16=False)
+
+
 def _tensor_plan(c: SynthConfig) -> list[_TensorSpec]:
     """Every tensor of the model, in file order, with the shapes llama.cpp's loader checks."""
     q_dim, kv_dim = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
@@ -362,6 +368,8 @@ def _tensor_plan(c: SynthConfig) -> list[_TensorSpec]:
             _bf16(p + "ffn_up_exps.weight", (c.n_expert, c.n_ff_exp, c.n_embd)),
             _bf16(p + "ffn_down_exps.weight", (c.n_expert, c.n_embd, c.n_ff_exp)),
         ]
+        if c.expert_scales:
+            plan += [_expert_scale(p + f"ffn_{kind}_exps.scale", c.n_expert) for kind in ("gate", "up", "down")]
     plan.append(_norm("output_norm.weight", c.n_embd))
     if not c.tied_output:
         plan.append(_bf16("output.weight", embd_shape))

@@ -293,6 +293,31 @@ def test_every_budget_and_policy_gives_the_same_logits(logits: Callable, ours: P
     assert hits["hits_warm"] > 0 and hits["hits_sm"] > 0, hits  # decoded from compressed experts / planes in RAM
 
 
+def test_per_expert_scales_follow_the_routed_experts_not_their_places(ours: Path, tmp_path: Path) -> None:
+    """A model with per-expert output scales (ffn_*_exps.scale, which llama.cpp gathers by the router's ids): under
+    a budget a decoded expert seldom lies at its own index, and each scale must still be its routed expert's."""
+    from dataclasses import replace
+
+    from conftest import SMALL_CHUNK
+    from pyzipmoe import convert
+    from pyzipmoe.budget import model_memory
+    from pyzipmoe.synth import SynthConfig, write_config
+
+    src = write_config(tmp_path / "scaled.gguf", replace(SynthConfig(), expert_scales=True)).path
+    zipped = tmp_path / "scaled.zipmoe.gguf"
+    convert.convert(src, zipped, codec="huff", chunk_n=SMALL_CHUNK, threads=2)
+    budget = str(model_memory(zipped).minimum + (16 << 10))
+    picks = [i for i, c in enumerate(CONFIGS) if c["use_mmap"]]  # threads 1/2 x batch 1/64
+    ref_reports, ref = run_worker(src, ours, [{"config": CONFIGS[i]} for i in picks], tmp_path / "ref.npz")
+    reports, got = run_worker(zipped, ours, [{"config": CONFIGS[i], "zipmoe": {"memory_budget": budget}} for i in picks],
+                              tmp_path / "zipmoe.npz")
+    for k, i in enumerate(picks):
+        _no_error(reports[k])
+        assert_bit_identical(got[f"run{k}"], ref[f"run{k}"], f"scaled experts, {CONFIGS[i]}")
+        assert reports[k]["generated"] == ref_reports[k]["generated"]
+        assert reports[k]["stats"]["evictions"] > 0, reports[k]["stats"]  # experts moved between places
+
+
 @pytest.mark.parametrize("env", [{"ZIPMOE_DIRECT_IO": "1"}, {"ZIPMOE_DIRECT_IO": "0"},
                                  {"ZIPMOE_READ_BUFFER": "4KiB"}, {"ZIPMOE_PREDICT": "1"}])
 def test_read_ahead_gives_the_same_logits(logits: Callable, ours: Path, env: dict[str, str],
