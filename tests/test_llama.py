@@ -309,8 +309,8 @@ def test_per_expert_scales_follow_the_routed_experts_not_their_places(ours: Path
     budget = str(model_memory(zipped).minimum + (16 << 10))
     picks = [i for i, c in enumerate(CONFIGS) if c["use_mmap"]]  # threads 1/2 x batch 1/64
     ref_reports, ref = run_worker(src, ours, [{"config": CONFIGS[i]} for i in picks], tmp_path / "ref.npz")
-    reports, got = run_worker(zipped, ours, [{"config": CONFIGS[i], "zipmoe": {"memory_budget": budget}} for i in picks],
-                              tmp_path / "zipmoe.npz")
+    runs = [{"config": CONFIGS[i], "zipmoe": {"memory_budget": budget}} for i in picks]
+    reports, got = run_worker(zipped, ours, runs, tmp_path / "zipmoe.npz")
     for k, i in enumerate(picks):
         _no_error(reports[k])
         assert_bit_identical(got[f"run{k}"], ref[f"run{k}"], f"scaled experts, {CONFIGS[i]}")
@@ -319,7 +319,8 @@ def test_per_expert_scales_follow_the_routed_experts_not_their_places(ours: Path
 
 
 @pytest.mark.parametrize("env", [{"ZIPMOE_DIRECT_IO": "1"}, {"ZIPMOE_DIRECT_IO": "0"},
-                                 {"ZIPMOE_READ_BUFFER": "4KiB"}, {"ZIPMOE_PREDICT": "1"}])
+                                 {"ZIPMOE_READ_BUFFER": "4KiB"}, {"ZIPMOE_PREDICT": "1"},
+                                 {"ZIPMOE_FUSED": "0", "ZIPMOE_PREDICT": "1"}])
 def test_read_ahead_gives_the_same_logits(logits: Callable, ours: Path, env: dict[str, str],
                                           zipmoe_models: dict[tuple[str, str], Path], tmp_path: Path) -> None:
     """Under a budget the reader reads the next store's experts ahead (the same layer's routed ones in generation,
@@ -327,8 +328,10 @@ def test_read_ahead_gives_the_same_logits(logits: Callable, ours: Path, env: dic
     ZIPMOE_DIRECT_IO=0, through it; with read buffers smaller than the tiny model's reads (ZIPMOE_READ_BUFFER), a
     read-ahead waits for the other buffer to be given back, as a prompt's does on a real model. With ZIPMOE_PREDICT=1
     a generated token's layer also runs the next layer's router on its input, and that layer's first store reads
-    the experts it guessed ahead (right or wrong). The stores decode from those bytes with the same logits. The
-    first store of a graph has nobody to read ahead for it, so the bytes read ahead are a part of bytes_read."""
+    the experts it guessed ahead (right or wrong). With ZIPMOE_FUSED=0 a generated token's matmul is ggml's
+    mul_mat_id after the materialising node, not the op's own. The stores decode from those bytes with the same
+    logits. The first store of a graph has nobody to read ahead for it, so the bytes read ahead are a part of
+    bytes_read."""
     from pyzipmoe.budget import model_memory
 
     arch = ARCHS[0]
