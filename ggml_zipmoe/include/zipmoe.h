@@ -318,13 +318,14 @@ ZIPMOE_API int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, 
  * computes ggml_mul_mat_id's rows itself: the matmul of the routed experts that are decoded already).
  * _begin plans the invocation and starts its reads; where (ne0 * ne1 int32, required) receives the place of every
  * named expert, not a share, and pending (as many bytes) 1 for the experts this invocation decodes, 0 for those
- * decoded already, whose values may be read at once. _end decodes this thread's share, calling turn->idle (if set)
- * instead of sleeping while the bytes of its next chunk are read, and returns the chunks it decoded or an error.
+ * decoded already, whose values may be read at once. _end decodes this thread's share, calling turn->idle (set after
+ * _begin, or NULL) instead of sleeping while the bytes of its next chunk are read; it returns the chunks it decoded
+ * or an error.
  * _wait returns once every named expert is decoded (the other threads' shares too): ZIPMOE_OK, or an error if a
- * chunk failed (recorded for zipmoe_store_take_error). The turn is the caller's; every thread that began must
- * end. */
+ * chunk failed (recorded for zipmoe_store_take_error); it must come before the store's next invocation begins.
+ * The turn is the caller's; every thread that began must end. */
 typedef struct {
-    int          (*idle)(void * ctx); /* the caller's: one unit of other work, 0 once it has none left */
+    int          (*idle)(void * ctx); /* the caller's, set after _begin: one unit of other work, 0 once none is left */
     void *       idle_ctx;
     int64_t      plan_n; /* set by _begin: experts the invocation decodes */
     const void * plan;   /* the store's plan, read by _end */

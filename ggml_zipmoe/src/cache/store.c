@@ -2262,8 +2262,9 @@ static int64_t end_turn(zipmoe_store * s, zipmoe_turn * turn, const void * ids, 
          * A thread whose chunk is not read yet sleeps until it is. */
         for (int64_t g; status == 0 && (g = atomic_fetch_add(&s->next_chunk, 1)) < plan_n * n_chunks;) {
             const int64_t j = g / n_chunks, c = g % n_chunks;
-            while (plan[j].staged && atomic_load(&s->job.items[j].ready) == 0 && turn->idle && turn->idle(turn->idle_ctx)) {
-            } /* (other work while its bytes are read) */
+            while (plan[j].staged && turn->idle && atomic_load(&s->job.items[j].ready) == 0 &&
+                   turn->idle(turn->idle_ctx)) {
+            } /* (the caller's other work while its bytes are read) */
             int64_t rc = plan[j].staged ? zipmoe_reader_wait_item(&s->job, j) : ZIPMOE_OK;
             if (rc == ZIPMOE_OK) {
                 rc = decode_chunk(s, &plan[j], c, ts);

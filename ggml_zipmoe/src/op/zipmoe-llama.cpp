@@ -574,7 +574,8 @@ static void materialize_after_guess_op(ggml_tensor * dst, const ggml_tensor * id
 // ggml vec_dot of the same bytes that ggml_mul_mat_id computes (ggml-cpu's mul_mat_id: a BF16 weight's rows are
 // vec_dot-ed with the activations converted by from_float), so the result is bit for bit ggml's. Every thread
 // converts the activations itself (an op has no barrier), then claims blocks of rows: first those of experts it
-// may read now, then, once _end has returned (every expert decoded), the rest.
+// may read now (also while its decoding waits for a read), then, once _wait has returned (every expert decoded),
+// the rest.
 static constexpr int64_t MM_BLOCK_ROWS = 32;
 
 // One thread's view of a fused invocation: the places and the activations converted to the weight's vec_dot type.
@@ -609,7 +610,8 @@ static bool compute_block(mm_rows & m, uint8_t which) {
         const int64_t i1   = k % n_used, i2 = k / n_used;
         const char *  base = static_cast<const char *>(m.w->data) + (size_t) m.where[k] * m.w->nb[2];
         const void *  xrow = m.xq + (size_t) (i1 % m.ne11 + i2 * m.ne11) * m.xq_row;
-        float *       out  = reinterpret_cast<float *>(static_cast<char *>(m.dst->data) + i1 * m.dst->nb[1] + i2 * m.dst->nb[2]);
+        char *        col  = static_cast<char *>(m.dst->data) + i1 * m.dst->nb[1] + i2 * m.dst->nb[2];
+        float *       out  = reinterpret_cast<float *>(col);
         const int64_t r1   = std::min(n_rows, (b + 1) * MM_BLOCK_ROWS);
         for (int64_t r = b * MM_BLOCK_ROWS; r < r1; r++) {
             m.vec_dot((int) m.w->ne[0], &out[r], 0, base + r * m.w->nb[1], 0, xrow, 0, 1);
@@ -649,7 +651,8 @@ static void mul_mat_id_op(ggml_tensor * dst, int ith, int nth, void * userdata) 
                 }
             }
         }
-        mm_rows m = { zt, dst, w, where, pending, xq.data(), xq_row, x->ne[1], ggml_get_type_traits_cpu(w->type)->vec_dot, 0 };
+        const ggml_vec_dot_t vec_dot = ggml_get_type_traits_cpu(w->type)->vec_dot;
+        mm_rows              m       = { zt, dst, w, where, pending, xq.data(), xq_row, x->ne[1], vec_dot, 0 };
         turn.idle     = compute_ready_block;
         turn.idle_ctx = &m;
         zipmoe_store_materialize_end(zt->store, &turn, ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1]);
@@ -683,7 +686,7 @@ static ggml_tensor * build_materialize(ggml_context * ctx, zipmoe_llama_tensor *
 // Whether mul_mat_id_op computes ggml_mul_mat_id(w, x, ids): one token (a prompt's batch has ggml's tiling to
 // gain from), the BF16 weights and F32 activations of llama.cpp's MoE layers.
 static bool fusable(const ggml_tensor * w, const ggml_tensor * x, const ggml_tensor * ids) {
-    return ids->ne[1] == 1 && ids->ne[0] * ids->ne[1] <= 64 && ids->type == GGML_TYPE_I32 && w->type == GGML_TYPE_BF16 &&
+    return ids->ne[1] == 1 && ids->ne[0] <= 64 && ids->type == GGML_TYPE_I32 && w->type == GGML_TYPE_BF16 &&
            x->type == GGML_TYPE_F32 && x->nb[0] == sizeof(float) && x->ne[2] == ids->ne[1] && x->ne[3] == 1 &&
            (x->ne[1] == 1 || x->ne[1] == ids->ne[0]) && x->ne[0] == w->ne[0];
 }
@@ -691,7 +694,7 @@ static bool fusable(const ggml_tensor * w, const ggml_tensor * x, const ggml_ten
 ggml_tensor * zipmoe_llama_mul_mat_id(ggml_context * ctx, zipmoe_llama_tensor * zt, ggml_tensor * w, ggml_tensor * x,
                                       ggml_tensor * ids, bool warmup) {
     if (warmup) {
-        return ggml_mul_mat_id(ctx, w, x, ids); // warmup routes to every expert and its output is discarded: decode nothing
+        return ggml_mul_mat_id(ctx, w, x, ids); // warmup routes to every expert, its output unused: decode nothing
     }
     ggml_tensor * guess = build_prediction(ctx, zt, ids);
     static const bool fuse = !(std::getenv("ZIPMOE_FUSED") && std::strcmp(std::getenv("ZIPMOE_FUSED"), "0") == 0);
