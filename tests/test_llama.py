@@ -639,8 +639,10 @@ def test_damaged_expert_is_an_error_when_used(ours: Path, arch: str, zipmoe_mode
     tensor, expert = "blk.1.ffn_down_exps.weight", 3
     _damage_expert(damaged, tensor, expert, flip_bit)
     # the whole prompt in one batch routes to every expert of every layer; try twice: a damaged expert must
-    # stay an error, never become a resident expert with wrong weights
-    runs = [{"config": CONFIGS[1], "attempts": 2}, {"config": CONFIGS[1], "attempts": 2, "cache": "none"}]
+    # stay an error, never become a resident expert with wrong weights. Token by token (CONFIGS[4]) the op that
+    # also computes the matmul meets it, on 2 threads, and must fail the same way.
+    runs = [{"config": CONFIGS[1], "attempts": 2}, {"config": CONFIGS[1], "attempts": 2, "cache": "none"},
+            {"config": CONFIGS[4], "attempts": 2}]
     reports, arrays = run_worker(damaged, ours, runs, tmp_path / "damaged.npz")
     assert not arrays, "logits came out of a model with a damaged expert"
     for report in reports:
