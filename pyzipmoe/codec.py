@@ -70,11 +70,14 @@ def split_sm_bf16(values: np.ndarray, *, scalar: bool = False) -> np.ndarray:
     return sm
 
 
-def merge_bf16(exp: np.ndarray, sm: np.ndarray, *, scalar: bool = False) -> np.ndarray:
+def merge_bf16(exp: np.ndarray, sm: np.ndarray, *, scalar: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+    """BF16 bits from the two planes; into out (a contiguous uint16 array of their size) if given."""
     if exp.shape != sm.shape or exp.dtype != np.uint8 or sm.dtype != np.uint8:
         raise ValueError("exponent and sign+mantissa planes must be uint8 arrays of one shape")
     exp, sm = np.ascontiguousarray(exp), np.ascontiguousarray(sm)
-    dst = np.empty(exp.size, np.uint16)
+    if out is not None and (out.dtype != np.uint16 or out.size != exp.size or not out.flags.c_contiguous):
+        raise ValueError("out must be a contiguous uint16 array as large as the planes")
+    dst = np.empty(exp.size, np.uint16) if out is None else out
     fn = lib.zipmoe_merge_bf16_scalar if scalar else lib.zipmoe_merge_bf16
     fn(_ptr(exp, "uint8_t *"), _ptr(sm, "uint8_t *"), exp.size, _ptr(dst, "uint16_t *"))
     return dst

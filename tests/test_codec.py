@@ -89,6 +89,20 @@ def test_simd_matches_scalar_at_every_length_and_alignment(n, offset):
     np.testing.assert_array_equal(codec.merge_bf16(exp_v, sm_v, scalar=True), values)
 
 
+@pytest.mark.parametrize("n", [32768, 32768 + 17, 65536 + 5])
+def test_large_merges_stream_the_same_values_at_every_alignment(n):
+    """A merge of 64 KiB or more writes around the caches from dst's first 32-byte boundary on."""
+    values = np.random.default_rng(n).integers(0, 65536, n, dtype=np.uint16)
+    exp, sm = codec.split_bf16(values, scalar=True)
+    buf = np.full(n + 16, 0xDEAD, np.uint16)
+    for k in range(16):  # dst at every 2-byte offset within 32 bytes
+        buf[:] = 0xDEAD
+        out = buf[k:k + n]
+        assert codec.merge_bf16(exp, sm, out=out) is out
+        np.testing.assert_array_equal(out, values)
+        assert (buf[:k] == 0xDEAD).all() and (buf[k + n:] == 0xDEAD).all()  # nothing written beside it
+
+
 def test_histogram_counts_exponents():
     values = gaussian_bf16(10_001)
     hist = codec.exponent_histogram(values)

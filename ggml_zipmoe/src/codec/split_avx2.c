@@ -1,5 +1,4 @@
 /* split_avx2.c - AVX2 split/merge; compiled with -mavx2, called only after a CPU check. */
-#include <stdint.h>
 #include "zipmoe-impl.h"
 
 #include <immintrin.h>
@@ -62,7 +61,9 @@ static inline void merge_lanes(const uint8_t * exp, const uint8_t * sm, __m256i 
 void zipmoe_merge_bf16_avx2(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst) {
     size_t  i = 0;
     __m256i v[2];
-    if (n * sizeof *dst >= MERGE_STREAM_BYTES && (uintptr_t) dst % 32 == 0) {
+    if (n * sizeof *dst >= MERGE_STREAM_BYTES) {
+        i = (32 - (uintptr_t) dst % 32) % 32 / sizeof *dst; /* the values before dst's first 32-byte boundary */
+        zipmoe_merge_bf16_scalar(exp, sm, i, dst);
         for (; i + 32 <= n; i += 32) {
             merge_lanes(exp + i, sm + i, v);
             _mm256_stream_si256((__m256i *) (dst + i), v[0]);
