@@ -112,9 +112,7 @@ struct zipmoe_store {
     const void *    plan_key;  /* the invocation that owns the plan, NULL when none */
     int             plan_in;   /* threads of that invocation inside: the last one out publishes */
     int             plan_failed;
-    uint64_t        plan_seq;  /* plans begun, ever: an invocation's turn waits for done_seq to reach its own */
-    uint64_t        done_seq;  /* plans finished (published or discarded) */
-    int             done_failed; /* the last one finished was discarded */
+    uint64_t        plan_seq;  /* plans begun, ever: a turn's plan is done once plan_key is NULL or a later one began */
     _Atomic int64_t next_chunk; /* the next chunk of the plan to claim: expert j * n_chunks + chunk */
     uint64_t        plan_t0;
     _Atomic(const void *) last_key; /* the last plan's key and the g_op_seq it began at: a thread arriving */
@@ -2316,9 +2314,7 @@ static int64_t end_turn(zipmoe_store * s, zipmoe_turn * turn, const void * ids, 
         if (read && !s->prefilling) {
             atomic_fetch_add(&g_reading_calls, 1);
         }
-        s->done_seq    = s->plan_seq;
-        s->done_failed = s->plan_failed;
-        s->plan_key    = NULL;
+        s->plan_key = NULL;
         pthread_cond_broadcast(&s->cv);
     }
     pthread_mutex_unlock(&s->mu);
@@ -2341,10 +2337,10 @@ int64_t zipmoe_store_materialize_wait(zipmoe_store * s, const zipmoe_turn * turn
         return ZIPMOE_OK;
     }
     pthread_mutex_lock(&s->mu);
-    while (s->done_seq < turn->seq) {
+    while (s->plan_key != NULL && s->plan_seq == turn->seq) {
         pthread_cond_wait(&s->cv, &s->mu);
     }
-    const int failed = s->done_seq == turn->seq && s->done_failed;
+    const int failed = s->plan_seq == turn->seq && s->plan_failed; /* (kept until the next plan begins) */
     pthread_mutex_unlock(&s->mu);
     return failed ? ZIPMOE_ERR_CORRUPT : ZIPMOE_OK; /* (a failed chunk's error is recorded) */
 }

@@ -636,22 +636,18 @@ static void mul_mat_id_op(ggml_tensor * dst, int ith, int nth, void * userdata) 
     // errors are recorded by the store and reported by llama_decode (zipmoe_llama_take_error)
     if (zipmoe_store_materialize_begin(zt->store, dst, ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1],
                                        where, pending, ith, nth, &turn) >= 0) {
-        const ggml_type                    vdt    = ggml_get_type_traits_cpu(w->type)->vec_dot_type;
-        const size_t                       xq_row = ggml_row_size(vdt, x->ne[0]);
+        const ggml_type_traits_cpu *       traits = ggml_get_type_traits_cpu(w->type);
+        const ggml_from_float_t            to_vdt = ggml_get_type_traits_cpu(traits->vec_dot_type)->from_float;
+        const size_t                       xq_row = ggml_row_size(traits->vec_dot_type, x->ne[0]);
         thread_local std::vector<uint8_t> xq; // grown once per thread, not per token
         xq.resize(xq_row * (size_t) (x->ne[1] * x->ne[2]));
-        for (int64_t i2 = 0; i2 < x->ne[2]; i2++) {
+        for (int64_t i2 = 0; i2 < x->ne[2]; i2++) { // (F32 activations: fusable)
             for (int64_t i1 = 0; i1 < x->ne[1]; i1++) {
                 const char * row = static_cast<const char *>(x->data) + i1 * x->nb[1] + i2 * x->nb[2];
-                uint8_t *    to  = xq.data() + (size_t) (i1 + i2 * x->ne[1]) * xq_row;
-                if (x->type == vdt) {
-                    std::memcpy(to, row, xq_row);
-                } else {
-                    ggml_get_type_traits_cpu(vdt)->from_float(reinterpret_cast<const float *>(row), to, x->ne[0]);
-                }
+                to_vdt(reinterpret_cast<const float *>(row), xq.data() + (size_t) (i1 + i2 * x->ne[1]) * xq_row, x->ne[0]);
             }
         }
-        const ggml_vec_dot_t vec_dot = ggml_get_type_traits_cpu(w->type)->vec_dot;
+        const ggml_vec_dot_t vec_dot = traits->vec_dot;
         mm_rows              m       = { zt, dst, w, where, pending, xq.data(), xq_row, x->ne[1], vec_dot, 0 };
         turn.idle     = compute_ready_block;
         turn.idle_ctx = &m;
