@@ -115,12 +115,14 @@ typedef struct {
     int32_t ring;
     int32_t fast;
 } zipmoe_turn;
+#define ZIPMOE_TURN_STREAM 1
 int64_t zipmoe_store_materialize_begin(zipmoe_store * s, const void * key, const void * ids, int64_t ne0,
                                        int64_t ne1, size_t nb0, size_t nb1, int32_t * where, uint8_t * pending,
-                                       int ith, int nth, zipmoe_turn * turn);
+                                       int flags, int ith, int nth, zipmoe_turn * turn);
 int64_t zipmoe_store_materialize_end(zipmoe_store * s, zipmoe_turn * turn, const void * ids, int64_t ne0,
                                      int64_t ne1, size_t nb0, size_t nb1);
 int64_t zipmoe_store_materialize_wait(zipmoe_store * s, const zipmoe_turn * turn);
+int64_t zipmoe_store_stream_chunk(zipmoe_store * s, int64_t e, int64_t c, uint16_t * out);
 int64_t zipmoe_store_place(zipmoe_store * s, int64_t e);
 void    zipmoe_cache_set_store_turns(int enabled);
 int64_t zipmoe_store_activations(zipmoe_store * s, uint64_t * counts, int64_t n);
@@ -155,6 +157,7 @@ typedef struct {
     uint64_t guesses_used;
     uint64_t staging_transient_bytes;
     uint64_t decoding_bytes;
+    uint64_t experts_streamed;
 } zipmoe_stats;
 typedef struct {
     uint64_t experts;

@@ -278,7 +278,7 @@ def test_every_budget_and_policy_gives_the_same_logits(logits: Callable, ours: P
                                                           "prefill": True, **shares}})
             where.append(i)
     reports, got = run_worker(zipmoe_models[arch, "huff"], ours, runs, tmp_path / "budgets.npz")
-    hits = {"hits_warm": 0, "hits_sm": 0}
+    hits = {"hits_warm": 0, "hits_sm": 0, "experts_streamed": 0}
     for k, (run, i) in enumerate(zip(runs, where)):
         what = f"{arch} {run['zipmoe']} {CONFIGS[i]}"
         _no_error(reports[k])
@@ -291,6 +291,7 @@ def test_every_budget_and_policy_gives_the_same_logits(logits: Callable, ours: P
         for name in hits:
             hits[name] += stats[name]
     assert hits["hits_warm"] > 0 and hits["hits_sm"] > 0, hits  # decoded from compressed experts / planes in RAM
+    assert hits["experts_streamed"] > 0, hits  # generation's fused op decoded warm experts in its cache
 
 
 def test_per_expert_scales_follow_the_routed_experts_not_their_places(ours: Path, tmp_path: Path) -> None:

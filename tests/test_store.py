@@ -155,7 +155,7 @@ def test_a_turn_s_decoded_experts_are_ready_at_once_and_the_others_after_its_wai
         start.wait()
         begun = lib.zipmoe_store_materialize_begin(store.handle, key, ffi.from_buffer(ids), ids.shape[1], 1, 4,
                                                    ids.shape[1] * 4, ffi.from_buffer("int32_t[]", wheres[ith]),
-                                                   ffi.from_buffer("uint8_t[]", pendings[ith]), ith, nth, turn)
+                                                   ffi.from_buffer("uint8_t[]", pendings[ith]), 0, ith, nth, turn)
         ready = pendings[ith] == 0
         ready_at_begin[ith] = np.array_equal(store.weights[wheres[ith][ready]], ref[ids[0][ready]])
         turn.idle = idle
@@ -184,15 +184,90 @@ def test_a_turn_s_decoded_experts_are_ready_at_once_and_the_others_after_its_wai
     again = np.array([[5, 6]], np.int32)
     assert lib.zipmoe_store_materialize_begin(store.handle, ffi.new("char[1]"), ffi.from_buffer(again), 2, 1, 4, 8,
                                               ffi.from_buffer("int32_t[]", where),
-                                              ffi.from_buffer("uint8_t[]", pending), 0, 1, turn) == 0
+                                              ffi.from_buffer("uint8_t[]", pending), 0, 0, 1, turn) == 0
     assert pending.tolist() == [0, 0] and turn.plan_n == 0
     assert lib.zipmoe_store_materialize_end(store.handle, turn, ffi.from_buffer(again), 2, 1, 4, 8) == 0
     assert lib.zipmoe_store_materialize_wait(store.handle, turn) == 0
     np.testing.assert_array_equal(store.weights[where], ref[again[0]])
     # pending without where is refused
     assert lib.zipmoe_store_materialize_begin(store.handle, ffi.new("char[1]"), ffi.from_buffer(again), 2, 1, 4, 8,
-                                              ffi.NULL, ffi.from_buffer("uint8_t[]", pending), 0, 1, turn) == \
+                                              ffi.NULL, ffi.from_buffer("uint8_t[]", pending), 0, 0, 1, turn) == \
         lib.ZIPMOE_ERR_ARG
+
+
+def _stream_turn(store: Store, ids: np.ndarray) -> tuple[int, np.ndarray, np.ndarray, object]:
+    """A one-token turn that lets the caller stream warm experts (ZIPMOE_TURN_STREAM), on one thread."""
+    turn = ffi.new("zipmoe_turn *")
+    key = ffi.new("char[1]")
+    store.keys.append(key)
+    where, pending = np.full(ids.size, -1, np.int32), np.full(ids.size, 9, np.uint8)
+    begun = lib.zipmoe_store_materialize_begin(store.handle, key, ffi.from_buffer(ids), ids.shape[1], 1, 4,
+                                               ids.shape[1] * 4, ffi.from_buffer("int32_t[]", where),
+                                               ffi.from_buffer("uint8_t[]", pending), lib.ZIPMOE_TURN_STREAM, 0, 1,
+                                               turn)
+    assert lib.zipmoe_store_materialize_end(store.handle, turn, ffi.from_buffer(ids), ids.shape[1], 1, 4,
+                                            ids.shape[1] * 4) >= 0
+    assert lib.zipmoe_store_materialize_wait(store.handle, turn) == 0
+    return begun, where, pending, turn
+
+
+def _streamed_values(store: Store, ct: format.CompressedTensor, e: int) -> np.ndarray:
+    """Expert e decoded chunk by chunk through zipmoe_store_stream_chunk, as the fused op decodes it."""
+    n, chunk = ct.expert.info.n_per_expert, ct.expert.info.chunk_n
+    out = np.zeros(-(-n // chunk) * chunk, np.uint16)
+    for c in range(-(-n // chunk)):
+        got = lib.zipmoe_store_stream_chunk(store.handle, e, c, ffi.from_buffer("uint16_t[]", out[c * chunk:]))
+        assert got == min(chunk, n - c * chunk), got
+    return out[:n]
+
+
+@pytest.mark.parametrize("hot_slots", [0, 1])
+def test_a_streaming_turn_leaves_warm_experts_to_its_caller_pinned_until_the_next(zipmoe_model, tiny_model, stats,
+                                                                                 hot_slots):
+    """ZIPMOE_TURN_STREAM: routed warm experts stay compressed (pending 2) and their chunks decode exactly, even once
+    the tiers settle below them at the turn's end; with a full hot tier the one that outranks its coldest expert is
+    decoded into a place instead. The next invocation unpins them."""
+    zf = format.open_zipmoe(zipmoe_model)
+    stores = [Store(zipmoe_model, ct) for ct in zf.compressed]  # all of the model's stores share the budget
+    ct, store = zf.compressed[0], stores[0]
+    ref = source_experts(tiny_model, ct)
+    n_expert = ref.shape[0]
+    region = max(ct.expert.span(e).size for e in range(n_expert))
+    hot, warm_all = budget_for(zf, ct, hot_slots, n_expert * region)
+    lib.zipmoe_cache_configure(hot if hot_slots else 0, warm_all, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
+    prompt = np.concatenate([np.arange(n_expert), np.arange(4)])  # all warm; 0..3 outrank the others (TLFU)
+    assert all(r >= 0 for r in store.materialize(prompt.reshape(-1, 1), 2))
+    last = n_expert - 1
+    assert all(r >= 0 for r in store.materialize(np.array([[last]]), 1))  # the hot tier settles to its slots
+    routed = np.array([list(range(4))], np.int32)
+    assert routed.size == 4
+    _, warm_two = budget_for(zf, ct, 0, 2 * region)  # the tier settles to two experts at the turn's end
+    lib.zipmoe_cache_configure(hot if hot_slots else 0, warm_two, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
+    before = stats()
+    begun, where, pending, turn = _stream_turn(store, routed)
+    assert begun == 0
+    promoted = [e for e, p in zip(routed[0], pending) if p == 1]
+    assert sorted(pending.tolist()) == ([2, 2, 2, 2] if hot_slots == 0 else [1, 2, 2, 2])
+    assert turn.plan_n == len(promoted)
+    for e, p, w in zip(routed[0], pending, where):
+        if p == 2:
+            np.testing.assert_array_equal(_streamed_values(store, ct, int(e)), ref[e])
+        else:
+            np.testing.assert_array_equal(store.weights[w], ref[e])  # decoded into its place, as without streaming
+            assert lib.zipmoe_store_stream_chunk(store.handle, int(e), 0, ffi.new("uint16_t[]", ct.expert.info.chunk_n)) \
+                == lib.ZIPMOE_ERR_ARG
+    after = stats()
+    assert after["experts_streamed"] - before["experts_streamed"] == 4 - len(promoted)
+    assert after["hits_warm"] - before["hits_warm"] == 4
+    assert after["experts_decoded"] - before["experts_decoded"] == len(promoted)
+    buf = ffi.new("uint16_t[]", ct.expert.info.chunk_n)
+    streamed = int(routed[0][list(pending).index(2)])
+    assert lib.zipmoe_store_stream_chunk(store.handle, streamed, -1, buf) == lib.ZIPMOE_ERR_ARG
+    assert lib.zipmoe_store_stream_chunk(store.handle, streamed, ct.expert.info.n_chunks, buf) == lib.ZIPMOE_ERR_ARG
+    # the next plan (a turn without the flag, of an expert not hot) unpins them: the tier is back within budget
+    assert all(r >= 0 for r in store.materialize(np.array([[last]]), 1))
+    assert lib.zipmoe_store_stream_chunk(store.handle, streamed, 0, buf) == lib.ZIPMOE_ERR_ARG
+    assert stats()["warm_bytes"] <= warm_two
 
 
 def test_cache_none_decodes_on_every_use(zipmoe_model, tiny_model, stats):

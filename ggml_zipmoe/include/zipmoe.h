@@ -318,7 +318,11 @@ ZIPMOE_API int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, 
  * computes ggml_mul_mat_id's rows itself: the matmul of the routed experts that are decoded already).
  * _begin plans the invocation and starts its reads; where (ne0 * ne1 int32, required) receives the place of every
  * named expert, not a share, and pending (as many bytes) 1 for the experts this invocation decodes, 0 for those
- * decoded already, whose values may be read at once. _end decodes this thread's share, calling turn->idle (set after
+ * decoded already, whose values may be read at once, and, with flags ZIPMOE_TURN_STREAM, 2 for the experts it
+ * leaves in the warm tier for the caller to decode chunk by chunk into its own cache (zipmoe_store_stream_chunk):
+ * a one-token caller that reads each value once saves the expert's trip through memory (written to its place and
+ * read back). A warm expert is still decoded into a place where it takes the hot tier's free room or outranks the
+ * hot expert the policy would evict first. _end decodes this thread's share, calling turn->idle (set after
  * _begin, or NULL) instead of sleeping while the bytes of its next chunk are read; it returns the chunks it decoded
  * or an error.
  * _wait returns once every named expert is decoded (the other threads' shares too): ZIPMOE_OK, or an error if a
@@ -333,12 +337,19 @@ typedef struct {
     int32_t      ring;   /* its reads go through a ring */
     int32_t      fast;   /* every named expert was decoded: _end and _wait return at once */
 } zipmoe_turn;
+#define ZIPMOE_TURN_STREAM 1 /* _begin's flags: the caller decodes warm experts itself (pending 2) */
 ZIPMOE_API int64_t zipmoe_store_materialize_begin(zipmoe_store * s, const void * key, const void * ids, int64_t ne0,
                                                   int64_t ne1, size_t nb0, size_t nb1, int32_t * where,
-                                                  uint8_t * pending, int ith, int nth, zipmoe_turn * turn);
+                                                  uint8_t * pending, int flags, int ith, int nth, zipmoe_turn * turn);
 ZIPMOE_API int64_t zipmoe_store_materialize_end(zipmoe_store * s, zipmoe_turn * turn, const void * ids, int64_t ne0,
                                                 int64_t ne1, size_t nb0, size_t nb1);
 ZIPMOE_API int64_t zipmoe_store_materialize_wait(zipmoe_store * s, const zipmoe_turn * turn);
+/* Decodes chunk c of expert e, which the invocation begun last reported as streamed (pending 2), into
+ * out[info.chunk_n] (the expert's last chunk may be shorter), from its compressed copy in RAM, with normal stores:
+ * out is meant to be read right after, from the cache. The copy stays until the store's next invocation; any
+ * thread may call this, for any chunk, until then. Returns the values decoded, or an error (also recorded for
+ * zipmoe_store_take_error; ZIPMOE_ERR_ARG for an expert that is not streamed). */
+ZIPMOE_API int64_t zipmoe_store_stream_chunk(zipmoe_store * s, int64_t e, int64_t c, uint16_t * out);
 /* Where decoded expert e lies in the BF16 memory, in experts (see zipmoe_store_materialize), or -1 if it is not
  * decoded. */
 ZIPMOE_API int64_t zipmoe_store_place(zipmoe_store * s, int64_t e);
@@ -408,6 +419,7 @@ typedef struct {
     uint64_t staging_transient_bytes; /* of staging_bytes: beyond what each buffer keeps between uses (a prompt's */
                                       /* reads; given back once the reads fit that again)                       */
     uint64_t decoding_bytes;    /* experts being decoded now: their pages are in use before hot_bytes counts them */
+    uint64_t experts_streamed;  /* of hits_warm: left warm for the caller to decode in its cache (ZIPMOE_TURN_STREAM) */
 } zipmoe_stats;
 
 ZIPMOE_API void zipmoe_stats_get(zipmoe_stats * out);

@@ -64,7 +64,10 @@ int zipmoe_cpu_has_avx2(void);
 /* split_avx2.c: only called when the CPU has AVX2 */
 void zipmoe_split_bf16_avx2(const uint16_t * src, size_t n, uint8_t * exp, uint8_t * sm);
 void zipmoe_split_sm_bf16_avx2(const uint16_t * src, size_t n, uint8_t * sm);
-void zipmoe_merge_bf16_avx2(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst);
+/* cached: dst is a buffer about to be read (zipmoe_merge_bf16_cached); else large merges bypass the caches */
+void zipmoe_merge_bf16_avx2(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst, int cached);
+/* split.c: zipmoe_merge_bf16 with normal stores at any size, for output read right after (a streamed chunk) */
+void zipmoe_merge_bf16_cached(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst);
 
 /* codec.c: the chunk checksum over both planes (docs/FORMAT.md) */
 uint64_t zipmoe_chunk_checksum(const void * code, size_t code_size, const uint8_t * sm, size_t n);

@@ -59,6 +59,8 @@ typedef struct {
     uint8_t   hot;       /* decoded in dst, at its place */
     int64_t   place;     /* where in dst (in experts) its values lie or are being decoded, or -1 */
     uint32_t  routed;    /* tokens routed to it by the invocation in flight: pinned while non-zero */
+    uint8_t   streamed;  /* the last plan left it warm for its caller to decode chunk by chunk: its compressed copy
+                          * is pinned while it is routed (zipmoe_store_stream_chunk) */
     uint64_t  last_use;  /* policy metadata: tick of the last use, */
     uint64_t  uses;      /* uses (LFU) or tokens routed (token-weighted LFU), */
     uint64_t  admitted;  /* tick of becoming hot (FIFO), */
@@ -121,6 +123,7 @@ struct zipmoe_store {
     uint64_t        plan_decoding; /* bytes of the plan's experts that are not hot: in g_decoding_bytes until publish */
     plan_item *     plan;
     int             planning;   /* from make_plan until publish: the plan's compressed regions are in use */
+    int             plan_stream; /* the invocation's caller decodes warm experts itself (ZIPMOE_TURN_STREAM) */
     int             prefilling; /* zipmoe_cache_prefill routes its own batches: no counts, no routing log */
     zipmoe_read_job job;        /* the plan's reads, items parallel to plan */
     int             job_active; /* submitted to the reader, and the staging buffer held */
@@ -482,6 +485,7 @@ static uint64_t read_buffers_transient(void);
 static _Atomic uint64_t g_read_ahead_bytes;
 static _Atomic uint64_t g_decoding_bytes; /* planned experts not hot yet: their places' pages are in use */
 static _Atomic uint64_t g_guessed_bytes, g_guesses_used;
+static _Atomic uint64_t g_streamed; /* routed warm experts left for the caller to decode in its cache */
 static _Atomic uint64_t g_prefill_dummy; /* what a prefill's invocations count instead of the model's routing */
 
 void zipmoe_stats_add_read(uint64_t bytes, uint64_t ns) {
@@ -517,12 +521,14 @@ void zipmoe_stats_get(zipmoe_stats * out) {
     out->guesses_used        = atomic_load(&g_guesses_used);
     out->staging_transient_bytes = read_buffers_transient();
     out->decoding_bytes          = atomic_load(&g_decoding_bytes);
+    out->experts_streamed        = atomic_load(&g_streamed);
 }
 
 void zipmoe_stats_reset(void) {
     _Atomic uint64_t * counters[] = { &g_experts, &g_chunks, &g_bytes, &g_ns, &g_calls, &g_hits_hot, &g_hits_warm,
                                       &g_hits_sm, &g_misses, &g_read_bytes, &g_read_ns, &g_evictions, &g_stall_ns,
-                                      &g_reading_calls, &g_read_ahead_bytes, &g_guessed_bytes, &g_guesses_used };
+                                      &g_reading_calls, &g_read_ahead_bytes, &g_guessed_bytes, &g_guesses_used,
+                                      &g_streamed };
     for (size_t i = 0; i < sizeof counters / sizeof counters[0]; i++) {
         atomic_store(counters[i], 0);
     }
@@ -1122,9 +1128,9 @@ static int64_t victim(const zipmoe_store * s, int tier, uint64_t * worth) {
     uint64_t best_score = UINT64_MAX;
     for (int64_t e = 0; e < s->info.n_expert; e++) {
         const expert_state * x = &s->experts[e];
-        /* a routed expert is pinned: decoded, the op's matmul reads it; in a compressed tier, only while a plan
-         * decodes from it (publish and trims come after) */
-        if ((x->routed && (tier == TIER_HOT || s->planning)) || !in_tier(x, tier)) {
+        /* a routed expert is pinned: decoded, the op's matmul reads it; in a compressed tier, while a plan
+         * decodes from it (publish and trims come after), or its caller streams it (until the next plan) */
+        if ((x->routed && (tier == TIER_HOT || s->planning || x->streamed)) || !in_tier(x, tier)) {
             continue;
         }
         const uint64_t sc = tier != TIER_HOT && x->hot ? 0 : score(x, s->policy, tier);
@@ -1302,7 +1308,9 @@ static void settle(zipmoe_store * s) {
     while (s->sm_used > s->sm_limit && (v = victim(s, TIER_SM, NULL)) >= 0) {
         drop_region(s, v);
     }
-    atomic_store(&s->fast_ok, s->hot_used <= s->hot_limit && s->cfg_gen == atomic_load(&g_cfg_gen));
+    /* (the compressed tiers too: experts a caller streams stay pinned beyond them until the next plan) */
+    atomic_store(&s->fast_ok, s->hot_used <= s->hot_limit && s->warm_used <= s->warm_limit &&
+                                  s->cfg_gen == atomic_load(&g_cfg_gen));
 }
 
 static _Atomic int g_store_turns = 1; /* zipmoe_cache_set_store_turns */
@@ -1521,6 +1529,37 @@ static void place_plan(zipmoe_store * s) {
     }
 }
 
+/* Under s->mu, in make_plan after the uses are counted: which routed warm experts a streaming caller decodes
+ * itself (ZIPMOE_TURN_STREAM). One that the hot tier takes is decoded into a place, as without streaming: while the
+ * tier has free room, and the first that outranks the expert it would evict (the policy's contest; one a plan,
+ * since the victims after the first are not known before place_plan). The others stay warm and pinned. */
+static void mark_streamed(zipmoe_store * s, int decode_all) {
+    uint64_t entering = 0; /* hot bytes of the warm experts promoted so far */
+    int      contest  = 1;
+    for (int64_t e = 0; e < s->info.n_expert; e++) {
+        expert_state * x = &s->experts[e];
+        x->streamed      = 0;
+        if (!s->plan_stream || s->prefilling || !x->routed || x->res != RES_FULL || (x->hot && !decode_all)) {
+            continue;
+        }
+        if (!decode_all && s->hot_used + entering + s->hot_size <= s->hot_limit) {
+            entering += s->hot_size;
+            continue;
+        }
+        if (!decode_all && contest) {
+            uint64_t      v_worth;
+            const int64_t v = victim(s, TIER_HOT, &v_worth);
+            if (v >= 0 && !loses(entry_worth(x, s->policy), e, v_worth, v)) {
+                contest = 0;
+                continue;
+            }
+        }
+        x->streamed = 1;
+        atomic_fetch_add(&g_hits_warm, 1);
+        atomic_fetch_add(&g_streamed, 1);
+    }
+}
+
 /* Under s->mu: the plan of a new invocation. Returns an out-of-range expert id, or -1. */
 static int64_t make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int64_t ne1, size_t nb0, size_t nb1) {
     const int64_t n_expert = s->info.n_expert;
@@ -1580,13 +1619,14 @@ static int64_t make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int
     }
     s->plan_n   = 0;
     s->planning = 1;
+    mark_streamed(s, decode_all);
     /* cache affinity: what is in RAM first, fully compressed, then sign+mantissa, then from disk; its
      * chunks keep the cores busy while the reads of the others are in flight */
     for (int pass = 0; pass < 3; pass++) {
         const int want = pass == 0 ? RES_FULL : pass == 1 ? RES_SM : RES_NONE;
         for (int64_t e = 0; e < n_expert; e++) {
             expert_state * x = &s->experts[e];
-            if (x->routed && (!x->hot || decode_all) && x->res == want) {
+            if (x->routed && (!x->hot || decode_all) && x->res == want && !x->streamed) {
                 plan_expert(s, e, tick, &s->plan[s->plan_n++]);
             }
         }
@@ -2050,13 +2090,15 @@ static void discard_plan(zipmoe_store * s) {
     }
 }
 
-/* Whether every expert ids names is decoded: then there is nothing to plan. */
-static int all_routed_hot(const zipmoe_store * s, const uint8_t * ids, int64_t ne0, int64_t ne1, size_t nb0, size_t nb1) {
+/* Whether every expert ids names is decoded (or, with streamed, left to the caller by the last plan): then there is
+ * nothing to plan. */
+static int all_routed_ready(const zipmoe_store * s, const uint8_t * ids, int64_t ne0, int64_t ne1, size_t nb0,
+                            size_t nb1, int streamed) {
     for (int64_t r = 0; r < ne1; r++) {
         for (int64_t k = 0; k < ne0; k++) {
             int32_t e;
             memcpy(&e, ids + r * nb1 + k * nb0, sizeof e);
-            if (e < 0 || e >= s->info.n_expert || !s->experts[e].hot) {
+            if (e < 0 || e >= s->info.n_expert || !(s->experts[e].hot || (streamed && s->experts[e].streamed))) {
                 return 0;
             }
         }
@@ -2149,16 +2191,17 @@ static void report_pending(const zipmoe_store * s, const uint8_t * ids, int64_t 
             for (int64_t j = 0; j < plan_n && !in_plan; j++) {
                 in_plan = s->plan[j].expert == e;
             }
-            pending[r * ne0 + k] = in_plan;
+            const int streamed = e >= 0 && e < s->info.n_expert && s->experts[e].streamed;
+            pending[r * ne0 + k] = in_plan ? 1 : streamed ? 2 : 0;
         }
     }
 }
 
 int64_t zipmoe_store_materialize_begin(zipmoe_store * s, const void * key, const void * ids, int64_t ne0,
                                        int64_t ne1, size_t nb0, size_t nb1, int32_t * where, uint8_t * pending,
-                                       int ith, int nth, zipmoe_turn * turn) {
-    if (!s || !key || !ids || !turn || (pending && !where) || ne0 < 0 || ne1 < 0 || nth < 1 || ith < 0 || ith >= nth ||
-        s->fd < 0) {
+                                       int flags, int ith, int nth, zipmoe_turn * turn) {
+    if (!s || !key || !ids || !turn || (pending && !where) || ((flags & ZIPMOE_TURN_STREAM) && !pending) || ne0 < 0 ||
+        ne1 < 0 || nth < 1 || ith < 0 || ith >= nth || s->fd < 0 || (flags & ~ZIPMOE_TURN_STREAM)) {
         return ZIPMOE_ERR_ARG;
     }
     *turn = (zipmoe_turn) { 0 };
@@ -2169,7 +2212,7 @@ int64_t zipmoe_store_materialize_begin(zipmoe_store * s, const void * key, const
      * same answer and may leave without the lock (which busy machines make costly). Not while the store
      * is over its limits or its configuration changed: then the slow path has evictions to do. */
     if (atomic_load(&s->fast_ok) && atomic_load(&g_cfg_gen) == s->cfg_gen && s->hot_limit > 0 && !s->prefilling &&
-        all_routed_hot(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1)) {
+        all_routed_ready(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1, 0)) {
         if (ith == 0 && !(atomic_load(&s->last_key) == key && atomic_load(&g_op_seq) == atomic_load(&s->last_seq))) {
             atomic_fetch_add(&g_op_seq, 1); /* (a late sibling of a planned invocation counts nothing again) */
             note_hits(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1);
@@ -2211,13 +2254,14 @@ int64_t zipmoe_store_materialize_begin(zipmoe_store * s, const void * key, const
         atomic_store(&s->next_chunk, 0);
     }
     if (s->plan_in == 0 && key == atomic_load(&s->last_key) && atomic_load(&g_op_seq) == atomic_load(&s->last_seq) &&
-        all_routed_hot(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1)) {
+        all_routed_ready(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1, 1)) {
         /* a sibling that arrives after the others finished this invocation (no other op began since, as the
          * engine's barrier holds them all): its experts are decoded; it must not decode or count them again */
         s->plan_n = 0;
     } else if (s->plan_in == 0) {
         atomic_store(&s->last_key, key);
         atomic_store(&s->last_seq, atomic_fetch_add(&g_op_seq, 1) + 1);
+        s->plan_stream    = (flags & ZIPMOE_TURN_STREAM) != 0;
         const int64_t bad = make_plan(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1);
         if (bad != -1) {
             record_error(s, bad, ZIPMOE_ERR_ARG);
@@ -2345,10 +2389,37 @@ int64_t zipmoe_store_materialize_wait(zipmoe_store * s, const zipmoe_turn * turn
     return failed ? ZIPMOE_ERR_CORRUPT : ZIPMOE_OK; /* (a failed chunk's error is recorded) */
 }
 
+int64_t zipmoe_store_stream_chunk(zipmoe_store * s, int64_t e, int64_t c, uint16_t * out) {
+    if (!s || !out || e < 0 || e >= s->info.n_expert || c < 0 || c >= s->info.n_chunks) {
+        return ZIPMOE_ERR_ARG;
+    }
+    const expert_state * x = &s->experts[e]; /* (pinned: set under mu by the plan this thread's _begin saw) */
+    if (!x->streamed || !x->routed || x->res != RES_FULL) {
+        return ZIPMOE_ERR_ARG;
+    }
+    const size_t     chunk_n = (size_t) s->info.chunk_n;
+    thread_scratch * ts = thread_scratch_get(chunk_n, chunk_n + zipmoe_chunk_bound(zipmoe_tensor_codec(s->tensor), chunk_n));
+    if (!ts) {
+        record_error(s, e, ZIPMOE_ERR_NOMEM);
+        return ZIPMOE_ERR_NOMEM;
+    }
+    zipmoe_chunk_ref ref;
+    zipmoe_tensor_chunk(s->tensor, e, c, &ref);
+    /* (the warm copy's bytes were checked when they came from the file, as decode_chunk's are) */
+    const int64_t rc = zipmoe_chunk_decode_exponents(zipmoe_tensor_codec(s->tensor), ts->ws, x->region + ref.code_offset,
+                                                     (size_t) ref.code_size, ts->ws->exp, (size_t) ref.n);
+    if (rc < 0) {
+        record_error(s, e, rc);
+        return rc;
+    }
+    zipmoe_merge_bf16_cached(ts->ws->exp, x->region + ref.first, (size_t) ref.n, out);
+    return ref.n;
+}
+
 int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void * ids, int64_t ne0, int64_t ne1,
                                  size_t nb0, size_t nb1, int32_t * where, int ith, int nth) {
     zipmoe_turn   turn;
-    const int64_t rc = zipmoe_store_materialize_begin(s, key, ids, ne0, ne1, nb0, nb1, where, NULL, ith, nth, &turn);
+    const int64_t rc = zipmoe_store_materialize_begin(s, key, ids, ne0, ne1, nb0, nb1, where, NULL, 0, ith, nth, &turn);
     if (rc < 0 || turn.fast) {
         return rc;
     }

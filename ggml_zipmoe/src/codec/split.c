@@ -56,14 +56,21 @@ void zipmoe_split_sm_bf16(const uint16_t * src, size_t n, uint8_t * sm) {
     zipmoe_split_sm_bf16_scalar(src, n, sm);
 }
 
-void zipmoe_merge_bf16(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst) {
+static void merge_bf16(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst, int cached) {
 #if defined(ZIPMOE_HAVE_AVX2)
     if (zipmoe_cpu_has_avx2()) {
-        zipmoe_merge_bf16_avx2(exp, sm, n, dst);
+        zipmoe_merge_bf16_avx2(exp, sm, n, dst, cached);
         return;
     }
 #endif
+    (void) cached;
     zipmoe_merge_bf16_scalar(exp, sm, n, dst);
+}
+
+void zipmoe_merge_bf16(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst) { merge_bf16(exp, sm, n, dst, 0); }
+
+void zipmoe_merge_bf16_cached(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst) {
+    merge_bf16(exp, sm, n, dst, 1);
 }
 
 void zipmoe_exponent_histogram(const uint16_t * src, size_t n, uint64_t hist[256]) {

@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <numeric>
 #include <unordered_map>
 #include <vector>
 
@@ -176,6 +177,8 @@ static uint64_t embd_charge(uint64_t embd_bytes, uint64_t row_bytes) {
 //                         under a tenth of the misses, with no speed difference to measure; tiered-cache.md)
 //   ZIPMOE_FUSED          "0": in generation too, a node that materialises and then ggml_mul_mat_id (default: one
 //                         node computes the matmul's rows, those of decoded experts while the others are read)
+//   ZIPMOE_STREAM         "0": the fused node decodes a routed warm expert into a place, as a prompt's batch does
+//                         (default: into each thread's cache, a few chunks at a time, computing their rows there)
 //   ZIPMOE_PREFILL        "0": leave the tiers empty at load (default: fill them, as llama.cpp's read-ahead and
 //                         warm-up fill the page cache for a plain model, so that the first tokens do not wait)
 bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t embd_row_bytes, std::string & info,
@@ -575,8 +578,17 @@ static void materialize_after_guess_op(ggml_tensor * dst, const ggml_tensor * id
 // vec_dot-ed with the activations converted by from_float), so the result is bit for bit ggml's. Every thread
 // converts the activations itself (an op has no barrier), then claims blocks of rows: first those of experts it
 // may read now (also while its decoding waits for a read), then, once _wait has returned (every expert decoded),
-// the rest.
+// the rest. A warm expert the store leaves to the op (pending 2, ZIPMOE_TURN_STREAM) is decoded a few chunks at a
+// time into the thread's cache and its rows computed from there: its values never go through memory, which on a
+// machine whose cores share little bandwidth is most of what a decode into its place costs.
 static constexpr int64_t MM_BLOCK_ROWS = 32;
+
+// Rows of a streamed expert per claim: whole chunks where rows fit them (2048-wide rows: 32 rows, one 64K chunk;
+// 768-wide: 256 rows, three chunks), else about a chunk's rows, decoding each chunk they straddle.
+static int64_t stream_unit_rows(int64_t k, int64_t chunk_n) {
+    const int64_t span = std::lcm(k, chunk_n);
+    return span / chunk_n <= 4 ? span / k : std::max<int64_t>(1, chunk_n / k);
+}
 
 // One thread's view of a fused invocation: the places and the activations converted to the weight's vec_dot type.
 struct mm_rows {
@@ -585,6 +597,10 @@ struct mm_rows {
     const ggml_tensor *   w;
     const int32_t *       where;
     const uint8_t *       pending;
+    const int32_t *       expert;     // the routed ids: a streamed slot's expert
+    int64_t               chunk_n;    // values per chunk, and rows per claim of a streamed slot
+    int64_t               unit_rows;
+    uint16_t *            scratch;    // the thread's: the chunks of one claim
     const uint8_t *       xq;
     size_t                xq_row;
     int64_t               ne11;
@@ -592,26 +608,47 @@ struct mm_rows {
     int64_t               cursor; // the first slot of the current phase that may have blocks left
 };
 
-// Claims and computes one block of rows of a routed slot whose pending flag is `which`; false once none is left.
-static bool compute_block(mm_rows & m, uint8_t which) {
+// The rows of claim u of streamed slot k: the chunks they lie in, decoded into the thread's scratch, then vec_dot.
+static void compute_streamed(const mm_rows & m, int64_t k, int64_t u, const void * xrow, float * out) {
+    const int64_t n_in = m.w->ne[0], n_rows = m.w->ne[1];
+    const int64_t r0 = u * m.unit_rows, r1 = std::min(n_rows, r0 + m.unit_rows);
+    const int64_t c0 = r0 * n_in / m.chunk_n, c1 = (r1 * n_in - 1) / m.chunk_n;
+    for (int64_t c = c0; c <= c1; c++) {
+        if (zipmoe_store_stream_chunk(m.zt->store, m.expert[k], c, m.scratch + (c - c0) * m.chunk_n) < 0) {
+            return; // (recorded by the store: llama_decode reports it and drops the output)
+        }
+    }
+    for (int64_t r = r0; r < r1; r++) {
+        m.vec_dot((int) n_in, &out[r], 0, m.scratch + (r * n_in - c0 * m.chunk_n), 0, xrow, 0, 1);
+    }
+}
+
+// Claims and computes one block of rows of a routed slot: after _wait (`decoded`) those of the experts this
+// invocation decoded, before it the others (decoded already, or streamed); false once none is left.
+static bool compute_block(mm_rows & m, bool decoded) {
     const int64_t n_used = m.dst->ne[1];
     const int64_t n_slot = n_used * m.dst->ne[2];
     const int64_t n_rows = m.w->ne[1];
-    const int64_t blocks = (n_rows + MM_BLOCK_ROWS - 1) / MM_BLOCK_ROWS;
     for (; m.cursor < n_slot; m.cursor++) {
         const int64_t k = m.cursor;
-        if (m.pending[k] != which || m.where[k] < 0 || m.where[k] >= m.w->ne[2]) {
+        if ((m.pending[k] == 1) != decoded || m.where[k] < 0 || m.where[k] >= m.w->ne[2]) {
             continue; // (an id out of range fails the invocation: its error is recorded, the output dropped)
         }
-        const int64_t b = m.zt->blocks[k].next.fetch_add(1, std::memory_order_relaxed);
-        if (b >= blocks) {
+        const bool    streamed = m.pending[k] == 2;
+        const int64_t rows     = streamed ? m.unit_rows : MM_BLOCK_ROWS;
+        const int64_t b        = m.zt->blocks[k].next.fetch_add(1, std::memory_order_relaxed);
+        if (b >= (n_rows + rows - 1) / rows) {
             continue;
         }
         const int64_t i1   = k % n_used, i2 = k / n_used;
-        const char *  base = static_cast<const char *>(m.w->data) + (size_t) m.where[k] * m.w->nb[2];
         const void *  xrow = m.xq + (size_t) (i1 % m.ne11 + i2 * m.ne11) * m.xq_row;
         char *        col  = static_cast<char *>(m.dst->data) + i1 * m.dst->nb[1] + i2 * m.dst->nb[2];
         float *       out  = reinterpret_cast<float *>(col);
+        if (streamed) {
+            compute_streamed(m, k, b, xrow, out);
+            return true;
+        }
+        const char *  base = static_cast<const char *>(m.w->data) + (size_t) m.where[k] * m.w->nb[2];
         const int64_t r1   = std::min(n_rows, (b + 1) * MM_BLOCK_ROWS);
         for (int64_t r = b * MM_BLOCK_ROWS; r < r1; r++) {
             m.vec_dot((int) m.w->ne[0], &out[r], 0, base + r * m.w->nb[1], 0, xrow, 0, 1);
@@ -622,7 +659,7 @@ static bool compute_block(mm_rows & m, uint8_t which) {
 }
 
 // What a thread decoding for the store does while the bytes of its next chunk are read: a block of decoded rows.
-static int compute_ready_block(void * ctx) { return compute_block(*static_cast<mm_rows *>(ctx), 0); }
+static int compute_ready_block(void * ctx) { return compute_block(*static_cast<mm_rows *>(ctx), false); }
 
 static void mul_mat_id_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     auto *              zt  = static_cast<zipmoe_llama_tensor *>(userdata);
@@ -633,9 +670,10 @@ static void mul_mat_id_op(ggml_tensor * dst, int ith, int nth, void * userdata) 
     int32_t             where[64];
     uint8_t             pending[64];
     zipmoe_turn         turn;
+    static const bool   stream = !(std::getenv("ZIPMOE_STREAM") && std::strcmp(std::getenv("ZIPMOE_STREAM"), "0") == 0);
     // errors are recorded by the store and reported by llama_decode (zipmoe_llama_take_error)
     if (zipmoe_store_materialize_begin(zt->store, dst, ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1],
-                                       where, pending, ith, nth, &turn) >= 0) {
+                                       where, pending, stream ? ZIPMOE_TURN_STREAM : 0, ith, nth, &turn) >= 0) {
         const ggml_type_traits_cpu *       traits = ggml_get_type_traits_cpu(w->type);
         const ggml_from_float_t            to_vdt = ggml_get_type_traits_cpu(traits->vec_dot_type)->from_float;
         const size_t                       xq_row = ggml_row_size(traits->vec_dot_type, x->ne[0]);
@@ -647,16 +685,29 @@ static void mul_mat_id_op(ggml_tensor * dst, int ith, int nth, void * userdata) 
                 to_vdt(reinterpret_cast<const float *>(row), xq.data() + (size_t) (i1 + i2 * x->ne[1]) * xq_row, x->ne[0]);
             }
         }
+        int32_t expert[64];
+        for (int64_t k = 0; k < n_slot; k++) { // (one token: fusable)
+            std::memcpy(&expert[k], static_cast<const char *>(ids->data) + k * ids->nb[0], sizeof expert[k]);
+        }
+        zipmoe_tensor_info info;
+        zipmoe_tensor_get_info(zipmoe_store_tensor(zt->store), &info);
+        const int64_t unit_rows = stream_unit_rows(w->ne[0], info.chunk_n);
+        const int64_t unit_span = (unit_rows * w->ne[0] + info.chunk_n - 1) / info.chunk_n + 1; // chunks it may touch
+        thread_local std::vector<uint16_t> scratch; // grown once per thread
+        if (stream && scratch.size() < (size_t) (unit_span * info.chunk_n)) {
+            scratch.resize((size_t) (unit_span * info.chunk_n));
+        }
         const ggml_vec_dot_t vec_dot = traits->vec_dot;
-        mm_rows              m       = { zt, dst, w, where, pending, xq.data(), xq_row, x->ne[1], vec_dot, 0 };
+        mm_rows m = { zt, dst, w, where, pending, expert, info.chunk_n, unit_rows, scratch.data(), xq.data(), xq_row,
+                      x->ne[1], vec_dot, 0 };
         turn.idle     = compute_ready_block;
         turn.idle_ctx = &m;
         zipmoe_store_materialize_end(zt->store, &turn, ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1]);
-        while (compute_block(m, 0)) {
+        while (compute_block(m, false)) {
         }
         if (zipmoe_store_materialize_wait(zt->store, &turn) == ZIPMOE_OK) {
             m.cursor = 0;
-            while (compute_block(m, 1)) {
+            while (compute_block(m, true)) {
             }
         }
     }
