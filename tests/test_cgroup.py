@@ -118,3 +118,21 @@ def test_zipmoe_completes_in_a_limit_below_the_bf16_model(llama_lib_dir: Path, c
     bench.parse_tg(got)
     assert got["tokens"] == N_GEN
     assert got["text"] == ref["text"], f"zipmoe generated other tokens than BF16 ({where})"
+
+
+def test_a_read_throttle_slows_the_run_s_reads_to_its_rate(cgroup_parent: Path, tmp_path: Path) -> None:
+    """bench_budget --read-rate: a run in the throttle reads a file no faster than the rate (direct reads, so that
+    nothing comes from the page cache), and the cgroups it made are gone afterwards."""
+    bench = _bench_module()
+    data = tmp_path / "data.bin"
+    data.write_bytes(os.urandom(3 << 20))
+    rate = 1 << 20
+    try:
+        throttle = bench.ReadThrottle(rate, data)
+    except bench.BenchError as e:
+        pytest.skip(str(e))
+    argv = ["dd", f"if={data}", "of=/dev/null", "bs=1M", "iflag=direct"]
+    got = bench.run_limited(argv, dict(os.environ), cgroup_parent, None, TIMEOUT, tmp_path / "dd", throttle=throttle)
+    assert got["status"] == "ok", got.get("stderr_tail")
+    assert got["wall_s"] >= 0.8 * (3 << 20) / rate, got["wall_s"]  # ~3 s at 1 MiB/s; unthrottled, milliseconds
+    assert not list(throttle.parent.glob("zipmoe-bench-*")) and not list(cgroup_parent.glob("zipmoe-bench-*"))

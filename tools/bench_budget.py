@@ -106,29 +106,71 @@ def parse_size(text: str) -> int:
 # --------------------------------------------------------------------------------------- cgroup v1 memory
 
 
-def memory_mount() -> Path:
-    """Where the cgroup v1 memory controller is mounted; BenchError if it is not."""
+def controller_mount(controller: str) -> Path | None:
+    """Where a cgroup v1 controller is mounted, or None."""
     try:
         with open("/proc/mounts") as f:
             for line in f:
                 fields = line.split()
-                if len(fields) >= 4 and fields[2] == "cgroup" and "memory" in fields[3].split(","):
+                if len(fields) >= 4 and fields[2] == "cgroup" and controller in fields[3].split(","):
                     return Path(fields[1])
     except OSError as e:
         raise BenchError(f"cannot read /proc/mounts: {e}") from e
+    return None
+
+
+def memory_mount() -> Path:
+    """Where the cgroup v1 memory controller is mounted; BenchError if it is not."""
+    mount = controller_mount("memory")
+    if mount is not None:
+        return mount
     raise BenchError("the cgroup v1 memory controller is not mounted (no `cgroup` mount with the memory option in "
                      "/proc/mounts; on a cgroup v2-only system, boot with systemd.unified_cgroup_hierarchy=0 or "
                      "mount it: mount -t cgroup -o memory none /sys/fs/cgroup/memory)")
 
 
-def own_memory_cgroup() -> str:
-    """This process's cgroup in the v1 memory hierarchy ("/" when none is listed)."""
+def own_memory_cgroup(controller: str = "memory") -> str:
+    """This process's cgroup in a v1 hierarchy ("/" when none is listed)."""
     with open("/proc/self/cgroup") as f:
         for line in f:
             parts = line.rstrip("\n").split(":", 2)
-            if len(parts) == 3 and "memory" in parts[1].split(","):
+            if len(parts) == 3 and controller in parts[1].split(","):
                 return parts[2] or "/"
     return "/"
+
+
+class ReadThrottle:
+    """A cgroup v1 blkio throttle on the disk that holds the models (--read-rate): slower storage than this
+    machine's, an eMMC or SD card's, for stock and zipmoe alike. Direct and buffered reads are both throttled (the
+    reads of a page fault or a pread are the reader's own, charged to its cgroup)."""
+
+    def __init__(self, rate: int, model: Path) -> None:
+        mount = controller_mount("blkio")
+        if mount is None:
+            raise BenchError("--read-rate needs the cgroup v1 blkio controller (no `cgroup` mount with the blkio "
+                             "option in /proc/mounts)")
+        self.parent = mount / own_memory_cgroup("blkio").lstrip("/")
+        if not (self.parent / "blkio.throttle.read_bps_device").exists():
+            raise BenchError(f"{self.parent} has no blkio.throttle.read_bps_device: the kernel lacks block throttling")
+        dev = os.stat(model).st_dev
+        block = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+        if (block / "partition").exists():  # throttles apply to whole disks
+            block = block.resolve().parent
+        try:
+            self.device = (block / "dev").read_text().strip()
+        except OSError as e:
+            raise BenchError(f"{model} is not on a block device this can throttle ({block}: {e.strerror or e})") from e
+        self.rate = rate
+
+    def make(self, name: str) -> Path:
+        path = self.parent / name
+        path.mkdir()
+        try:
+            (path / "blkio.throttle.read_bps_device").write_text(f"{self.device} {self.rate}")
+        except OSError:
+            path.rmdir()
+            raise
+        return path
 
 
 def check_environment(parent_arg: str | None) -> Path:
@@ -192,11 +234,15 @@ class Cgroup:
 
     count = 0
 
-    def __init__(self, parent: Path, limit: int | None) -> None:
+    def __init__(self, parent: Path, limit: int | None, throttle: ReadThrottle | None = None) -> None:
         Cgroup.count += 1
-        self.path = parent / f"zipmoe-bench-{os.getpid()}-{Cgroup.count}"
+        name = f"zipmoe-bench-{os.getpid()}-{Cgroup.count}"
+        self.path = parent / name
         self.path.mkdir()
+        self.io: Path | None = None
         try:
+            if throttle is not None:
+                self.io = throttle.make(name)
             if limit is not None:
                 (self.path / "memory.limit_in_bytes").write_text(str(limit))
                 memsw = self.path / "memory.memsw.limit_in_bytes"
@@ -205,7 +251,7 @@ class Cgroup:
         except OSError:
             self.remove()
             raise
-        self.procs = str(self.path / "cgroup.procs")
+        self.procs = [str(self.path / "cgroup.procs")] + ([str(self.io / "cgroup.procs")] if self.io else [])
 
     def read(self, name: str) -> str:
         try:
@@ -228,33 +274,37 @@ class Cgroup:
         return out
 
     def remove(self) -> None:
-        for _ in range(50):
-            try:
-                self.path.rmdir()
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                time.sleep(0.1)  # the last task may take a moment to leave
-        say(f"warning: could not remove {self.path}")
+        for path in (self.path, self.io):
+            for _ in range(50 if path else 0):
+                try:
+                    path.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.1)  # the last task may take a moment to leave
+            else:
+                if path:
+                    say(f"warning: could not remove {path}")
 
 
 def run_limited(argv: list[str], env: dict[str, str], parent: Path, limit: int | None, timeout: float,
-                log_stem: Path, drop_cache: bool = True) -> dict[str, Any]:
+                log_stem: Path, drop_cache: bool = True, throttle: ReadThrottle | None = None) -> dict[str, Any]:
     """Runs argv in a fresh cgroup with the given memory limit (None: no limit), cold unless drop_cache is
     false, and returns what happened: status ok / oom / timeout / failed / too-small, exit code or signal, wall
     time, the cgroup's peak usage and failcnt, the rusage, zipmoe's budget line, and stdout and stderr (also
     kept in log_stem.out / .err)."""
     out_path, err_path = log_stem.with_suffix(".out"), log_stem.with_suffix(".err")
-    cg = Cgroup(parent, limit)
+    cg = Cgroup(parent, limit, throttle)
     pid = None
     try:
         if drop_cache:
             drop_page_cache()
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             t0 = time.monotonic()
-            # the shell puts itself in the cgroup, then becomes argv (same pid: wait4's rusage is argv's)
-            proc = subprocess.Popen(["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', cg.procs, *argv], env=env,
+            # the shell puts itself in the cgroups, then becomes argv (same pid: wait4's rusage is argv's)
+            proc = subprocess.Popen(["/bin/sh", "-c", 'for f in $0; do echo $$ > "$f" || exit 125; done; exec "$@"',
+                                     " ".join(cg.procs), *argv], env=env,
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
             pid = proc.pid
             timed_out = False
@@ -435,8 +485,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         say(f"warning: a cgroup above {parent} limits memory to {above / MIB:.0f} MiB, less than the largest "
             f"limit here ({largest / MIB:.0f} MiB): those runs are limited by it")
 
+    throttle = ReadThrottle(args.read_rate, Path(next(iter(models.values()))["bf16"])) if args.read_rate else None
     runs: list[dict[str, Any]] = []
     res = {"synthetic": True, "preset": args.preset, "models": models, "budgets_pct": args.budgets,
+           "read_rate_bytes": args.read_rate,
            "overhead_bytes": args.overhead, "gen_tokens": args.gen, "pp_tokens": args.pp, "prompt": args.prompt,
            "threads_llama_bench": args.threads, "threads_llama_simple": "llama.cpp default (4)",
            "timeout_s": args.timeout, "zipmoe_env": zipmoe_extra, "tests": args.tests, "repeat": args.repeat,
@@ -483,7 +535,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     argv = [str(bench), "-m", model, "-p", str(args.pp), "-n", "0", "-r", "1",
                             "-t", str(args.threads), "-o", "json", "-v"]
                 stem = logdir / f"{args.preset}-{routing}-{label.rstrip('%')}-{engine}-{test}-{rep}-{slot}"
-                one = run_limited(argv, env, parent, limit, args.timeout, stem)
+                one = run_limited(argv, env, parent, limit, args.timeout, stem, throttle=throttle)
                 if test == "tg":
                     parse_tg(one)
                 else:
@@ -623,6 +675,9 @@ def print_report(res: dict[str, Any]) -> None:
           f"timeout {res['timeout_s']:g} s per run"
           + (f"; tokens/s: medians of {res['repeat']} runs, stock and zipmoe alternating (--json has each run)"
              if res.get("repeat", 1) > 1 else ""))
+    if res.get("read_rate_bytes"):
+        print(f"reads throttled to {res['read_rate_bytes'] / MIB:.0f} MiB/s (cgroup v1 blkio, stock and zipmoe alike): "
+              f"slower storage than this machine's disk")
     print(f"zipmoe: ZIPMOE_MEMORY_BUDGET = limit - overhead, overhead = {res['overhead_bytes'] / MIB:.0f} MiB"
           + (f"; also {' '.join(f'{k}={v}' for k, v in res['zipmoe_env'].items())}" if res["zipmoe_env"] else ""))
     if res.get("partial"):
@@ -738,7 +793,8 @@ def plot(res: dict[str, Any], path: Path) -> bool:
         ax.set_title(f"{test}: {'llama-simple' if test == 'tg' else 'llama-bench pp' + str(res['pp_tokens'])}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"zipmoe vs stock llama.cpp under a cgroup memory limit — SYNTHETIC model ({res['preset']}); "
+    rate = f"; reads throttled to {res['read_rate_bytes'] / MIB:.0f} MiB/s" if res.get("read_rate_bytes") else ""
+    fig.suptitle(f"zipmoe vs stock llama.cpp under a cgroup memory limit — SYNTHETIC model ({res['preset']}){rate}; "
                  f"dotted: no limit", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -811,6 +867,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant-lib", type=Path, metavar="DIR",
                    help="the second zipmoe loads its libraries from DIR first (LD_LIBRARY_PATH), e.g. a copy of an "
                         "earlier build's libggml-zipmoe.so: the old library against the new, side by side")
+    p.add_argument("--read-rate", type=_size, metavar="BYTES/S",
+                   help="throttle every run's reads from the models' disk to this rate (cgroup v1 blkio), e.g. 400MiB "
+                        "for an eMMC or SD card's: storage slower than this machine's (default: none)")
     p.add_argument("--gen", type=int, default=32, help="tokens llama-simple generates (default: %(default)s)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="llama-simple's prompt (default: %(default)r)")
     p.add_argument("--pp", type=int, default=512, help="prompt tokens of llama-bench's pp test (default: %(default)s)")
