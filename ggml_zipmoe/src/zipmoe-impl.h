@@ -46,7 +46,10 @@ struct zipmoe_workspace {
 int64_t zipmoe_huff_init(zipmoe_huff * h, const uint8_t lengths[256]);
 size_t  zipmoe_huff_bound(size_t n);
 int64_t zipmoe_huff_encode(const zipmoe_huff * h, const uint8_t * exp, size_t n, uint8_t * dst, size_t cap);
-int64_t zipmoe_huff_decode(const zipmoe_huff * h, const uint8_t * code, size_t code_size, uint8_t * exp, size_t n);
+/* warm (or NULL): warm_size bytes the caller reads next (a chunk's sign+mantissa plane), prefetched into L2 while the
+ * codes decode: that plane's read from memory then overlaps the decoder's arithmetic instead of following it */
+int64_t zipmoe_huff_decode(const zipmoe_huff * h, const uint8_t * code, size_t code_size, uint8_t * exp, size_t n,
+                           const void * warm, size_t warm_size);
 
 /* zstd.c */
 size_t  zipmoe_zstd_bound(size_t n);
@@ -72,6 +75,9 @@ void zipmoe_merge_bf16_cached(const uint8_t * exp, const uint8_t * sm, size_t n,
 /* codec.c: the chunk checksum over both planes (docs/FORMAT.md) */
 uint64_t zipmoe_chunk_checksum(const void * code, size_t code_size, const uint8_t * sm, size_t n);
 /* codec.c: encodes an exponent plane with the codec; the chunk format of docs/FORMAT.md */
+/* codec.c: zipmoe_chunk_decode_exponents, warming the bytes the caller reads next (zipmoe_huff_decode) */
+int64_t zipmoe_decode_exp(const zipmoe_codec_ctx * c, zipmoe_workspace * ws, const void * code, size_t code_size,
+                          uint8_t * exp, size_t n, const void * warm, size_t warm_size);
 int64_t zipmoe_encode_exp(const zipmoe_codec_ctx * c, zipmoe_workspace * ws, const uint8_t * exp, size_t n, void * dst, size_t cap);
 
 /* tensor.c: where chunk c of expert e lies: its code from the start of the expert's region, its size,

@@ -2406,8 +2406,9 @@ int64_t zipmoe_store_stream_chunk(zipmoe_store * s, int64_t e, int64_t c, uint16
     zipmoe_chunk_ref ref;
     zipmoe_tensor_chunk(s->tensor, e, c, &ref);
     /* (the warm copy's bytes were checked when they came from the file, as decode_chunk's are) */
-    const int64_t rc = zipmoe_chunk_decode_exponents(zipmoe_tensor_codec(s->tensor), ts->ws, x->region + ref.code_offset,
-                                                     (size_t) ref.code_size, ts->ws->exp, (size_t) ref.n);
+    const int64_t rc = zipmoe_decode_exp(zipmoe_tensor_codec(s->tensor), ts->ws, x->region + ref.code_offset,
+                                         (size_t) ref.code_size, ts->ws->exp, (size_t) ref.n, x->region + ref.first,
+                                         (size_t) ref.n);
     if (rc < 0) {
         record_error(s, e, rc);
         return rc;

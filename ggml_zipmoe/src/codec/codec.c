@@ -94,13 +94,19 @@ int64_t zipmoe_chunk_encode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
     return zipmoe_encode_exp(c, ws, ws->exp, n, dst, cap);
 }
 
+int64_t zipmoe_decode_exp(const zipmoe_codec_ctx * c, zipmoe_workspace * ws, const void * code, size_t code_size,
+                          uint8_t * exp, size_t n, const void * warm, size_t warm_size) {
+    return c->codec == ZIPMOE_CODEC_HUFF
+               ? zipmoe_huff_decode(&c->huff, (const uint8_t *) code, code_size, exp, n, warm, warm_size)
+               : zipmoe_zstd_decode(ws, (const uint8_t *) code, code_size, exp, n);
+}
+
 int64_t zipmoe_chunk_decode_exponents(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
                                       const void * code, size_t code_size, uint8_t * exp, size_t n) {
     if (!c || !ws || !code || (!exp && n)) {
         return ZIPMOE_ERR_ARG;
     }
-    return c->codec == ZIPMOE_CODEC_HUFF ? zipmoe_huff_decode(&c->huff, (const uint8_t *) code, code_size, exp, n)
-                                         : zipmoe_zstd_decode(ws, (const uint8_t *) code, code_size, exp, n);
+    return zipmoe_decode_exp(c, ws, code, code_size, exp, n, NULL, 0);
 }
 
 int64_t zipmoe_chunk_decode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
@@ -115,7 +121,7 @@ int64_t zipmoe_chunk_decode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
     if (checksum_check && zipmoe_chunk_checksum(code, code_size, sm, n) != checksum) {
         return ZIPMOE_ERR_CHECKSUM;
     }
-    const int64_t rc = zipmoe_chunk_decode_exponents(c, ws, code, code_size, ws->exp, n);
+    const int64_t rc = zipmoe_decode_exp(c, ws, code, code_size, ws->exp, n, sm, n);
     if (rc < 0) {
         return rc;
     }
