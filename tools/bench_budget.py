@@ -32,6 +32,11 @@ zipmoe, stock, variant at each limit and repetition) and reported against the fi
 libggml-zipmoe.so (--variant-lib: a directory put first on LD_LIBRARY_PATH) compared where the machine's drift
 and the host's disk cache cannot take sides. A change's A/B belongs here, not in separate benchmark runs.
 
+--read-rate BYTES/S throttles every run's reads from the models' disk (a cgroup v1 blkio throttle, stock's and
+zipmoe's alike, direct and buffered reads): an edge device's eMMC, UFS or SD card instead of this machine's disk,
+where a miss costs more than the cores' decode and compressed tiers pay (try --variant-env ZIPMOE_HOT_SHARE=0).
+The targets are set for the machine's own disk.
+
 The models are synthetic (random weights, made by tools/make_synth.py --preset PRESET [--routing skewed] and
 converted with `python -m pyzipmoe convert`), kept in --workdir and reused while they exist. The output labels
 them synthetic. llama-simple has no thread option: it computes with llama.cpp's default of 4 threads.
@@ -51,6 +56,8 @@ Examples:
   sudo .venv/bin/python tools/bench_budget.py --routings skewed --tests tg --zipmoe-env ZIPMOE_CACHE_POLICY=lru
   sudo .venv/bin/python tools/bench_budget.py --budgets 75 --tests tg --repeat 3 --variant-env ZIPMOE_PREDICT=1
       # an option against the default, in the same alternation
+  sudo .venv/bin/python tools/bench_budget.py --budgets 60,75 --tests tg --read-rate 400MiB \
+      --variant-env ZIPMOE_HOT_SHARE=0                                 # slow storage: decoded-only against warm-only
   sudo .venv/bin/python tools/bench_budget.py --preset small --overhead 16MiB --gen 16 --pp 64   # smoke, ~1 min
   .venv/bin/python tools/bench_budget.py --report budget.json --plot budget.png   # the tables again, no runs
 """
@@ -733,7 +740,9 @@ def print_report(res: dict[str, Any]) -> None:
                          for test in res["tests"]]
                 same = {None: "-", True: "same text", False: "DIFFERENT TEXT"}[row.get("variant_match")]
                 print(f"  {'unconstrained' if b is None else f'{b:g}%':<13} {'; '.join(parts)}; {same}")
-        print("targets (zipmoe / stock, tg unless stated):")
+        print("targets (zipmoe / stock, tg unless stated)"
+              + (": set for this machine's own disk, not for throttled reads" if res.get("read_rate_bytes") else "")
+              + ":")
         for t in res["targets"][routing]:
             verdict = {None: "not measured", True: "met", False: "NOT met"}[t["met"]]
             at = "" if t["budget_pct"] is None else f" at {t['budget_pct']:g}%"
