@@ -245,8 +245,8 @@ def print_completion_stats(c: Completion, err: TextIO = sys.stderr) -> None:
             share = {name: 100 * s[key] / routed for name, key in
                      (("hot", "hits_hot"), ("warm", "hits_warm"), ("sm", "hits_sm"), ("cold", "misses"))}
             stall = s["stall_ns"] / 1e9 / max(1, c.prompt_tokens + c.generated_tokens)
-            streamed = (f" ({100 * s['experts_streamed'] / routed:.0f}% decoded in cache, not kept)"
-                        if s.get("experts_streamed") else "")
+            streamed = (f" ({100 * s['experts_streamed'] / routed:.0f}% of routed streamed through the cores' "
+                        "caches, not kept)" if s.get("experts_streamed") else "")
             print(f"[zipmoe cache: routed experts found {', '.join(f'{k} {v:.0f}%' for k, v in share.items())}"
                   f"{streamed}; "
                   f"{s['bytes_read'] / mib:.1f} MiB read from disk; stalled {stall * 1000:.1f} ms per token; "

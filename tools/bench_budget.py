@@ -301,7 +301,8 @@ def run_limited(argv: list[str], env: dict[str, str], parent: Path, limit: int |
     false, and returns what happened: status ok / oom / timeout / failed / too-small, exit code or signal, wall
     time, the cgroup's peak usage and failcnt, the rusage, zipmoe's budget line, and stdout and stderr (also
     kept in log_stem.out / .err)."""
-    out_path, err_path = log_stem.with_suffix(".out"), log_stem.with_suffix(".err")
+    # (not with_suffix: a stem like 2.8g-uniform-40-... has a "suffix", and every run's logs were 2.out and 2.err)
+    out_path, err_path = log_stem.with_name(log_stem.name + ".out"), log_stem.with_name(log_stem.name + ".err")
     cg = Cgroup(parent, limit, throttle)
     pid = None
     try:
