@@ -338,6 +338,28 @@ def test_corrupt_chunk_is_reported_with_tensor_and_expert(zipmoe_model, tmp_path
     assert stats()["decoding_bytes"] == 0  # a discarded plan's experts are not being decoded any more
 
 
+def test_a_late_sibling_of_a_failed_invocation_fails_too_and_plans_nothing(zipmoe_model, tmp_path, stats):
+    """A thread that arrives after its siblings finished a failed invocation (same key, no other op since) must not
+    plan it again: its siblings may still be streaming from what the plan pinned. It fails too, decoding nothing."""
+    bad, zf = damaged_copy(zipmoe_model, tmp_path, 4)
+    store = Store(bad, zf.compressed[0])
+    key = ffi.new("char[1]")
+    store.keys.append(key)
+    ids = np.ascontiguousarray([[4, 0]], np.int32)
+    where = np.full(ids.shape, -1, np.int32)
+    first = lib.zipmoe_store_materialize(store.handle, key, ffi.from_buffer(ids), 2, 1, 4, 8,
+                                         ffi.from_buffer("int32_t[]", where), 1, 2)  # thread 1 does the work
+    assert first == lib.ZIPMOE_ERR_CHECKSUM
+    assert lib.zipmoe_store_take_error(store.handle, ffi.NULL, 0) == lib.ZIPMOE_ERR_CHECKSUM
+    decoded = stats()["experts_decoded"]
+    late = lib.zipmoe_store_materialize(store.handle, key, ffi.from_buffer(ids), 2, 1, 4, 8,
+                                        ffi.from_buffer("int32_t[]", where), 0, 2)  # thread 0 comes late
+    assert late >= 0 and stats()["experts_decoded"] == decoded  # nothing planned nor decoded again
+    assert lib.zipmoe_store_take_error(store.handle, ffi.NULL, 0) == lib.ZIPMOE_ERR_CORRUPT  # and it failed
+    # a new invocation (a new key) plans again, and fails again on the damaged expert, never silently
+    assert any(r == lib.ZIPMOE_ERR_CHECKSUM for r in store.materialize(np.array([[4]]), 1))
+
+
 def test_out_of_range_expert_ids_are_an_error_not_a_write(zipmoe_model):
     zf = format.open_zipmoe(zipmoe_model)
     store = Store(zipmoe_model, zf.compressed[0])

@@ -325,7 +325,7 @@ ZIPMOE_API int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, 
  * hot expert the policy would evict first. _end decodes this thread's share, calling turn->idle (set after
  * _begin, or NULL) instead of sleeping while the bytes of its next chunk are read; it returns the chunks it decoded
  * or an error.
- * _wait returns once every named expert is decoded (the other threads' shares too): ZIPMOE_OK, or an error if a
+ * _wait returns once every expert pending 1 is decoded (the other threads' shares too): ZIPMOE_OK, or an error if a
  * chunk failed (recorded for zipmoe_store_take_error); it must come before the store's next invocation begins.
  * The turn is the caller's; every thread that began must end. */
 typedef struct {
@@ -344,11 +344,13 @@ ZIPMOE_API int64_t zipmoe_store_materialize_begin(zipmoe_store * s, const void *
 ZIPMOE_API int64_t zipmoe_store_materialize_end(zipmoe_store * s, zipmoe_turn * turn, const void * ids, int64_t ne0,
                                                 int64_t ne1, size_t nb0, size_t nb1);
 ZIPMOE_API int64_t zipmoe_store_materialize_wait(zipmoe_store * s, const zipmoe_turn * turn);
-/* Decodes chunk c of expert e, which the invocation begun last reported as streamed (pending 2), into
- * out[info.chunk_n] (the expert's last chunk may be shorter), from its compressed copy in RAM, with normal stores:
- * out is meant to be read right after, from the cache. The copy stays until the store's next invocation; any
- * thread may call this, for any chunk, until then. Returns the values decoded, or an error (also recorded for
- * zipmoe_store_take_error; ZIPMOE_ERR_ARG for an expert that is not streamed). */
+/* Decodes chunk c of expert e, which the invocation reported as streamed (pending 2), into out[info.chunk_n] (the
+ * expert's last chunk may be shorter), from its compressed copy in RAM, with normal stores: out is meant to be read
+ * right after, from the cache. Any thread that began the invocation (its _begin is what orders these reads after
+ * the plan) may call this, for any chunk, until the invocation's compute ends: the copy stays pinned until the
+ * store's next invocation, or until another store's plan or the next zipmoe_cache_begin_graph, which one graph
+ * computing at a time puts after it (zipmoe_llama_compute_turn). Returns the values decoded, or an error (also
+ * recorded for zipmoe_store_take_error, ZIPMOE_ERR_ARG too for an expert that is not streamed). */
 ZIPMOE_API int64_t zipmoe_store_stream_chunk(zipmoe_store * s, int64_t e, int64_t c, uint16_t * out);
 /* Where decoded expert e lies in the BF16 memory, in experts (see zipmoe_store_materialize), or -1 if it is not
  * decoded. */

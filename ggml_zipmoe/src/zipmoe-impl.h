@@ -72,12 +72,12 @@ void zipmoe_merge_bf16_avx2(const uint8_t * exp, const uint8_t * sm, size_t n, u
 /* split.c: zipmoe_merge_bf16 with normal stores at any size, for output read right after (a streamed chunk) */
 void zipmoe_merge_bf16_cached(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst);
 
-/* codec.c: the chunk checksum over both planes (docs/FORMAT.md) */
-uint64_t zipmoe_chunk_checksum(const void * code, size_t code_size, const uint8_t * sm, size_t n);
-/* codec.c: encodes an exponent plane with the codec; the chunk format of docs/FORMAT.md */
 /* codec.c: zipmoe_chunk_decode_exponents, warming the bytes the caller reads next (zipmoe_huff_decode) */
 int64_t zipmoe_decode_exp(const zipmoe_codec_ctx * c, zipmoe_workspace * ws, const void * code, size_t code_size,
                           uint8_t * exp, size_t n, const void * warm, size_t warm_size);
+/* codec.c: the chunk checksum over both planes (docs/FORMAT.md) */
+uint64_t zipmoe_chunk_checksum(const void * code, size_t code_size, const uint8_t * sm, size_t n);
+/* codec.c: encodes an exponent plane with the codec; the chunk format of docs/FORMAT.md */
 int64_t zipmoe_encode_exp(const zipmoe_codec_ctx * c, zipmoe_workspace * ws, const uint8_t * exp, size_t n, void * dst, size_t cap);
 
 /* tensor.c: where chunk c of expert e lies: its code from the start of the expert's region, its size,

@@ -114,6 +114,7 @@ struct zipmoe_store {
     const void *    plan_key;  /* the invocation that owns the plan, NULL when none */
     int             plan_in;   /* threads of that invocation inside: the last one out publishes */
     int             plan_failed;
+    int             last_failed; /* the last invocation failed: a late sibling of it fails too, planning nothing */
     uint64_t        plan_seq;  /* plans begun, ever: a turn's plan is done once plan_key is NULL or a later one began */
     _Atomic int64_t next_chunk; /* the next chunk of the plan to claim: expert j * n_chunks + chunk */
     uint64_t        plan_t0;
@@ -1339,7 +1340,8 @@ static void trim_others(const zipmoe_store * s) {
         }
         if (o->plan_key == NULL) {
             for (int64_t e = 0; e < o->info.n_expert; e++) {
-                o->experts[e].routed = 0;
+                o->experts[e].routed   = 0;
+                o->experts[e].streamed = 0;
             }
             if (o->cfg_gen != atomic_load(&g_cfg_gen)) {
                 refresh_limits(o);
@@ -1358,6 +1360,7 @@ static void trim_others(const zipmoe_store * s) {
  * (place_plan does not evict first there). Back to the smaller budget, every store gives up what it holds beyond
  * its limits now, before any store of the graph decodes beyond its own. */
 void zipmoe_cache_begin_graph(int64_t routed) {
+    atomic_fetch_add(&g_op_seq, 1); /* a graph's first invocation of a store is never a late sibling of its last one */
     pthread_mutex_lock(&g_list_mu);
     pthread_mutex_lock(&g_cfg_mu);
     /* (g_token_slots >= 0: generation's hot budget is larger than a batch's, and shared out) */
@@ -1378,7 +1381,8 @@ void zipmoe_cache_begin_graph(int64_t routed) {
         atomic_fetch_sub(&o->waiting, 1);
         if (o->plan_key == NULL && !o->prefilling) { /* no graph computes: what the last one pinned is read */
             for (int64_t e = 0; e < o->info.n_expert; e++) {
-                o->experts[e].routed = 0;
+                o->experts[e].routed   = 0;
+                o->experts[e].streamed = 0;
             }
             refresh_limits(o);
             settle(o);
@@ -1532,14 +1536,16 @@ static void place_plan(zipmoe_store * s) {
 /* Under s->mu, in make_plan after the uses are counted: which routed warm experts a streaming caller decodes
  * itself (ZIPMOE_TURN_STREAM). One that the hot tier takes is decoded into a place, as without streaming: while the
  * tier has free room, and the first that outranks the expert it would evict (the policy's contest; one a plan,
- * since the victims after the first are not known before place_plan). The others stay warm and pinned. */
+ * since the victims after the first are not known before place_plan). The others stay warm and pinned. Never a hot
+ * one, not even without a hot tier (decoded again there): a sibling thread that took the fast path before a
+ * configuration change computes it from its place, in blocks that must be the planning thread's blocks too. */
 static void mark_streamed(zipmoe_store * s, int decode_all) {
     uint64_t entering = 0; /* hot bytes of the warm experts promoted so far */
     int      contest  = 1;
     for (int64_t e = 0; e < s->info.n_expert; e++) {
         expert_state * x = &s->experts[e];
         x->streamed      = 0;
-        if (!s->plan_stream || s->prefilling || !x->routed || x->res != RES_FULL || (x->hot && !decode_all)) {
+        if (!s->plan_stream || s->prefilling || !x->routed || x->res != RES_FULL || x->hot) {
             continue;
         }
         if (!decode_all && s->hot_used + entering + s->hot_size <= s->hot_limit) {
@@ -2090,6 +2096,9 @@ static void discard_plan(zipmoe_store * s) {
     }
 }
 
+/* Whether streamed expert e is still left to its caller by the plan that routed it (pinned warm). */
+static int still_streamed(const expert_state * x) { return x->streamed && x->routed && x->res == RES_FULL; }
+
 /* Whether every expert ids names is decoded (or, with streamed, left to the caller by the last plan): then there is
  * nothing to plan. */
 static int all_routed_ready(const zipmoe_store * s, const uint8_t * ids, int64_t ne0, int64_t ne1, size_t nb0,
@@ -2098,7 +2107,7 @@ static int all_routed_ready(const zipmoe_store * s, const uint8_t * ids, int64_t
         for (int64_t k = 0; k < ne0; k++) {
             int32_t e;
             memcpy(&e, ids + r * nb1 + k * nb0, sizeof e);
-            if (e < 0 || e >= s->info.n_expert || !(s->experts[e].hot || (streamed && s->experts[e].streamed))) {
+            if (e < 0 || e >= s->info.n_expert || !(s->experts[e].hot || (streamed && still_streamed(&s->experts[e])))) {
                 return 0;
             }
         }
@@ -2180,7 +2189,8 @@ static void report_places(const zipmoe_store * s, const uint8_t * ids, int64_t n
     }
 }
 
-/* Which routed experts an invocation decodes (pending[r * ne0 + k] = 1), by a thread that holds the plan. */
+/* Which routed experts an invocation decodes (pending[r * ne0 + k] = 1) and which it leaves to a streaming caller
+ * (2), by a thread that holds the plan. */
 static void report_pending(const zipmoe_store * s, const uint8_t * ids, int64_t ne0, int64_t ne1, size_t nb0,
                            size_t nb1, int64_t plan_n, uint8_t * pending) {
     for (int64_t r = 0; r < ne1; r++) {
@@ -2191,7 +2201,7 @@ static void report_pending(const zipmoe_store * s, const uint8_t * ids, int64_t 
             for (int64_t j = 0; j < plan_n && !in_plan; j++) {
                 in_plan = s->plan[j].expert == e;
             }
-            const int streamed = e >= 0 && e < s->info.n_expert && s->experts[e].streamed;
+            const int streamed = e >= 0 && e < s->info.n_expert && still_streamed(&s->experts[e]);
             pending[r * ne0 + k] = in_plan ? 1 : streamed ? 2 : 0;
         }
     }
@@ -2254,10 +2264,20 @@ int64_t zipmoe_store_materialize_begin(zipmoe_store * s, const void * key, const
         atomic_store(&s->next_chunk, 0);
     }
     if (s->plan_in == 0 && key == atomic_load(&s->last_key) && atomic_load(&g_op_seq) == atomic_load(&s->last_seq) &&
-        all_routed_ready(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1, 1)) {
+        (s->last_failed || all_routed_ready(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1, 1))) {
         /* a sibling that arrives after the others finished this invocation (no other op began since, as the
-         * engine's barrier holds them all): its experts are decoded; it must not decode or count them again */
+         * engine's barrier holds them all): its experts are decoded or streamed; it must not decode or count them
+         * again. Nor plan again after the invocation failed: its siblings may still stream from what the plan
+         * pinned. It fails too (a caller that broke the key's contract is told, not served undecoded experts). */
         s->plan_n = 0;
+        if (s->last_failed) {
+            int32_t first = -1;
+            if (ne0 > 0 && ne1 > 0) {
+                memcpy(&first, ids, sizeof first);
+            }
+            s->plan_failed = 1;
+            record_error(s, first, ZIPMOE_ERR_CORRUPT);
+        }
     } else if (s->plan_in == 0) {
         atomic_store(&s->last_key, key);
         atomic_store(&s->last_seq, atomic_fetch_add(&g_op_seq, 1) + 1);
@@ -2335,6 +2355,7 @@ static int64_t end_turn(zipmoe_store * s, zipmoe_turn * turn, const void * ids, 
     }
     report_places(s, (const uint8_t *) ids, ne0, ne1, nb0, nb1, where, ith, nth); /* (before a discard frees them) */
     if (--s->plan_in == 0) {
+        s->last_failed = s->plan_failed;
         atomic_fetch_add(&g_experts, (uint64_t) plan_n);
         atomic_fetch_add(&g_bytes, (uint64_t) plan_n * s->hot_size);
         if (s->job_active) { /* the reader may still be busy with a failed plan's buffers */
@@ -2394,7 +2415,8 @@ int64_t zipmoe_store_stream_chunk(zipmoe_store * s, int64_t e, int64_t c, uint16
         return ZIPMOE_ERR_ARG;
     }
     const expert_state * x = &s->experts[e]; /* (pinned: set under mu by the plan this thread's _begin saw) */
-    if (!x->streamed || !x->routed || x->res != RES_FULL) {
+    if (!still_streamed(x)) {
+        record_error(s, e, ZIPMOE_ERR_ARG); /* (the caller's rows of it are missing: the engine must drop them) */
         return ZIPMOE_ERR_ARG;
     }
     const size_t     chunk_n = (size_t) s->info.chunk_n;

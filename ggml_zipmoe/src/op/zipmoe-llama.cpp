@@ -17,7 +17,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
-#include <numeric>
 #include <unordered_map>
 #include <vector>
 
@@ -583,11 +582,16 @@ static void materialize_after_guess_op(ggml_tensor * dst, const ggml_tensor * id
 // machine whose cores share little bandwidth is most of what a decode into its place costs.
 static constexpr int64_t MM_BLOCK_ROWS = 32;
 
-// Rows of a streamed expert per claim: whole chunks where rows fit them (2048-wide rows: 32 rows, one 64K chunk;
-// 768-wide: 256 rows, three chunks), else about a chunk's rows, decoding each chunk they straddle.
-static int64_t stream_unit_rows(int64_t k, int64_t chunk_n) {
-    const int64_t span = std::lcm(k, chunk_n);
-    return span / chunk_n <= 4 ? span / k : std::max<int64_t>(1, chunk_n / k);
+// Chunks per claim of a streamed expert: a claim computes the rows that begin in its chunks, decoding the chunk its
+// last row runs on into too. The fewest chunks that end on a row's end where some up to 4 do (2048-wide rows: one
+// 64K chunk, 32 rows; 768-wide: three, 256 rows), else three (a straddled chunk decoded twice: 4/3 of the work).
+static int64_t stream_unit_chunks(int64_t k, int64_t chunk_n) {
+    for (int64_t g = 1; g <= 4; g++) {
+        if (g * chunk_n % k == 0) {
+            return g;
+        }
+    }
+    return 3;
 }
 
 // One thread's view of a fused invocation: the places and the activations converted to the weight's vec_dot type.
@@ -598,9 +602,10 @@ struct mm_rows {
     const int32_t *       where;
     const uint8_t *       pending;
     const int32_t *       expert;     // the routed ids: a streamed slot's expert
-    int64_t               chunk_n;    // values per chunk, and rows per claim of a streamed slot
-    int64_t               unit_rows;
-    uint16_t *            scratch;    // the thread's: the chunks of one claim
+    int64_t               chunk_n;     // values per chunk
+    int64_t               n_chunks;    // chunks per expert
+    int64_t               unit_chunks; // chunks per claim of a streamed slot (stream_unit_chunks)
+    uint16_t *            scratch;     // the thread's: the chunks of one claim
     const uint8_t *       xq;
     size_t                xq_row;
     int64_t               ne11;
@@ -608,10 +613,15 @@ struct mm_rows {
     int64_t               cursor; // the first slot of the current phase that may have blocks left
 };
 
-// The rows of claim u of streamed slot k: the chunks they lie in, decoded into the thread's scratch, then vec_dot.
+// The rows of claim u of streamed slot k (those that begin in its chunks): the chunks they lie in, decoded into the
+// thread's scratch, then vec_dot.
 static void compute_streamed(const mm_rows & m, int64_t k, int64_t u, const void * xrow, float * out) {
     const int64_t n_in = m.w->ne[0], n_rows = m.w->ne[1];
-    const int64_t r0 = u * m.unit_rows, r1 = std::min(n_rows, r0 + m.unit_rows);
+    const int64_t v0 = u * m.unit_chunks * m.chunk_n, v1 = (u + 1) * m.unit_chunks * m.chunk_n;
+    const int64_t r0 = (v0 + n_in - 1) / n_in, r1 = std::min(n_rows, (v1 + n_in - 1) / n_in);
+    if (r0 >= r1) {
+        return; // (rows longer than a claim's chunks: a neighbour's row covers them)
+    }
     const int64_t c0 = r0 * n_in / m.chunk_n, c1 = (r1 * n_in - 1) / m.chunk_n;
     for (int64_t c = c0; c <= c1; c++) {
         if (zipmoe_store_stream_chunk(m.zt->store, m.expert[k], c, m.scratch + (c - c0) * m.chunk_n) < 0) {
@@ -635,9 +645,10 @@ static bool compute_block(mm_rows & m, bool decoded) {
             continue; // (an id out of range fails the invocation: its error is recorded, the output dropped)
         }
         const bool    streamed = m.pending[k] == 2;
-        const int64_t rows     = streamed ? m.unit_rows : MM_BLOCK_ROWS;
+        const int64_t claims   = streamed ? (m.n_chunks + m.unit_chunks - 1) / m.unit_chunks
+                                          : (n_rows + MM_BLOCK_ROWS - 1) / MM_BLOCK_ROWS;
         const int64_t b        = m.zt->blocks[k].next.fetch_add(1, std::memory_order_relaxed);
-        if (b >= (n_rows + rows - 1) / rows) {
+        if (b >= claims) {
             continue;
         }
         const int64_t i1   = k % n_used, i2 = k / n_used;
@@ -691,14 +702,16 @@ static void mul_mat_id_op(ggml_tensor * dst, int ith, int nth, void * userdata) 
         }
         zipmoe_tensor_info info;
         zipmoe_tensor_get_info(zipmoe_store_tensor(zt->store), &info);
-        const int64_t unit_rows = stream_unit_rows(w->ne[0], info.chunk_n);
-        const int64_t unit_span = (unit_rows * w->ne[0] + info.chunk_n - 1) / info.chunk_n + 1; // chunks it may touch
+        const int64_t unit_chunks = stream_unit_chunks(w->ne[0], info.chunk_n);
+        // the chunks a claim may touch: its own, and those its last row runs on into
+        const int64_t unit_span   = unit_chunks + (w->ne[0] + info.chunk_n - 1) / info.chunk_n + 1;
         thread_local std::vector<uint16_t> scratch; // grown once per thread
         if (stream && scratch.size() < (size_t) (unit_span * info.chunk_n)) {
             scratch.resize((size_t) (unit_span * info.chunk_n));
         }
         const ggml_vec_dot_t vec_dot = traits->vec_dot;
-        mm_rows m = { zt, dst, w, where, pending, expert, info.chunk_n, unit_rows, scratch.data(), xq.data(), xq_row,
+        mm_rows m = { zt, dst, w, where, pending, expert, info.chunk_n, info.n_chunks, unit_chunks, scratch.data(),
+                      xq.data(), xq_row,
                       x->ne[1], vec_dot, 0 };
         turn.idle     = compute_ready_block;
         turn.idle_ctx = &m;
