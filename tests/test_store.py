@@ -173,10 +173,12 @@ def test_a_turn_s_decoded_experts_are_ready_at_once_and_the_others_after_its_wai
     for ith in range(nth):
         begun, ended, waited, all_after_wait = results[ith]
         assert begun == 0 and ended >= 0 and waited == 0 and all_after_wait
-        # every thread sees every place and the same pending experts: 5 and 6, which the budget did not hold
-        assert pendings[ith].tolist() == [0, 1, 0, 1] and ready_at_begin[ith]
+        # every thread sees every place and the same pending experts: 5 and 6, which the budget did not hold; or,
+        # a thread descheduled until its siblings had finished the turn (a late sibling), none pending: all decoded
+        assert pendings[ith].tolist() in ([0, 1, 0, 1], [0, 0, 0, 0]) and ready_at_begin[ith]
         np.testing.assert_array_equal(store.weights[wheres[ith]], ref[ids[0]])
         assert wheres[ith].tolist() == wheres[0].tolist()
+    assert any(p.tolist() == [0, 1, 0, 1] for p in pendings)  # (the thread that planned)
     assert stats()["experts_decoded"] == 4  # 1 and 2 once, then 5 and 6
     # all decoded now: a turn on the fast path has nothing pending and nothing to wait for
     turn = ffi.new("zipmoe_turn *")
