@@ -703,8 +703,9 @@ static void mul_mat_id_op(ggml_tensor * dst, int ith, int nth, void * userdata) 
         zipmoe_tensor_info info;
         zipmoe_tensor_get_info(zipmoe_store_tensor(zt->store), &info);
         const int64_t unit_chunks = stream_unit_chunks(w->ne[0], info.chunk_n);
-        // the chunks a claim may touch: its own, and those its last row runs on into
-        const int64_t unit_span   = unit_chunks + (w->ne[0] + info.chunk_n - 1) / info.chunk_n + 1;
+        // the chunks a claim may touch: its own, and those its last row runs on into where rows straddle its end
+        const bool    exact     = unit_chunks * info.chunk_n % w->ne[0] == 0;
+        const int64_t unit_span = unit_chunks + (exact ? 0 : (w->ne[0] + info.chunk_n - 1) / info.chunk_n);
         thread_local std::vector<uint16_t> scratch; // grown once per thread
         if (stream && scratch.size() < (size_t) (unit_span * info.chunk_n)) {
             scratch.resize((size_t) (unit_span * info.chunk_n));
