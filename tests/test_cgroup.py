@@ -55,7 +55,7 @@ def cgroup_parent() -> Path:
         mount = bench.memory_mount()
     except bench.BenchError as e:
         pytest.skip(str(e))
-    parent = mount / bench.own_memory_cgroup().lstrip("/")
+    parent = mount / bench.own_cgroup().lstrip("/")
     if not (parent / "memory.limit_in_bytes").is_file() or not os.access(parent, os.W_OK):
         pytest.skip(f"cannot make memory cgroups in {parent}")
     return parent

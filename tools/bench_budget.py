@@ -136,7 +136,7 @@ def memory_mount() -> Path:
                      "mount it: mount -t cgroup -o memory none /sys/fs/cgroup/memory)")
 
 
-def own_memory_cgroup(controller: str = "memory") -> str:
+def own_cgroup(controller: str = "memory") -> str:
     """This process's cgroup in a v1 hierarchy ("/" when none is listed)."""
     with open("/proc/self/cgroup") as f:
         for line in f:
@@ -156,7 +156,7 @@ class ReadThrottle:
         if mount is None:
             raise BenchError("--read-rate needs the cgroup v1 blkio controller (no `cgroup` mount with the blkio "
                              "option in /proc/mounts)")
-        self.parent = mount / own_memory_cgroup("blkio").lstrip("/")
+        self.parent = mount / own_cgroup("blkio").lstrip("/")
         if not (self.parent / "blkio.throttle.read_bps_device").exists():
             raise BenchError(f"{self.parent} has no blkio.throttle.read_bps_device: the kernel lacks block throttling")
         dev = os.stat(model).st_dev
@@ -187,7 +187,7 @@ def check_environment(parent_arg: str | None) -> Path:
                          "(sudo .venv/bin/python tools/bench_budget.py ...)")
     mount = memory_mount()
     if parent_arg is None:
-        parent = mount / own_memory_cgroup().lstrip("/")
+        parent = mount / own_cgroup().lstrip("/")
     else:
         p = Path(parent_arg)
         parent = p if str(p).startswith(str(mount)) else mount / str(p).lstrip("/")

@@ -103,6 +103,12 @@ static std::string mib(uint64_t bytes) {
     return buf;
 }
 
+// Whether a switch that is on by default (ZIPMOE_PREFILL, ZIPMOE_FUSED, ZIPMOE_STREAM) is set to "0".
+static bool env_off(const char * name) {
+    const char * v = std::getenv(name);
+    return v && std::strcmp(v, "0") == 0;
+}
+
 static bool parse_fraction(const char * name, double & out, std::string & err) {
     const char * v = std::getenv(name);
     if (!v || !*v) {
@@ -194,8 +200,7 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
         g_loading.swap(g_opened);
         g_opened.clear();
         g_loading_bound = 0;
-        const char * v  = std::getenv("ZIPMOE_PREFILL");
-        g_prefill       = !(v && std::strcmp(v, "0") == 0);
+        g_prefill       = !env_off("ZIPMOE_PREFILL");
         g_model_seq++;
     }
     if (const char * v = std::getenv("ZIPMOE_PREDICT"); v && *v) {
@@ -681,7 +686,7 @@ static void mul_mat_id_op(ggml_tensor * dst, int ith, int nth, void * userdata) 
     int32_t             where[64];
     uint8_t             pending[64];
     zipmoe_turn         turn;
-    static const bool   stream = !(std::getenv("ZIPMOE_STREAM") && std::strcmp(std::getenv("ZIPMOE_STREAM"), "0") == 0);
+    static const bool   stream = !env_off("ZIPMOE_STREAM");
     // errors are recorded by the store and reported by llama_decode (zipmoe_llama_take_error)
     if (zipmoe_store_materialize_begin(zt->store, dst, ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1],
                                        where, pending, stream ? ZIPMOE_TURN_STREAM : 0, ith, nth, &turn) >= 0) {
@@ -712,8 +717,7 @@ static void mul_mat_id_op(ggml_tensor * dst, int ith, int nth, void * userdata) 
         }
         const ggml_vec_dot_t vec_dot = traits->vec_dot;
         mm_rows m = { zt, dst, w, where, pending, expert, info.chunk_n, info.n_chunks, unit_chunks, scratch.data(),
-                      xq.data(), xq_row,
-                      x->ne[1], vec_dot, 0 };
+                      xq.data(), xq_row, x->ne[1], vec_dot, 0 };
         turn.idle     = compute_ready_block;
         turn.idle_ctx = &m;
         zipmoe_store_materialize_end(zt->store, &turn, ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1]);
@@ -758,7 +762,7 @@ ggml_tensor * zipmoe_llama_mul_mat_id(ggml_context * ctx, zipmoe_llama_tensor * 
         return ggml_mul_mat_id(ctx, w, x, ids); // warmup routes to every expert, its output unused: decode nothing
     }
     ggml_tensor * guess = build_prediction(ctx, zt, ids);
-    static const bool fuse = !(std::getenv("ZIPMOE_FUSED") && std::strcmp(std::getenv("ZIPMOE_FUSED"), "0") == 0);
+    static const bool fuse = !env_off("ZIPMOE_FUSED");
     if (!fuse || !fusable(w, x, ids)) {
         return ggml_mul_mat_id(ctx, w, x, build_materialize(ctx, zt, ids, w, guess));
     }
