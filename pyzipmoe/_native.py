@@ -123,6 +123,7 @@ int64_t zipmoe_store_materialize_end(zipmoe_store * s, zipmoe_turn * turn, const
                                      int64_t ne1, size_t nb0, size_t nb1);
 int64_t zipmoe_store_materialize_wait(zipmoe_store * s, const zipmoe_turn * turn);
 int64_t zipmoe_store_stream_chunk(zipmoe_store * s, int64_t e, int64_t c, uint16_t * out);
+int64_t zipmoe_store_stream_exponents(zipmoe_store * s, int64_t e, int64_t c, uint8_t * exp, const uint8_t ** sm);
 int64_t zipmoe_store_place(zipmoe_store * s, int64_t e);
 void    zipmoe_cache_set_store_turns(int enabled);
 int64_t zipmoe_store_activations(zipmoe_store * s, uint64_t * counts, int64_t n);

@@ -223,6 +223,20 @@ def _streamed_values(store: Store, ct: format.CompressedTensor, e: int) -> np.nd
     return out[:n]
 
 
+def _streamed_planes(store: Store, ct: format.CompressedTensor, e: int) -> np.ndarray:
+    """Expert e through zipmoe_store_stream_exponents: each chunk's exponent plane, merged here with the expert's
+    sign+mantissa plane as the fused op merges a row."""
+    n, chunk = ct.expert.info.n_per_expert, ct.expert.info.chunk_n
+    exp = np.zeros(n, np.uint8)
+    sm_at = ffi.new("const uint8_t **")
+    for c in range(-(-n // chunk)):
+        got = lib.zipmoe_store_stream_exponents(store.handle, e, c, ffi.from_buffer("uint8_t[]", exp[c * chunk:]),
+                                                sm_at)
+        assert got == min(chunk, n - c * chunk), got
+    sm = np.frombuffer(ffi.buffer(sm_at[0], n), np.uint8).astype(np.uint16)
+    return ((sm & 0x80) << 8) | (exp.astype(np.uint16) << 7) | (sm & 0x7F)
+
+
 @pytest.mark.parametrize("hot_slots", [0, 1])
 def test_a_streaming_turn_leaves_warm_experts_to_its_caller_pinned_until_the_next(zipmoe_model, tiny_model, stats,
                                                                                  hot_slots):
@@ -254,10 +268,13 @@ def test_a_streaming_turn_leaves_warm_experts_to_its_caller_pinned_until_the_nex
     for e, p, w in zip(routed[0], pending, where):
         if p == 2:
             np.testing.assert_array_equal(_streamed_values(store, ct, int(e)), ref[e])
+            np.testing.assert_array_equal(_streamed_planes(store, ct, int(e)), ref[e])
         else:
             np.testing.assert_array_equal(store.weights[w], ref[e])  # decoded into its place, as without streaming
             assert lib.zipmoe_store_stream_chunk(store.handle, int(e), 0, ffi.new("uint16_t[]", ct.expert.info.chunk_n)) \
                 == lib.ZIPMOE_ERR_ARG
+            assert lib.zipmoe_store_stream_exponents(store.handle, int(e), 0, ffi.new("uint8_t[]", ct.expert.info.chunk_n),
+                                                     ffi.new("const uint8_t **")) == lib.ZIPMOE_ERR_ARG
     after = stats()
     assert after["experts_streamed"] - before["experts_streamed"] == 4 - len(promoted)
     assert after["hits_warm"] - before["hits_warm"] == 4
@@ -269,6 +286,8 @@ def test_a_streaming_turn_leaves_warm_experts_to_its_caller_pinned_until_the_nex
     # the next plan (a turn without the flag, of an expert not hot) unpins them: the tier is back within budget
     assert all(r >= 0 for r in store.materialize(np.array([[last]]), 1))
     assert lib.zipmoe_store_stream_chunk(store.handle, streamed, 0, buf) == lib.ZIPMOE_ERR_ARG
+    assert lib.zipmoe_store_stream_exponents(store.handle, streamed, 0, ffi.new("uint8_t[]", ct.expert.info.chunk_n),
+                                             ffi.new("const uint8_t **")) == lib.ZIPMOE_ERR_ARG
     assert stats()["warm_bytes"] <= warm_two
 
 

@@ -352,6 +352,11 @@ ZIPMOE_API int64_t zipmoe_store_materialize_wait(zipmoe_store * s, const zipmoe_
  * computing at a time puts after it (zipmoe_llama_compute_turn). Returns the values decoded, or an error (also
  * recorded for zipmoe_store_take_error, ZIPMOE_ERR_ARG too for an expert that is not streamed). */
 ZIPMOE_API int64_t zipmoe_store_stream_chunk(zipmoe_store * s, int64_t e, int64_t c, uint16_t * out);
+/* The same chunk's exponent plane alone, decoded into exp[n] (n: the chunk's values, returned), and *sm pointed at the
+ * expert's whole sign+mantissa plane (n_per_expert bytes, value i at (*sm)[i]; pinned as the expert is): for a caller
+ * that merges a row at a time (zipmoe_merge_bf16) into its L1, next to the dot product that reads it. */
+ZIPMOE_API int64_t zipmoe_store_stream_exponents(zipmoe_store * s, int64_t e, int64_t c, uint8_t * exp,
+                                                 const uint8_t ** sm);
 /* Where decoded expert e lies in the BF16 memory, in experts (see zipmoe_store_materialize), or -1 if it is not
  * decoded. */
 ZIPMOE_API int64_t zipmoe_store_place(zipmoe_store * s, int64_t e);

@@ -2410,32 +2410,58 @@ int64_t zipmoe_store_materialize_wait(zipmoe_store * s, const zipmoe_turn * turn
     return failed ? ZIPMOE_ERR_CORRUPT : ZIPMOE_OK; /* (a failed chunk's error is recorded) */
 }
 
-int64_t zipmoe_store_stream_chunk(zipmoe_store * s, int64_t e, int64_t c, uint16_t * out) {
-    if (!s || !out || e < 0 || e >= s->info.n_expert || c < 0 || c >= s->info.n_chunks) {
-        return ZIPMOE_ERR_ARG;
-    }
+/* Decodes chunk c of streamed expert e's exponent plane into exp[ref->n], or the thread's scratch where exp is NULL
+ * (*plane: where it went). Returns OK or the error, recorded. */
+static int64_t stream_exponents(zipmoe_store * s, int64_t e, int64_t c, uint8_t * exp, const uint8_t ** plane,
+                                zipmoe_chunk_ref * ref) {
     const expert_state * x = &s->experts[e]; /* (pinned: set under mu by the plan this thread's _begin saw) */
-    if (!still_streamed(x)) {
-        record_error(s, e, ZIPMOE_ERR_ARG); /* (the caller's rows of it are missing: the engine must drop them) */
-        return ZIPMOE_ERR_ARG;
+    int64_t              rc = ZIPMOE_ERR_ARG; /* (not streamed: the caller's rows of it are missing, to be dropped) */
+    if (still_streamed(x)) {
+        const size_t     chunk_n = (size_t) s->info.chunk_n;
+        thread_scratch * ts      = thread_scratch_get(chunk_n, chunk_n + zipmoe_chunk_bound(zipmoe_tensor_codec(s->tensor),
+                                                                                            chunk_n));
+        rc = ZIPMOE_ERR_NOMEM;
+        if (ts) {
+            zipmoe_tensor_chunk(s->tensor, e, c, ref);
+            *plane = exp ? exp : ts->ws->exp;
+            /* (the warm copy's bytes were checked when they came from the file, as decode_chunk's are) */
+            rc = zipmoe_decode_exp(zipmoe_tensor_codec(s->tensor), ts->ws, x->region + ref->code_offset,
+                                   (size_t) ref->code_size, (uint8_t *) *plane, (size_t) ref->n, x->region + ref->first,
+                                   (size_t) ref->n);
+        }
     }
-    const size_t     chunk_n = (size_t) s->info.chunk_n;
-    thread_scratch * ts = thread_scratch_get(chunk_n, chunk_n + zipmoe_chunk_bound(zipmoe_tensor_codec(s->tensor), chunk_n));
-    if (!ts) {
-        record_error(s, e, ZIPMOE_ERR_NOMEM);
-        return ZIPMOE_ERR_NOMEM;
-    }
-    zipmoe_chunk_ref ref;
-    zipmoe_tensor_chunk(s->tensor, e, c, &ref);
-    /* (the warm copy's bytes were checked when they came from the file, as decode_chunk's are) */
-    const int64_t rc = zipmoe_decode_exp(zipmoe_tensor_codec(s->tensor), ts->ws, x->region + ref.code_offset,
-                                         (size_t) ref.code_size, ts->ws->exp, (size_t) ref.n, x->region + ref.first,
-                                         (size_t) ref.n);
     if (rc < 0) {
         record_error(s, e, rc);
         return rc;
     }
-    zipmoe_merge_bf16_cached(ts->ws->exp, x->region + ref.first, (size_t) ref.n, out);
+    return ZIPMOE_OK;
+}
+
+int64_t zipmoe_store_stream_chunk(zipmoe_store * s, int64_t e, int64_t c, uint16_t * out) {
+    if (!s || !out || e < 0 || e >= s->info.n_expert || c < 0 || c >= s->info.n_chunks) {
+        return ZIPMOE_ERR_ARG;
+    }
+    zipmoe_chunk_ref ref;
+    const uint8_t *  exp;
+    const int64_t    rc = stream_exponents(s, e, c, NULL, &exp, &ref);
+    if (rc < 0) {
+        return rc;
+    }
+    zipmoe_merge_bf16_cached(exp, s->experts[e].region + ref.first, (size_t) ref.n, out);
+    return ref.n;
+}
+
+int64_t zipmoe_store_stream_exponents(zipmoe_store * s, int64_t e, int64_t c, uint8_t * exp, const uint8_t ** sm) {
+    if (!s || !exp || !sm || e < 0 || e >= s->info.n_expert || c < 0 || c >= s->info.n_chunks) {
+        return ZIPMOE_ERR_ARG;
+    }
+    zipmoe_chunk_ref ref;
+    const uint8_t *  plane;
+    const int64_t    rc = stream_exponents(s, e, c, exp, &plane, &ref);
+    if (rc < 0) {
+        return rc;
+    }
+    *sm = s->experts[e].region;
     return ref.n;
 }
 

@@ -610,7 +610,8 @@ struct mm_rows {
     int64_t               chunk_n;     // values per chunk
     int64_t               n_chunks;    // chunks per expert
     int64_t               unit_chunks; // chunks per claim of a streamed slot (stream_unit_chunks)
-    uint16_t *            scratch;     // the thread's: the chunks of one claim
+    uint8_t *             exps;        // the thread's: the exponent planes of one claim's chunks
+    uint16_t *            row;         // the thread's: one merged row
     const uint8_t *       xq;
     size_t                xq_row;
     int64_t               ne11;
@@ -618,8 +619,13 @@ struct mm_rows {
     int64_t               cursor; // the first slot of the current phase that may have blocks left
 };
 
-// The rows of claim u of streamed slot k (those that begin in its chunks): the chunks they lie in, decoded into the
-// thread's scratch, then vec_dot.
+// A row's merge in pieces this small keeps zipmoe_merge_bf16 to normal stores (it writes large outputs around the
+// caches), whatever the row's width.
+static constexpr int64_t MERGE_PIECE = 16384;
+
+// The rows of claim u of streamed slot k (those that begin in its chunks): the exponent planes of the chunks they lie
+// in, decoded into the thread's scratch; then each row merged into a buffer in L1 and vec_dot from there. Merging a
+// claim's chunks whole wrote and read back twice their exponents' bytes through L2.
 static void compute_streamed(const mm_rows & m, int64_t k, int64_t u, const void * xrow, float * out) {
     const int64_t n_in = m.w->ne[0], n_rows = m.w->ne[1];
     const int64_t v0 = u * m.unit_chunks * m.chunk_n, v1 = (u + 1) * m.unit_chunks * m.chunk_n;
@@ -627,14 +633,20 @@ static void compute_streamed(const mm_rows & m, int64_t k, int64_t u, const void
     if (r0 >= r1) {
         return; // (rows longer than a claim's chunks: a neighbour's row covers them)
     }
-    const int64_t c0 = r0 * n_in / m.chunk_n, c1 = (r1 * n_in - 1) / m.chunk_n;
+    const int64_t   c0 = r0 * n_in / m.chunk_n, c1 = (r1 * n_in - 1) / m.chunk_n;
+    const uint8_t * sm = nullptr;
     for (int64_t c = c0; c <= c1; c++) {
-        if (zipmoe_store_stream_chunk(m.zt->store, m.expert[k], c, m.scratch + (c - c0) * m.chunk_n) < 0) {
+        if (zipmoe_store_stream_exponents(m.zt->store, m.expert[k], c, m.exps + (c - c0) * m.chunk_n, &sm) < 0) {
             return; // (recorded by the store: llama_decode reports it and drops the output)
         }
     }
     for (int64_t r = r0; r < r1; r++) {
-        m.vec_dot((int) n_in, &out[r], 0, m.scratch + (r * n_in - c0 * m.chunk_n), 0, xrow, 0, 1);
+        const int64_t v = r * n_in; // the row's first value in the expert
+        for (int64_t i = 0; i < n_in; i += MERGE_PIECE) {
+            const int64_t n = std::min(MERGE_PIECE, n_in - i);
+            zipmoe_merge_bf16(m.exps + (v + i - c0 * m.chunk_n), sm + v + i, (size_t) n, m.row + i);
+        }
+        m.vec_dot((int) n_in, &out[r], 0, m.row, 0, xrow, 0, 1);
     }
 }
 
@@ -711,13 +723,17 @@ static void mul_mat_id_op(ggml_tensor * dst, int ith, int nth, void * userdata) 
         // the chunks a claim may touch: its own, and those its last row runs on into where rows straddle its end
         const bool    exact     = unit_chunks * info.chunk_n % w->ne[0] == 0;
         const int64_t unit_span = unit_chunks + (exact ? 0 : (w->ne[0] + info.chunk_n - 1) / info.chunk_n);
-        thread_local std::vector<uint16_t> scratch; // grown once per thread
-        if (stream && scratch.size() < (size_t) (unit_span * info.chunk_n)) {
-            scratch.resize((size_t) (unit_span * info.chunk_n));
+        thread_local std::vector<uint8_t>  exps; // grown once per thread
+        thread_local std::vector<uint16_t> row;
+        if (stream && exps.size() < (size_t) (unit_span * info.chunk_n)) {
+            exps.resize((size_t) (unit_span * info.chunk_n));
+        }
+        if (stream && row.size() < (size_t) w->ne[0]) {
+            row.resize((size_t) w->ne[0]);
         }
         const ggml_vec_dot_t vec_dot = traits->vec_dot;
-        mm_rows m = { zt, dst, w, where, pending, expert, info.chunk_n, info.n_chunks, unit_chunks, scratch.data(),
-                      xq.data(), xq_row, x->ne[1], vec_dot, 0 };
+        mm_rows m = { zt, dst, w, where, pending, expert, info.chunk_n, info.n_chunks, unit_chunks, exps.data(),
+                      row.data(), xq.data(), xq_row, x->ne[1], vec_dot, 0 };
         turn.idle     = compute_ready_block;
         turn.idle_ctx = &m;
         zipmoe_store_materialize_end(zt->store, &turn, ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1]);
