@@ -167,9 +167,9 @@ static uint64_t embd_charge(uint64_t embd_bytes, uint64_t row_bytes) {
 //   ZIPMOE_MEMORY_BUDGET  bytes the model may keep resident: its weights that are not experts, the experts of
 //                         one expert tensor in flight, a prompt's read buffers and the cache tiers, which get the
 //                         rest (and, in generation, the room of the two before); unset: unbounded
-//   ZIPMOE_HOT_SHARE      the tiers' fraction for decoded experts (default 1: ahead on a fast disk unless nearly
-//                         every compressed expert fits, and with skewed routing; 0, every expert compressed, is
-//                         ahead on slow storage and where they all about fit: tiered-cache.md, "Choosing the split")
+//   ZIPMOE_HOT_SHARE      the tiers' fraction for decoded experts (default 1: ahead on a fast disk, with skewed
+//                         routing, at low budgets; 0, every expert compressed, can be ahead on slow storage and
+//                         where they nearly all fit: tiered-cache.md, "Choosing the split")
 //   ZIPMOE_SM_SHARE       the fraction for sign+mantissa planes (default 0); whole compressed experts get the rest
 //   ZIPMOE_PLAN           slots per tier per layer from `zipmoe plan`, instead of the shares
 //   ZIPMOE_CACHE_POLICY   tlfu (default, token-weighted LFU), lru, lfu or fifo
