@@ -17,7 +17,8 @@
 /* Streams per chunk (part of the format). Four fit x86-64's registers; eight spilled and ran slower. */
 #define ZIPMOE_HUFF_STREAMS 4
 #define ZIPMOE_HUFF_HEADER     (4 * (ZIPMOE_HUFF_STREAMS - 1))
-/* Slack after the exponent scratch so the multi-symbol decoder may store 4 bytes at a time. */
+/* Slack after the exponent scratch: a margin only (the decoders write exactly n bytes, which callers of
+ * zipmoe_chunk_decode_exponents and zipmoe_store_stream_exponents rely on). */
 #define ZIPMOE_SCRATCH_SLACK   64
 
 /* Huffman tables, built once per tensor and shared read-only by all threads. */

@@ -623,6 +623,7 @@ struct mm_rows {
 // A row's merge in pieces this small keeps zipmoe_merge_bf16 to normal stores (it writes large outputs around the
 // caches), whatever the row's width.
 static constexpr int64_t MERGE_PIECE = 16384;
+static_assert(MERGE_PIECE * sizeof(uint16_t) < ZIPMOE_MERGE_STREAM_BYTES, "a row's pieces must be merged with normal stores");
 
 // The rows of claim u of streamed slot k (those that begin in its chunks): the exponent planes of the chunks they lie
 // in, decoded into the thread's scratch; then each row merged into a buffer in L1 and vec_dot from there. Merging a
