@@ -68,10 +68,10 @@ ZIPMOE_API int zipmoe_simd_level(void);
 
 /* bf16 -> exponent plane (bits 14..7) and sign+mantissa plane (bit 15 -> bit 7, bits 6..0). */
 ZIPMOE_API void zipmoe_split_bf16(const uint16_t * src, size_t n, uint8_t * exp, uint8_t * sm);
-/* Outputs of at least this many bytes are written around the caches (non-temporal stores: a decoded expert lands in
- * memory no cache holds); smaller ones with normal stores, to be read at once. */
-#define ZIPMOE_MERGE_STREAM_BYTES (64u << 10)
+/* Large outputs (64 KiB and more) are written around the caches: a decoded expert lands in memory no cache holds. */
 ZIPMOE_API void zipmoe_merge_bf16(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst);
+/* The same with normal stores at any size, for output read right after (a streamed row, a chunk). */
+ZIPMOE_API void zipmoe_merge_bf16_cached(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst);
 /* The sign+mantissa plane alone: what a decoded expert keeps when it leaves the hot tier for the sm one. */
 ZIPMOE_API void zipmoe_split_sm_bf16(const uint16_t * src, size_t n, uint8_t * sm);
 /* The portable reference versions the SIMD ones are tested against. */
@@ -356,9 +356,9 @@ ZIPMOE_API int64_t zipmoe_store_materialize_wait(zipmoe_store * s, const zipmoe_
  * recorded for zipmoe_store_take_error, ZIPMOE_ERR_ARG too for an expert that is not streamed). */
 ZIPMOE_API int64_t zipmoe_store_stream_chunk(zipmoe_store * s, int64_t e, int64_t c, uint16_t * out);
 /* The same chunk's exponent plane alone, decoded into exp[n] (n: the chunk's values, at most info.chunk_n, returned;
- * exactly n bytes are written), and *sm pointed at the
- * expert's whole sign+mantissa plane (n_per_expert bytes, value i at (*sm)[i]; pinned as the expert is): for a caller
- * that merges a row at a time (zipmoe_merge_bf16) into its L1, next to the dot product that reads it. */
+ * exactly n bytes are written), and *sm pointed at the expert's whole sign+mantissa plane (n_per_expert bytes, value
+ * i at (*sm)[i]; pinned as the expert is): for a caller that merges a row at a time (zipmoe_merge_bf16_cached) into
+ * its L1, next to the dot product that reads it. */
 ZIPMOE_API int64_t zipmoe_store_stream_exponents(zipmoe_store * s, int64_t e, int64_t c, uint8_t * exp,
                                                  const uint8_t ** sm);
 /* Where decoded expert e lies in the BF16 memory, in experts (see zipmoe_store_materialize), or -1 if it is not

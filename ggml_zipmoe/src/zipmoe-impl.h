@@ -70,8 +70,6 @@ void zipmoe_split_bf16_avx2(const uint16_t * src, size_t n, uint8_t * exp, uint8
 void zipmoe_split_sm_bf16_avx2(const uint16_t * src, size_t n, uint8_t * sm);
 /* cached: dst is a buffer about to be read (zipmoe_merge_bf16_cached); else large merges bypass the caches */
 void zipmoe_merge_bf16_avx2(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst, int cached);
-/* split.c: zipmoe_merge_bf16 with normal stores at any size, for output read right after (a streamed chunk) */
-void zipmoe_merge_bf16_cached(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst);
 
 /* codec.c: zipmoe_chunk_decode_exponents, warming the bytes the caller reads next (zipmoe_huff_decode) */
 int64_t zipmoe_decode_exp(const zipmoe_codec_ctx * c, zipmoe_workspace * ws, const void * code, size_t code_size,

@@ -53,14 +53,15 @@ static inline void merge_lanes(const uint8_t * exp, const uint8_t * sm, __m256i 
     v[1]              = _mm256_permute2x128_si256(a, b, 0x31);
 }
 
-/* Large outputs (a chunk of an expert, 128 KiB; ZIPMOE_MERGE_STREAM_BYTES) are written around the caches: a decoded
- * expert lands in memory no cache holds (an evicted expert's place), and a normal store would first read every line
- * it writes. Measured at 75% of the 2.8g model, reads from RAM: 51.0-51.7 against 53.1-53.3 ms a token. */
+/* Large outputs (a chunk of an expert, 128 KiB) are written around the caches: a decoded expert lands in memory no
+ * cache holds (an evicted expert's place), and a normal store would first read every line it writes. Measured at
+ * 75% of the 2.8g model, reads from RAM: 51.0-51.7 against 53.1-53.3 ms a token. */
+#define MERGE_STREAM_BYTES (64u << 10)
 
 void zipmoe_merge_bf16_avx2(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst, int cached) {
     size_t  i = 0;
     __m256i v[2];
-    if (!cached && n * sizeof *dst >= ZIPMOE_MERGE_STREAM_BYTES) {
+    if (!cached && n * sizeof *dst >= MERGE_STREAM_BYTES) {
         i = (32 - (uintptr_t) dst % 32) % 32 / sizeof *dst; /* the values before dst's first 32-byte boundary */
         zipmoe_merge_bf16_scalar(exp, sm, i, dst);
         for (; i + 32 <= n; i += 32) {

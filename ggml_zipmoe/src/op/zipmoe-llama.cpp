@@ -620,11 +620,6 @@ struct mm_rows {
     int64_t               cursor; // the first slot of the current phase that may have blocks left
 };
 
-// A row's merge in pieces this small keeps zipmoe_merge_bf16 to normal stores (it writes large outputs around the
-// caches), whatever the row's width.
-static constexpr int64_t MERGE_PIECE = 16384;
-static_assert(MERGE_PIECE * sizeof(uint16_t) < ZIPMOE_MERGE_STREAM_BYTES, "a row's pieces must be merged with normal stores");
-
 // The rows of claim u of streamed slot k (those that begin in its chunks): the exponent planes of the chunks they lie
 // in, decoded into the thread's scratch; then each row merged into a buffer in L1 and vec_dot from there. Merging a
 // claim's chunks whole wrote and read back twice their exponents' bytes through L2.
@@ -644,10 +639,7 @@ static void compute_streamed(const mm_rows & m, int64_t k, int64_t u, const void
     }
     for (int64_t r = r0; r < r1; r++) {
         const int64_t v = r * n_in; // the row's first value in the expert
-        for (int64_t i = 0; i < n_in; i += MERGE_PIECE) {
-            const int64_t n = std::min(MERGE_PIECE, n_in - i);
-            zipmoe_merge_bf16(m.exps + (v + i - c0 * m.chunk_n), sm + v + i, (size_t) n, m.row + i);
-        }
+        zipmoe_merge_bf16_cached(m.exps + (v - c0 * m.chunk_n), sm + v, (size_t) n_in, m.row);
         m.vec_dot((int) n_in, &out[r], 0, m.row, 0, xrow, 0, 1);
     }
 }
