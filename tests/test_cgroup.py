@@ -83,13 +83,16 @@ def _evict(path: Path) -> None:
         os.close(fd)
 
 
+@pytest.mark.parametrize("program,threads", [("llama-simple", None), ("llama-completion", 2)])
 def test_zipmoe_completes_in_a_limit_below_the_bf16_model(llama_lib_dir: Path, cgroup_parent: Path,
-                                                          small_models: tuple[Path, Path], tmp_path: Path) -> None:
+                                                          small_models: tuple[Path, Path], tmp_path: Path,
+                                                          program: str, threads: int | None) -> None:
+    """bench_budget's tg, as llama-simple and as llama-completion (--tg-threads)."""
     from pyzipmoe import runner
 
-    simple = llama_lib_dir / "llama-simple"
-    if not simple.is_file():
-        pytest.skip(f"{simple} was not built")
+    tool = llama_lib_dir / program
+    if not tool.is_file():
+        pytest.skip(f"{tool} was not built")
     bench = _bench_module()
     bf16, packed = small_models
     limit = int(bf16.stat().st_size * LIMIT_SHARE)
@@ -99,15 +102,15 @@ def test_zipmoe_completes_in_a_limit_below_the_bf16_model(llama_lib_dir: Path, c
     base = runner.environment(base={k: v for k, v in os.environ.items() if k not in RUNTIME_ENV})
 
     # the reference: the BF16 model, no limit
-    ref = bench.run_limited([str(simple), "-m", str(bf16), "-n", str(N_GEN), PROMPT], base, cgroup_parent, None,
+    ref = bench.run_limited(bench.tg_argv(tool, str(bf16), N_GEN, PROMPT, threads), base, cgroup_parent, None,
                             TIMEOUT, tmp_path / "bf16", drop_cache=False)
     assert ref["status"] == "ok", f"the BF16 run failed: {ref.get('message')}\n{ref['stderr_tail']}"
-    bench.parse_tg(ref)
+    bench.parse_tg(ref, completion=threads is not None)
     assert ref["tokens"] == N_GEN
 
     _evict(packed)
     env = {**base, "ZIPMOE_MEMORY_BUDGET": str(limit - MARGIN)}
-    got = bench.run_limited([str(simple), "-m", str(packed), "-n", str(N_GEN), PROMPT], env, cgroup_parent, limit,
+    got = bench.run_limited(bench.tg_argv(tool, str(packed), N_GEN, PROMPT, threads), env, cgroup_parent, limit,
                             TIMEOUT, tmp_path / "zipmoe", drop_cache=False)
     where = (f"limit {limit / 2**20:.1f} MiB, ZIPMOE_MEMORY_BUDGET {(limit - MARGIN) / 2**20:.1f} MiB, "
              f"peak {got.get('peak_bytes', 0) / 2**20:.1f} MiB, failcnt {got.get('failcnt')}")
@@ -115,7 +118,7 @@ def test_zipmoe_completes_in_a_limit_below_the_bf16_model(llama_lib_dir: Path, c
     assert got["status"] != "timeout", f"zipmoe took more than {TIMEOUT} s ({where}): thrashing?"
     assert got["status"] == "ok", f"zipmoe failed ({where}): {got.get('message')}\n{got['stderr_tail']}"
     assert got["limit_bytes"] == limit and got["peak_bytes"] <= limit
-    bench.parse_tg(got)
+    bench.parse_tg(got, completion=threads is not None)
     assert got["tokens"] == N_GEN
     assert got["text"] == ref["text"], f"zipmoe generated other tokens than BF16 ({where})"
 

@@ -12,6 +12,9 @@ without a limit, for a model with uniform and one with skewed routing, and measu
       in X s, speed: Y t/s" line (the issue's reference numbers: stock llama.cpp, mmap, llama-simple, 32
       tokens, cold page cache; its timer covers the prompt's batch and GEN - 1 single-token steps). The
       generated text must be the same for zipmoe and stock: MATCH / DIFF.
+      With --tg-threads N: `llama-completion -m MODEL -n GEN -p PROMPT -no-cnv --temp 0 --no-warmup -t N -c C -b C`
+      (C = GEN + 64) instead, the same greedy generation with a thread count of choice; tokens/s counted as
+      llama-simple counts them, GEN tokens over the prompt's batch and GEN - 1 steps (its perf lines).
   pp  `llama-bench -m MODEL -p PP -n 0 -r 1 -t THREADS -o json -v`: prompt processing, tokens/s (-v: so that
       its stderr says why a model did not load).
 
@@ -39,8 +42,10 @@ The targets are set for the machine's own disk.
 
 The models are synthetic (random weights, made by tools/make_synth.py --preset PRESET [--routing skewed] and
 converted with `python -m pyzipmoe convert`), kept in --workdir and reused while they exist. The output labels
-them synthetic. llama-simple has no thread option: it computes with llama.cpp's default of 4 threads.
-llama-bench uses --threads (default 2, the issue's reference setting).
+them synthetic. llama-simple has no thread option: it computes with llama.cpp's default of 4 threads, twice the
+cores of a 2-core machine, which costs zipmoe more than stock (a thread that waits for a read gives its core to a
+thread that then waits at ggml's barrier). --tg-threads N (e.g. the core count, as llama-cli's default) measures
+both with N threads instead. llama-bench uses --threads (default 2, the issue's reference setting).
 
 Needs root (cgroups, drop_caches) and the cgroup v1 memory controller (/sys/fs/cgroup/memory). The cgroups
 are made under this process's own memory cgroup (--cgroup-parent to choose another), named
@@ -410,19 +415,33 @@ def _tool(argv: list[str]) -> None:
 # -------------------------------------------------------------------------------------- measurements
 
 
-def parse_tg(res: dict[str, Any]) -> None:
-    """llama-simple's speed line, its perf counters and the generated text, into res."""
+def parse_tg(res: dict[str, Any], completion: bool = False) -> None:
+    """llama-simple's speed line (llama-completion's perf lines with completion), the perf counters and the generated
+    text, into res."""
     stderr = res.pop("stderr_tail")
     res["stderr_tail"] = stderr[-1500:]
-    m = TG_LINE.search(stderr)
-    if res["status"] == "ok" and not m:
-        res["status"], res["message"] = "failed", "no 'decoded N tokens' line in llama-simple's output"
-    if m:
-        res["tokens"], res["decode_s"], res["tps"] = int(m.group(1)), float(m.group(2)), float(m.group(3))
     for kind, ms, n in PERF_LINE.findall(stderr):
         key = "prompt_eval" if kind == "prompt eval" else "eval"
         res[f"{key}_ms"], res[f"{key}_n"] = float(ms), int(n)
+    m = None if completion else TG_LINE.search(stderr)
+    if m:
+        res["tokens"], res["decode_s"], res["tps"] = int(m.group(1)), float(m.group(2)), float(m.group(3))
+    elif res["status"] == "ok" and not (completion and completion_speed(res)):
+        res["status"], res["message"] = "failed", (
+            "no 'prompt eval time' and 'eval time' lines in llama-completion's output" if completion else
+            "no 'decoded N tokens' line in llama-simple's output")
     res["text"] = res.pop("stdout").rstrip("\n")
+
+
+def completion_speed(res: dict[str, Any]) -> bool:
+    """llama-completion's tokens/s, counted as llama-simple counts: the prompt's batch gives the first token, each of
+    the eval runs one more, over the time of both."""
+    if "prompt_eval_ms" not in res or "eval_ms" not in res:
+        return False
+    res["tokens"] = res["eval_n"] + 1
+    res["decode_s"] = (res["prompt_eval_ms"] + res["eval_ms"]) / 1000
+    res["tps"] = res["tokens"] / res["decode_s"] if res["decode_s"] > 0 else None
+    return res["tps"] is not None
 
 
 def parse_pp(res: dict[str, Any], n_prompt: int) -> None:
@@ -460,6 +479,17 @@ def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
     return None
 
 
+def tg_argv(program: Path, model: str, gen: int, prompt: str, threads: int | None) -> list[str]:
+    """The tg command: llama-simple (threads None: it has no option, llama.cpp's default of 4), or llama-completion
+    with as many threads, the same greedy generation: no warm-up run (for an MoE it touches every expert, and each
+    run must start cold) and a context of about llama-simple's size, so that both keep alike KV and compute buffers."""
+    if threads is None:
+        return [str(program), "-m", model, "-n", str(gen), prompt]
+    ctx = str(gen + 64)
+    return [str(program), "-m", model, "-n", str(gen), "-p", prompt, "-no-cnv", "--no-display-prompt", "--temp", "0",
+            "--no-warmup", "-t", str(threads), "-c", ctx, "-b", ctx, "-ub", ctx]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from pyzipmoe import runner
     from pyzipmoe.budget import RUNTIME_ENV
@@ -467,6 +497,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     parent = check_environment(args.cgroup_parent)
     mount = memory_mount()
     simple, bench = runner.program("llama-simple"), runner.program("llama-bench")
+    completion = runner.program("llama-completion") if args.tg_threads else None
     base = {k: v for k, v in os.environ.items() if k not in RUNTIME_ENV}
     stock_env = runner.environment(base=base)
     zipmoe_extra = dict(args.zipmoe_env)
@@ -498,7 +529,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res = {"synthetic": True, "preset": args.preset, "models": models, "budgets_pct": args.budgets,
            "read_rate_bytes": args.read_rate,
            "overhead_bytes": args.overhead, "gen_tokens": args.gen, "pp_tokens": args.pp, "prompt": args.prompt,
-           "threads_llama_bench": args.threads, "threads_llama_simple": "llama.cpp default (4)",
+           "threads_llama_bench": args.threads, "tg_threads": args.tg_threads,
            "timeout_s": args.timeout, "zipmoe_env": zipmoe_extra, "tests": args.tests, "repeat": args.repeat,
            "variant": {"env": dict(args.variant_env), "lib": str(args.variant_lib or "")} if variant else None,
            "cgroup_parent": str(parent), "swap_bytes": swap_total(), "cpus": os.cpu_count(),
@@ -538,14 +569,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             continue
                         env["ZIPMOE_MEMORY_BUDGET"] = str(zbudget)
                 if test == "tg":
-                    argv = [str(simple), "-m", model, "-n", str(args.gen), args.prompt]
+                    argv = tg_argv(completion or simple, model, args.gen, args.prompt, args.tg_threads)
                 else:
                     argv = [str(bench), "-m", model, "-p", str(args.pp), "-n", "0", "-r", "1",
                             "-t", str(args.threads), "-o", "json", "-v"]
                 stem = logdir / f"{args.preset}-{routing}-{label.rstrip('%')}-{engine}-{test}-{rep}-{slot}"
                 one = run_limited(argv, env, parent, limit, args.timeout, stem, throttle=throttle)
                 if test == "tg":
-                    parse_tg(one)
+                    parse_tg(one, completion=completion is not None)
                 else:
                     parse_pp(one, args.pp)
                 rec.update(one)
@@ -674,11 +705,16 @@ def _per_token(r: dict[str, Any] | None) -> str:
     return f"{r['disk_read_bytes'] / MIB / r['tokens']:.1f}"
 
 
+def tg_program(res: dict[str, Any]) -> str:
+    threads = res.get("tg_threads")
+    return f"llama-completion -t {threads}" if threads else "llama-simple (4 threads, llama.cpp's default)"
+
+
 def print_report(res: dict[str, Any]) -> None:
     runs = res["runs"]
     print(f"SYNTHETIC models (random weights, preset {res['preset']}): stock llama.cpp (BF16 GGUF, mmap) vs zipmoe "
           f"(converted GGUF), same build, same cgroup v1 memory limit, cold page cache")
-    print(f"tg: llama-simple -n {res['gen_tokens']} {res['prompt']!r} (llama.cpp's default threads); "
+    print(f"tg: {tg_program(res)} -n {res['gen_tokens']} {res['prompt']!r}; "
           f"pp: llama-bench -p {res['pp_tokens']} -n 0 -r 1 -t {res['threads_llama_bench']}; "
           f"timeout {res['timeout_s']:g} s per run"
           + (f"; tokens/s: medians of {res['repeat']} runs, stock and zipmoe alternating (--json has each run)"
@@ -800,7 +836,7 @@ def plot(res: dict[str, Any], path: Path) -> bool:
         ax.set_xlabel("memory limit, % of the BF16 model file")
         ax.set_ylabel("tokens/s")
         ax.set_yscale("log")
-        ax.set_title(f"{test}: {'llama-simple' if test == 'tg' else 'llama-bench pp' + str(res['pp_tokens'])}")
+        ax.set_title(f"{test}: {tg_program(res) if test == 'tg' else 'llama-bench pp' + str(res['pp_tokens'])}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     rate = f"; reads throttled to {res['read_rate_bytes'] / MIB:.0f} MiB/s" if res.get("read_rate_bytes") else ""
@@ -880,10 +916,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--read-rate", type=_size, metavar="BYTES/S",
                    help="throttle every run's reads from the models' disk to this rate (cgroup v1 blkio), e.g. 400MiB "
                         "for an eMMC or SD card's: storage slower than this machine's (default: none)")
-    p.add_argument("--gen", type=int, default=32, help="tokens llama-simple generates (default: %(default)s)")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="llama-simple's prompt (default: %(default)r)")
+    p.add_argument("--gen", type=int, default=32, help="tokens tg generates (default: %(default)s)")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="tg's prompt (default: %(default)r)")
     p.add_argument("--pp", type=int, default=512, help="prompt tokens of llama-bench's pp test (default: %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="llama-bench threads (default: %(default)s)")
+    p.add_argument("--tg-threads", type=int, metavar="N",
+                   help="run tg with llama-completion and N threads instead of llama-simple's fixed 4 (e.g. the "
+                        "number of cores)")
     p.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="runs of each engine at each limit, stock and zipmoe alternating; the report shows the median "
                         "(default: %(default)s; this machine's single runs vary by up to 1.5x)")
@@ -914,9 +953,9 @@ def main(argv: list[str] | None = None) -> int:
             plot(res, args.plot)
         print_report(res)
         return 0
-    for name in ("gen", "pp", "threads"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be at least 1")
+    for name in ("gen", "pp", "threads", "tg_threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.timeout <= 0:
         p.error("--timeout must be positive")
     args.workdir = args.workdir.resolve()
