@@ -265,8 +265,8 @@ def test_every_budget_and_policy_gives_the_same_logits(logits: Callable, ours: P
     runs, where = [], []
     for policy in ("tlfu", "lru", "lfu", "fifo"):
         for extra, shares in ((16 << 10, {"hot_share": 1.0}), (100 << 10, {"hot_share": 0.3}),
-                              (60 << 10, {"hot_share": 0.2, "sm_share": 0.5}), (60 << 10, {"planner": True}),
-                              (None, {})):
+                              (40 << 10, {"hot_share": 0.0}), (60 << 10, {"hot_share": 0.2, "sm_share": 0.5}),
+                              (60 << 10, {"planner": True}), (None, {})):
             for i in picks:
                 budget = {} if extra is None else {"memory_budget": str(minimum + extra)}
                 runs.append({"config": CONFIGS[i], "cache": "none" if extra is None else "unbounded",
@@ -408,6 +408,32 @@ def test_the_decoded_experts_in_flight_count_once(logits: Callable, ours: Path, 
     _no_error(reports[0])
     stats = reports[0]["stats"]
     assert 0 < stats["peak_hot_bytes"] <= extra + need.in_flight_bytes - reads, stats
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_generation_without_a_hot_tier_lends_the_allowance_in_flight_to_the_warm_tier(
+        logits: Callable, ours: Path, arch: str, zipmoe_models: dict[tuple[str, str], Path], tmp_path: Path) -> None:
+    """Every expert kept compressed (hot_share 0): a prompt in one batch decodes what it routes into the allowance for
+    the expert tensor in flight, whose pages are kept for the next decodes. A generated token decodes only its misses,
+    so in generation the pool keeps a token's pages and the warm tier takes the rest of the allowance
+    (zipmoe_cache_begin_graph): more than the whole room the budget leaves the tiers. Logits stay the BF16 model's."""
+    from pyzipmoe import synth
+    from pyzipmoe.budget import model_memory
+
+    _, ref = logits(arch, "bf16")
+    model = zipmoe_models[arch, "huff"]
+    need, tiers = model_memory(model), 40 << 10
+    runs = [{"config": CONFIGS[5], "zipmoe": {"memory_budget": str(need.minimum + tiers), "hot_share": 0.0}}]
+    reports, got = run_worker(model, ours, runs, tmp_path / "warm.npz")
+    _no_error(reports[0])
+    assert_bit_identical(got["run0"], ref["run5"], f"{arch} {runs[0]}")
+    stats = reports[0]["stats"]
+    config = synth.PRESETS["tiny"]
+    token_pages = config.n_expert_used * max(c.source.nbytes // c.source.dims[2]
+                                             for c in open_zipmoe(model).compressed)
+    assert stats["hot_bytes"] <= token_pages and tiers < stats["warm_bytes"] <= tiers + need.in_flight_bytes - token_pages, stats
+    assert stats["pool_bytes"] <= token_pages, stats  # (hot: the last store's misses, decoded in flight)
+    assert stats["peak_resident_bytes"] + stats["pool_bytes"] <= tiers + need.in_flight_bytes, stats
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -247,7 +247,9 @@ ZIPMOE_API uint64_t zipmoe_cache_rules_bytes(void);
  * of zipmoe_cache_set_token_room) where every store keeps at least `routed` experts decoded under it, else the
  * batch's (zipmoe_cache_configure's, the rules'); going back to the smaller one, every store is evicted down to it
  * first. In generation evicted experts' pages are not kept (zipmoe_cache_set_reserve): a miss takes its victim's
- * place, and the reserve's room is the hot tier's. */
+ * place, and the reserve's room is the hot tier's. Without a hot tier (every expert kept compressed: no sm budget,
+ * no rules), a graph whose misses fit the reserve, `routed` experts of the largest store, is generation too: the
+ * reserve keeps only their pages and the warm tier grows by the rest, back again for a larger graph. */
 ZIPMOE_API void    zipmoe_cache_begin_graph(int64_t routed);
 
 /* Whether stores bound from now on read around the page cache (O_DIRECT) where the file system allows it.

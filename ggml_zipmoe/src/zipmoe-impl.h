@@ -175,6 +175,7 @@ int  zipmoe_reader_reads_waiting(void); /* a job of reads is queued: background 
 void zipmoe_reader_wait_read_ahead(void);
 /* slots.c: memfd slots that keep decoded experts' pages from one expert to the next */
 void     zipmoe_slots_set_keep(uint64_t bytes);           /* free slots keep their pages up to this */
+void     zipmoe_slots_trim(void);                         /* free slots' pages beyond it go back now */
 uint64_t zipmoe_slots_kept(void);
 int      zipmoe_slots_usable(const void * addr, size_t size); /* page-aligned, and memfds work */
 int64_t  zipmoe_slots_attach(void * addr, size_t size);   /* a slot mapped over [addr, +size), or -1 */

@@ -80,6 +80,21 @@ static void give_back_pages(slot_pool * p, int64_t slot) {
               (off_t) p->slot_size);
 }
 
+/* Otherwise pages kept beyond a lowered limit go back only as the slots are used; a compressed tier growing into
+ * that room meanwhile would take the process over its budget. */
+void zipmoe_slots_trim(void) {
+    pthread_mutex_lock(&g_mu);
+    for (int i = 0; i < g_n_pools && g_kept > g_keep; i++) {
+        slot_pool * p = &g_pools[i];
+        while (p->n_free_paged > 0 && g_kept > g_keep) {
+            give_back_pages(p, p->free[p->n_free - p->n_free_paged]); /* the lowest paged one joins the empty ones */
+            p->n_free_paged--;
+            g_kept -= p->slot_size;
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+}
+
 int64_t zipmoe_slots_attach(void * addr, size_t size) {
     pthread_mutex_lock(&g_mu);
     slot_pool * p    = pool_for(size);

@@ -154,6 +154,7 @@ struct zipmoe_store {
     uint64_t        hot_limit, warm_limit, sm_limit; /* refreshed when the configuration changes */
     int64_t         hot_slots;   /* under g_cfg_mu: its whole experts of the hot budget (share_hot_slots); -1: none */
     int64_t         extra_slots; /* under g_cfg_mu: hot slots beyond its rule's in generation (rule_slots) */
+    uint64_t        warm_share;  /* under g_cfg_mu: its whole regions of the warm budget (shared_warm); UINT64_MAX: none */
     _Atomic uint64_t cfg_gen;
     zipmoe_policy   policy;
     int             use_slots;   /* decode into memfd slots (slots.c): the hot tier cannot hold every expert */
@@ -191,6 +192,8 @@ static _Atomic uint64_t g_read_room = UINT64_MAX; /* a prompt's read buffers' (z
 static int64_t          g_token_slots = -1; /* the fewest hot slots a store has in generation; -1: no token mode */
 static uint64_t         g_rule_room;   /* zipmoe_cache_set_token_room's: what ruled stores hold in generation */
 static uint64_t         g_reserve;     /* zipmoe_cache_set_reserve's: evicted experts' pages kept, outside token mode */
+static int              g_token_warm;  /* token mode is generation's larger warm tier (no hot tier: warm_budget_now) */
+static uint64_t         g_token_need;  /* then: the pages a token's misses decode into, kept (routed x largest expert) */
 static uint64_t         g_warm_budget = 0;
 static uint64_t         g_sm_budget   = 0;
 static zipmoe_policy    g_policy      = ZIPMOE_POLICY_TOKEN_LFU;
@@ -302,11 +305,32 @@ static int64_t rule_slots(int set) {
     return fewest;
 }
 
+static uint64_t warm_budget_now(void);
+
+/* Under g_list_mu and g_cfg_mu: each store that no rule sets gets the whole regions (of its mean size) of its share
+ * of the warm budget, or all of its regions, and what its share holds beyond them goes on to the next store, as
+ * shared_slots does for the hot tier. At 75% of the 2.8g model, warm-only, each store's share fell half a region
+ * short of its experts, and each kept one fewer: 24 missing where the budget lacked 6. */
+static void shared_warm(uint64_t budget) {
+    uint64_t carry = 0;
+    for (zipmoe_store * o = g_list; o; o = o->next) {
+        o->warm_share = UINT64_MAX;
+        if (budget == UINT64_MAX || o->mean_region == 0 || find_rule(o->name)) {
+            continue;
+        }
+        const uint64_t share = quota(o, budget) + carry;
+        const uint64_t all   = o->info.data_size;
+        o->warm_share        = share >= all ? all : share / o->mean_region * o->mean_region;
+        carry                = share - o->warm_share;
+    }
+}
+
 /* Under g_list_mu and g_cfg_mu, whenever the budget, the rules or the open stores change: the hot slots of the
- * budget in force, and the fewest a store would have in generation's. Every store refreshes its limits at its
- * next invocation (g_cfg_gen). */
+ * budget in force, and the fewest a store would have in generation's; the warm tier's shares. Every store
+ * refreshes its limits at its next invocation (g_cfg_gen). */
 static void share_hot_slots(void) {
     shared_slots(g_hot_budget, 1);
+    shared_warm(warm_budget_now());
     const int64_t ruled = rule_slots(1);
     if (g_n_rules > 0) {
         g_token_slots = ruled;
@@ -343,10 +367,32 @@ int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, uint64_t
     return ZIPMOE_OK;
 }
 
+/* Under g_cfg_mu: whether generation may lend the allowance for the tensor in flight to the warm tier: every expert
+ * kept compressed, none decoded (nor sign+mantissa planes, nor a planner's rules), so that a prompt's every
+ * routed expert is decoded anew into that allowance, a token's few only. */
+static int warm_tokens_possible(void) {
+    return g_hot_batch == 0 && g_sm_budget == 0 && g_n_rules == 0 && g_warm_budget > 0 && g_warm_budget != UINT64_MAX;
+}
+
+/* Under g_cfg_mu: the warm tier's budget in force. In generation without a hot tier it also holds the allowance for
+ * the tensor in flight beyond what a token's misses decode into: at 75% of the 2.8g model that is 84 of its 96 MiB,
+ * the last 6% of the compressed experts, whose misses (3 a token) stalled a warm-only token 12 of its 68 ms. */
+static uint64_t warm_budget_now(void) {
+    return g_token_mode && g_token_warm && warm_tokens_possible() && g_reserve > g_token_need
+               ? g_warm_budget + (g_reserve - g_token_need)
+               : g_warm_budget;
+}
+
 /* Evicted experts' pages are kept for a batch's decodes beyond the limits; in token mode a miss takes its victim's
  * place instead, and the room the reserve would keep is generation's hot tier's: pages kept there would come on
- * top of a full tier (after a shrink in generation, by up to the whole reserve). */
-static void keep_reserve(void) { zipmoe_slots_set_keep(g_token_mode ? 0 : g_reserve); }
+ * top of a full tier (after a shrink in generation, by up to the whole reserve). Generation's warm tier keeps the
+ * pages of a token's misses, and the rest go back at once: the tier grows into them. */
+static void keep_reserve(void) {
+    zipmoe_slots_set_keep(!g_token_mode ? g_reserve : g_token_warm ? g_token_need : 0);
+    if (g_token_mode && g_token_warm) {
+        zipmoe_slots_trim();
+    }
+}
 
 void zipmoe_cache_set_reserve(uint64_t bytes) {
     pthread_mutex_lock(&g_cfg_mu);
@@ -466,7 +512,7 @@ static void refresh_limits(zipmoe_store * s) {
         s->sm_limit   = slots_bytes(rule->sm, s->sm_size);
     } else {
         s->hot_limit  = s->hot_slots >= 0 ? slots_bytes(s->hot_slots, s->hot_size) : quota(s, g_hot_budget);
-        s->warm_limit = quota(s, g_warm_budget);
+        s->warm_limit = s->warm_share != UINT64_MAX ? s->warm_share : quota(s, warm_budget_now());
         s->sm_limit   = quota(s, g_sm_budget);
     }
     s->policy  = g_policy;
@@ -830,6 +876,7 @@ int64_t zipmoe_store_open(const char * name, const void * index, size_t index_si
     zipmoe_tensor_get_info(s->tensor, &s->info);
     s->hot_size    = (uint64_t) s->info.n_per_expert * 2;
     s->hot_slots   = -1; /* until share_hot_slots, once it is in the list */
+    s->warm_share  = UINT64_MAX;
     s->sm_size     = (uint64_t) s->info.n_per_expert;
     s->mean_region = s->info.n_expert ? (s->info.data_size + (uint64_t) s->info.n_expert - 1) / (uint64_t) s->info.n_expert : 0;
     s->plan      = calloc((size_t) s->info.n_expert, sizeof *s->plan);
@@ -1362,16 +1409,27 @@ static void trim_others(const zipmoe_store * s) {
 void zipmoe_cache_begin_graph(int64_t routed) {
     atomic_fetch_add(&g_op_seq, 1); /* a graph's first invocation of a store is never a late sibling of its last one */
     pthread_mutex_lock(&g_list_mu);
+    uint64_t largest = 0;
+    for (const zipmoe_store * o = g_list; o; o = o->next) {
+        largest = o->hot_size > largest ? o->hot_size : largest;
+    }
     pthread_mutex_lock(&g_cfg_mu);
     /* (g_token_slots >= 0: generation's hot budget is larger than a batch's, and shared out) */
-    const int tokens = g_token_slots >= 0 && routed <= g_token_slots;
-    const int shrink = g_token_mode && !tokens;
-    if (tokens != g_token_mode) {
+    const int      hot_tokens  = g_token_slots >= 0 && routed <= g_token_slots;
+    const uint64_t need        = routed > 0 ? slots_bytes(routed, largest) : UINT64_MAX;
+    const int      warm_tokens = !hot_tokens && warm_tokens_possible() && need < g_reserve;
+    const int      tokens      = hot_tokens || warm_tokens;
+    const int      was_tokens  = g_token_mode;
+    const uint64_t warm_before = warm_budget_now();
+    if (tokens != g_token_mode || warm_tokens != g_token_warm || (warm_tokens && need != g_token_need)) {
         g_token_mode = tokens;
+        g_token_warm = warm_tokens;
+        g_token_need = warm_tokens ? need : 0;
         g_hot_budget = tokens ? g_hot_tokens : g_hot_batch;
         share_hot_slots();
         keep_reserve();
     }
+    const int shrink = (was_tokens && !tokens) || warm_budget_now() < warm_before;
     pthread_mutex_unlock(&g_cfg_mu);
     for (zipmoe_store * o = shrink ? g_list : NULL; o; o = o->next) {
         /* (a read-ahead into o holds its lock while it reads: it takes no other store's lock but by trying, and a
