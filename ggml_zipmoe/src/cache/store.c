@@ -395,10 +395,13 @@ static void keep_reserve(void) {
 }
 
 void zipmoe_cache_set_reserve(uint64_t bytes) {
+    pthread_mutex_lock(&g_list_mu);
     pthread_mutex_lock(&g_cfg_mu);
     g_reserve = bytes;
     keep_reserve();
+    share_hot_slots(); /* (generation's warm shares hold the reserve beyond a token's pages) */
     pthread_mutex_unlock(&g_cfg_mu);
+    pthread_mutex_unlock(&g_list_mu);
 }
 
 void zipmoe_cache_set_token_hot(uint64_t hot_bytes) {
