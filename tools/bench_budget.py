@@ -12,9 +12,10 @@ without a limit, for a model with uniform and one with skewed routing, and measu
       in X s, speed: Y t/s" line (the issue's reference numbers: stock llama.cpp, mmap, llama-simple, 32
       tokens, cold page cache; its timer covers the prompt's batch and GEN - 1 single-token steps). The
       generated text must be the same for zipmoe and stock: MATCH / DIFF.
-      With --tg-threads N: `llama-completion -m MODEL -n GEN -p PROMPT -no-cnv --temp 0 --no-warmup -t N -c C -b C`
-      (C = GEN + 64) instead, the same greedy generation with a thread count of choice; tokens/s counted as
-      llama-simple counts them, GEN tokens over the prompt's batch and GEN - 1 steps (its perf lines).
+      With --tg-threads N: `llama-completion -m MODEL -n GEN -p PROMPT -no-cnv --no-display-prompt --temp 0
+      --no-warmup -t N -c C -b C -ub C` (C = GEN + 64; tg_argv) instead, the same greedy generation with a thread
+      count of choice; tokens/s counted as llama-simple counts them, GEN tokens over the prompt's batch and GEN - 1
+      steps (its perf lines).
   pp  `llama-bench -m MODEL -p PP -n 0 -r 1 -t THREADS -o json -v`: prompt processing, tokens/s (-v: so that
       its stderr says why a model did not load).
 

@@ -334,7 +334,7 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
     if (token_hot > 0 && hot > 0 && !plan) {
         zipmoe_cache_set_token_hot(token_hot);
         info += "; while generating, " + mib(token_hot) + " decoded";
-    } else if (hot == 0 && warm > 0 && warm != UINT64_MAX && sm == 0 && !plan) {
+    } else if (hot == 0 && warm > 0 && sm == 0 && !plan) { // (store.c: warm_tokens_possible)
         info += "; while generating, the compressed tier also holds the allowance beyond a token's decodes";
     }
     return true;
