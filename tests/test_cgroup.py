@@ -140,3 +140,13 @@ def test_a_read_throttle_slows_the_run_s_reads_to_its_rate(cgroup_parent: Path, 
     assert got["wall_s"] >= 0.8 * (3 << 20) / rate, got["wall_s"]  # ~3 s at 1 MiB/s; unthrottled, milliseconds
     mine = f"zipmoe-bench-{os.getpid()}-*"  # (a killed benchmark may have left its own behind)
     assert not list(throttle.parent.glob(mine)) and not list(cgroup_parent.glob(mine))
+
+
+@pytest.mark.parametrize("pp,worst", [({40: 0.99, 60: 1.2, 100: 0.88}, (100, 0.88)), ({40: 1.1, 60: 1.05}, (None, 1.05))])
+def test_the_never_slower_target_names_the_budget_of_its_lowest_ratio(pp: dict[int, float], worst: tuple) -> None:
+    """The report's 'lowest ratio at B%' must be one row's pair: it once named the first budget below 1x beside the
+    lowest ratio of all (0.88x at 100% printed as 'lowest 0.88x at 40%', where 40% measured 0.99x)."""
+    bench = _bench_module()
+    rows = [{"budget_pct": b, "tg_ratio": 2.0, "pp_ratio": x, "zipmoe_keeps": None} for b, x in pp.items()]
+    target = next(t for t in bench.check_targets(rows, list(pp)) if t["target"].startswith("never slower (pp"))
+    assert (target["budget_pct"], target["ratio"], target["met"]) == (*worst, worst[0] is None)
