@@ -676,10 +676,10 @@ def check_targets(rows: list[dict[str, Any]], budgets: list[float]) -> list[dict
         measured = [(row["budget_pct"], row[f"{test}_ratio"]) for row in rows
                     if row["budget_pct"] is not None and row["budget_pct"] < PARITY_BUDGET - TARGET_SLACK
                     and row[f"{test}_ratio"] is not None]
-        worst = min(measured, key=lambda bx: bx[1], default=(None, None))  # the budget of the lowest ratio
+        at, lowest = min(measured, key=lambda bx: bx[1], default=(None, None))  # one row's budget and ratio
+        met = None if lowest is None else lowest >= 1
         out.append({"target": f"never slower ({test}, below ~{PARITY_BUDGET}%)",
-                    "budget_pct": worst[0] if worst[1] is not None and worst[1] < 1 else None,
-                    "ratio": worst[1], "met": None if not measured else worst[1] >= 1})
+                    "budget_pct": at if met is False else None, "ratio": lowest, "met": met})
     return out
 
 
