@@ -36,6 +36,9 @@ uint64_t zipmoe_checksum(const void * data, size_t size, uint64_t seed);
 
 int64_t zipmoe_huff_lengths(const uint64_t hist[256], uint8_t lengths[256]);
 int64_t zipmoe_huff_check_lengths(const uint8_t lengths[256]);
+int64_t zipmoe_esc_classes(const uint64_t hist[256], uint8_t classes[256]);
+int64_t zipmoe_esc_check_classes(const uint8_t classes[256]);
+int     zipmoe_esc_simd_level(void);
 
 typedef struct zipmoe_codec_ctx zipmoe_codec_ctx;
 int64_t zipmoe_codec_create(zipmoe_codec codec, int level, const uint8_t lengths[256], zipmoe_codec_ctx ** out);
@@ -53,6 +56,8 @@ int64_t zipmoe_chunk_decode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
                             int checksum_check, uint64_t checksum, uint16_t * dst);
 int64_t zipmoe_chunk_decode_exponents(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
                                       const void * code, size_t code_size, uint8_t * exp, size_t n);
+int64_t zipmoe_esc_decode_scalar_chunk(const zipmoe_codec_ctx * c, const void * code, size_t code_size,
+                                       uint8_t * exp, size_t n);
 
 typedef struct zipmoe_tensor zipmoe_tensor;
 typedef struct {

@@ -23,8 +23,8 @@ determine. That is what the planner predicts with; on the 2.8g bench model the
 runtime's stores driven directly from Python (`engine=False`: quicker, no engine needed) cost 3x as much per
 expert as the engine pays, and the planner's predictions were off by as much.
 
-Besides those: decode throughput of each codec (huff and zstd, the one the file does not use measured on the same
-expert re-encoded), and the per-value cost of splitting and merging the BF16 planes.
+Besides those: decode throughput of each codec (huff, esc and zstd, those the file does not use measured on the
+same expert re-encoded), and the per-value cost of splitting and merging the BF16 planes.
 
 CPU costs are thread CPU time, the median of many timed batches: other load on the machine does not inflate them
 (`cores` says how many such cores there are). Disk costs are wall time, after asking the kernel to drop the file
@@ -301,6 +301,8 @@ def _reencoded(values: np.ndarray, info: Any, codec_name: str, name: str) -> tup
 
     if codec_name == "huff":
         coder = codec.Codec("huff", lengths=codec.huff_lengths(codec.exponent_histogram(values)))
+    elif codec_name == "esc":
+        coder = codec.Codec("esc", lengths=codec.esc_classes(codec.exponent_histogram(values)))
     else:
         coder = codec.Codec("zstd", level=codec.DEFAULT_ZSTD_LEVEL)
     enc = coder.encode_expert(values, info.chunk_n)

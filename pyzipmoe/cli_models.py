@@ -275,7 +275,7 @@ def register(sub: Any) -> None:
     p.add_argument("name", metavar="NAME", help="the model's name")
     p.add_argument("-f", "--file", default="Modelfile", metavar="FILE",
                    help="the Modelfile; - reads it from stdin (default: ./Modelfile)")
-    p.add_argument("--codec", choices=("auto", "huff", "zstd"), default="auto",
+    p.add_argument("--codec", choices=("auto", "huff", "esc", "zstd"), default="auto",
                    help=f"exponent codec when FROM is converted (auto = {codec.DEFAULT_CODEC})")
     p.add_argument("--level", type=int, metavar="N",
                    help=f"zstd level (default: {codec.DEFAULT_ZSTD_LEVEL}; zstd only)")

@@ -14,7 +14,7 @@ import numpy as np
 from ._native import ffi, lib
 from .errors import ChecksumError, FormatError, UnsupportedError, ZipmoeError
 
-CODECS: dict[str, int] = {"zstd": 1, "huff": 2}
+CODECS: dict[str, int] = {"zstd": 1, "huff": 2, "esc": 3}
 CODEC_NAMES: dict[int, str] = {v: k for k, v in CODECS.items()}
 DEFAULT_CODEC = "huff"
 DEFAULT_ZSTD_LEVEL = 1
@@ -109,6 +109,20 @@ def huff_lengths(hist: np.ndarray) -> np.ndarray:
     return lengths
 
 
+def esc_classes(hist: np.ndarray) -> np.ndarray:
+    """Escape-code classes for an exponent histogram: 1..3 for the 2-bit codes of the three commonest exponents,
+    4..10 for the escaped 3-bit codes of the next seven, 0 for the raw bytes of the rest."""
+    hist = np.ascontiguousarray(hist, np.uint64)
+    classes = np.zeros(256, np.uint8)
+    _check(lib.zipmoe_esc_classes(_ptr(hist, "uint64_t *"), _ptr(classes, "uint8_t *")), "escape-code classes")
+    return classes
+
+
+def esc_simd_level() -> int:
+    """Which escape-code decoder this CPU runs: 0 = portable scalar, 2 = AVX-512 VBMI2."""
+    return int(lib.zipmoe_esc_simd_level())
+
+
 def checksum(data, seed: int = 0) -> int:
     """XXH3-64 of a bytes-like object."""
     buf = ffi.from_buffer(data)
@@ -151,7 +165,9 @@ class EncodedExpert:
 
 
 class Codec:
-    """A codec instance (zstd at a level, or huff with one tensor's code lengths). Thread-safe."""
+    """A codec instance (zstd at a level, huff with one tensor's code lengths, esc with its classes). Thread-safe.
+
+    `lengths` is the table the index stores (FORMAT.md): Huffman code lengths, or escape-code classes."""
 
     def __init__(self, name: str, *, level: int = 0, lengths: np.ndarray | None = None):
         if name not in CODECS:
@@ -161,6 +177,8 @@ class Codec:
         self.lengths = None if lengths is None else np.ascontiguousarray(lengths, np.uint8)
         if name == "huff" and self.lengths is None:
             raise ValueError("the huff codec needs code lengths (see huff_lengths)")
+        if name == "esc" and self.lengths is None:
+            raise ValueError("the esc codec needs its classes (see esc_classes)")
         out = ffi.new("zipmoe_codec_ctx **")
         lengths_ptr = ffi.NULL if self.lengths is None else _ptr(self.lengths, "uint8_t *")
         _check(lib.zipmoe_codec_create(CODECS[name], self.level, lengths_ptr, out), f"{name} codec")

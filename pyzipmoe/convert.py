@@ -35,7 +35,7 @@ from .format import (
 from .progress import Progress, Silent
 
 BLOCK = 8 << 20  # bytes per read when copying or scanning: large enough for sequential throughput
-CODEC_CHOICES = ("auto", "huff", "zstd")
+CODEC_CHOICES = ("auto", "huff", "esc", "zstd")
 CHUNK_MAX = 1 << 24  # ZIPMOE_CHUNK_MAX of zipmoe.h
 
 T = TypeVar("T")
@@ -349,6 +349,8 @@ class _ChunkTable:
 def _tensor_codec(settings: _Settings, hist: np.ndarray) -> zcodec.Codec:
     if settings.codec == "huff":
         return zcodec.Codec("huff", lengths=zcodec.huff_lengths(hist))
+    if settings.codec == "esc":
+        return zcodec.Codec("esc", lengths=zcodec.esc_classes(hist))
     return zcodec.Codec("zstd", level=settings.level)
 
 
@@ -422,7 +424,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, codec: 
             threads: int | None = None, progress: Progress | None = None) -> ConvertReport:
     """Compresses the BF16 expert tensors of the GGUF `src` into the zipmoe GGUF `dst`.
 
-    codec: "auto" (= huff), "huff" or "zstd" (at `level`); chunk_n: values per independently decodable
+    codec: "auto" (= huff), "huff", "esc" or "zstd" (at `level`); chunk_n: values per independently decodable
     chunk; threads: encoding threads (default: all CPUs).
     """
     t0 = time.monotonic()

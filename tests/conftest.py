@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from pyzipmoe import synth
 
 ARCHS = ("qwen3moe", "olmoe")
-CODECS = ("huff", "zstd")
+CODECS = ("huff", "zstd", "esc")
 SMALL_CHUNK = 300  # several chunks per tiny expert (2048 values), the last one shorter
 
 

@@ -23,6 +23,8 @@ def gaussian_bf16(n: int, seed: int = 0, scale: float = 0.02) -> np.ndarray:
 def make_codec(name: str, values: np.ndarray) -> codec.Codec:
     if name == "huff":
         return codec.Codec("huff", lengths=codec.huff_lengths(codec.exponent_histogram(values)))
+    if name == "esc":
+        return codec.Codec("esc", lengths=codec.esc_classes(codec.exponent_histogram(values)))
     return codec.Codec("zstd", level=1)
 
 
@@ -156,15 +158,126 @@ def test_huffman_is_near_entropy_on_gaussian_weights():
     assert floor <= ratio < floor * 1.01
 
 
+# ------------------------------------------------------------------------------------- escape code
+
+
+def test_escape_classes_rank_the_commonest_exponents():
+    hist = np.zeros(256, np.uint64)
+    hist[[120, 121, 122, 119, 118, 117, 123, 116, 115, 124, 114, 113]] = [90, 80, 80, 60, 50, 40, 30, 20, 10, 5, 4, 3]
+    classes = codec.esc_classes(hist)
+    assert list(classes[[120, 121, 122]]) == [1, 2, 3]  # the tie 121/122 goes to the smaller exponent
+    assert list(classes[[119, 118, 117, 123, 116, 115, 124]]) == [4, 5, 6, 7, 8, 9, 10]
+    assert classes[114] == classes[113] == 0 and np.count_nonzero(classes) == 10
+    few = np.zeros(256, np.uint64)
+    few[[7, 9]] = [1, 2]
+    assert list(codec.esc_classes(few)[[9, 7]]) == [1, 2] and np.count_nonzero(codec.esc_classes(few)) == 2
+
+
+def test_escape_codec_rejects_bad_classes():
+    for bad in (np.full(256, 11, np.uint8), np.r_[np.ones(2, np.uint8), np.zeros(254, np.uint8)]):
+        with pytest.raises(FormatError):
+            codec.Codec("esc", lengths=bad)
+    with pytest.raises(ValueError):
+        codec.Codec("esc")
+    codec.Codec("esc", lengths=np.zeros(256, np.uint8))  # every exponent raw: valid, if large
+
+
+def esc_chunk(c: codec.Codec, exp: np.ndarray) -> np.ndarray:
+    """The escape-code chunk of an exponent plane (its sign+mantissa bytes play no part)."""
+    ws = codec.Workspace(max(exp.size, 1))
+    cap = codec.lib.zipmoe_chunk_bound(c._handle, exp.size)
+    dst = np.empty(cap, np.uint8)
+    values = codec.merge_bf16(exp, np.zeros(exp.size, np.uint8))
+    size = codec.lib.zipmoe_chunk_encode(c._handle, ws.handle, codec.ffi.cast("uint16_t *", codec.ffi.from_buffer(values)),
+                                         exp.size, codec.ffi.from_buffer(dst), cap)
+    assert size >= 0
+    return dst[:size].copy()
+
+
+def esc_decode_both(c: codec.Codec, code: np.ndarray, n: int) -> tuple[tuple[int, np.ndarray], tuple[int, np.ndarray]]:
+    """(status, output) of the dispatched decoder and of the portable one, into guarded buffers."""
+    results = []
+    for scalar in (False, True):
+        out = np.full(n + 64, 0xAB, np.uint8)
+        buf = codec.ffi.from_buffer(code) if code.size else codec.ffi.new("uint8_t[1]")
+        if scalar:
+            rc = codec.lib.zipmoe_esc_decode_scalar_chunk(c._handle, buf, code.size, codec.ffi.from_buffer(out), n)
+        else:
+            ws = codec.Workspace(max(n, 1))
+            rc = codec.lib.zipmoe_chunk_decode_exponents(c._handle, ws.handle, buf, code.size,
+                                                         codec.ffi.from_buffer(out), n)
+        assert (out[n:] == 0xAB).all()  # nothing written past n
+        results.append((int(rc), out[:n] if rc >= 0 else None))
+    return results[0], results[1]
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 63, 64, 65, 127, 128, 129, 1000, 4099, 65536])
+@pytest.mark.parametrize("kind", ["gaussian", "all raw", "primary only", "every byte"])
+def test_escape_simd_decoder_matches_the_portable_one(n, kind):
+    rng = np.random.default_rng(n)
+    if kind == "gaussian":
+        exp = (gaussian_bf16(n, seed=n) >> 7).astype(np.uint8)
+    elif kind == "primary only":
+        exp = rng.choice(np.array([120, 121, 122], np.uint8), n)
+    else:
+        exp = rng.integers(0, 256, n, dtype=np.uint8)
+    hist = np.bincount(exp, minlength=256).astype(np.uint64)
+    classes = np.zeros(256, np.uint8) if kind == "all raw" else codec.esc_classes(hist)
+    c = codec.Codec("esc", lengths=classes)
+    code = esc_chunk(c, exp)
+    (rc, out), (rc_s, out_s) = esc_decode_both(c, code, n)
+    assert rc == rc_s == n
+    np.testing.assert_array_equal(out, exp)
+    np.testing.assert_array_equal(out_s, exp)
+
+
+def test_escape_decoders_agree_on_corrupt_chunks():
+    """Chunks with consistent sizes but wrong counts of escapes: both decoders refuse them the same way, and
+    neither writes past n nor reads past the chunk (the SIMD loads are masked to it)."""
+    rng = np.random.default_rng(5)
+    exp = (gaussian_bf16(3000, seed=5) >> 7).astype(np.uint8)
+    c = make_codec("esc", codec.merge_bf16(exp, np.zeros(exp.size, np.uint8)))
+    good = esc_chunk(c, exp)
+    n_sec, n_raw = good[:8].view("<u4")
+    outcomes = set()
+    for trial in range(400):
+        bad = good.copy()
+        how = trial % 4
+        if how == 0:  # flipped bits anywhere past the header
+            for pos in rng.integers(8, bad.size, 3):
+                bad[pos] ^= np.uint8(1 << int(rng.integers(0, 8)))
+        elif how == 1:  # fewer raw bytes declared, the chunk shortened to match
+            k = int(rng.integers(1, 4))
+            bad = np.r_[np.array([n_sec, max(int(n_raw) - k, 0)], "<u4").view(np.uint8), bad[8:bad.size - k]]
+        elif how == 2:  # random planes of the right total size
+            bad[8:] = rng.integers(0, 256, bad.size - 8, dtype=np.uint8)
+        else:  # header counts that do not fit the chunk's size
+            bad[:8] = np.array(rng.integers(0, 4000, 2), "<u4").view(np.uint8)
+        (rc, out), (rc_s, out_s) = esc_decode_both(c, bad, exp.size)
+        assert rc == rc_s
+        assert rc == exp.size or rc == codec.lib.ZIPMOE_ERR_CORRUPT
+        if rc >= 0:
+            np.testing.assert_array_equal(out, out_s)
+        outcomes.add(rc)
+    assert outcomes == {exp.size, codec.lib.ZIPMOE_ERR_CORRUPT}  # both kinds of result were exercised
+
+
+def test_escape_code_is_close_to_huffman_on_gaussian_weights():
+    values = gaussian_bf16(1 << 18)
+    sizes = {name: compress(values.reshape(1, 512, 512), name, 65536)[0].span(0).size for name in ("huff", "esc")}
+    bits = {name: (size * 8 / values.size) - 8 for name, size in sizes.items()}  # exponent bits a value
+    assert bits["huff"] < bits["esc"] < bits["huff"] + 0.45
+
+
 # ---------------------------------------------------------------------------------- round trips
 
 
-@pytest.mark.parametrize("name", ["huff", "zstd"])
+@pytest.mark.parametrize("name", ["huff", "esc", "zstd"])
 def test_all_bit_patterns_roundtrip(name):
     roundtrip(ALL_BF16.reshape(2, 128, 256), name, 4096)
 
 
-@pytest.mark.parametrize("name", ["huff", "zstd"])
+@pytest.mark.parametrize("name", ["huff", "esc", "zstd"])
 @pytest.mark.parametrize("shape,chunk_n", [
     ((1, 1, 1), 1),          # one value
     ((3, 1, 1), 7),          # chunk larger than the expert
@@ -190,7 +303,7 @@ def test_empty_chunk_encodes_and_decodes():
     assert codec.lib.zipmoe_chunk_decode(c._handle, ws.handle, buf, size, codec.ffi.NULL, 0, 0, 0, out) == 0
 
 
-@pytest.mark.parametrize("name", ["huff", "zstd"])
+@pytest.mark.parametrize("name", ["huff", "esc", "zstd"])
 @pytest.mark.parametrize("threads", [2, 3, 5])
 def test_threads_sharing_one_expert_decode_identically(name, threads):
     values = gaussian_bf16(3 * 200 * 300, seed=threads).reshape(3, 200, 300)
@@ -204,7 +317,7 @@ def test_threads_sharing_one_expert_decode_identically(name, threads):
 @given(
     values=hnp.arrays(np.uint16, st.integers(1, 3000)),
     chunk_n=st.integers(1, 4096),
-    name=st.sampled_from(["huff", "zstd"]),
+    name=st.sampled_from(["huff", "esc", "zstd"]),
 )
 def test_arbitrary_arrays_roundtrip(values, chunk_n, name):
     roundtrip(values.reshape(1, 1, -1), name, chunk_n)
@@ -220,12 +333,13 @@ def test_skewed_exponents_roundtrip(exps, sms, chunk_n):
     sm = np.frombuffer(sms, np.uint8)[: exps.size]
     values = codec.merge_bf16(exps, sm.copy())
     roundtrip(values.reshape(1, 1, -1), "huff", chunk_n)
+    roundtrip(values.reshape(1, 1, -1), "esc", chunk_n)
 
 
 # ------------------------------------------------------------------------------- hostile input
 
 
-@pytest.mark.parametrize("name", ["huff", "zstd"])
+@pytest.mark.parametrize("name", ["huff", "esc", "zstd"])
 def test_every_flipped_bit_in_a_region_is_caught(name):
     values = gaussian_bf16(2 * 40 * 50, seed=7).reshape(2, 40, 50)
     t, data = compress(values, name, 512)
@@ -289,7 +403,7 @@ def test_forged_inconsistent_index_is_refused(edit):
     assert isinstance(err.value, (FormatError, UnsupportedError))
 
 
-@pytest.mark.parametrize("name", ["huff", "zstd"])
+@pytest.mark.parametrize("name", ["huff", "esc", "zstd"])
 def test_forged_chunks_with_valid_checksums_never_write_out_of_bounds(name):
     """Random chunk bytes with a matching checksum: an error or n values, never more, never a crash."""
     values = gaussian_bf16(4096, seed=3)

@@ -178,7 +178,7 @@ def _no_error(report: dict[str, Any]) -> None:
 
 
 def _models(arch: str, tiny_models: dict[str, Path], zipmoe_models: dict[tuple[str, str], Path]) -> dict[str, Path]:
-    return {"bf16": tiny_models[arch], "huff": zipmoe_models[arch, "huff"], "zstd": zipmoe_models[arch, "zstd"]}
+    return {"bf16": tiny_models[arch], **{name: zipmoe_models[arch, name] for name in ("huff", "zstd", "esc")}}
 
 
 @pytest.fixture(scope="session")
@@ -186,7 +186,7 @@ def logits(ours: Path, tiny_models: dict[str, Path], zipmoe_models: dict[tuple[s
            tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], tuple[list[dict[str, Any]], dict]]:
     """logits(arch, variant) -> every CONFIGS run of that model on zipmoe's build (computed once).
 
-    variant: bf16, huff or zstd. The huff model also runs CONFIGS[0] once more with zipmoe_cache="none".
+    variant: bf16, huff, zstd or esc. The huff model also runs CONFIGS[0] once more with zipmoe_cache="none".
     """
     cache: dict[tuple[str, str], tuple[list[dict[str, Any]], dict]] = {}
     out_dir = tmp_path_factory.mktemp("logits")
@@ -207,7 +207,7 @@ def logits(ours: Path, tiny_models: dict[str, Path], zipmoe_models: dict[tuple[s
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("variant", ["huff", "zstd"])
+@pytest.mark.parametrize("variant", ["huff", "zstd", "esc"])
 def test_zipmoe_logits_bit_identical_to_bf16(logits: Callable, arch: str, variant: str) -> None:
     ref_reports, ref = logits(arch, "bf16")
     reports, got = logits(arch, variant)

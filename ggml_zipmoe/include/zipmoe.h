@@ -56,7 +56,13 @@ typedef enum {
     ZIPMOE_CODEC_ZSTD = 1, /* zstd on the exponent plane, level configurable (the paper's codec) */
     ZIPMOE_CODEC_HUFF = 2, /* canonical Huffman, per-tensor table, 4 streams per chunk, decoded
                               several symbols per table lookup (zipmoe's fast codec) */
+    ZIPMOE_CODEC_ESC  = 3, /* escape code, per-tensor classes: 2 bits for the 3 commonest exponents, 3 more
+                              for the next 7, a raw byte for the rest, each level in its own plane; ~0.3 bits
+                              more than Huffman, decoded 64 exponents a SIMD step (AVX-512 VBMI2) */
 } zipmoe_codec;
+
+#define ZIPMOE_ESC_PRIMARY   3 /* exponents with a 2-bit code */
+#define ZIPMOE_ESC_SECONDARY 7 /* exponents with an escape and a 3-bit code */
 
 #define ZIPMOE_HUFF_MAX_BITS 11        /* longest Huffman code; also the decode table's index width */
 #define ZIPMOE_CHUNK_MAX     (1u << 24) /* largest chunk, in values */
@@ -96,13 +102,24 @@ ZIPMOE_API int64_t zipmoe_huff_lengths(const uint64_t hist[256], uint8_t lengths
  * (or a single symbol of length 1). Returns OK or ZIPMOE_ERR_CORRUPT. */
 ZIPMOE_API int64_t zipmoe_huff_check_lengths(const uint8_t lengths[256]);
 
+/* ---------------------------------------------------------------- escape-code classes */
+
+/* Escape-code classes from a histogram: classes[s] = 1..3 for the three commonest exponents (2-bit code
+ * classes[s] - 1), 4..10 for the next seven (an escape, then 3-bit code classes[s] - 4), 0 for the rest (two
+ * escapes, then the byte). Ties go to the smaller exponent. ZIPMOE_ERR_ARG for NULL. */
+ZIPMOE_API int64_t zipmoe_esc_classes(const uint64_t hist[256], uint8_t classes[256]);
+/* Validates classes: each value 0..10, and 1..10 each at most once. Returns OK or ZIPMOE_ERR_CORRUPT. */
+ZIPMOE_API int64_t zipmoe_esc_check_classes(const uint8_t classes[256]);
+/* Which escape-code decoder runs: 0 = portable scalar, 2 = AVX-512 VBMI2. */
+ZIPMOE_API int     zipmoe_esc_simd_level(void);
+
 /* ---------------------------------------------------------------- chunk codec */
 
 /* A codec instance: the codec, its level, and for HUFF the code table (encode and decode forms).
  * Immutable after creation, so one instance can be shared by any number of threads. */
 typedef struct zipmoe_codec_ctx zipmoe_codec_ctx;
 
-/* lengths is required for HUFF and ignored for ZSTD. */
+/* lengths: the code lengths for HUFF, the classes for ESC (zipmoe_esc_classes); ignored for ZSTD. */
 ZIPMOE_API int64_t zipmoe_codec_create(zipmoe_codec codec, int level, const uint8_t lengths[256],
                                        zipmoe_codec_ctx ** out);
 ZIPMOE_API void    zipmoe_codec_free(zipmoe_codec_ctx * c);
@@ -132,6 +149,10 @@ ZIPMOE_API int64_t zipmoe_chunk_decode(const zipmoe_codec_ctx * c, zipmoe_worksp
  * that compare the entropy coders alone, and for callers that merge themselves. */
 ZIPMOE_API int64_t zipmoe_chunk_decode_exponents(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
                                                  const void * code, size_t code_size, uint8_t * exp, size_t n);
+/* The same for an ESC codec with its portable decoder, which the SIMD one is tested against (same results, same
+ * errors); ZIPMOE_ERR_ARG for another codec. */
+ZIPMOE_API int64_t zipmoe_esc_decode_scalar_chunk(const zipmoe_codec_ctx * c, const void * code, size_t code_size,
+                                                  uint8_t * exp, size_t n);
 
 /* ---------------------------------------------------------------- compressed expert tensors */
 

@@ -29,10 +29,19 @@ typedef struct {
     uint16_t single[ZIPMOE_HUFF_TABLE_SIZE]; /* one symbol | its length << 8, for stream tails */
 } zipmoe_huff;
 
+/* Escape-code tables (esc.c): the symbol of each primary and secondary code, padded for a 64-byte permute. */
+#define ZIPMOE_ESC_HEADER 8
+typedef struct {
+    uint8_t classes[256];
+    uint8_t primary[64];
+    uint8_t secondary[64];
+} zipmoe_esc;
+
 struct zipmoe_codec_ctx {
     zipmoe_codec codec;
     int          level;
     zipmoe_huff  huff; /* HUFF only */
+    zipmoe_esc   esc;  /* ESC only */
 };
 
 struct zipmoe_workspace {
@@ -51,6 +60,25 @@ int64_t zipmoe_huff_encode(const zipmoe_huff * h, const uint8_t * exp, size_t n,
  * codes decode: that plane's read from memory then overlaps the decoder's arithmetic instead of following it */
 int64_t zipmoe_huff_decode(const zipmoe_huff * h, const uint8_t * code, size_t code_size, uint8_t * exp, size_t n,
                            const void * warm, size_t warm_size);
+
+/* esc.c */
+typedef struct {
+    const uint8_t * primary, * secondary, * raw;
+    size_t          n_sec, n_raw, s_size;
+} zipmoe_esc_planes;
+int64_t zipmoe_esc_init(zipmoe_esc * e, const uint8_t classes[256]);
+size_t  zipmoe_esc_bound(size_t n);
+int64_t zipmoe_esc_encode(const zipmoe_esc * e, const uint8_t * exp, size_t n, uint8_t * dst, size_t cap);
+/* a chunk's planes, its sizes checked against n and code_size */
+int64_t zipmoe_esc_parse(const uint8_t * code, size_t code_size, size_t n, zipmoe_esc_planes * pl);
+int64_t zipmoe_esc_decode_scalar(const zipmoe_esc * e, const uint8_t * code, size_t code_size, uint8_t * exp,
+                                 size_t n);
+/* warm: as zipmoe_huff_decode's */
+int64_t zipmoe_esc_decode(const zipmoe_esc * e, const uint8_t * code, size_t code_size, uint8_t * exp, size_t n,
+                          const uint8_t * warm, size_t warm_size);
+/* esc_avx512.c: only called when the CPU has AVX-512 BW, VBMI and VBMI2 */
+int64_t zipmoe_esc_decode_avx512(const zipmoe_esc * e, const uint8_t * code, size_t code_size, uint8_t * exp,
+                                 size_t n, const uint8_t * warm, size_t warm_size);
 
 /* zstd.c */
 size_t  zipmoe_zstd_bound(size_t n);

@@ -8,10 +8,10 @@ int64_t zipmoe_codec_create(zipmoe_codec codec, int level, const uint8_t lengths
         return ZIPMOE_ERR_ARG;
     }
     *out = NULL;
-    if (codec != ZIPMOE_CODEC_ZSTD && codec != ZIPMOE_CODEC_HUFF) {
+    if (codec != ZIPMOE_CODEC_ZSTD && codec != ZIPMOE_CODEC_HUFF && codec != ZIPMOE_CODEC_ESC) {
         return ZIPMOE_ERR_UNSUPPORTED;
     }
-    if (codec == ZIPMOE_CODEC_HUFF && !lengths) {
+    if (codec != ZIPMOE_CODEC_ZSTD && !lengths) {
         return ZIPMOE_ERR_ARG;
     }
     zipmoe_codec_ctx * c = calloc(1, sizeof *c);
@@ -22,6 +22,13 @@ int64_t zipmoe_codec_create(zipmoe_codec codec, int level, const uint8_t lengths
     c->level = codec == ZIPMOE_CODEC_ZSTD ? level : 0;
     if (codec == ZIPMOE_CODEC_HUFF) {
         const int64_t rc = zipmoe_huff_init(&c->huff, lengths);
+        if (rc < 0) {
+            free(c);
+            return rc;
+        }
+    }
+    if (codec == ZIPMOE_CODEC_ESC) {
+        const int64_t rc = zipmoe_esc_init(&c->esc, lengths);
         if (rc < 0) {
             free(c);
             return rc;
@@ -68,7 +75,9 @@ void zipmoe_workspace_free(zipmoe_workspace * ws) {
 }
 
 size_t zipmoe_chunk_bound(const zipmoe_codec_ctx * c, size_t n) {
-    return c->codec == ZIPMOE_CODEC_HUFF ? zipmoe_huff_bound(n) : zipmoe_zstd_bound(n);
+    return c->codec == ZIPMOE_CODEC_HUFF ? zipmoe_huff_bound(n)
+         : c->codec == ZIPMOE_CODEC_ESC  ? zipmoe_esc_bound(n)
+                                         : zipmoe_zstd_bound(n);
 }
 
 uint64_t zipmoe_chunk_checksum(const void * code, size_t code_size, const uint8_t * sm, size_t n) {
@@ -78,6 +87,9 @@ uint64_t zipmoe_chunk_checksum(const void * code, size_t code_size, const uint8_
 int64_t zipmoe_encode_exp(const zipmoe_codec_ctx * c, zipmoe_workspace * ws, const uint8_t * exp, size_t n, void * dst, size_t cap) {
     if (c->codec == ZIPMOE_CODEC_HUFF) {
         return zipmoe_huff_encode(&c->huff, exp, n, (uint8_t *) dst, cap);
+    }
+    if (c->codec == ZIPMOE_CODEC_ESC) {
+        return zipmoe_esc_encode(&c->esc, exp, n, (uint8_t *) dst, cap);
     }
     return zipmoe_zstd_encode(ws, c->level, exp, n, (uint8_t *) dst, cap);
 }
@@ -96,9 +108,22 @@ int64_t zipmoe_chunk_encode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
 
 int64_t zipmoe_decode_exp(const zipmoe_codec_ctx * c, zipmoe_workspace * ws, const void * code, size_t code_size,
                           uint8_t * exp, size_t n, const void * warm, size_t warm_size) {
-    return c->codec == ZIPMOE_CODEC_HUFF
-               ? zipmoe_huff_decode(&c->huff, (const uint8_t *) code, code_size, exp, n, warm, warm_size)
-               : zipmoe_zstd_decode(ws, (const uint8_t *) code, code_size, exp, n);
+    switch (c->codec) {
+    case ZIPMOE_CODEC_HUFF:
+        return zipmoe_huff_decode(&c->huff, (const uint8_t *) code, code_size, exp, n, warm, warm_size);
+    case ZIPMOE_CODEC_ESC:
+        return zipmoe_esc_decode(&c->esc, (const uint8_t *) code, code_size, exp, n, (const uint8_t *) warm, warm_size);
+    default:
+        return zipmoe_zstd_decode(ws, (const uint8_t *) code, code_size, exp, n);
+    }
+}
+
+int64_t zipmoe_esc_decode_scalar_chunk(const zipmoe_codec_ctx * c, const void * code, size_t code_size, uint8_t * exp,
+                                       size_t n) {
+    if (!c || c->codec != ZIPMOE_CODEC_ESC || !code || (!exp && n)) {
+        return ZIPMOE_ERR_ARG;
+    }
+    return zipmoe_esc_decode_scalar(&c->esc, (const uint8_t *) code, code_size, exp, n);
 }
 
 int64_t zipmoe_chunk_decode_exponents(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,

@@ -51,7 +51,7 @@ int64_t zipmoe_tensor_open(const void * index, size_t index_size, uint64_t data_
     const uint64_t codec = h[2], level = h[3], type = h[4];
     const uint64_t ne0 = h[5], ne1 = h[6], ne2 = h[7], ne3 = h[8];
     const uint64_t n_expert = h[9], n_per = h[10], chunk_n = h[11], n_chunks = h[12];
-    if (codec != ZIPMOE_CODEC_ZSTD && codec != ZIPMOE_CODEC_HUFF) {
+    if (codec != ZIPMOE_CODEC_ZSTD && codec != ZIPMOE_CODEC_HUFF && codec != ZIPMOE_CODEC_ESC) {
         return ZIPMOE_ERR_UNSUPPORTED;
     }
     if (type != GGML_TYPE_BF16) {
@@ -69,7 +69,7 @@ int64_t zipmoe_tensor_open(const void * index, size_t index_size, uint64_t data_
     if (h[13] != data_size || align < REGION_ALIGN_MIN || align > REGION_ALIGN_MAX || (align & (align - 1)) || h[15] != 0) {
         return ZIPMOE_ERR_CORRUPT;
     }
-    if ((int64_t) level < -(1 << 17) || (int64_t) level > 64 || (codec == ZIPMOE_CODEC_HUFF && level != 0)) {
+    if ((int64_t) level < -(1 << 17) || (int64_t) level > 64 || (codec != ZIPMOE_CODEC_ZSTD && level != 0)) {
         return ZIPMOE_ERR_CORRUPT;
     }
     /* Every region holds at least its sm plane and padding (exp_offset bytes) and regions do not overlap, so
@@ -108,7 +108,7 @@ int64_t zipmoe_tensor_open(const void * index, size_t index_size, uint64_t data_
 
     uint8_t lengths[256];
     memcpy(lengths, &h[16], 256);
-    rc = zipmoe_codec_create((zipmoe_codec) codec, (int) (int64_t) level, codec == ZIPMOE_CODEC_HUFF ? lengths : NULL, &t->codec);
+    rc = zipmoe_codec_create((zipmoe_codec) codec, (int) (int64_t) level, codec != ZIPMOE_CODEC_ZSTD ? lengths : NULL, &t->codec);
     if (rc < 0) {
         rc = rc == ZIPMOE_ERR_NOMEM ? rc : ZIPMOE_ERR_CORRUPT;
         goto fail;
