@@ -102,6 +102,8 @@ typedef struct { uint64_t bf16_bytes; uint64_t n_expert; uint64_t compressed_byt
 typedef struct { uint64_t hot, warm, sm; uint64_t in_flight; uint64_t reads; uint64_t token_hot; } zipmoe_budget_split;
 int64_t zipmoe_budget_split_tiers(const zipmoe_store_size * stores, size_t n_stores, uint64_t tiers, double hot_share,
                                   double sm_share, zipmoe_budget_split * out);
+double  zipmoe_budget_default_hot_share(const zipmoe_store_size * stores, size_t n_stores, uint64_t tiers,
+                                        int warm_fast);
 int64_t zipmoe_cache_apply_split(const zipmoe_budget_split * split, zipmoe_policy policy);
 int64_t zipmoe_store_open(const char * name, const void * index, size_t index_size, uint64_t data_size,
                           zipmoe_store ** out);

@@ -163,23 +163,50 @@ def store_sizes(model_path: str | os.PathLike[str]) -> list[tuple[int, int, int]
     return [(c.source.nbytes, c.source.dims[2], c.expert.info.data_size) for c in open_zipmoe(model_path).compressed]
 
 
+def warm_decodes_fast(model_path: str | os.PathLike[str]) -> bool:
+    """Whether every expert tensor of a zipmoe GGUF decodes its warm hits with the escape code's SIMD decoder on
+    this CPU: the runtime's default split keeps every expert compressed only then (default_hot_share)."""
+    from . import codec
+    from .format import open_zipmoe
+
+    compressed = open_zipmoe(model_path).compressed
+    return bool(compressed) and codec.esc_simd_level() > 0 and all(c.expert.info.codec == "esc" for c in compressed)
+
+
+def _store_sizes_struct(sizes: list[tuple[int, int, int]]) -> Any:
+    from ._native import ffi
+
+    return ffi.new("zipmoe_store_size[]", [{"bf16_bytes": b, "n_expert": n, "compressed_bytes": c} for b, n, c in sizes])
+
+
+def default_hot_share(tiers: int, sizes: list[tuple[int, int, int]], warm_fast: bool) -> float:
+    """The runtime's hot share where none is set (zipmoe_budget_default_hot_share): 0, every expert compressed,
+    where nearly all fit so but not decoded and warm hits decode fast; else 1."""
+    from ._native import lib as native
+
+    return float(native.zipmoe_budget_default_hot_share(_store_sizes_struct(sizes), len(sizes), tiers, int(warm_fast)))
+
+
 _POLICY_IDS = {"tlfu": "ZIPMOE_POLICY_TOKEN_LFU", "lru": "ZIPMOE_POLICY_LRU", "lfu": "ZIPMOE_POLICY_LFU",
                "fifo": "ZIPMOE_POLICY_FIFO"}
 
 
-def apply_shares(tiers: int, split: tuple[float, float, float], sizes: list[tuple[int, int, int]], policy: str,
-                 lib: Any = None) -> None:
+def apply_shares(tiers: int, split: tuple[float | None, float | None, float], sizes: list[tuple[int, int, int]],
+                 policy: str, lib: Any = None, warm_fast: bool = False) -> None:
     """Gives the running stores a budget split by shares again, as the loader split ZIPMOE_MEMORY_BUDGET
     (zipmoe_budget_split_tiers: a prompt's read room, the allowance for the tensor in flight, and generation's
     larger hot budget holding both), instead of slots; removes any slots, all in one call
-    (zipmoe_cache_apply_split). `tiers`: the budget less its minimum."""
+    (zipmoe_cache_apply_split). `tiers`: the budget less its minimum. A hot share of None: the runtime's default
+    for these tiers (default_hot_share, as at load), so that a budget that shrinks or grows past its threshold
+    changes the split as the loader would have."""
     from ._native import ffi
     from ._native import lib as native
 
     lib = lib or native
     hot_share, _, sm_share = split
-    stores = ffi.new("zipmoe_store_size[]", [{"bf16_bytes": b, "n_expert": n, "compressed_bytes": c}
-                                             for b, n, c in sizes])
+    if hot_share is None:
+        hot_share = min(default_hot_share(tiers, sizes, warm_fast), 1.0 - sm_share)
+    stores = _store_sizes_struct(sizes)
     out = ffi.new("zipmoe_budget_split *")
     if native.zipmoe_budget_split_tiers(stores, len(sizes), tiers, hot_share, sm_share, out) < 0:
         raise ZipmoeError(f"the runtime refused to split {tiers} bytes by shares {split}")
@@ -272,7 +299,7 @@ class MemoryMonitor:
                  threshold: float = 0.05, read: Callable[[], Any] | None = None,
                  on_change: Callable[[planner.Plan | None], None] | None = None, lib: Any = None,
                  split: tuple[float, float, float] | None = None, policy: str | None = None,
-                 fixed: bool = False, sizes: list[tuple[int, int, int]] | None = None) -> None:
+                 fixed: bool = False, sizes: list[tuple[int, int, int]] | None = None, warm_fast: bool = False) -> None:
         from . import memory
 
         self.planned = planned
@@ -301,6 +328,7 @@ class MemoryMonitor:
         # with a split: the model's expert tensors (store_sizes), so that a new budget is split by the runtime's
         # shares as at load (apply_shares); without them, by slots
         self.sizes = sizes
+        self.warm_fast = warm_fast  # (warm_decodes_fast: for a split whose hot share is the runtime's default)
         # whether the plans it applies hold generation's room beyond their slots (apply_plan's token_room): off to
         # measure plans as planned (pyzipmoe.timing, which tools/bench_planner.py compares with predictions)
         self.generation_room = True
@@ -422,7 +450,7 @@ class MemoryMonitor:
         tiers = target - self.planned.need.minimum
         plan: planner.Plan | None = None
         if self.split is not None and self.sizes:
-            apply_shares(tiers, self.split, self.sizes, self.policy, self._lib)
+            apply_shares(tiers, self.split, self.sizes, self.policy, self._lib, self.warm_fast)
         else:
             plan = planner.plan_tiers(self.planned.model, tiers, self.split)
             apply_plan(plan, self._lib, reserve=self.planned.need.in_flight_bytes, token_room=self._token_room(target))
@@ -463,4 +491,5 @@ def monitor_for(model_path: str | os.PathLike[str], budget: str | int, *, trace:
     auto = str(budget) == AUTO
     if kwargs.get("split") is not None:
         kwargs.setdefault("sizes", store_sizes(model_path))
+        kwargs.setdefault("warm_fast", warm_decodes_fast(model_path))
     return MemoryMonitor(planned, ceiling=full if auto else nbytes, fixed=not auto, **kwargs)

@@ -274,8 +274,9 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
         the expert cache, which gets the rest. None: unbounded. Too small a budget raises ZipmoeError saying the
         minimum. The runtime's budget is per process: the last model loaded sets it.
     cache_policy: eviction under a budget: "tlfu" (default, token-weighted LFU), "lru", "lfu" or "fifo".
-    hot_share, sm_share: shares of the cache for decoded experts (default 1) and sign+mantissa planes (default 0);
-        the rest keeps whole compressed experts.
+    hot_share, sm_share: shares of the cache for decoded experts and sign+mantissa planes (default 0); the rest keeps
+        whole compressed experts. The default hot share is the runtime's: 0 where nearly every expert fits
+        compressed but not decoded and the model's escape code decodes with SIMD here, else 1.
     planner: let the planner split the cache per layer (pyzipmoe/planner.py), from this machine's calibration
         (`zipmoe calibrate`) and the routing (`trace`, then the order in which the run's tokens routed). None
         (default): on under a budget without shares or a plan, once the model has a calibration measured through
@@ -335,8 +336,9 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
         if adapt and self.is_zipmoe and memory_budget is not None and plan is None:
             use_planner = planner and hot_share is None and sm_share is None
             sm = sm_share or 0.0
-            hot = hot_share if hot_share is not None else 1.0 - sm
-            split = None if use_planner else (hot, max(0.0, 1.0 - hot - sm), sm)
+            # no shares given: the runtime's default hot share, for whatever budget the monitor sets (apply_shares)
+            hot = hot_share if hot_share is not None else (None if sm_share is None else 1.0 - sm)
+            split = None if use_planner else (hot, None if hot is None else max(0.0, 1.0 - hot - sm), sm)
             self.zipmoe_monitor = monitor_for(model_path, memory_budget, trace=trace, split=split,
                                               policy=cache_policy, mapped=mapped)
             if PLAN_ENV in cache_env:  # the planner's first plan, from the trace

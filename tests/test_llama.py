@@ -294,6 +294,45 @@ def test_every_budget_and_policy_gives_the_same_logits(logits: Callable, ours: P
     assert hits["experts_streamed"] > 0, hits  # generation's fused op decoded warm experts in its cache
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_escape_coded_experts_under_budgets_give_the_same_logits(logits: Callable, ours: Path, arch: str,
+                                                                 zipmoe_models: dict[tuple[str, str], Path],
+                                                                 tmp_path: Path) -> None:
+    """The escape-coded model under budgets that force misses, warm hits and streamed warm experts, and under the
+    runtime's default split where nearly every expert fits compressed: there, on a CPU whose SIMD decoder runs it,
+    every expert is kept compressed (zipmoe_budget_default_hot_share), and the logits stay the BF16 model's."""
+    from pyzipmoe import codec
+    from pyzipmoe.budget import model_memory
+    from pyzipmoe.controller import default_hot_share, store_sizes
+
+    model = zipmoe_models[arch, "esc"]
+    ref_reports, ref = logits(arch, "bf16")
+    minimum = model_memory(model).minimum
+    sizes = store_sizes(model)
+    compressed = sum(c for _, _, c in sizes)
+    near_all = int(0.95 * compressed)  # tiers holding 95% of the experts compressed, ~65% of them decoded
+    assert default_hot_share(near_all, sizes, True) == 0.0 and default_hot_share(near_all, sizes, False) == 1.0
+    picks = [i for i, c in enumerate(CONFIGS) if c["use_mmap"]]
+    cases = [(near_all, {}), (near_all, {"hot_share": 1.0}), (40 << 10, {"hot_share": 0.0}),
+             (16 << 10, {}), (60 << 10, {"hot_share": 0.2, "sm_share": 0.5})]
+    runs, where = [], []
+    for extra, shares in cases:
+        for i in picks:
+            runs.append({"config": CONFIGS[i], "zipmoe": {"memory_budget": str(minimum + extra), **shares}})
+            where.append(i)
+    reports, got = run_worker(model, ours, runs, tmp_path / "esc-budgets.npz")
+    for k, (run, i) in enumerate(zip(runs, where)):
+        what = f"{arch} esc {run['zipmoe']} {CONFIGS[i]}"
+        _no_error(reports[k])
+        assert_bit_identical(got[f"run{k}"], ref[f"run{i}"], what)
+        assert reports[k]["generated"] == ref_reports[i]["generated"], what
+        stats = reports[k]["stats"]
+        if run["zipmoe"] == {"memory_budget": str(minimum + near_all)} and codec.esc_simd_level() > 0:
+            assert stats["hot_bytes"] == 0 and stats["hits_warm"] > 0, (what, stats)  # the default kept none decoded
+        if run["zipmoe"].get("hot_share") == 1.0:
+            assert stats["hits_warm"] == 0 and stats["hot_bytes"] > 0, (what, stats)
+
+
 def test_per_expert_scales_follow_the_routed_experts_not_their_places(ours: Path, tmp_path: Path) -> None:
     """A model with per-expert output scales (ffn_*_exps.scale, which llama.cpp gathers by the router's ids): under
     a budget a decoded expert seldom lies at its own index, and each scale must still be its routed expert's."""

@@ -315,6 +315,16 @@ typedef struct {
 ZIPMOE_API int64_t zipmoe_budget_split_tiers(const zipmoe_store_size * stores, size_t n_stores, uint64_t tiers,
                                              double hot_share, double sm_share, zipmoe_budget_split * out);
 
+/* The hot share where the user set none: 0 (every expert compressed, none decoded) where the tiers hold at least
+ * ZIPMOE_WARM_FIRST_FIT of the experts' compressed bytes but less than ZIPMOE_WARM_FIRST_FIT of their BF16 bytes
+ * and warm_fast (every store's warm hits decode with a SIMD escape-code decoder); else 1 (every expert decoded).
+ * Measured (tiered-cache.md, "Choosing the split"): with the escape code, every expert compressed ran 1.3-1.7x
+ * decoded-only where nearly all fit compressed, 0.6-0.9x where a third did not; with Huffman, whose decoder is
+ * 3.5x slower, the two were even even where all fit. */
+#define ZIPMOE_WARM_FIRST_FIT 0.9
+ZIPMOE_API double zipmoe_budget_default_hot_share(const zipmoe_store_size * stores, size_t n_stores, uint64_t tiers,
+                                                  int warm_fast);
+
 /* Applies a split at once, as zipmoe_cache_configure (hot, warm, sm), zipmoe_cache_set_reserve (in_flight) and
  * zipmoe_cache_set_token_hot (token_hot) would one after the other, and removes every slot rule: a running model's
  * new budget (the memory monitor's), without a moment at a batch's hot budget in between. */

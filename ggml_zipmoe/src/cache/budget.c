@@ -105,3 +105,14 @@ int64_t zipmoe_budget_split_tiers(const zipmoe_store_size * stores, size_t n_sto
     }
     return ZIPMOE_OK;
 }
+
+double zipmoe_budget_default_hot_share(const zipmoe_store_size * stores, size_t n_stores, uint64_t tiers, int warm_fast) {
+    uint64_t bf16 = 0, compressed = 0;
+    for (size_t i = 0; stores && i < n_stores; i++) {
+        bf16 += stores[i].bf16_bytes;
+        compressed += stores[i].compressed_bytes;
+    }
+    const int fits_compressed = (double) tiers >= ZIPMOE_WARM_FIRST_FIT * (double) compressed;
+    const int fits_decoded    = (double) tiers >= ZIPMOE_WARM_FIRST_FIT * (double) bf16;
+    return warm_fast && compressed > 0 && fits_compressed && !fits_decoded ? 0.0 : 1.0;
+}

@@ -44,6 +44,7 @@ static std::atomic<size_t>                                             g_registr
 // The stores opened since the last zipmoe_llama_configure: the model being loaded.
 static std::mutex                         g_pending_mu;
 static std::vector<zipmoe_store_size>     g_pending;
+static bool                               g_pending_slow_warm = false; // a pending store's warm hits decode slowly
 static std::vector<zipmoe_store *>        g_opened; // the same stores
 // The model configured last, until all of its stores are bound: then its tiers are filled (zipmoe_cache_prefill).
 static std::vector<zipmoe_store *> g_loading;
@@ -167,9 +168,9 @@ static uint64_t embd_charge(uint64_t embd_bytes, uint64_t row_bytes) {
 //   ZIPMOE_MEMORY_BUDGET  bytes the model may keep resident: its weights that are not experts, the experts of
 //                         one expert tensor in flight, a prompt's read buffers and the cache tiers, which get the
 //                         rest (and, in generation, the room of the two before); unset: unbounded
-//   ZIPMOE_HOT_SHARE      the tiers' fraction for decoded experts (default 1: ahead on a fast disk, with skewed
-//                         routing, at low budgets; 0, every expert compressed, can be ahead on slow storage and
-//                         where they nearly all fit: tiered-cache.md, "Choosing the split")
+//   ZIPMOE_HOT_SHARE      the tiers' fraction for decoded experts (default: zipmoe_budget_default_hot_share, 0 where
+//                         nearly every expert fits compressed but not decoded and the escape code's SIMD decoder
+//                         makes a warm hit cheap, else 1: tiered-cache.md, "Choosing the split")
 //   ZIPMOE_SM_SHARE       the fraction for sign+mantissa planes (default 0); whole compressed experts get the rest
 //   ZIPMOE_PLAN           slots per tier per layer from `zipmoe plan`, instead of the shares
 //   ZIPMOE_CACHE_POLICY   tlfu (default, token-weighted LFU), lru, lfu or fifo
@@ -195,9 +196,12 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
                                                                   " of " + mib(embd_bytes) + ")"
                                                             : "";
     std::vector<zipmoe_store_size> stores;
+    bool                           warm_fast = false;
     {
         std::lock_guard<std::mutex> lock(g_pending_mu);
         stores.swap(g_pending);
+        warm_fast           = !stores.empty() && !g_pending_slow_warm;
+        g_pending_slow_warm = false;
         g_loading.swap(g_opened);
         g_opened.clear();
         g_loading_bound = 0;
@@ -237,15 +241,19 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
                   "--memory-budget)";
             return false;
         }
-        double hot_share = 1, sm_share = 0;
+        tiers            = budget - minimum;
+        double hot_share = zipmoe_budget_default_hot_share(stores.data(), stores.size(), tiers, warm_fast);
+        double sm_share  = 0;
         if (!parse_fraction("ZIPMOE_HOT_SHARE", hot_share, err) || !parse_fraction("ZIPMOE_SM_SHARE", sm_share, err)) {
             return false;
+        }
+        if (const char * v = std::getenv("ZIPMOE_HOT_SHARE"); !(v && *v)) {
+            hot_share = std::min(hot_share, std::max(0.0, 1.0 - sm_share)); // (the default gives way to an sm share)
         }
         if (hot_share + sm_share > 1 + 1e-9) {
             err = "ZIPMOE_HOT_SHARE + ZIPMOE_SM_SHARE is more than 1";
             return false;
         }
-        tiers = budget - minimum;
         zipmoe_budget_split split{};
         if (zipmoe_budget_split_tiers(stores.data(), stores.size(), tiers, hot_share, sm_share, &split) < 0) {
             err = "the memory budget could not be split between the cache tiers";
@@ -354,6 +362,7 @@ zipmoe_llama_tensor_ptr zipmoe_llama_open(const char * name, const void * index,
         std::lock_guard<std::mutex> lock(g_pending_mu);
         g_pending.push_back({ (uint64_t) info.n_expert * (uint64_t) info.n_per_expert * 2, (uint64_t) info.n_expert,
                               info.data_size });
+        g_pending_slow_warm = g_pending_slow_warm || info.codec != ZIPMOE_CODEC_ESC || zipmoe_esc_simd_level() == 0;
         g_opened.push_back(store);
     }
     zipmoe_llama_tensor_ptr zt(new zipmoe_llama_tensor);
