@@ -42,7 +42,10 @@ where a miss costs more than the cores' decode and compressed tiers pay (try --v
 The targets are set for the machine's own disk.
 
 The models are synthetic (random weights, made by tools/make_synth.py --preset PRESET [--routing skewed] and
-converted with `python -m pyzipmoe convert`), kept in --workdir and reused while they exist. The output labels
+converted with `python -m pyzipmoe convert --codec CODEC`), kept in --workdir and reused while they exist. --codec
+defaults to esc where this CPU decodes it with SIMD (AVX-512 VBMI2: its warm hits cost a quarter of huff's, and the
+runtime's default split keeps every expert compressed where they nearly all fit), else huff, the converter's own
+default (2-3% smaller). The output labels
 them synthetic. llama-simple has no thread option: it computes with llama.cpp's default of 4 threads, twice the
 cores of a 2-core machine, which costs zipmoe more than stock (a thread that waits for a read gives its core to a
 thread that then waits at ggml's barrier). --tg-threads N (e.g. the core count, as llama-cli's default) measures
@@ -382,11 +385,20 @@ def run_limited(argv: list[str], env: dict[str, str], parent: Path, limit: int |
 # ------------------------------------------------------------------------------------------ the models
 
 
-def ensure_models(workdir: Path, preset: str, routing: str, threads: int, regenerate: bool) -> tuple[Path, Path]:
-    """workdir/PRESET-ROUTING.gguf and its .zipmoe.gguf, made when missing (or asked to), reused otherwise."""
+def default_bench_codec() -> str:
+    """esc where this CPU runs its SIMD decoder, else huff (the converter's default)."""
+    from pyzipmoe import codec
+
+    return "esc" if codec.esc_simd_level() > 0 else "huff"
+
+
+def ensure_models(workdir: Path, preset: str, routing: str, threads: int, regenerate: bool,
+                  codec: str = "huff") -> tuple[Path, Path]:
+    """workdir/PRESET-ROUTING.gguf and its zipmoe GGUF in `codec` (PRESET-ROUTING.zipmoe.gguf for huff, the name
+    of earlier runs, else PRESET-ROUTING.CODEC.zipmoe.gguf), made when missing (or asked to), reused otherwise."""
     workdir.mkdir(parents=True, exist_ok=True)
     bf16 = workdir / f"{preset}-{routing}.gguf"
-    packed = workdir / f"{preset}-{routing}.zipmoe.gguf"
+    packed = workdir / (f"{preset}-{routing}.zipmoe.gguf" if codec == "huff" else f"{preset}-{routing}.{codec}.zipmoe.gguf")
     if regenerate or not bf16.is_file():
         part = workdir / f"{preset}-{routing}.part.gguf"
         say(f"generating {bf16} (synthetic, preset {preset}, {routing} routing) ...")
@@ -396,11 +408,11 @@ def ensure_models(workdir: Path, preset: str, routing: str, threads: int, regene
         part.replace(bf16)
         say(f"  {bf16.stat().st_size / 2**30:.2f} GiB in {time.monotonic() - t:.0f} s")
     if regenerate or not packed.is_file() or packed.stat().st_mtime < bf16.stat().st_mtime:
-        part = workdir / f"{preset}-{routing}.zipmoe.part.gguf"
-        say(f"converting it to {packed} ...")
+        part = packed.with_name(packed.name.replace(".zipmoe.gguf", ".zipmoe.part.gguf"))
+        say(f"converting it to {packed} ({codec}) ...")
         t = time.monotonic()
-        _tool([sys.executable, "-m", "pyzipmoe", "convert", "--quiet", "--threads", str(threads), str(bf16),
-               str(part)])
+        _tool([sys.executable, "-m", "pyzipmoe", "convert", "--quiet", "--threads", str(threads), "--codec", codec,
+               str(bf16), str(part)])
         part.replace(packed)
         say(f"  {packed.stat().st_size / 2**30:.2f} GiB in {time.monotonic() - t:.0f} s")
     return bf16, packed
@@ -516,7 +528,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     models: dict[str, dict[str, Any]] = {}
     for routing in args.routings:
-        bf16, packed = ensure_models(args.workdir, args.preset, routing, args.threads, args.regenerate)
+        bf16, packed = ensure_models(args.workdir, args.preset, routing, args.threads, args.regenerate, args.codec)
         models[routing] = {"bf16": str(bf16), "bf16_bytes": bf16.stat().st_size, "zipmoe": str(packed),
                            "zipmoe_bytes": packed.stat().st_size}
     largest = max(int(m["bf16_bytes"] * max(args.budgets) / 100) for m in models.values())
@@ -527,7 +539,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     throttle = ReadThrottle(args.read_rate, Path(next(iter(models.values()))["bf16"])) if args.read_rate else None
     runs: list[dict[str, Any]] = []
-    res = {"synthetic": True, "preset": args.preset, "models": models, "budgets_pct": args.budgets,
+    res = {"synthetic": True, "preset": args.preset, "codec": args.codec, "models": models, "budgets_pct": args.budgets,
            "read_rate_bytes": args.read_rate,
            "overhead_bytes": args.overhead, "gen_tokens": args.gen, "pp_tokens": args.pp, "prompt": args.prompt,
            "threads_llama_bench": args.threads, "tg_threads": args.tg_threads,
@@ -713,7 +725,7 @@ def tg_program(res: dict[str, Any]) -> str:
 def print_report(res: dict[str, Any]) -> None:
     runs = res["runs"]
     print(f"SYNTHETIC models (random weights, preset {res['preset']}): stock llama.cpp (BF16 GGUF, mmap) vs zipmoe "
-          f"(converted GGUF), same build, same cgroup v1 memory limit, cold page cache")
+          f"(converted GGUF, codec {res.get('codec', 'huff')}), same build, same cgroup v1 memory limit, cold page cache")
     print(f"tg: {tg_program(res)} -n {res['gen_tokens']} {res['prompt']!r}; "
           f"pp: llama-bench -p {res['pp_tokens']} -n 0 -r 1 -t {res['threads_llama_bench']}; "
           f"timeout {res['timeout_s']:g} s per run"
@@ -931,6 +943,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR,
                    help="where the models and the runs' logs are kept (default: %(default)s)")
     p.add_argument("--regenerate", action="store_true", help="generate and convert the models again")
+    p.add_argument("--codec", choices=("huff", "esc", "zstd"), default=None,
+                   help="the zipmoe model's exponent codec (default: esc where this CPU decodes it with SIMD, else "
+                        "huff; the file is kept per codec)")
     p.add_argument("--cgroup-parent", metavar="PATH",
                    help="the memory cgroup to make the runs' cgroups in (default: this process's own)")
     p.add_argument("--json", type=Path, metavar="FILE",
@@ -940,6 +955,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", type=Path, metavar="FILE",
                    help="run nothing: print the tables (and --plot) from a FILE written by --json")
     args = p.parse_args(argv)
+    if args.codec is None and not args.report:
+        args.codec = default_bench_codec()
     if args.variant_lib and not args.variant_lib.is_dir():
         p.error(f"--variant-lib {args.variant_lib}: not a directory (give the one that holds the libraries)")
     if args.report:
