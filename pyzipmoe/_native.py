@@ -56,8 +56,8 @@ int64_t zipmoe_chunk_decode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
                             int checksum_check, uint64_t checksum, uint16_t * dst);
 int64_t zipmoe_chunk_decode_exponents(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
                                       const void * code, size_t code_size, uint8_t * exp, size_t n);
-int64_t zipmoe_esc_decode_scalar_chunk(const zipmoe_codec_ctx * c, const void * code, size_t code_size,
-                                       uint8_t * exp, size_t n);
+int64_t zipmoe_esc_decode_chunk_at(const zipmoe_codec_ctx * c, int level, const void * code, size_t code_size,
+                                   uint8_t * exp, size_t n);
 
 typedef struct zipmoe_tensor zipmoe_tensor;
 typedef struct {

@@ -194,26 +194,38 @@ def esc_chunk(c: codec.Codec, exp: np.ndarray) -> np.ndarray:
     return dst[:size].copy()
 
 
-def esc_decode_both(c: codec.Codec, code: np.ndarray, n: int) -> tuple[tuple[int, np.ndarray], tuple[int, np.ndarray]]:
-    """(status, output) of the dispatched decoder and of the portable one, into guarded buffers."""
+ESC_LEVELS = sorted({0, codec.esc_simd_level()})  # 0 the portable decoder; 2 AVX-512 VBMI2 where the CPU has it
+
+
+def esc_decode_levels(c: codec.Codec, code: np.ndarray, n: int) -> list[tuple[int, np.ndarray | None]]:
+    """(status, output) of the dispatched decoder, then of each level this CPU has, into guarded buffers."""
     results = []
-    for scalar in (False, True):
+    for level in [None] + ESC_LEVELS:
         out = np.full(n + 64, 0xAB, np.uint8)
         buf = codec.ffi.from_buffer(code) if code.size else codec.ffi.new("uint8_t[1]")
-        if scalar:
-            rc = codec.lib.zipmoe_esc_decode_scalar_chunk(c._handle, buf, code.size, codec.ffi.from_buffer(out), n)
-        else:
+        if level is None:
             ws = codec.Workspace(max(n, 1))
             rc = codec.lib.zipmoe_chunk_decode_exponents(c._handle, ws.handle, buf, code.size,
                                                          codec.ffi.from_buffer(out), n)
+        else:
+            rc = codec.lib.zipmoe_esc_decode_chunk_at(c._handle, level, buf, code.size, codec.ffi.from_buffer(out), n)
         assert (out[n:] == 0xAB).all()  # nothing written past n
         results.append((int(rc), out[:n] if rc >= 0 else None))
-    return results[0], results[1]
+    return results
 
 
-@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 63, 64, 65, 127, 128, 129, 1000, 4099, 65536])
+def test_escape_levels_above_the_cpus_are_refused():
+    c = make_codec("esc", gaussian_bf16(100))
+    out = np.zeros(4, np.uint8)
+    for level in {1, 3} | ({2} - set(ESC_LEVELS)):
+        rc = codec.lib.zipmoe_esc_decode_chunk_at(c._handle, level, codec.ffi.new("uint8_t[16]"), 16,
+                                                  codec.ffi.from_buffer(out), 4)
+        assert rc == codec.lib.ZIPMOE_ERR_UNSUPPORTED, level
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 31, 32, 33, 63, 64, 65, 127, 128, 129, 1000, 4099, 65536])
 @pytest.mark.parametrize("kind", ["gaussian", "all raw", "primary only", "every byte"])
-def test_escape_simd_decoder_matches_the_portable_one(n, kind):
+def test_escape_simd_decoders_match_the_portable_one(n, kind):
     rng = np.random.default_rng(n)
     if kind == "gaussian":
         exp = (gaussian_bf16(n, seed=n) >> 7).astype(np.uint8)
@@ -225,15 +237,14 @@ def test_escape_simd_decoder_matches_the_portable_one(n, kind):
     classes = np.zeros(256, np.uint8) if kind == "all raw" else codec.esc_classes(hist)
     c = codec.Codec("esc", lengths=classes)
     code = esc_chunk(c, exp)
-    (rc, out), (rc_s, out_s) = esc_decode_both(c, code, n)
-    assert rc == rc_s == n
-    np.testing.assert_array_equal(out, exp)
-    np.testing.assert_array_equal(out_s, exp)
+    for rc, out in esc_decode_levels(c, code, n):
+        assert rc == n
+        np.testing.assert_array_equal(out, exp)
 
 
 def test_escape_decoders_agree_on_corrupt_chunks():
-    """Chunks with consistent sizes but wrong counts of escapes: both decoders refuse them the same way, and
-    neither writes past n nor reads past the chunk (the SIMD loads are masked to it)."""
+    """Chunks with consistent sizes but wrong counts of escapes: every decoder refuses them the same way, and none
+    writes past n nor reads past the chunk (the SIMD loads are masked or bounded to it)."""
     rng = np.random.default_rng(5)
     exp = (gaussian_bf16(3000, seed=5) >> 7).astype(np.uint8)
     c = make_codec("esc", codec.merge_bf16(exp, np.zeros(exp.size, np.uint8)))
@@ -253,11 +264,13 @@ def test_escape_decoders_agree_on_corrupt_chunks():
             bad[8:] = rng.integers(0, 256, bad.size - 8, dtype=np.uint8)
         else:  # header counts that do not fit the chunk's size
             bad[:8] = np.array(rng.integers(0, 4000, 2), "<u4").view(np.uint8)
-        (rc, out), (rc_s, out_s) = esc_decode_both(c, bad, exp.size)
-        assert rc == rc_s
+        results = esc_decode_levels(c, bad, exp.size)
+        rc, out = results[0]
+        assert {r for r, _ in results} == {rc}
         assert rc == exp.size or rc == codec.lib.ZIPMOE_ERR_CORRUPT
-        if rc >= 0:
-            np.testing.assert_array_equal(out, out_s)
+        for _, other in results[1:]:
+            if rc >= 0:
+                np.testing.assert_array_equal(out, other)
         outcomes.add(rc)
     assert outcomes == {exp.size, codec.lib.ZIPMOE_ERR_CORRUPT}  # both kinds of result were exercised
 

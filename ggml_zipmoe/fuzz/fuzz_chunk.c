@@ -5,7 +5,7 @@
  * Input: [mode: 1][n: 3, LE][code table: 256][sm: n bytes][code: the rest]
  *   mode bit 0: codec (0 huff, 1 zstd); bit 1: decode with a forged checksum (else unchecked); bit 2: esc instead,
  *   its classes made valid from the table (each byte % 11, a class kept only where it first appears), and the
- *   dispatched decoder's result held to the portable one's.
+ *   dispatched decoder's result held to every level's this CPU has (the portable one's too).
  * Outputs go to buffers of exactly the decoded size, so AddressSanitizer sees any write past them. */
 #include "zipmoe.h"
 
@@ -56,18 +56,16 @@ int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     if (ws && code_copy && exp && dst) {
         memcpy(code_copy, code, code_size);
         const int64_t rc = zipmoe_chunk_decode_exponents(c, ws, code_copy, code_size, exp, n);
-        if (esc) {
-            uint8_t * ref = malloc(n ? n : 1);
-            if (ref) {
-                const int64_t rc_ref = zipmoe_esc_decode_scalar_chunk(c, code_copy, code_size, ref, n);
-                if (rc != rc_ref || (rc >= 0 && memcmp(exp, ref, n) != 0)) {
-                    fprintf(stderr, "esc: the SIMD decoder (%lld) and the portable one (%lld) disagree\n",
-                            (long long) rc, (long long) rc_ref);
-                    abort();
-                }
-                free(ref);
+        uint8_t * ref = esc ? malloc(n ? n : 1) : NULL;
+        for (int level = 0; ref && level <= zipmoe_esc_simd_level(); level += 2) { /* each against the dispatched one */
+            const int64_t rc_level = zipmoe_esc_decode_chunk_at(c, level, code_copy, code_size, ref, n);
+            if (rc != rc_level || (rc >= 0 && memcmp(exp, ref, n) != 0)) {
+                fprintf(stderr, "esc: the dispatched decoder (%lld) and level %d's (%lld) disagree\n", (long long) rc,
+                        level, (long long) rc_level);
+                abort();
             }
         }
+        free(ref);
         const int      check    = (mode >> 1) & 1;
         const uint64_t checksum = check ? zipmoe_checksum(sm, n, zipmoe_checksum(code_copy, code_size, 0)) : 0;
         zipmoe_chunk_decode(c, ws, code_copy, code_size, sm, n, check, checksum, dst);

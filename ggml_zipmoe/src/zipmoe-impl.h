@@ -76,6 +76,9 @@ int64_t zipmoe_esc_decode_scalar(const zipmoe_esc * e, const uint8_t * code, siz
 /* warm: as zipmoe_huff_decode's */
 int64_t zipmoe_esc_decode(const zipmoe_esc * e, const uint8_t * code, size_t code_size, uint8_t * exp, size_t n,
                           const uint8_t * warm, size_t warm_size);
+/* the decoder of SIMD level `level` (zipmoe_esc_simd_level's numbers); ZIPMOE_ERR_UNSUPPORTED above this CPU's */
+int64_t zipmoe_esc_decode_at(const zipmoe_esc * e, int level, const uint8_t * code, size_t code_size, uint8_t * exp,
+                             size_t n, const uint8_t * warm, size_t warm_size);
 /* esc_avx512.c: only called when the CPU has AVX-512 BW, VBMI and VBMI2 */
 int64_t zipmoe_esc_decode_avx512(const zipmoe_esc * e, const uint8_t * code, size_t code_size, uint8_t * exp,
                                  size_t n, const uint8_t * warm, size_t warm_size);

@@ -118,12 +118,12 @@ int64_t zipmoe_decode_exp(const zipmoe_codec_ctx * c, zipmoe_workspace * ws, con
     }
 }
 
-int64_t zipmoe_esc_decode_scalar_chunk(const zipmoe_codec_ctx * c, const void * code, size_t code_size, uint8_t * exp,
-                                       size_t n) {
-    if (!c || c->codec != ZIPMOE_CODEC_ESC || !code || (!exp && n)) {
+int64_t zipmoe_esc_decode_chunk_at(const zipmoe_codec_ctx * c, int level, const void * code, size_t code_size,
+                                   uint8_t * exp, size_t n) {
+    if (!c || c->codec != ZIPMOE_CODEC_ESC || !code || (!exp && n) || level < 0) {
         return ZIPMOE_ERR_ARG;
     }
-    return zipmoe_esc_decode_scalar(&c->esc, (const uint8_t *) code, code_size, exp, n);
+    return zipmoe_esc_decode_at(&c->esc, level, (const uint8_t *) code, code_size, exp, n, NULL, 0);
 }
 
 int64_t zipmoe_chunk_decode_exponents(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
