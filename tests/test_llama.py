@@ -249,6 +249,19 @@ def test_cache_none_same_logits_more_decoding(logits: Callable, arch: str) -> No
         assert none["stats"]["experts_resident"] < none["stats"]["experts_decoded"], none["stats"]
 
 
+def _matching_runs(runs: list[dict[str, Any]], where: list[int], reports: list[dict[str, Any]], got: dict,
+                   ref_reports: list[dict[str, Any]], ref: dict, label: str) -> list[tuple[dict[str, Any], str, dict]]:
+    """Each run's logits and text held to the BF16 run of its config (where[k]); (run, label, stats) of each."""
+    out = []
+    for k, (run, i) in enumerate(zip(runs, where, strict=True)):
+        what = f"{label} {run['zipmoe']} {CONFIGS[i]}"
+        _no_error(reports[k])
+        assert_bit_identical(got[f"run{k}"], ref[f"run{i}"], what)
+        assert reports[k]["generated"] == ref_reports[i]["generated"], what
+        out.append((run, what, reports[k]["stats"]))
+    return out
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_budget_and_policy_gives_the_same_logits(logits: Callable, ours: Path, arch: str,
                                                        zipmoe_models: dict[tuple[str, str], Path], tmp_path: Path
@@ -279,12 +292,7 @@ def test_every_budget_and_policy_gives_the_same_logits(logits: Callable, ours: P
             where.append(i)
     reports, got = run_worker(zipmoe_models[arch, "huff"], ours, runs, tmp_path / "budgets.npz")
     hits = {"hits_warm": 0, "hits_sm": 0, "experts_streamed": 0}
-    for k, (run, i) in enumerate(zip(runs, where)):
-        what = f"{arch} {run['zipmoe']} {CONFIGS[i]}"
-        _no_error(reports[k])
-        assert_bit_identical(got[f"run{k}"], ref[f"run{i}"], what)
-        assert reports[k]["generated"] == ref_reports[i]["generated"], what
-        stats = reports[k]["stats"]
+    for run, what, stats in _matching_runs(runs, where, reports, got, ref_reports, ref, arch):
         assert stats["misses"] > 0 and stats["bytes_read"] > 0, (what, stats)
         if "memory_budget" in run["zipmoe"]:
             assert stats["evictions"] > 0, (what, stats)  # the budget held fewer experts than were used
@@ -321,12 +329,7 @@ def test_escape_coded_experts_under_budgets_give_the_same_logits(logits: Callabl
             runs.append({"config": CONFIGS[i], "zipmoe": {"memory_budget": str(minimum + extra), **shares}})
             where.append(i)
     reports, got = run_worker(model, ours, runs, tmp_path / "esc-budgets.npz")
-    for k, (run, i) in enumerate(zip(runs, where)):
-        what = f"{arch} esc {run['zipmoe']} {CONFIGS[i]}"
-        _no_error(reports[k])
-        assert_bit_identical(got[f"run{k}"], ref[f"run{i}"], what)
-        assert reports[k]["generated"] == ref_reports[i]["generated"], what
-        stats = reports[k]["stats"]
+    for run, what, stats in _matching_runs(runs, where, reports, got, ref_reports, ref, f"{arch} esc"):
         if run["zipmoe"] == {"memory_budget": str(minimum + near_all)} and codec.esc_simd_level() > 0:
             assert stats["hot_bytes"] == 0 and stats["hits_warm"] > 0, (what, stats)  # the default kept none decoded
         if run["zipmoe"].get("hot_share") == 1.0:
