@@ -298,7 +298,7 @@ class MemoryMonitor:
     def __init__(self, planned: Planned, *, ceiling: int | None = None, interval: float = 0.5,
                  threshold: float = 0.05, read: Callable[[], Any] | None = None,
                  on_change: Callable[[planner.Plan | None], None] | None = None, lib: Any = None,
-                 split: tuple[float, float, float] | None = None, policy: str | None = None,
+                 split: tuple[float | None, float | None, float] | None = None, policy: str | None = None,
                  fixed: bool = False, sizes: list[tuple[int, int, int]] | None = None, warm_fast: bool = False) -> None:
         from . import memory
 
@@ -324,7 +324,8 @@ class MemoryMonitor:
         self._read = read or memory.read_memory
         self._on_change = on_change
         self._lib = lib
-        self.split = split  # fixed (hot, warm, sm) shares of the tiers instead of the planner's split
+        self.split = split  # fixed (hot, warm, sm) shares of the tiers instead of the planner's split (hot None:
+        # the runtime's default for each budget, apply_shares)
         # with a split: the model's expert tensors (store_sizes), so that a new budget is split by the runtime's
         # shares as at load (apply_shares); without them, by slots
         self.sizes = sizes

@@ -211,7 +211,7 @@ int zipmoe_esc_simd_level(void) { return cpu_level(); }
 
 int64_t zipmoe_esc_decode_at(const zipmoe_esc * e, int level, const uint8_t * code, size_t code_size, uint8_t * exp,
                              size_t n, const uint8_t * warm, size_t warm_size) {
-    if (level > cpu_level() || level == 1) {
+    if (level != 0 && level != cpu_level()) { /* the portable decoder, or this CPU's SIMD one */
         return ZIPMOE_ERR_UNSUPPORTED;
     }
 #if defined(ZIPMOE_HAVE_AVX512)
