@@ -16,8 +16,11 @@ without a limit, for a model with uniform and one with skewed routing, and measu
       --no-warmup -t N -c C -b C -ub C` (C = GEN + 64; tg_argv) instead, the same greedy generation with a thread
       count of choice; tokens/s counted as llama-simple counts them, GEN tokens over the prompt's batch and GEN - 1
       steps (its perf lines).
-  pp  `llama-bench -m MODEL -p PP -n 0 -r 1 -t THREADS -o json -v`: prompt processing, tokens/s (-v: so that
-      its stderr says why a model did not load).
+  pp  `llama-bench -m MODEL -p PP -n 0 -r REPS -t THREADS -o json -v`: prompt processing, tokens/s, the mean
+      of REPS timed passes (--pp-reps, default 5 as llama-bench's own) after its untimed warm-up pass (-v: so
+      that its stderr says why a model did not load). One pass of 512 tokens is ~2 s here, and stock's passes
+      under a limit that thrashes a little vary by up to 1.7x within one process: one pass a run measured that
+      spread, not the engines.
 
 and, for every run, the cgroup's peak usage (memory.max_usage_in_bytes: anonymous memory and page cache
 charged to it) and the bytes read from disk (the child's rusage ru_inblock x 512), shown per generated token.
@@ -467,6 +470,7 @@ def parse_pp(res: dict[str, Any], n_prompt: int) -> None:
         row = next(r for r in rows if r.get("n_prompt") == n_prompt and r.get("n_gen") == 0)
         res["tps"] = float(row["avg_ts"])
         res["tokens"] = n_prompt
+        res["pp_samples"] = [float(v) for v in row.get("samples_ts") or []]
     except (ValueError, StopIteration, KeyError, TypeError):
         res["status"], res["message"] = "failed", "no pp result in llama-bench's JSON output"
 
@@ -541,7 +545,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     res = {"synthetic": True, "preset": args.preset, "codec": args.codec, "models": models, "budgets_pct": args.budgets,
            "read_rate_bytes": args.read_rate,
-           "overhead_bytes": args.overhead, "gen_tokens": args.gen, "pp_tokens": args.pp, "prompt": args.prompt,
+           "overhead_bytes": args.overhead, "gen_tokens": args.gen, "pp_tokens": args.pp, "pp_reps": args.pp_reps,
+           "prompt": args.prompt,
            "threads_llama_bench": args.threads, "tg_threads": args.tg_threads,
            "timeout_s": args.timeout, "zipmoe_env": zipmoe_extra, "tests": args.tests, "repeat": args.repeat,
            "variant": {"env": dict(args.variant_env), "lib": str(args.variant_lib or "")} if variant else None,
@@ -584,7 +589,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if test == "tg":
                     argv = tg_argv(completion or simple, model, args.gen, args.prompt, args.tg_threads)
                 else:
-                    argv = [str(bench), "-m", model, "-p", str(args.pp), "-n", "0", "-r", "1",
+                    argv = [str(bench), "-m", model, "-p", str(args.pp), "-n", "0", "-r", str(args.pp_reps),
                             "-t", str(args.threads), "-o", "json", "-v"]
                 stem = logdir / f"{args.preset}-{routing}-{label.rstrip('%')}-{engine}-{test}-{rep}-{slot}"
                 one = run_limited(argv, env, parent, limit, args.timeout, stem, throttle=throttle)
@@ -727,7 +732,8 @@ def print_report(res: dict[str, Any]) -> None:
     print(f"SYNTHETIC models (random weights, preset {res['preset']}): stock llama.cpp (BF16 GGUF, mmap) vs zipmoe "
           f"(converted GGUF, codec {res.get('codec', 'huff')}), same build, same cgroup v1 memory limit, cold page cache")
     print(f"tg: {tg_program(res)} -n {res['gen_tokens']} {res['prompt']!r}; "
-          f"pp: llama-bench -p {res['pp_tokens']} -n 0 -r 1 -t {res['threads_llama_bench']}; "
+          f"pp: llama-bench -p {res['pp_tokens']} -n 0 -r {res.get('pp_reps', 1)} -t {res['threads_llama_bench']} "
+          f"(the mean of its timed passes); "
           f"timeout {res['timeout_s']:g} s per run"
           + (f"; tokens/s: medians of {res['repeat']} runs, stock and zipmoe alternating (--json has each run)"
              if res.get("repeat", 1) > 1 else ""))
@@ -931,6 +937,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen", type=int, default=32, help="tokens tg generates (default: %(default)s)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="tg's prompt (default: %(default)r)")
     p.add_argument("--pp", type=int, default=512, help="prompt tokens of llama-bench's pp test (default: %(default)s)")
+    p.add_argument("--pp-reps", type=int, default=5, metavar="N",
+                   help="timed passes of llama-bench's pp test in each run, averaged (llama-bench -r; default: "
+                        "%(default)s, llama-bench's own)")
     p.add_argument("--threads", type=int, default=2, help="llama-bench threads (default: %(default)s)")
     p.add_argument("--tg-threads", type=int, metavar="N",
                    help="run tg with llama-completion and N threads instead of llama-simple's fixed 4 (e.g. the "
@@ -970,7 +979,7 @@ def main(argv: list[str] | None = None) -> int:
             plot(res, args.plot)
         print_report(res)
         return 0
-    for name in ("gen", "pp", "threads", "tg_threads"):
+    for name in ("gen", "pp", "pp_reps", "threads", "tg_threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.timeout <= 0:
