@@ -32,7 +32,7 @@ struct zipmoe_llama_tensor {
     struct alignas(64) claim {
         std::atomic<int64_t> next{ 0 };
     };
-    claim            blocks[64];
+    claim            blocks[64]; // (MM_MAX_SLOTS: a group of slots each)
     std::atomic<int> left{ 0 };
 };
 
@@ -182,9 +182,10 @@ static uint64_t embd_charge(uint64_t embd_bytes, uint64_t row_bytes) {
 //   ZIPMOE_PREDICT        "1": in generation, the next layer's router runs on this layer's input and the experts it
 //                         picks are read ahead (default "0": on the synthetic models it read 10% more and served
 //                         under a tenth of the misses, with no speed difference to measure; tiered-cache.md)
-//   ZIPMOE_FUSED          "0": in generation too, a node that materialises and then ggml_mul_mat_id (default: one
-//                         node computes the matmul's rows, those of decoded experts while the others are read)
-//   ZIPMOE_STREAM         "0": the fused node decodes a routed warm expert into a place, as a prompt's batch does
+//   ZIPMOE_FUSED          "0": in generation and short batches too, a node that materialises and then
+//                         ggml_mul_mat_id (default: up to 64 routed slots, top-k x tokens, one node computes the
+//                         matmul's rows, those of decoded experts while the others are read)
+//   ZIPMOE_STREAM         "0": the fused node decodes a routed warm expert into a place, as a long batch does
 //                         (default: into each thread's cache, a few chunks at a time, computing their rows there)
 //   ZIPMOE_PREFILL        "0": leave the tiers empty at load (default: fill them, as llama.cpp's read-ahead and
 //                         warm-up fill the page cache for a plain model, so that the first tokens do not wait)
@@ -588,16 +589,18 @@ static void materialize_after_guess_op(ggml_tensor * dst, const ggml_tensor * id
     materialize_op(dst, ids, w, ith, nth, userdata);
 }
 
-// ggml_mul_mat_id(w, x, ids) of one token, computed by the op that materialises the experts, so that the rows of
-// the routed experts that are decoded already are computed while the others are read. Each row is the same
-// ggml vec_dot of the same bytes that ggml_mul_mat_id computes (ggml-cpu's mul_mat_id: a BF16 weight's rows are
-// vec_dot-ed with the activations converted by from_float), so the result is bit for bit ggml's. Every thread
-// converts the activations itself (an op has no barrier), then claims blocks of rows: first those of experts it
-// may read now (also while its decoding waits for a read), then, once _wait has returned (every expert decoded),
+// ggml_mul_mat_id(w, x, ids) of a token or a small batch, computed by the op that materialises the experts, so that
+// the rows of the routed experts that are decoded already are computed while the others are read. Each value is the
+// same ggml vec_dot of the same bytes that ggml_mul_mat_id computes (ggml-cpu's mul_mat_id: a BF16 weight's rows are
+// vec_dot-ed one by one with the activations converted by from_float, at any batch size), so the result is bit for
+// bit ggml's. Every thread converts the activations itself (an op has no barrier) and groups the routed slots by
+// expert, then claims blocks of an expert's rows, each computed for every slot routed to it: first those of experts
+// it may read now (also while its decoding waits for a read), then, once _wait has returned (every expert decoded),
 // the rest. A warm expert the store leaves to the op (pending 2, ZIPMOE_TURN_STREAM) is decoded a few chunks at a
-// time into the thread's cache and its rows computed from there: its values never go through memory, which on a
-// machine whose cores share little bandwidth is most of what a decode into its place costs.
+// time into the thread's cache and its rows computed from there, once for all its slots: its values never go through
+// memory, which on a machine whose cores share little bandwidth is most of what a decode into its place costs.
 static constexpr int64_t MM_BLOCK_ROWS = 32;
+static constexpr int64_t MM_MAX_SLOTS  = 64; // routed slots (top-k x tokens) a fused node computes; beyond, ggml's tiling
 
 // Chunks per claim of a streamed expert: a claim computes the rows that begin in its chunks, decoding the chunk its
 // last row runs on into too. The fewest chunks that end on a row's end where some up to 4 do (2048-wide rows: one
@@ -611,6 +614,42 @@ static int64_t stream_unit_chunks(int64_t k, int64_t chunk_n) {
     return 3;
 }
 
+// The routed slots of an invocation by expert, in the order of their first slot: group g's slots are
+// slot[first[g]] .. slot[first[g + 1] - 1]. The same on every thread (a function of the ids alone), so that claim
+// counter g means the same expert to all of them.
+struct slot_groups {
+    int64_t n = 0;
+    int32_t first[MM_MAX_SLOTS + 1];
+    int32_t slot[MM_MAX_SLOTS];
+};
+
+static void group_slots(const int32_t * expert, int64_t n_slot, slot_groups & gr) {
+    int32_t of[MM_MAX_SLOTS];    // each slot's group
+    int32_t count[MM_MAX_SLOTS]; // each group's slots
+    int32_t head[MM_MAX_SLOTS];  // each group's first slot
+    gr.n = 0;
+    for (int64_t k = 0; k < n_slot; k++) {
+        int64_t g = 0;
+        while (g < gr.n && expert[head[g]] != expert[k]) {
+            g++;
+        }
+        if (g == gr.n) {
+            head[gr.n]    = (int32_t) k;
+            count[gr.n++] = 0;
+        }
+        of[k] = (int32_t) g;
+        count[g]++;
+    }
+    gr.first[0] = 0;
+    for (int64_t g = 0; g < gr.n; g++) {
+        gr.first[g + 1] = gr.first[g] + count[g];
+        count[g]        = gr.first[g];
+    }
+    for (int64_t k = 0; k < n_slot; k++) {
+        gr.slot[count[of[k]]++] = (int32_t) k;
+    }
+}
+
 // One thread's view of a fused invocation: the places and the activations converted to the weight's vec_dot type.
 struct mm_rows {
     zipmoe_llama_tensor * zt;
@@ -619,22 +658,36 @@ struct mm_rows {
     const int32_t *       where;
     const uint8_t *       pending;
     const int32_t *       expert;     // the routed ids: a streamed slot's expert
+    const slot_groups *   groups;
     int64_t               chunk_n;     // values per chunk
     int64_t               n_chunks;    // chunks per expert
-    int64_t               unit_chunks; // chunks per claim of a streamed slot (stream_unit_chunks)
+    int64_t               unit_chunks; // chunks per claim of a streamed expert (stream_unit_chunks)
     uint8_t *             exps;        // the thread's: the exponent planes of one claim's chunks
     uint16_t *            row;         // the thread's: one merged row
     const uint8_t *       xq;
     size_t                xq_row;
     int64_t               ne11;
     ggml_vec_dot_t        vec_dot;
-    int64_t               cursor; // the first slot of the current phase that may have blocks left
+    int64_t               cursor; // the first group of the current phase that may have blocks left
 };
 
-// The rows of claim u of streamed slot k (those that begin in its chunks): the exponent planes of the chunks they lie
-// in, decoded into the thread's scratch; then each row merged into a buffer in L1 and vec_dot from there. Merging a
-// claim's chunks whole wrote and read back twice their exponents' bytes through L2.
-static void compute_streamed(const mm_rows & m, int64_t k, int64_t u, const void * xrow, float * out) {
+// Row r of the weight (at w_row) times the activations of every slot of group g, into their outputs.
+static void dot_group(const mm_rows & m, int64_t g, int64_t r, const void * w_row) {
+    const int64_t n_used = m.dst->ne[1];
+    for (int32_t j = m.groups->first[g]; j < m.groups->first[g + 1]; j++) {
+        const int64_t k  = m.groups->slot[j];
+        const int64_t i1 = k % n_used, i2 = k / n_used;
+        const void *  xrow = m.xq + (size_t) (i1 % m.ne11 + i2 * m.ne11) * m.xq_row;
+        float *       out  = reinterpret_cast<float *>(static_cast<char *>(m.dst->data) + i1 * m.dst->nb[1] +
+                                                      i2 * m.dst->nb[2]);
+        m.vec_dot((int) m.w->ne[0], &out[r], 0, w_row, 0, xrow, 0, 1);
+    }
+}
+
+// The rows of claim u of streamed group g (those that begin in its chunks): the exponent planes of the chunks they
+// lie in, decoded into the thread's scratch; then each row merged into a buffer in L1 and vec_dot from there, for
+// every slot of the group. Merging a claim's chunks whole wrote and read back twice their exponents' bytes through L2.
+static void compute_streamed(const mm_rows & m, int64_t g, int64_t u) {
     const int64_t n_in = m.w->ne[0], n_rows = m.w->ne[1];
     const int64_t v0 = u * m.unit_chunks * m.chunk_n, v1 = (u + 1) * m.unit_chunks * m.chunk_n;
     const int64_t r0 = (v0 + n_in - 1) / n_in, r1 = std::min(n_rows, (v1 + n_in - 1) / n_in);
@@ -642,49 +695,45 @@ static void compute_streamed(const mm_rows & m, int64_t k, int64_t u, const void
         return; // (rows longer than a claim's chunks: a neighbour's row covers them)
     }
     const int64_t   c0 = r0 * n_in / m.chunk_n, c1 = (r1 * n_in - 1) / m.chunk_n;
+    const int32_t   e  = m.expert[m.groups->slot[m.groups->first[g]]];
     const uint8_t * sm = nullptr;
     for (int64_t c = c0; c <= c1; c++) {
-        if (zipmoe_store_stream_exponents(m.zt->store, m.expert[k], c, m.exps + (c - c0) * m.chunk_n, &sm) < 0) {
+        if (zipmoe_store_stream_exponents(m.zt->store, e, c, m.exps + (c - c0) * m.chunk_n, &sm) < 0) {
             return; // (recorded by the store: llama_decode reports it and drops the output)
         }
     }
     for (int64_t r = r0; r < r1; r++) {
         const int64_t v = r * n_in; // the row's first value in the expert
         zipmoe_merge_bf16_cached(m.exps + (v - c0 * m.chunk_n), sm + v, (size_t) n_in, m.row);
-        m.vec_dot((int) n_in, &out[r], 0, m.row, 0, xrow, 0, 1);
+        dot_group(m, g, r, m.row);
     }
 }
 
-// Claims and computes one block of rows of a routed slot: after _wait (`decoded`) those of the experts this
+// Claims and computes one block of rows of a routed expert: after _wait (`decoded`) those of the experts this
 // invocation decoded, before it the others (decoded already, or streamed); false once none is left.
 static bool compute_block(mm_rows & m, bool decoded) {
-    const int64_t n_used = m.dst->ne[1];
-    const int64_t n_slot = n_used * m.dst->ne[2];
     const int64_t n_rows = m.w->ne[1];
-    for (; m.cursor < n_slot; m.cursor++) {
-        const int64_t k = m.cursor;
+    for (; m.cursor < m.groups->n; m.cursor++) {
+        const int64_t g = m.cursor;
+        const int64_t k = m.groups->slot[m.groups->first[g]]; // (every slot of an expert has its place and state)
         if ((m.pending[k] == 1) != decoded || m.where[k] < 0 || m.where[k] >= m.w->ne[2]) {
             continue; // (an id out of range fails the invocation: its error is recorded, the output dropped)
         }
         const bool    streamed = m.pending[k] == 2;
         const int64_t claims   = streamed ? (m.n_chunks + m.unit_chunks - 1) / m.unit_chunks
                                           : (n_rows + MM_BLOCK_ROWS - 1) / MM_BLOCK_ROWS;
-        const int64_t b        = m.zt->blocks[k].next.fetch_add(1, std::memory_order_relaxed);
+        const int64_t b        = m.zt->blocks[g].next.fetch_add(1, std::memory_order_relaxed);
         if (b >= claims) {
             continue;
         }
-        const int64_t i1   = k % n_used, i2 = k / n_used;
-        const void *  xrow = m.xq + (size_t) (i1 % m.ne11 + i2 * m.ne11) * m.xq_row;
-        char *        col  = static_cast<char *>(m.dst->data) + i1 * m.dst->nb[1] + i2 * m.dst->nb[2];
-        float *       out  = reinterpret_cast<float *>(col);
         if (streamed) {
-            compute_streamed(m, k, b, xrow, out);
+            compute_streamed(m, g, b);
             return true;
         }
         const char *  base = static_cast<const char *>(m.w->data) + (size_t) m.where[k] * m.w->nb[2];
         const int64_t r1   = std::min(n_rows, (b + 1) * MM_BLOCK_ROWS);
         for (int64_t r = b * MM_BLOCK_ROWS; r < r1; r++) {
-            m.vec_dot((int) m.w->ne[0], &out[r], 0, base + r * m.w->nb[1], 0, xrow, 0, 1);
+            dot_group(m, g, r, base + r * m.w->nb[1]);
         }
         return true;
     }
@@ -700,8 +749,9 @@ static void mul_mat_id_op(ggml_tensor * dst, int ith, int nth, void * userdata) 
     const ggml_tensor * w   = dst->src[1];
     const ggml_tensor * x   = dst->src[2];
     const int64_t       n_slot = ids->ne[0] * ids->ne[1];
-    int32_t             where[64];
-    uint8_t             pending[64];
+    int32_t             where[MM_MAX_SLOTS];
+    uint8_t             pending[MM_MAX_SLOTS];
+    slot_groups         groups;
     zipmoe_turn         turn;
     static const bool   stream = !env_off("ZIPMOE_STREAM");
     // errors are recorded by the store and reported by llama_decode (zipmoe_llama_take_error)
@@ -718,10 +768,14 @@ static void mul_mat_id_op(ggml_tensor * dst, int ith, int nth, void * userdata) 
                 to_vdt(reinterpret_cast<const float *>(row), xq.data() + (size_t) (i1 + i2 * x->ne[1]) * xq_row, x->ne[0]);
             }
         }
-        int32_t expert[64];
-        for (int64_t k = 0; k < n_slot; k++) { // (one token: fusable)
-            std::memcpy(&expert[k], static_cast<const char *>(ids->data) + k * ids->nb[0], sizeof expert[k]);
+        int32_t expert[MM_MAX_SLOTS];
+        for (int64_t i2 = 0; i2 < ids->ne[1]; i2++) { // (fusable: at most MM_MAX_SLOTS)
+            for (int64_t i1 = 0; i1 < ids->ne[0]; i1++) {
+                std::memcpy(&expert[i1 + i2 * ids->ne[0]],
+                            static_cast<const char *>(ids->data) + i1 * ids->nb[0] + i2 * ids->nb[1], sizeof(int32_t));
+            }
         }
+        group_slots(expert, n_slot, groups);
         zipmoe_tensor_info info;
         zipmoe_tensor_get_info(zipmoe_store_tensor(zt->store), &info);
         const int64_t unit_chunks = stream_unit_chunks(w->ne[0], info.chunk_n);
@@ -737,8 +791,8 @@ static void mul_mat_id_op(ggml_tensor * dst, int ith, int nth, void * userdata) 
             row.resize((size_t) w->ne[0]);
         }
         const ggml_vec_dot_t vec_dot = traits->vec_dot;
-        mm_rows m = { zt, dst, w, where, pending, expert, info.chunk_n, info.n_chunks, unit_chunks, exps.data(),
-                      row.data(), xq.data(), xq_row, x->ne[1], vec_dot, 0 };
+        mm_rows m = { zt, dst, w, where, pending, expert, &groups, info.chunk_n, info.n_chunks, unit_chunks,
+                      exps.data(), row.data(), xq.data(), xq_row, x->ne[1], vec_dot, 0 };
         turn.idle     = compute_ready_block;
         turn.idle_ctx = &m;
         zipmoe_store_materialize_end(zt->store, &turn, ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1]);
@@ -769,10 +823,11 @@ static ggml_tensor * build_materialize(ggml_context * ctx, zipmoe_llama_tensor *
     return r;
 }
 
-// Whether mul_mat_id_op computes ggml_mul_mat_id(w, x, ids): one token (a prompt's batch has ggml's tiling to
-// gain from), the BF16 weights and F32 activations of llama.cpp's MoE layers.
+// Whether mul_mat_id_op computes ggml_mul_mat_id(w, x, ids): a token or a small batch, up to MM_MAX_SLOTS routed
+// slots (a long prompt's batch has ggml's tiling to gain from), the BF16 weights and F32 activations of llama.cpp's
+// MoE layers.
 static bool fusable(const ggml_tensor * w, const ggml_tensor * x, const ggml_tensor * ids) {
-    return ids->ne[1] == 1 && ids->ne[0] <= 64 && ids->type == GGML_TYPE_I32 && w->type == GGML_TYPE_BF16 &&
+    return ids->ne[0] * ids->ne[1] <= MM_MAX_SLOTS && ids->type == GGML_TYPE_I32 && w->type == GGML_TYPE_BF16 &&
            x->type == GGML_TYPE_F32 && x->nb[0] == sizeof(float) && x->ne[2] == ids->ne[1] && x->ne[3] == 1 &&
            (x->ne[1] == 1 || x->ne[1] == ids->ne[0]) && x->ne[0] == w->ne[0];
 }

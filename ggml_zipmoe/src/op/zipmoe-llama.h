@@ -42,8 +42,9 @@ bool zipmoe_llama_bind(zipmoe_llama_tensor * zt, ggml_tensor * t, bool no_alloc,
 zipmoe_llama_tensor * zipmoe_llama_find(const ggml_tensor * w);
 
 // ggml_mul_mat_id(w, x, ids) for a zipmoe-backed weight w: the experts ids names are materialised first, and the
-// matmul reads them where they lie (under a budget, not always at their own index). In generation (one token) one
-// node does both, computing the rows of the experts decoded already while the others are read. During warmup
+// matmul reads them where they lie (under a budget, not always at their own index). In generation and for short
+// batches (up to 64 routed slots) one node does both, computing the rows of the experts decoded already while the
+// others are read. During warmup
 // (which routes every token to every expert) nothing is decoded: plain ggml_mul_mat_id.
 ggml_tensor * zipmoe_llama_mul_mat_id(ggml_context * ctx, zipmoe_llama_tensor * zt, ggml_tensor * w, ggml_tensor * x,
                                       ggml_tensor * ids, bool warmup);
