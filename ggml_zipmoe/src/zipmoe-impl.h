@@ -214,19 +214,11 @@ int      zipmoe_slots_detach(void * addr, size_t size, int64_t slot); /* [addr, 
 /* store.c: huge pages for a store's settled decoded experts (run by the reader thread, or the prefill's); 0 when
  * it stopped early for reads waiting, to be submitted again */
 int zipmoe_store_collapse(struct zipmoe_store * s);
-/* store.c: reads ahead a store's experts that its next invocation will likely route to (run by the reader thread):
+/* readahead.c: reads ahead a store's experts that its next invocation will likely route to (run by the reader thread):
  * those routed now in `like` (a store of the same layer, which shares its router); with `predicted`, those the
  * previous layer predicted (zipmoe_store_predict); else every one not decoded (a prompt routes to most) */
 void zipmoe_store_prefetch(struct zipmoe_store * s, const struct zipmoe_store * like, int predicted);
-/* store.c, for prefill.c: the experts a store's tiers hold under the current configuration (the hot ones among
- * them in *hot_slots); its invocations until prefill_end count nothing of the model's routing */
-int64_t zipmoe_store_prefill_begin(struct zipmoe_store * s, int64_t * hot_slots);
-void    zipmoe_store_prefill_end(struct zipmoe_store * s);
-/* ... and, once filled, huge pages now for a store whose hot tier holds every expert (else nothing): on the
- * prefill's threads at load rather than on the reader thread during the first tokens; 0 if reads interrupted it */
-int     zipmoe_store_prefill_collapse(struct zipmoe_store * s);
-int     zipmoe_store_layer(const struct zipmoe_store * s); /* N of a "blk.N." name, or -1 */
-/* store.c: counts a read in zipmoe_stats */
+/* stats.c: counts a read in zipmoe_stats */
 void zipmoe_stats_add_read(uint64_t bytes, uint64_t ns);
 
 #endif /* ZIPMOE_IMPL_H */

@@ -30,47 +30,50 @@ typedef struct {
 
 #define MAX_POOLS 8
 
-static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
-static slot_pool       g_pools[MAX_POOLS];
-static int             g_n_pools;
-static uint64_t        g_keep;      /* bytes of free slots that keep their pages */
-static uint64_t        g_kept;      /* bytes they hold now */
-static int             g_unusable;  /* memfd_create failed: no slots in this process */
+/* The pools: process-wide, so that the slots one store frees serve the next (of any model loaded). */
+static struct {
+    pthread_mutex_t mu;
+    slot_pool       pools[MAX_POOLS];
+    int             n_pools;
+    uint64_t        keep;     /* bytes of free slots that keep their pages */
+    uint64_t        kept;     /* bytes they hold now */
+    int             unusable; /* memfd_create failed: no slots in this process */
+} g_slots = { .mu = PTHREAD_MUTEX_INITIALIZER };
 
 void zipmoe_slots_set_keep(uint64_t bytes) {
-    pthread_mutex_lock(&g_mu);
-    g_keep = bytes;
-    pthread_mutex_unlock(&g_mu);
+    pthread_mutex_lock(&g_slots.mu);
+    g_slots.keep = bytes;
+    pthread_mutex_unlock(&g_slots.mu);
 }
 
 uint64_t zipmoe_slots_kept(void) {
-    pthread_mutex_lock(&g_mu);
-    const uint64_t kept = g_kept;
-    pthread_mutex_unlock(&g_mu);
+    pthread_mutex_lock(&g_slots.mu);
+    const uint64_t kept = g_slots.kept;
+    pthread_mutex_unlock(&g_slots.mu);
     return kept;
 }
 
 int zipmoe_slots_usable(const void * addr, size_t size) {
     const size_t page = (size_t) sysconf(_SC_PAGESIZE);
-    return !g_unusable && size > 0 && (uintptr_t) addr % page == 0 && size % page == 0;
+    return !g_slots.unusable && size > 0 && (uintptr_t) addr % page == 0 && size % page == 0;
 }
 
-/* Under g_mu: the pool of slots of `size` bytes, created on first use. */
+/* Under g_slots.mu: the pool of slots of `size` bytes, created on first use. */
 static slot_pool * pool_for(size_t size) {
-    for (int i = 0; i < g_n_pools; i++) {
-        if (g_pools[i].slot_size == size) {
-            return &g_pools[i];
+    for (int i = 0; i < g_slots.n_pools; i++) {
+        if (g_slots.pools[i].slot_size == size) {
+            return &g_slots.pools[i];
         }
     }
-    if (g_n_pools == MAX_POOLS) {
+    if (g_slots.n_pools == MAX_POOLS) {
         return NULL;
     }
     const int fd = memfd_create("zipmoe-experts", MFD_CLOEXEC);
     if (fd < 0) {
-        g_unusable = 1;
+        g_slots.unusable = 1;
         return NULL;
     }
-    slot_pool * p = &g_pools[g_n_pools++];
+    slot_pool * p = &g_slots.pools[g_slots.n_pools++];
     *p           = (slot_pool) { .slot_size = size, .fd = fd };
     return p;
 }
@@ -83,20 +86,20 @@ static void give_back_pages(slot_pool * p, int64_t slot) {
 /* Otherwise pages kept beyond a lowered limit go back only as the slots are used; a compressed tier growing into
  * that room meanwhile would take the process over its budget. */
 void zipmoe_slots_trim(void) {
-    pthread_mutex_lock(&g_mu);
-    for (int i = 0; i < g_n_pools && g_kept > g_keep; i++) {
-        slot_pool * p = &g_pools[i];
-        while (p->n_free_paged > 0 && g_kept > g_keep) {
+    pthread_mutex_lock(&g_slots.mu);
+    for (int i = 0; i < g_slots.n_pools && g_slots.kept > g_slots.keep; i++) {
+        slot_pool * p = &g_slots.pools[i];
+        while (p->n_free_paged > 0 && g_slots.kept > g_slots.keep) {
             give_back_pages(p, p->free[p->n_free - p->n_free_paged]); /* the lowest paged one joins the empty ones */
             p->n_free_paged--;
-            g_kept -= p->slot_size;
+            g_slots.kept -= p->slot_size;
         }
     }
-    pthread_mutex_unlock(&g_mu);
+    pthread_mutex_unlock(&g_slots.mu);
 }
 
 int64_t zipmoe_slots_attach(void * addr, size_t size) {
-    pthread_mutex_lock(&g_mu);
+    pthread_mutex_lock(&g_slots.mu);
     slot_pool * p    = pool_for(size);
     int64_t     slot  = -1;
     int         paged = 0;
@@ -105,7 +108,7 @@ int64_t zipmoe_slots_attach(void * addr, size_t size) {
             slot = p->free[--p->n_free]; /* one that still has pages, if any */
             if (p->n_free_paged > 0) {
                 p->n_free_paged--;
-                g_kept -= size;
+                g_slots.kept -= size;
                 paged = 1;
             }
         } else if (ftruncate(p->fd, (off_t) ((p->n_slots + 1) * (int64_t) size)) == 0) {
@@ -122,12 +125,12 @@ int64_t zipmoe_slots_attach(void * addr, size_t size) {
         give_back_pages(p, slot);
         slot = -1;
     }
-    pthread_mutex_unlock(&g_mu);
+    pthread_mutex_unlock(&g_slots.mu);
     return slot;
 }
 
 int zipmoe_slots_detach(void * addr, size_t size, int64_t slot) {
-    pthread_mutex_lock(&g_mu);
+    pthread_mutex_lock(&g_slots.mu);
     slot_pool * p = pool_for(size);
     /* an empty private mapping replaces the slot's in one step: the range is never a hole */
     const int ok = p && mmap(addr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
@@ -142,10 +145,10 @@ int zipmoe_slots_detach(void * addr, size_t size, int64_t slot) {
             }
         }
         if (p->n_free < p->cap_free) {
-            if (g_kept + size <= g_keep) { /* keeps its pages for the next expert decoded */
+            if (g_slots.kept + size <= g_slots.keep) { /* keeps its pages for the next expert decoded */
                 p->free[p->n_free++] = slot;
                 p->n_free_paged++;
-                g_kept += size;
+                g_slots.kept += size;
             } else { /* its pages go back; the slot stays, empty, below the paged ones */
                 give_back_pages(p, slot);
                 const int64_t first_paged = p->n_free - p->n_free_paged;
@@ -156,6 +159,6 @@ int zipmoe_slots_detach(void * addr, size_t size, int64_t slot) {
             give_back_pages(p, slot); /* lost to the free list: only its pages matter */
         }
     }
-    pthread_mutex_unlock(&g_mu);
+    pthread_mutex_unlock(&g_slots.mu);
     return ok;
 }

@@ -1,0 +1,267 @@
+/* tiers.c - the tiers an expert can be in, the policies' contest for room and eviction. */
+#define _GNU_SOURCE
+#include "cache-impl.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+/* ---------------------------------------------------------------- tiers and eviction */
+
+static int in_tier(const expert_state * x, int tier) {
+    switch (tier) {
+        case TIER_HOT:  return x->hot;
+        case TIER_WARM: return x->res == RES_FULL;
+        default:        return x->res == RES_SM;
+    }
+}
+
+/* What an expert is worth keeping under the policy; higher stays. */
+static uint64_t score(const expert_state * x, zipmoe_policy policy, int tier) {
+    switch (policy) {
+        case ZIPMOE_POLICY_LRU:       return x->last_use;
+        case ZIPMOE_POLICY_FIFO:      return tier == TIER_HOT ? x->admitted : x->admitted_res;
+        case ZIPMOE_POLICY_LFU:
+        case ZIPMOE_POLICY_TOKEN_LFU: return x->uses;
+    }
+    return 0;
+}
+
+/* What an expert about to enter a compressed tier offers in the contest with its residents: FIFO lets
+ * the newest in, the others compare scores. */
+uint64_t cache_entry_worth(const expert_state * x, zipmoe_policy policy) {
+    return policy == ZIPMOE_POLICY_FIFO ? UINT64_MAX : score(x, policy, TIER_WARM);
+}
+
+/* Whether an entrant (worth, id e) loses its contest with a resident (v_worth, id v): scores, then ids, as
+ * cache_victim() orders experts (the lowest id of the lowest score goes first). One total order for every contest keeps
+ * the tiers one stack, as the planner models them (tests/test_store.py). */
+int cache_loses(uint64_t worth, int64_t e, uint64_t v_worth, int64_t v) {
+    return v_worth > worth || (v_worth == worth && v > e);
+}
+
+/* Under s->mu: the unpinned expert of the tier to give up first, or -1. In the compressed tiers that is
+ * a copy of a hot expert (worth nothing while it is hot), else the lowest score. *worth: its score (0
+ * for such a copy). */
+int64_t cache_victim(const zipmoe_store * s, int tier, uint64_t * worth) {
+    int64_t  best       = -1;
+    uint64_t best_score = UINT64_MAX;
+    for (int64_t e = 0; e < s->info.n_expert; e++) {
+        const expert_state * x = &s->experts[e];
+        /* a routed expert is pinned: decoded, the op's matmul reads it; in a compressed tier, while a plan
+         * decodes from it (publish and trims come after), or its caller streams it (until the next plan) */
+        if ((x->routed && (tier == TIER_HOT || s->planning || x->streamed)) || !in_tier(x, tier)) {
+            continue;
+        }
+        const uint64_t sc = tier != TIER_HOT && x->hot ? 0 : score(x, s->policy, tier);
+        if (best < 0 || sc < best_score) {
+            best       = e;
+            best_score = sc;
+        }
+    }
+    if (worth) {
+        *worth = best_score;
+    }
+    return best;
+}
+
+void cache_drop_region(zipmoe_store * s, int64_t e) {
+    expert_state * x = &s->experts[e];
+    if (x->res == RES_FULL) {
+        const uint64_t size = cache_region_size(s, e);
+        s->warm_used -= size;
+        cache_account(&g_stats.warm_bytes, -(int64_t) size);
+    } else if (x->res == RES_SM) {
+        s->sm_used -= s->sm_size;
+        cache_account(&g_stats.sm_bytes, -(int64_t) s->sm_size);
+    }
+    cache_region_free(x->region, cache_resident_size(s, e, x->res));
+    x->region = NULL;
+    x->res    = RES_NONE;
+}
+
+/* Under s->mu: warm expert e gives up its codes and keeps its sign+mantissa plane if the sm tier takes
+ * it; else all. No byte is read again. */
+void cache_demote_warm(zipmoe_store * s, int64_t e) {
+    expert_state * x     = &s->experts[e];
+    const uint64_t worth  = cache_entry_worth(x, s->policy);
+    uint8_t *      region = x->region;
+    x->region = NULL; /* out of every tier while cache_make_room looks for victims */
+    x->res    = RES_NONE;
+    const uint64_t size = cache_region_size(s, e);
+    s->warm_used -= size;
+    cache_account(&g_stats.warm_bytes, -(int64_t) size);
+    uint8_t * sm = NULL;
+    if (!x->hot && cache_make_room(s, TIER_SM, s->sm_size, worth, e) &&
+        (sm = cache_region_resize(region, size, s->sm_size)) != NULL) { /* the plane comes first in a region */
+        x->region = sm;
+        x->res    = RES_SM;
+        x->admitted_res = atomic_load(&g_open.tick);
+        s->sm_used += s->sm_size;
+        cache_account(&g_stats.sm_bytes, (int64_t) s->sm_size);
+        return;
+    }
+    cache_region_free(region, size);
+}
+
+/* Under s->mu: makes need bytes free in a compressed tier for expert `entrant` by giving up experts that
+ * rank below it (worth, then id: cache_loses(); warm ones are demoted to sm). Whether the bytes fit now. */
+int cache_make_room(zipmoe_store * s, int tier, uint64_t need, uint64_t worth, int64_t entrant) {
+    const uint64_t limit = tier == TIER_WARM ? s->warm_limit : s->sm_limit;
+    uint64_t *     used  = tier == TIER_WARM ? &s->warm_used : &s->sm_used;
+    if (need > limit) {
+        return 0;
+    }
+    while (*used + need > limit) {
+        uint64_t      v_worth;
+        const int64_t v = cache_victim(s, tier, &v_worth);
+        if (v < 0 || cache_loses(worth, entrant, v_worth, v)) {
+            return 0;
+        }
+        if (tier == TIER_WARM) {
+            cache_demote_warm(s, v);
+        } else {
+            cache_drop_region(s, v);
+        }
+    }
+    return 1;
+}
+
+/* Under s->mu, before place p's pages are given back or replaced (a slot's mmap): its 2 MiB pages known to be huge
+ * are split first. A huge page partly unmapped stays whole, charged to the process's cgroup though no longer
+ * resident, until the kernel's deferred split runs under memory pressure: after a budget shrank a store that held
+ * every expert in huge pages, test_lowered_cgroup_limit_while_generating found ~22 MiB more in its cgroup than the
+ * process's pages (a probe: 64 MiB of huge pages with 3/4 of each unmapped stayed charged whole, by MADV_DONTNEED
+ * as by a slot's MAP_FIXED). MADV_COLD on part of a huge page splits it (Linux 5.4 on; elsewhere it does nothing);
+ * on the place's own pages, so that hot neighbours keep their standing with the kernel. */
+void cache_forget_huge_pages(zipmoe_store * s, int64_t p) {
+    const size_t    page  = (size_t) sysconf(_SC_PAGESIZE);
+    const uintptr_t begin = (uintptr_t) place_addr(s, p), end = begin + s->hot_size;
+    for (uintptr_t hp = begin & ~(HUGE_PAGE - 1); hp < end; hp += HUGE_PAGE) {
+        if (hp < s->hp_base || (hp - s->hp_base) / HUGE_PAGE >= s->n_hp || !s->hp_done[(hp - s->hp_base) / HUGE_PAGE]) {
+            continue;
+        }
+        s->hp_done[(hp - s->hp_base) / HUGE_PAGE] = 0;
+        const uintptr_t lo = zipmoe_align_up(begin > hp ? begin : hp, page);
+        const uintptr_t hi = (end < hp + HUGE_PAGE ? end : hp + HUGE_PAGE) & ~(uintptr_t) (page - 1);
+        if (hi > lo && hi - lo < HUGE_PAGE) { /* (all of it: unmapped whole, it is freed whole) */
+            madvise((void *) lo, hi - lo, MADV_COLD);
+        }
+    }
+}
+
+/* Under s->mu: place p's pages go back (its slot to the pool, or its anonymous pages to the system: pages it
+ * shares with a hot neighbour stay), and the place is free. */
+void cache_vacate_place(zipmoe_store * s, int64_t p) {
+    const size_t    page  = (size_t) sysconf(_SC_PAGESIZE);
+    const size_t    bytes = (size_t) s->hot_size;
+    place_state *   at    = &s->places[p];
+    const uintptr_t begin = (uintptr_t) place_addr(s, p);
+    cache_forget_huge_pages(s, p); /* (splits them while they are mapped) */
+    uintptr_t lo, hi;
+    cache_own_pages(s, p, &lo, &hi);
+    if (p > 0 && !place_hot(s, p - 1) && (begin & (page - 1)) && begin - (begin & (page - 1)) >= (uintptr_t) s->dst) {
+        lo = begin & ~(uintptr_t) (page - 1); /* the shared first page holds nothing hot */
+    }
+    if (at->slot >= 0 && zipmoe_slots_detach((void *) begin, bytes, at->slot)) {
+        at->slot = -1; /* its pages serve the next expert decoded */
+    } else if (hi > lo) {
+        madvise((void *) lo, hi - lo, MADV_DONTNEED);
+    }
+    at->expert = -1;
+}
+
+/* Under s->mu: expert e leaves the hot tier and its place, which gives its pages back (cache_vacate_place), or, with
+ * keep_pages, keeps them for an expert about to be decoded there (the caller hands the place on). */
+static void release_hot(zipmoe_store * s, int64_t e, int keep_pages) {
+    expert_state * x = &s->experts[e];
+    if (keep_pages) {
+        cache_forget_huge_pages(s, x->place);
+        s->places[x->place].expert = -1;
+    } else {
+        cache_vacate_place(s, x->place);
+    }
+    x->place = -1;
+    x->hot   = 0;
+    s->hot_used -= s->hot_size;
+    cache_account(&g_stats.hot_bytes, -(int64_t) s->hot_size);
+    atomic_fetch_add(&g_stats.evictions, 1);
+}
+
+/* Under s->mu: hot expert e leaves the hot tier. Without a compressed copy it keeps its sign+mantissa
+ * plane, taken from the decoded values, if the sm tier takes it: no disk read for that half later.
+ * keep_pages: as release_hot. Returns the place it left. */
+int64_t cache_evict_hot(zipmoe_store * s, int64_t e, int keep_pages) {
+    expert_state * x = &s->experts[e];
+    x->hot = 0; /* not a hot copy any more: its score counts in the contests below */
+    /* one the last invocation routed (more than the hot slots: a trim) enters the sm tier as it entered the hot
+     * one, whatever its score: the top of the stack is what the last token routed */
+    const uint64_t worth = x->last_use == s->plan_tick ? UINT64_MAX : cache_entry_worth(x, s->policy);
+    if (x->res == RES_NONE && s->sm_limit > 0 && cache_make_room(s, TIER_SM, s->sm_size, worth, e)) {
+        uint8_t * sm = cache_region_alloc(s->sm_size);
+        if (sm) {
+            zipmoe_split_sm_bf16(place_addr(s, x->place), (size_t) s->info.n_per_expert, sm);
+            x->region = sm;
+            x->res    = RES_SM;
+            x->admitted_res = atomic_load(&g_open.tick);
+            s->sm_used += s->sm_size;
+            cache_account(&g_stats.sm_bytes, (int64_t) s->sm_size);
+        }
+    }
+    x->hot = 1;
+    const int64_t p = x->place;
+    release_hot(s, e, keep_pages);
+    return p;
+}
+
+/* Under s->mu: every tier down to its limit, never touching a pinned expert. */
+void cache_settle(zipmoe_store * s) {
+    int64_t v;
+    while (s->hot_used > s->hot_limit && (v = cache_victim(s, TIER_HOT, NULL)) >= 0) {
+        cache_evict_hot(s, v, 0);
+    }
+    while (s->warm_used > s->warm_limit && (v = cache_victim(s, TIER_WARM, NULL)) >= 0) {
+        cache_demote_warm(s, v);
+    }
+    while (s->sm_used > s->sm_limit && (v = cache_victim(s, TIER_SM, NULL)) >= 0) {
+        cache_drop_region(s, v);
+    }
+    /* (the compressed tiers too: experts a caller streams stay pinned beyond them until the next plan) */
+    atomic_store(&s->fast_ok, s->hot_used <= s->hot_limit && s->warm_used <= s->warm_limit &&
+                                  s->cfg_gen == atomic_load(&g_cfg.gen));
+}
+
+/* Under s->mu: the other stores give up what their last invocation pinned beyond their limits. Their matmuls
+ * ran before this op (one graph computes at a time, and each op's matmul runs before the next expert tensor's
+ * op: the graph orders a matmul right after the op that feeds it, checked in zipmoe-llama.cpp), so the decoded
+ * working set beyond the limits stays one store's: a prompt's gate, up and down tensors take turns with the
+ * same allowance. Without store turns (after a graph that broke that order), only the stores of other layers,
+ * whose matmuls ran before this layer's. A store busy with a plan (or a read-ahead into it) is left alone. */
+void cache_trim_others(const zipmoe_store * s) {
+    /* s->mu is held: the list's lock only if free, as zipmoe_cache_activations takes it before a store's (the
+     * next plan trims instead) */
+    const int turns = atomic_load(&g_cfg.store_turns);
+    if ((!turns && s->layer < 0) || pthread_mutex_trylock(&g_open.mu) != 0) {
+        return;
+    }
+    for (zipmoe_store * o = g_open.list; o; o = o->next) {
+        /* (a store on the fast path is within its limits, unless they changed since it settled) */
+        const int settled = atomic_load(&o->fast_ok) && atomic_load(&o->cfg_gen) == atomic_load(&g_cfg.gen);
+        if (o == s || (!turns && (o->layer < 0 || o->layer == s->layer)) || settled ||
+            pthread_mutex_trylock(&o->mu) != 0) {
+            continue;
+        }
+        if (o->plan_key == NULL) {
+            for (int64_t e = 0; e < o->info.n_expert; e++) {
+                o->experts[e].routed   = 0;
+                o->experts[e].streamed = 0;
+            }
+            if (o->cfg_gen != atomic_load(&g_cfg.gen)) {
+                cache_refresh_limits(o);
+            }
+            cache_settle(o);
+        }
+        pthread_mutex_unlock(&o->mu);
+    }
+    pthread_mutex_unlock(&g_open.mu);
+}
+
