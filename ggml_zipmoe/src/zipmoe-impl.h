@@ -137,88 +137,14 @@ static inline void zipmoe_store32le(uint8_t * p, uint32_t v) { memcpy(p, &v, siz
 
 static inline size_t zipmoe_align_up(size_t x, size_t a) { return (x + a - 1) & ~(a - 1); }
 
+/* Reading around the page cache (O_DIRECT): offsets, sizes and buffers aligned to this. */
+#define ZIPMOE_DIRECT_ALIGN ((size_t) 4096)
+
 /* monotonic nanoseconds, for the stats and the reader's timings */
 static inline uint64_t zipmoe_now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t) ts.tv_sec * 1000000000u + (uint64_t) ts.tv_nsec;
 }
-
-/* reader.c: reading a plan's compressed bytes on the reader thread (see reader.c). An item lists up to two
- * segments (offset from the data companion, size, destination); `ready` becomes 1 once they are read, -1 on an
- * error or a cancel. */
-typedef struct {
-    uint64_t  offset;
-    uint64_t  size;
-    uint8_t * dst;
-    int       direct; /* dst lies in a buffer laid out for zipmoe_pread_direct: read around the page cache */
-} zipmoe_read_seg;
-
-typedef struct {
-    zipmoe_read_seg seg[2];
-    int             n_seg;
-    _Atomic int     ready;
-    /* in a job whose staging is a ring (ring_wraps): the item's bytes [ring_lo, ring_hi) of the staging buffer
-     * (ring_hi 0: none), which the reader fills only once every earlier item there is released (decoded) */
-    uint64_t        ring_lo, ring_hi;
-    _Atomic int     released;
-    _Atomic int64_t chunks_left; /* chunks of it not decoded yet; the last one releases it */
-} zipmoe_read_item;
-
-typedef struct zipmoe_read_job {
-    int                      fd;
-    int                      dfd;     /* the same file opened with O_DIRECT, or -1 */
-    uint64_t                 base;    /* file offset of the data companion */
-    int64_t                  n_items;
-    zipmoe_read_item *       items;
-    _Atomic int              cancel;
-    int                      busy;    /* under mu: submitted and not finished */
-    pthread_mutex_t          mu;
-    pthread_cond_t           cv;
-    struct zipmoe_store *    collapse; /* instead of reads: zipmoe_store_collapse(collapse) */
-    struct zipmoe_store *    prefetch; /* after the reads: zipmoe_store_prefetch(prefetch, prefetch_like, */
-    struct zipmoe_store *    prefetch_like; /* prefetch_predicted), or nothing when prefetch is NULL        */
-    int                      prefetch_predicted;
-    int                      ring_wraps; /* the staging buffer is smaller than the reads: items reuse its bytes */
-    struct zipmoe_read_job * next;
-} zipmoe_read_job;
-
-int  zipmoe_reader_submit(zipmoe_read_job * job);              /* ZIPMOE_OK, or an error: read synchronously */
-int  zipmoe_reader_wait_item(zipmoe_read_job * job, int64_t i); /* ZIPMOE_OK once item i is read */
-void zipmoe_reader_finish(zipmoe_read_job * job, int cancel);   /* waits until the reader is done with job */
-/* By the decoder of item i's last chunk in a ring job: its staged bytes may be read over. */
-void zipmoe_reader_release_item(zipmoe_read_job * job, int64_t i);
-/* A decode failed: the reader stops (the items left are marked failed), and nobody waits for releases. */
-void zipmoe_reader_cancel(zipmoe_read_job * job);
-int  zipmoe_pread_all(int fd, uint64_t offset, void * buf, size_t size);
-/* Reading around the page cache (O_DIRECT): offsets, sizes and buffers aligned to this. */
-#define ZIPMOE_DIRECT_ALIGN ((size_t) 4096)
-/* pread on a descriptor opened with O_DIRECT: reads [offset, offset + size) of the file into buf, reading the
- * aligned span around it, so buf - offset % ZIPMOE_DIRECT_ALIGN must be aligned and the span's rounded-up end
- * must fit the buffer. ZIPMOE_ERR_ARG if the file system refused the alignment (EINVAL). */
-int  zipmoe_pread_direct(int dfd, uint64_t offset, void * buf, size_t size);
-/* Reads what no tier keeps: with zipmoe_pread_direct where dfd >= 0 and the file system takes it (buf laid out
- * for it), else through the page cache, dropping the pages after (the budget counts one copy). */
-int  zipmoe_pread_uncached(int fd, int dfd, uint64_t offset, void * buf, size_t size);
-int  zipmoe_reader_reads_waiting(void); /* a job of reads is queued: background work (collapse) should yield */
-/* Waits until no read-ahead runs: one reads the store it fills and the store whose job it follows, both of which
- * a caller freeing a store (after its invocations returned) must outlive. */
-void zipmoe_reader_wait_read_ahead(void);
-/* slots.c: memfd slots that keep decoded experts' pages from one expert to the next */
-void     zipmoe_slots_set_keep(uint64_t bytes);           /* free slots keep their pages up to this */
-void     zipmoe_slots_trim(void);                         /* free slots' pages beyond it go back now */
-uint64_t zipmoe_slots_kept(void);
-int      zipmoe_slots_usable(const void * addr, size_t size); /* page-aligned, and memfds work */
-int64_t  zipmoe_slots_attach(void * addr, size_t size);   /* a slot mapped over [addr, +size), or -1 */
-int      zipmoe_slots_detach(void * addr, size_t size, int64_t slot); /* [addr, +size) empty again */
-/* store.c: huge pages for a store's settled decoded experts (run by the reader thread, or the prefill's); 0 when
- * it stopped early for reads waiting, to be submitted again */
-int zipmoe_store_collapse(struct zipmoe_store * s);
-/* readahead.c: reads ahead a store's experts that its next invocation will likely route to (run by the reader thread):
- * those routed now in `like` (a store of the same layer, which shares its router); with `predicted`, those the
- * previous layer predicted (zipmoe_store_predict); else every one not decoded (a prompt routes to most) */
-void zipmoe_store_prefetch(struct zipmoe_store * s, const struct zipmoe_store * like, int predicted);
-/* stats.c: counts a read in zipmoe_stats */
-void zipmoe_stats_add_read(uint64_t bytes, uint64_t ns);
 
 #endif /* ZIPMOE_IMPL_H */

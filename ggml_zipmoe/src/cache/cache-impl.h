@@ -25,6 +25,7 @@
 #define ZIPMOE_CACHE_IMPL_H
 
 #include "zipmoe-impl.h"
+#include "reader.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -75,7 +76,7 @@ typedef struct {
     uint8_t   read_sm;    /* the plane must be read from the file */
     uint8_t   read_codes; /* the codes must be read from the file */
     uint8_t   staged;     /* the reader thread reads them (into the region or the staging buffer) */
-    uint8_t   prefetched; /* read ahead before the plan (zipmoe_store_prefetch): nothing left to read */
+    uint8_t   prefetched; /* read ahead before the plan (readahead.c): nothing left to read */
 } plan_item;
 
 /* A buffer for bytes read ahead of a store's invocation, aligned for O_DIRECT; two in the process (the store
@@ -119,7 +120,7 @@ struct zipmoe_store {
     int             prefilling; /* zipmoe_cache_prefill routes its own batches: no counts, no routing log */
     zipmoe_read_job job;        /* the plan's reads, items parallel to plan */
     int             job_active; /* submitted to the reader, and the staging buffer held */
-    zipmoe_read_job collapse_job; /* zipmoe_store_collapse on the reader thread */
+    zipmoe_read_job collapse_job; /* cache_collapse on the reader thread (work, no reads) */
     _Atomic int     collapse_queued;
     _Atomic int     streak;     /* invocations in a row on the fast path */
     uint64_t        plan_tick;  /* the tick of the last planned invocation: its routed experts used it last */
@@ -213,7 +214,7 @@ extern cache_stores g_open;
 /* The counters of zipmoe_stats: process-wide, as zipmoe_stats reports the whole cache. Defined in stats.c. */
 typedef struct {
     _Atomic uint64_t stores, hot_bytes, warm_bytes, sm_bytes, experts, chunks, bytes, ns, calls;
-    _Atomic uint64_t hits_hot, hits_warm, hits_sm, misses, read_bytes, read_ns, evictions;
+    _Atomic uint64_t hits_hot, hits_warm, hits_sm, misses, evictions; /* bytes read: the reader's */
     _Atomic uint64_t peak_hot, peak_resident, stall_ns, reading_calls;
     _Atomic uint64_t stage_cap_bytes, pf_cap_bytes[2]; /* the reader's buffers: zipmoe_stats' staging_bytes */
     _Atomic uint64_t read_ahead_bytes;
@@ -237,6 +238,14 @@ typedef struct {
 
 enum { TIER_HOT, TIER_WARM, TIER_SM };
 #define ANY_COPY INT64_MAX /* entrant id of a copy of a hot expert: it takes another copy's room on a tie */
+
+/* slots.c: memfd slots that keep decoded experts' pages from one expert to the next */
+void     zipmoe_slots_set_keep(uint64_t bytes);           /* free slots keep their pages up to this */
+void     zipmoe_slots_trim(void);                         /* free slots' pages beyond it go back now */
+uint64_t zipmoe_slots_kept(void);
+int      zipmoe_slots_usable(const void * addr, size_t size); /* page-aligned, and memfds work */
+int64_t  zipmoe_slots_attach(void * addr, size_t size);   /* a slot mapped over [addr, +size), or -1 */
+int      zipmoe_slots_detach(void * addr, size_t size, int64_t slot); /* [addr, +size) empty again */
 
 /* config.c */
 void     cache_refresh_limits(zipmoe_store * s); /* under s->mu: the store's tier limits for the configuration */
@@ -266,10 +275,17 @@ void cache_prefetch_drop(zipmoe_store * s);          /* under s->mu: s's read-ah
 void cache_prefetch_forget(const zipmoe_store * s);  /* s is being freed: no read-ahead for it any more */
 void cache_prefetch_trim_idle(size_t bound);         /* idle read-ahead buffers larger than bound go back */
 void cache_read_ahead_predicted(zipmoe_store * next, const zipmoe_store * prev);
+/* job's `then` reads ahead s's experts that its next invocation will likely route to: those routed now in `like` (a
+ * store of the same layer, which shares its router); with `predicted`, those the previous layer predicted
+ * (zipmoe_store_predict); else every one not decoded (a prompt routes to most). s NULL: nothing after the reads. */
+void cache_read_ahead_job(zipmoe_read_job * job, zipmoe_store * s, const zipmoe_store * like, int predicted);
 
 /* store.c */
 uint64_t cache_region_size(const zipmoe_store * s, int64_t e);
 uint64_t cache_resident_size(const zipmoe_store * s, int64_t e, int res);
+/* Huge pages for a store's settled decoded experts (run by the reader thread, or the prefill's); 0 when it stopped
+ * early for reads waiting, to be submitted again. */
+int      cache_collapse(zipmoe_store * s);
 void     cache_own_pages(const zipmoe_store * s, int64_t p, uintptr_t * lo, uintptr_t * hi);
 
 /* tiers.c */

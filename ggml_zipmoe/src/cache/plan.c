@@ -267,7 +267,7 @@ size_t cache_direct_span(const zipmoe_store * s, uint64_t offset, uint64_t size)
     return zipmoe_align_up(cache_direct_pad(s, offset) + (size_t) size, ZIPMOE_DIRECT_ALIGN);
 }
 
-/* Under s->mu: whether item it's bytes were read ahead (zipmoe_store_prefetch); then it points at them, copying
+/* Under s->mu: whether item it's bytes were read ahead (readahead.c); then it points at them, copying
  * into the tier that keeps them what it lacks, and nothing is left to read. */
 static int use_prefetched(zipmoe_store * s, plan_item * it) {
     const int64_t e = it->expert;
@@ -342,24 +342,21 @@ void cache_schedule_reads(zipmoe_store * s) {
      * compute instead of following it: a prompt routes to most experts of every layer; a store of the same
      * layer (gate, up, down) routes to exactly these */
     zipmoe_store * next = atomic_load(&s->next_store);
-    s->job.prefetch           = NULL;
-    s->job.prefetch_like      = NULL;
-    s->job.prefetch_predicted = 0;
     if (s->prefilling) {
         next = NULL; /* the prefill fills each store with what its tiers keep, not what a prompt reads */
     }
     if (next && 2 * s->plan_n >= s->info.n_expert) {
-        s->job.prefetch = next;
+        cache_read_ahead_job(&s->job, next, NULL, 0);
     } else if (next && s->layer >= 0 && next->layer == s->layer && next->info.n_expert == s->info.n_expert) {
-        s->job.prefetch      = next;
-        s->job.prefetch_like = s;
+        cache_read_ahead_job(&s->job, next, s, 0);
     } else if (next && atomic_load(&next->predicted_fresh)) { /* the next layer's, as its router is guessed */
-        s->job.prefetch           = next;
-        s->job.prefetch_predicted = 1;
+        cache_read_ahead_job(&s->job, next, NULL, 1);
+    } else {
+        cache_read_ahead_job(&s->job, NULL, NULL, 0);
     }
     cache_staging_trim(cap);
     uint8_t * stage = n_reads && need ? cache_staging_take(s, cap) : NULL;
-    if ((n_reads == 0 && !s->job.prefetch) || (need && !stage)) {
+    if ((n_reads == 0 && !s->job.then.fn) || (need && !stage)) {
         for (int64_t j = 0; j < s->plan_n && n_reads; j++) { /* synchronous: let the kernel read ahead */
             zipmoe_expert_span span;
             zipmoe_tensor_expert_span(s->tensor, s->plan[j].expert, &span);

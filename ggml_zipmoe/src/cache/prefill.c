@@ -7,7 +7,7 @@
  * are as large as the hot tier (the last one stays decoded, the earlier ones fall into the compressed tiers as
  * the policy has them), or, without a hot tier, one batch of what the compressed tiers hold. Store after store,
  * so the decoded working set beyond the tiers stays one store's. Where a store's hot tier holds every expert, the
- * threads then make its decoded experts huge pages (zipmoe_store_collapse): done later on the reader thread, the
+ * threads then make its decoded experts huge pages (cache_collapse): done later on the reader thread, the
  * kernel's copying of the whole model held the first ~200 tokens to a third of their speed on 2 cores. */
 #define _GNU_SOURCE
 #include "cache-impl.h"
@@ -54,7 +54,7 @@ static int prefill_collapse(zipmoe_store * s) {
     if (!s || s->fd < 0 || s->use_slots || s->n_hp == 0) {
         return 0;
     }
-    return zipmoe_store_collapse(s);
+    return cache_collapse(s);
 }
 
 typedef struct {

@@ -6,7 +6,7 @@
 #include <fcntl.h>
 #include <stdlib.h>
 
-/* Bytes the reader reads ahead for the store invoked next (zipmoe_store_prefetch) go to one of two buffers
+/* Bytes the reader reads ahead for the store invoked next (cache_read_ahead_job) go to one of two buffers
  * rather than through the page cache: a hint (POSIX_FADV_WILLNEED) left the kernel to allocate, charge, copy
  * and drop every page again, and with the hints for the store after, that was half of a budgeted run's CPU
  * time on 2 cores. With O_DIRECT the disk writes straight into the buffer. Kept between invocations (a prompt
@@ -31,10 +31,8 @@ static void submit_read_ahead(zipmoe_store * s, int predicted) {
     const int busy = g_ahead.job.busy;
     pthread_mutex_unlock(&g_ahead.job.mu);
     if (!busy) {
-        g_ahead.job.n_items            = 0;
-        g_ahead.job.prefetch           = s;
-        g_ahead.job.prefetch_like      = NULL;
-        g_ahead.job.prefetch_predicted = predicted;
+        g_ahead.job.n_items = 0;
+        cache_read_ahead_job(&g_ahead.job, s, NULL, predicted);
         zipmoe_reader_submit(&g_ahead.job);
     }
 }
@@ -45,7 +43,7 @@ void cache_prefetch_forget(const zipmoe_store * s) {
     if (g_ahead.deferred == s) {
         g_ahead.deferred = NULL;
     }
-    const int ahead_for_me = g_ahead.job.prefetch == s; /* (set under g_ahead.mu) */
+    const int ahead_for_me = g_ahead.job.then.user == s; /* (set under g_ahead.mu) */
     pthread_mutex_unlock(&g_ahead.mu);
     if (ahead_for_me) {
         zipmoe_reader_finish(&g_ahead.job, 1);
@@ -164,7 +162,7 @@ static void prefetch_hint(zipmoe_store * s, const zipmoe_store * like) {
     }
 }
 
-void zipmoe_store_prefetch(zipmoe_store * s, const zipmoe_store * like, int predicted) {
+static void read_ahead(zipmoe_store * s, const zipmoe_store * like, int predicted) {
     /* On the reader thread, once the previous store (like, for a store of the same layer) has its bytes: s's
      * lock is held while reading, so that s's invocation, when it comes, plans with what arrived. Not when an
      * invocation of s is in flight or the lock is busy: then s reads for itself. like's routed counts hold until
@@ -233,6 +231,14 @@ void zipmoe_store_prefetch(zipmoe_store * s, const zipmoe_store * like, int pred
         used += taken;
     }
     pthread_mutex_unlock(&s->mu);
+}
+
+static void read_ahead_then(void * s, const void * like, int predicted) {
+    read_ahead((zipmoe_store *) s, (const zipmoe_store *) like, predicted);
+}
+
+void cache_read_ahead_job(zipmoe_read_job * job, zipmoe_store * s, const zipmoe_store * like, int predicted) {
+    job->then = (zipmoe_read_then) { .fn = s ? read_ahead_then : NULL, .user = s, .arg = like, .flag = predicted };
 }
 
 int64_t zipmoe_store_predict(zipmoe_store * s, const int32_t * experts, int64_t n) {

@@ -4,9 +4,10 @@
  * decode. One large pread per region instead of two small ones per chunk keeps the disk at its sequential
  * speed. Reads into the staging buffer go around the page cache (O_DIRECT); reads into a tier's region, whose
  * address is not aligned, go through it, with a hint for the next item keeping a request in flight while the
- * current one is copied. After a job's reads, the next store's are read ahead (zipmoe_store_prefetch). */
+ * current one is copied. After a job's reads, its `then` runs (the cache reads the next store's bytes ahead
+ * there); a job may instead carry background work, which runs when no reads wait (reader.h). */
 #define _GNU_SOURCE
-#include "zipmoe-impl.h"
+#include "reader.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -14,16 +15,35 @@
 #include <time.h>
 #include <unistd.h>
 
-static pthread_mutex_t    g_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t     g_cv = PTHREAD_COND_INITIALIZER;
-static zipmoe_read_job *  g_head, *g_tail;
-static int                g_started;
-static int                g_reading_ahead; /* under g_mu: a job's read-ahead (zipmoe_store_prefetch) is running */
-static pthread_cond_t     g_ahead_cv = PTHREAD_COND_INITIALIZER; /* it stopped */
+/* One reader thread per process: one disk, and one graph computes at a time, so its jobs come one after another. */
+static struct {
+    pthread_mutex_t   mu;
+    pthread_cond_t    cv;
+    zipmoe_read_job * head, *tail; /* the queue, under mu */
+    int               started;
+    int               in_then;     /* under mu: a job's `then` is running */
+    pthread_cond_t    then_cv;     /* it stopped */
+    _Atomic uint64_t  read_bytes, read_ns; /* zipmoe_reader_totals */
+} g_reader = { .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .then_cv = PTHREAD_COND_INITIALIZER };
 
 /* Regions hinted (POSIX_FADV_WILLNEED) ahead of the one being read: requests in flight keep the disk busy
  * while a pread copies; a few, so that the page cache they pass through stays small. */
 #define READ_AHEAD 4
+
+static void count_read(uint64_t bytes, uint64_t ns) {
+    atomic_fetch_add(&g_reader.read_bytes, bytes);
+    atomic_fetch_add(&g_reader.read_ns, ns);
+}
+
+void zipmoe_reader_totals(uint64_t * bytes, uint64_t * ns) {
+    *bytes = atomic_load(&g_reader.read_bytes);
+    *ns    = atomic_load(&g_reader.read_ns);
+}
+
+void zipmoe_reader_reset_totals(void) {
+    atomic_store(&g_reader.read_bytes, 0);
+    atomic_store(&g_reader.read_ns, 0);
+}
 
 int zipmoe_pread_all(int fd, uint64_t offset, void * buf, size_t size) {
     const uint64_t t0   = zipmoe_now_ns();
@@ -38,7 +58,7 @@ int zipmoe_pread_all(int fd, uint64_t offset, void * buf, size_t size) {
         }
         done += (size_t) n;
     }
-    zipmoe_stats_add_read(size, zipmoe_now_ns() - t0);
+    count_read(size, zipmoe_now_ns() - t0);
     return ZIPMOE_OK;
 }
 
@@ -63,7 +83,7 @@ int zipmoe_pread_direct(int dfd, uint64_t offset, void * buf, size_t size) {
         }
         done += (size_t) n;
     }
-    zipmoe_stats_add_read(size, zipmoe_now_ns() - t0);
+    count_read(size, zipmoe_now_ns() - t0);
     return ZIPMOE_OK;
 }
 
@@ -93,44 +113,44 @@ static void mark(zipmoe_read_job * job, zipmoe_read_item * it, int status) {
 }
 
 int zipmoe_reader_reads_waiting(void) {
-    pthread_mutex_lock(&g_mu);
+    pthread_mutex_lock(&g_reader.mu);
     int waiting = 0;
-    for (const zipmoe_read_job * j = g_head; j && !waiting; j = j->next) {
-        waiting = j->collapse == NULL;
+    for (const zipmoe_read_job * j = g_reader.head; j && !waiting; j = j->next) {
+        waiting = j->work == NULL;
     }
-    pthread_mutex_unlock(&g_mu);
+    pthread_mutex_unlock(&g_reader.mu);
     return waiting;
 }
 
-static void enqueue(zipmoe_read_job * job) { /* under g_mu */
+static void enqueue(zipmoe_read_job * job) { /* under g_reader.mu */
     job->next = NULL;
-    if (g_tail) {
-        g_tail->next = job;
+    if (g_reader.tail) {
+        g_reader.tail->next = job;
     } else {
-        g_head = job;
+        g_reader.head = job;
     }
-    g_tail = job;
+    g_reader.tail = job;
 }
 
-/* Under g_mu: the next job to run: reads before huge-page work, which only saves time later, while a token
+/* Under g_reader.mu: the next job to run: reads before huge-page work, which only saves time later, while a token
  * waits on reads now. */
 static zipmoe_read_job * dequeue(void) {
-    zipmoe_read_job *prev = NULL, *job = g_head;
-    while (job && job->collapse) {
+    zipmoe_read_job *prev = NULL, *job = g_reader.head;
+    while (job && job->work) {
         prev = job;
         job  = job->next;
     }
     if (!job) {
         prev = NULL;
-        job  = g_head;
+        job  = g_reader.head;
     }
     if (prev) {
         prev->next = job->next;
     } else {
-        g_head = job->next;
+        g_reader.head = job->next;
     }
-    if (g_tail == job) {
-        g_tail = prev;
+    if (g_reader.tail == job) {
+        g_reader.tail = prev;
     }
     return job;
 }
@@ -161,11 +181,11 @@ static int wait_ring_room(zipmoe_read_job * job, int64_t j) {
 }
 
 static void run(zipmoe_read_job * job) {
-    if (job->collapse) {
-        if (!zipmoe_store_collapse(job->collapse)) { /* it yielded to reads: the rest later */
-            pthread_mutex_lock(&g_mu);
+    if (job->work) {
+        if (!job->work(job->work_user)) { /* it yielded to reads: the rest later */
+            pthread_mutex_lock(&g_reader.mu);
             enqueue(job);
-            pthread_mutex_unlock(&g_mu);
+            pthread_mutex_unlock(&g_reader.mu);
             return;
         }
     }
@@ -195,70 +215,69 @@ static void run(zipmoe_read_job * job) {
         }
         mark(job, it, status);
     }
-    /* the job is done with its buffers before the read-ahead: its store decodes and computes meanwhile (and may
-     * submit the job again, so its fields are copied first) */
-    struct zipmoe_store *       prefetch      = atomic_load(&job->cancel) ? NULL : job->prefetch;
-    const struct zipmoe_store * prefetch_like = job->prefetch_like;
-    const int                   predicted     = job->prefetch_predicted;
-    if (prefetch) { /* before the job is done: a store freed once its invocation returned waits for this */
-        pthread_mutex_lock(&g_mu);
-        g_reading_ahead = 1;
-        pthread_mutex_unlock(&g_mu);
+    /* the job is done with its buffers before its `then`: its owner decodes and computes meanwhile (and may
+     * submit the job again, so `then` is copied first) */
+    const zipmoe_read_then then = job->then;
+    const int              run_then = then.fn && !atomic_load(&job->cancel);
+    if (run_then) { /* before the job is done: one who frees what `then` uses once the job is done waits for this */
+        pthread_mutex_lock(&g_reader.mu);
+        g_reader.in_then = 1;
+        pthread_mutex_unlock(&g_reader.mu);
     }
     pthread_mutex_lock(&job->mu);
     job->busy = 0;
     pthread_cond_broadcast(&job->cv);
     pthread_mutex_unlock(&job->mu);
-    if (prefetch) {
-        zipmoe_store_prefetch(prefetch, prefetch_like, predicted); /* in flight while this one computes */
-        pthread_mutex_lock(&g_mu);
-        g_reading_ahead = 0;
-        pthread_cond_broadcast(&g_ahead_cv);
-        pthread_mutex_unlock(&g_mu);
+    if (run_then) {
+        then.fn(then.user, then.arg, then.flag); /* (the cache's read-ahead: in flight while the job's owner computes) */
+        pthread_mutex_lock(&g_reader.mu);
+        g_reader.in_then = 0;
+        pthread_cond_broadcast(&g_reader.then_cv);
+        pthread_mutex_unlock(&g_reader.mu);
     }
 }
 
-void zipmoe_reader_wait_read_ahead(void) {
-    pthread_mutex_lock(&g_mu);
-    while (g_reading_ahead) {
-        pthread_cond_wait(&g_ahead_cv, &g_mu);
+void zipmoe_reader_wait_then(void) {
+    pthread_mutex_lock(&g_reader.mu);
+    while (g_reader.in_then) {
+        pthread_cond_wait(&g_reader.then_cv, &g_reader.mu);
     }
-    pthread_mutex_unlock(&g_mu);
+    pthread_mutex_unlock(&g_reader.mu);
 }
 
 static void * reader_main(void * arg) {
     (void) arg;
     for (;;) {
-        pthread_mutex_lock(&g_mu);
-        while (!g_head) {
-            pthread_cond_wait(&g_cv, &g_mu);
+        pthread_mutex_lock(&g_reader.mu);
+        while (!g_reader.head) {
+            pthread_cond_wait(&g_reader.cv, &g_reader.mu);
         }
         zipmoe_read_job * job = dequeue();
-        pthread_mutex_unlock(&g_mu);
+        pthread_mutex_unlock(&g_reader.mu);
         run(job);
     }
     return NULL;
 }
 
 int zipmoe_reader_submit(zipmoe_read_job * job) {
-    pthread_mutex_lock(&g_mu);
-    if (!g_started) {
+    pthread_mutex_lock(&g_reader.mu);
+    if (!g_reader.started) {
         pthread_t      t;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        g_started = pthread_create(&t, &attr, reader_main, NULL) == 0;
+        g_reader.started = pthread_create(&t, &attr, reader_main, NULL) == 0;
         pthread_attr_destroy(&attr);
-        if (!g_started) {
-            pthread_mutex_unlock(&g_mu);
+        if (!g_reader.started) {
+            pthread_mutex_unlock(&g_reader.mu);
             return ZIPMOE_ERR_NOMEM; /* the caller reads synchronously instead */
         }
     }
     atomic_store(&job->cancel, 0);
     job->busy = 1;
     enqueue(job);
-    pthread_cond_signal(&g_cv);
-    pthread_mutex_unlock(&g_mu);
+    pthread_cond_signal(&g_reader.cv);
+    pthread_mutex_unlock(&g_reader.mu);
     return ZIPMOE_OK;
 }
 

@@ -9,11 +9,6 @@
 /* Process-wide: zipmoe_stats reports the whole cache, every store of every model loaded. */
 cache_counters g_stats;
 
-void zipmoe_stats_add_read(uint64_t bytes, uint64_t ns) {
-    atomic_fetch_add(&g_stats.read_bytes, bytes);
-    atomic_fetch_add(&g_stats.read_ns, ns);
-}
-
 void zipmoe_stats_get(zipmoe_stats * out) {
     out->stores              = atomic_load(&g_stats.stores);
     out->hot_bytes           = atomic_load(&g_stats.hot_bytes);
@@ -27,8 +22,7 @@ void zipmoe_stats_get(zipmoe_stats * out) {
     out->hits_hot            = atomic_load(&g_stats.hits_hot);
     out->hits_warm           = atomic_load(&g_stats.hits_warm);
     out->misses              = atomic_load(&g_stats.misses);
-    out->bytes_read          = atomic_load(&g_stats.read_bytes);
-    out->read_ns             = atomic_load(&g_stats.read_ns);
+    zipmoe_reader_totals(&out->bytes_read, &out->read_ns);
     out->evictions           = atomic_load(&g_stats.evictions);
     out->sm_bytes            = atomic_load(&g_stats.sm_bytes);
     out->hits_sm             = atomic_load(&g_stats.hits_sm);
@@ -47,12 +41,13 @@ void zipmoe_stats_get(zipmoe_stats * out) {
 
 void zipmoe_stats_reset(void) {
     _Atomic uint64_t * counters[] = { &g_stats.experts, &g_stats.chunks, &g_stats.bytes, &g_stats.ns, &g_stats.calls, &g_stats.hits_hot, &g_stats.hits_warm,
-                                      &g_stats.hits_sm, &g_stats.misses, &g_stats.read_bytes, &g_stats.read_ns, &g_stats.evictions, &g_stats.stall_ns,
+                                      &g_stats.hits_sm, &g_stats.misses, &g_stats.evictions, &g_stats.stall_ns,
                                       &g_stats.reading_calls, &g_stats.read_ahead_bytes, &g_stats.guessed_bytes, &g_stats.guesses_used,
                                       &g_stats.streamed };
     for (size_t i = 0; i < sizeof counters / sizeof counters[0]; i++) {
         atomic_store(counters[i], 0);
     }
+    zipmoe_reader_reset_totals();
     atomic_store(&g_stats.peak_hot, atomic_load(&g_stats.hot_bytes));
     atomic_store(&g_stats.peak_resident, atomic_load(&g_stats.hot_bytes) + atomic_load(&g_stats.warm_bytes) + atomic_load(&g_stats.sm_bytes));
 }

@@ -21,6 +21,8 @@ static int open_direct(int fd) {
     return open(path, O_RDONLY | O_DIRECT | O_CLOEXEC); /* -1 where the file system has no O_DIRECT: buffered */
 }
 
+static int collapse_work(void * s) { return cache_collapse((zipmoe_store *) s); }
+
 static int layer_of(const char * name) {
     int layer = -1, n = 0;
     return sscanf(name, "blk.%d.%n", &layer, &n) == 1 && n > 0 ? layer : -1;
@@ -69,7 +71,8 @@ int64_t zipmoe_store_open(const char * name, const void * index, size_t index_si
     pthread_cond_init(&s->job.cv, NULL);
     pthread_mutex_init(&s->collapse_job.mu, NULL);
     pthread_cond_init(&s->collapse_job.cv, NULL);
-    s->collapse_job.collapse = s;
+    s->collapse_job.work      = collapse_work;
+    s->collapse_job.work_user = s;
     if (!s->plan || !s->experts || !s->places || !s->job.items || !s->hinted || !s->route_log || !s->pf_at || !s->pf_from ||
         !s->predicted) {
         zipmoe_store_free(s);
@@ -125,7 +128,7 @@ void zipmoe_store_free(zipmoe_store * s) {
         atomic_compare_exchange_strong(&g_open.last_planned, &me, NULL);
         pthread_mutex_unlock(&g_open.mu);
         cache_prefetch_forget(s);
-        zipmoe_reader_wait_read_ahead(); /* one that began before nobody could start it any more */
+        zipmoe_reader_wait_then(); /* a read-ahead that began before nobody could start it any more */
         atomic_fetch_sub(&g_stats.stores, 1);
         atomic_fetch_sub(&g_cfg.bf16_total, (uint64_t) s->info.n_expert * s->hot_size);
         pthread_mutex_lock(&g_open.mu);
@@ -210,7 +213,7 @@ int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_offset, void *
          * cache (and drops it). Not under a smaller budget, where the page cache would hold what the tiers do not. */
         posix_fadvise(s->fd, (off_t) data_offset, (off_t) size, POSIX_FADV_WILLNEED);
     }
-    /* the 2 MiB pages wholly inside the reservation, which zipmoe_store_collapse may make huge */
+    /* the 2 MiB pages wholly inside the reservation, which cache_collapse may make huge */
     s->hp_base = zipmoe_align_up((uintptr_t) s->dst, HUGE_PAGE);
     s->n_hp    = (uintptr_t) s->dst + s->dst_size > s->hp_base ? ((uintptr_t) s->dst + s->dst_size - s->hp_base) / HUGE_PAGE : 0;
     s->hp_done = calloc(s->n_hp + 1, 1);
@@ -241,7 +244,7 @@ void cache_own_pages(const zipmoe_store * s, int64_t p, uintptr_t * lo, uintptr_
  * (generation went from 0.90x to 0.98x of BF16 with them). Not at the first touch during generation: a huge page
  * fault compacts memory and made cold starts 2.5x slower; nor for a page shared with an expert that is not
  * decoded, whose bytes the budget does not count. */
-int zipmoe_store_collapse(zipmoe_store * s) {
+int cache_collapse(zipmoe_store * s) {
     const uintptr_t dst0 = (uintptr_t) s->dst;
     for (size_t i = 0; i < s->n_hp; i++) {
         if (zipmoe_reader_reads_waiting()) {
