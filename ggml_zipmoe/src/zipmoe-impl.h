@@ -93,8 +93,6 @@ void    zipmoe_zstd_cctx_free(void * cctx);
 
 /* checksum_avx2.c: only called when the CPU has AVX2 */
 uint64_t zipmoe_checksum_avx2(const void * data, size_t size, uint64_t seed);
-/* split.c: whether the CPU has AVX2, cached */
-int zipmoe_cpu_has_avx2(void);
 
 /* split_avx2.c: only called when the CPU has AVX2 */
 void zipmoe_split_bf16_avx2(const uint16_t * src, size_t n, uint8_t * exp, uint8_t * sm);

@@ -1,5 +1,6 @@
 /* split.c - BF16 <-> (exponent, sign+mantissa) planes: the portable version and the dispatch. */
 #include "zipmoe-impl.h"
+#include "common/cpu.h"
 
 void zipmoe_split_bf16_scalar(const uint16_t * src, size_t n, uint8_t * exp, uint8_t * sm) {
     for (size_t i = 0; i < n; i++) {
@@ -20,19 +21,6 @@ void zipmoe_merge_bf16_scalar(const uint8_t * exp, const uint8_t * sm, size_t n,
         dst[i] = (uint16_t) (((sm[i] & 0x80u) << 8) | ((unsigned) exp[i] << 7) | (sm[i] & 0x7fu));
     }
 }
-
-#if defined(__x86_64__) && defined(ZIPMOE_HAVE_AVX2)
-int zipmoe_cpu_has_avx2(void) {
-    static int cached = -1; /* benign race: every thread computes the same value */
-    if (cached < 0) {
-        __builtin_cpu_init();
-        cached = __builtin_cpu_supports("avx2") ? 1 : 0;
-    }
-    return cached;
-}
-#else
-int zipmoe_cpu_has_avx2(void) { return 0; }
-#endif
 
 int zipmoe_simd_level(void) { return zipmoe_cpu_has_avx2(); }
 

@@ -5,6 +5,7 @@
 #include <xxhash.h>
 
 #include "zipmoe-impl.h"
+#include "common/cpu.h"
 
 uint64_t zipmoe_checksum(const void * data, size_t size, uint64_t seed) {
 #if defined(ZIPMOE_HAVE_AVX2)

@@ -1,0 +1,33 @@
+/* cpu.c - CPU feature detection for the kernel dispatch (cpu.h). The kernels live in files of their own compiled
+ * for their instruction set, and run only after a check here, so one binary runs on any x86-64. */
+#include "common/cpu.h"
+
+/* The answers are cached: every thread computes the same value, so the race to store it is benign. */
+#if defined(__x86_64__) && defined(ZIPMOE_HAVE_AVX2)
+int zipmoe_cpu_has_avx2(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = __builtin_cpu_supports("avx2") ? 1 : 0;
+    }
+    return cached;
+}
+#else
+int zipmoe_cpu_has_avx2(void) { return 0; }
+#endif
+
+#if defined(__x86_64__) && defined(ZIPMOE_HAVE_AVX512)
+int zipmoe_cpu_has_vbmi2(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi") &&
+                         __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("bmi2")
+                     ? 1
+                     : 0;
+    }
+    return cached;
+}
+#else
+int zipmoe_cpu_has_vbmi2(void) { return 0; }
+#endif
