@@ -23,6 +23,8 @@ typedef enum {
 typedef enum { ZIPMOE_CODEC_ZSTD = 1, ZIPMOE_CODEC_HUFF = 2 } zipmoe_codec;
 
 const char * zipmoe_status_str(int64_t status);
+#define ZIPMOE_SIZE_MAX 1152921504606846976
+int64_t zipmoe_parse_size(const char * text, uint64_t * out);
 int zipmoe_simd_level(void);
 
 void zipmoe_split_bf16(const uint16_t * src, size_t n, uint8_t * exp, uint8_t * sm);

@@ -9,7 +9,7 @@ static uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
 static double   min_d(double a, double b) { return a < b ? a : b; }
 
 /* The most a store decodes anew when a batch routes to all of its experts, with hot tier h shared out by BF16 size
- * (store.c's quota()): a store keeps at least the whole experts of its share. */
+ * (config.c's quota()): a store keeps at least the whole experts of its share. */
 static uint64_t allowance_for(const zipmoe_store_size * stores, size_t n, uint64_t h, uint64_t experts) {
     uint64_t most = 0;
     for (size_t i = 0; i < n; i++) {
@@ -42,10 +42,10 @@ int64_t zipmoe_budget_split_tiers(const zipmoe_store_size * stores, size_t n_sto
     // pp512: 166-171 tokens/s, 171-179 with the budget 100 MiB smaller, stock 161-171). So the tiers of a batch
     // leave room for them (at most half the tiers); generation, whose reads are a few experts, has it back
     // (token_hot).
-    // A store's experts are shared out between the tiers as store.c's quota() does (by BF16 size): those no tier
+    // A store's experts are shared out between the tiers as config.c's quota() does (by BF16 size): those no tier
     // keeps are read whole, those of the sm tier their codes (the region less the plane, a byte a value).
     // Without generation's hot budget (no hot tier, or an sm tier) the room is never given back, so it holds two
-    // regions a buffer, enough to keep the disk busy: a store that reads more reads through rings (store.c).
+    // regions a buffer, enough to keep the disk busy: a store that reads more reads through rings (plan.c).
     if (experts > 0) {
         const double hot = (double) tiers * hot_share < (double) experts ? (double) tiers * hot_share / (double) experts : 1.0;
         uint64_t     largest = 0;
@@ -77,7 +77,7 @@ int64_t zipmoe_budget_split_tiers(const zipmoe_store_size * stores, size_t n_sto
     out->sm   = min_u64(tiers - out->hot, (uint64_t) ((double) tiers * sm_share));
     out->warm = tiers - out->hot - out->sm;
     // The experts in flight that are decoded already need no room of their own: the hot tier holds them. A store
-    // keeps at least the whole experts of its share of the hot tier (store.c passes what a share holds beyond
+    // keeps at least the whole experts of its share of the hot tier (config.c passes what a share holds beyond
     // whole experts on to the next store, so the rest of the hot tier may be full meanwhile), and a prompt that
     // routes to all of its experts decodes the others anew: the allowance is the most any store decodes so. It
     // comes out of what the hot tier and the allowance share; a smaller hot tier can only need more allowance, so
@@ -98,7 +98,7 @@ int64_t zipmoe_budget_split_tiers(const zipmoe_store_size * stores, size_t n_sto
         }
     }
     // a token's misses take their victims' places and read a few experts: generation needs neither the allowance
-    // nor the read room beside the hot tier, which then holds them too (not with an sm tier: store.c's place_plan
+    // nor the read room beside the hot tier, which then holds them too (not with an sm tier: plan.c's place_plan
     // does not evict first there)
     if (out->hot > 0 && out->sm == 0) {
         out->token_hot = out->hot + out->in_flight + out->reads;

@@ -1,5 +1,5 @@
 /* slots.c - physical memory for decoded experts that outlives them: slots of a memfd, mapped over an expert's
- * place while it is hot and handed to the next expert decoded when it is evicted (store.c hands a place with its
+ * place while it is hot and handed to the next expert decoded when it is evicted (plan.c hands a place with its
  * slot to a miss of the same store without any of this).
  *
  * Under a budget experts are evicted and decoded all the time. Freeing an evicted expert's pages and faulting

@@ -192,8 +192,9 @@ static int detect_level(void) {
     if (!zipmoe_cpu_has_vbmi2()) {
         return 0;
     }
-    const char * cap = getenv("ZIPMOE_ESC_SIMD");
-    return cap && cap[0] == '0' && cap[1] == 0 ? 0 : 2;
+    zipmoe_runtime_config cfg;
+    zipmoe_runtime_config_from_env(&cfg);
+    return cfg.esc_simd ? 2 : 0;
 }
 
 static int cpu_level(void) {

@@ -13,7 +13,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
-#include <cctype>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -71,30 +70,25 @@ void zipmoe_llama_tensor_deleter::operator()(zipmoe_llama_tensor * zt) const {
     delete zt;
 }
 
-// "6GiB", "512M", "1000000" (bytes) or "60%" (of physical memory); false if malformed.
-static bool parse_size(const char * text, uint64_t & out) {
-    char *       end = nullptr;
-    const double v   = std::strtod(text, &end);
-    if (end == text || !(v >= 0)) {
+// ZIPMOE_MEMORY_BUDGET: a size (zipmoe_parse_size: "6GiB", "512M", "1000000") or "60%" of physical memory, whose
+// number is written as a size's; false if malformed.
+static bool parse_budget(const char * text, uint64_t & out) {
+    std::string s(text);
+    s.erase(0, s.find_first_not_of(" \t\n\v\f\r"));
+    s.erase(s.find_last_not_of(" \t\n\v\f\r") + 1);
+    if (s.empty() || s.back() != '%') {
+        return zipmoe_parse_size(text, &out) == ZIPMOE_OK;
+    }
+    s.pop_back();
+    uint64_t whole = 0;
+    if (s.find_first_not_of("0123456789.") != std::string::npos || zipmoe_parse_size(s.c_str(), &whole) != ZIPMOE_OK) {
         return false;
     }
-    std::string unit(end);
-    for (auto & c : unit) {
-        c = (char) std::tolower((unsigned char) c);
-    }
-    double scale = 1;
-    if (unit == "%") {
-        scale = (double) sysconf(_SC_PHYS_PAGES) * (double) sysconf(_SC_PAGESIZE) / 100;
-    } else if (unit == "k" || unit == "kib" || unit == "kb") {
-        scale = 1024.0;
-    } else if (unit == "m" || unit == "mib" || unit == "mb") {
-        scale = 1024.0 * 1024;
-    } else if (unit == "g" || unit == "gib" || unit == "gb") {
-        scale = 1024.0 * 1024 * 1024;
-    } else if (!unit.empty() && unit != "b") {
+    const double bytes = std::strtod(s.c_str(), nullptr) * (double) sysconf(_SC_PHYS_PAGES) * (double) sysconf(_SC_PAGESIZE) / 100;
+    if (!(bytes >= 0 && bytes <= (double) ZIPMOE_SIZE_MAX)) {
         return false;
     }
-    out = (uint64_t) (v * scale);
+    out = (uint64_t) bytes;
     return true;
 }
 
@@ -104,15 +98,15 @@ static std::string mib(uint64_t bytes) {
     return buf;
 }
 
-// Whether a switch that is on by default (ZIPMOE_PREFILL, ZIPMOE_FUSED, ZIPMOE_STREAM) is set to "0".
-static bool env_off(const char * name) {
-    const char * v = std::getenv(name);
-    return v && std::strcmp(v, "0") == 0;
+// The ZIPMOE_* environment, read in one place (zipmoe_runtime_config_from_env, which lists the variables).
+static zipmoe_runtime_config runtime_config() {
+    zipmoe_runtime_config cfg;
+    zipmoe_runtime_config_from_env(&cfg);
+    return cfg;
 }
 
-static bool parse_fraction(const char * name, double & out, std::string & err) {
-    const char * v = std::getenv(name);
-    if (!v || !*v) {
+static bool parse_fraction(const char * name, const char * v, double & out, std::string & err) {
+    if (!v) {
         return true;
     }
     char * end = nullptr;
@@ -164,31 +158,8 @@ static uint64_t embd_charge(uint64_t embd_bytes, uint64_t row_bytes) {
     return std::min(embd_bytes, batch_rows * row);
 }
 
-// The budget from the environment (how bare llama-cli is configured; pyzipmoe sets the same):
-//   ZIPMOE_MEMORY_BUDGET  bytes the model may keep resident: its weights that are not experts, the experts of
-//                         one expert tensor in flight, a prompt's read buffers and the cache tiers, which get the
-//                         rest (and, in generation, the room of the two before); unset: unbounded
-//   ZIPMOE_HOT_SHARE      the tiers' fraction for decoded experts (default: zipmoe_budget_default_hot_share, 0 where
-//                         nearly every expert fits compressed but not decoded and the escape code's SIMD decoder
-//                         makes a warm hit cheap, else 1: tiered-cache.md, "Choosing the split")
-//   ZIPMOE_SM_SHARE       the fraction for sign+mantissa planes (default 0); whole compressed experts get the rest
-//   ZIPMOE_PLAN           slots per tier per layer from `zipmoe plan`, instead of the shares
-//   ZIPMOE_CACHE_POLICY   tlfu (default, token-weighted LFU), lru, lfu or fifo
-//   ZIPMOE_CACHE          "none": decode on every use (measurements, tests)
-//   ZIPMOE_DIRECT_IO      "0": read the model file through the page cache (dropping what was read) instead of
-//                         around it with O_DIRECT (default "1", where the file system has it)
-//   ZIPMOE_READ_BUFFER    what each read buffer keeps between uses (default 16MiB; a prompt's read-ahead above it
-//                         waits for the other buffer instead of taking a second large one)
-//   ZIPMOE_PREDICT        "1": in generation, the next layer's router runs on this layer's input and the experts it
-//                         picks are read ahead (default "0": on the synthetic models it read 10% more and served
-//                         under a tenth of the misses, with no speed difference to measure; tiered-cache.md)
-//   ZIPMOE_FUSED          "0": in generation and short batches too, a node that materialises and then
-//                         ggml_mul_mat_id (default: up to 64 routed slots, top-k x tokens, one node computes the
-//                         matmul's rows, those of decoded experts while the others are read)
-//   ZIPMOE_STREAM         "0": the fused node decodes a routed warm expert into a place, as a long batch does
-//                         (default: into each thread's cache, a few chunks at a time, computing their rows there)
-//   ZIPMOE_PREFILL        "0": leave the tiers empty at load (default: fill them, as llama.cpp's read-ahead and
-//                         warm-up fill the page cache for a plain model, so that the first tokens do not wait)
+// The budget and the cache's settings from the environment (how bare llama-cli is configured; pyzipmoe sets the
+// same): zipmoe_runtime_config lists the variables.
 bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t embd_row_bytes, std::string & info,
                             std::string & err) {
     const uint64_t embd_charged = embd_charge(embd_bytes, embd_row_bytes);
@@ -196,6 +167,7 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
     const std::string embd_note = embd_charged < embd_bytes ? " (token_embd: the rows of a batch, " + mib(embd_charged) +
                                                                   " of " + mib(embd_bytes) + ")"
                                                             : "";
+    const zipmoe_runtime_config    env = runtime_config();
     std::vector<zipmoe_store_size> stores;
     bool                           warm_fast = false;
     {
@@ -206,10 +178,10 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
         g_loading.swap(g_opened);
         g_opened.clear();
         g_loading_bound = 0;
-        g_prefill       = !env_off("ZIPMOE_PREFILL");
+        g_prefill       = env.prefill != 0;
         g_model_seq++;
     }
-    if (const char * v = std::getenv("ZIPMOE_PREDICT"); v && *v) {
+    if (const char * v = env.predict) {
         if (std::strcmp(v, "0") != 0 && std::strcmp(v, "1") != 0) {
             err = std::string("ZIPMOE_PREDICT=") + v + " is not 0 or 1";
             return false;
@@ -228,9 +200,9 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
     uint64_t      hot = UINT64_MAX, warm = 0, sm = 0, in_flight = working_set, reads = UINT64_MAX, token_hot = 0;
     uint64_t      tiers = UINT64_MAX; // what a budget leaves beyond its minimum
     zipmoe_policy policy = ZIPMOE_POLICY_TOKEN_LFU;
-    if (const char * v = std::getenv("ZIPMOE_MEMORY_BUDGET"); v && *v) {
+    if (const char * v = env.memory_budget) {
         uint64_t budget = 0;
-        if (!parse_size(v, budget)) {
+        if (!parse_budget(v, budget)) {
             err = std::string("ZIPMOE_MEMORY_BUDGET=") + v + " is not a size (e.g. 6GiB, 512MiB, 60%)";
             return false;
         }
@@ -245,10 +217,11 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
         tiers            = budget - minimum;
         double hot_share = zipmoe_budget_default_hot_share(stores.data(), stores.size(), tiers, warm_fast);
         double sm_share  = 0;
-        if (!parse_fraction("ZIPMOE_HOT_SHARE", hot_share, err) || !parse_fraction("ZIPMOE_SM_SHARE", sm_share, err)) {
+        if (!parse_fraction("ZIPMOE_HOT_SHARE", env.hot_share, hot_share, err) ||
+            !parse_fraction("ZIPMOE_SM_SHARE", env.sm_share, sm_share, err)) {
             return false;
         }
-        if (const char * v = std::getenv("ZIPMOE_HOT_SHARE"); !(v && *v)) {
+        if (!env.hot_share) {
             hot_share = std::min(hot_share, std::max(0.0, 1.0 - sm_share)); // (the default gives way to an sm share)
         }
         if (hot_share + sm_share > 1 + 1e-9) {
@@ -274,7 +247,7 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
     } else {
         info = "zipmoe: no memory budget: decoded experts are kept (set ZIPMOE_MEMORY_BUDGET or --memory-budget)";
     }
-    if (const char * v = std::getenv("ZIPMOE_CACHE_POLICY"); v && *v) {
+    if (const char * v = env.cache_policy) {
         static const std::pair<const char *, zipmoe_policy> names[] = {
             { "tlfu", ZIPMOE_POLICY_TOKEN_LFU }, { "lru", ZIPMOE_POLICY_LRU },
             { "lfu", ZIPMOE_POLICY_LFU },        { "fifo", ZIPMOE_POLICY_FIFO },
@@ -291,7 +264,7 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
             return false;
         }
     }
-    if (const char * v = std::getenv("ZIPMOE_DIRECT_IO"); v && *v) {
+    if (const char * v = env.direct_io) {
         if (std::strcmp(v, "0") != 0 && std::strcmp(v, "1") != 0) {
             err = std::string("ZIPMOE_DIRECT_IO=") + v + " is not 0 or 1";
             return false;
@@ -301,12 +274,12 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
         zipmoe_cache_set_direct_io(1);
     }
     uint64_t read_buffer = 16ull << 20;
-    if (const char * v = std::getenv("ZIPMOE_READ_BUFFER"); v && *v && (!parse_size(v, read_buffer) || read_buffer == 0)) {
+    if (const char * v = env.read_buffer; v && (zipmoe_parse_size(v, &read_buffer) != ZIPMOE_OK || read_buffer == 0)) {
         err = std::string("ZIPMOE_READ_BUFFER=") + v + " is not a size (e.g. 16MiB)";
         return false;
     }
     zipmoe_cache_set_read_buffer(read_buffer);
-    if (const char * v = std::getenv("ZIPMOE_CACHE"); v && *v) {
+    if (const char * v = env.cache) {
         if (std::strcmp(v, "none") == 0) {
             hot = 0;
         } else if (std::strcmp(v, "unbounded") != 0) {
@@ -314,8 +287,7 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
             return false;
         }
     }
-    const char * plan = std::getenv("ZIPMOE_PLAN");
-    plan              = plan && *plan ? plan : nullptr;
+    const char * plan = env.plan;
     if (plan) {
         if (!apply_plan(plan, err)) {
             return false;
@@ -343,7 +315,7 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
     if (token_hot > 0 && hot > 0 && !plan) {
         zipmoe_cache_set_token_hot(token_hot);
         info += "; while generating, " + mib(token_hot) + " decoded";
-    } else if (hot == 0 && warm > 0 && sm == 0 && !plan) { // (store.c: warm_tokens_possible)
+    } else if (hot == 0 && warm > 0 && sm == 0 && !plan) { // (cache/config.c: warm_tokens_possible)
         info += "; while generating, the compressed tier also holds the allowance beyond a token's decodes";
     }
     return true;
@@ -753,7 +725,7 @@ static void mul_mat_id_op(ggml_tensor * dst, int ith, int nth, void * userdata) 
     uint8_t             pending[MM_MAX_SLOTS];
     slot_groups         groups;
     zipmoe_turn         turn;
-    static const bool   stream = !env_off("ZIPMOE_STREAM");
+    static const bool   stream = runtime_config().stream != 0;
     // errors are recorded by the store and reported by llama_decode (zipmoe_llama_take_error)
     if (zipmoe_store_materialize_begin(zt->store, dst, ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1],
                                        where, pending, stream ? ZIPMOE_TURN_STREAM : 0, ith, nth, &turn) >= 0) {
@@ -838,7 +810,7 @@ ggml_tensor * zipmoe_llama_mul_mat_id(ggml_context * ctx, zipmoe_llama_tensor * 
         return ggml_mul_mat_id(ctx, w, x, ids); // warmup routes to every expert, its output unused: decode nothing
     }
     ggml_tensor * guess = build_prediction(ctx, zt, ids);
-    static const bool fuse = !env_off("ZIPMOE_FUSED");
+    static const bool fuse = runtime_config().fused != 0;
     if (!fuse || !fusable(w, x, ids)) {
         return ggml_mul_mat_id(ctx, w, x, build_materialize(ctx, zt, ids, w, guess));
     }
@@ -850,7 +822,7 @@ ggml_tensor * zipmoe_llama_mul_mat_id(ggml_context * ctx, zipmoe_llama_tensor * 
 }
 
 // Whether each zipmoe op of gf is followed by its matmul before the next zipmoe op: what lets a store's plan evict
-// the experts the previous store pinned (store.c, trim_others), and the budget hold one expert tensor in flight.
+// the experts the previous store pinned (cache/tiers.c, cache_trim_others), and the budget hold one expert tensor in flight.
 // ggml computes nodes in the graph's order, and llama.cpp's graphs have it (a matmul's inputs are visited right
 // before it). A graph that does not may have read evicted experts: false, with a message, and the stores keep
 // each layer's experts until the next layer from then on (zipmoe_cache_set_store_turns). Checked after a compute
