@@ -20,7 +20,7 @@ typedef enum {
     ZIPMOE_ERR_NOMEM = -4, ZIPMOE_ERR_UNSUPPORTED = -5, ZIPMOE_ERR_DST_TOO_SMALL = -6,
     ZIPMOE_ERR_CODEC = -7, ZIPMOE_ERR_IO = -8
 } zipmoe_status;
-typedef enum { ZIPMOE_CODEC_ZSTD = 1, ZIPMOE_CODEC_HUFF = 2 } zipmoe_codec;
+typedef enum { ZIPMOE_CODEC_ZSTD = 1, ZIPMOE_CODEC_HUFF = 2, ZIPMOE_CODEC_ESC = 3 } zipmoe_codec;
 
 const char * zipmoe_status_str(int64_t status);
 #define ZIPMOE_SIZE_MAX 1152921504606846976

@@ -66,3 +66,122 @@ def test_parse_size_bound_and_arguments():
     assert lib.zipmoe_parse_size(ffi.NULL, out) == lib.ZIPMOE_ERR_ARG
     assert lib.zipmoe_parse_size(b"1k", ffi.NULL) == lib.ZIPMOE_ERR_ARG
     assert lib.zipmoe_parse_size(b"nope", out) == lib.ZIPMOE_ERR_ARG and out[0] == 12345  # untouched on error
+
+
+# ---------------------------------------------------------------- the cffi declarations against the headers
+
+import re  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from pyzipmoe import _native  # noqa: E402
+
+INCLUDE = Path(__file__).resolve().parent.parent / "ggml_zipmoe" / "include"
+TYPE_WORDS = {"const", "void", "char", "short", "int", "long", "unsigned", "signed", "float", "double", "struct"}
+
+
+def _strip(text: str) -> str:
+    """C text without comments, preprocessor lines but #define, extern "C" braces or ZIPMOE_API."""
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    text = re.sub(r"//[^\n]*", " ", text)
+    lines = [line for line in text.split("\n") if not line.lstrip().startswith("#") or line.lstrip().startswith("#define")]
+    text = "\n".join(lines)
+    text = text.replace('extern "C" {', " ").replace("ZIPMOE_API", " ")
+    return text
+
+
+def _squash(text: str) -> str:
+    text = re.sub(r"\s+", " ", text).strip()
+    return re.sub(r"\s*([*(),\[\]])\s*", r"\1", text)
+
+
+def _param_type(param: str) -> str:
+    """A parameter's type: its declaration less the parameter's name."""
+    tokens = re.findall(r"[A-Za-z_]\w*|\*|\[[^\]]*\]", param)
+    arrays = []
+    while tokens and tokens[-1].startswith("["):
+        arrays.insert(0, tokens.pop())
+    if len(tokens) > 1 and re.fullmatch(r"[A-Za-z_]\w*", tokens[-1]) and tokens[-1] not in TYPE_WORDS:
+        tokens.pop()
+    return " ".join(tokens + arrays)
+
+
+def _declarations(text: str) -> tuple[dict, dict, dict]:
+    """(functions, enums, defines) declared in C text: name -> (return type, parameter types), name -> {constant:
+    value}, name -> value text."""
+    text = _strip(text)
+    defines = {m.group(1): m.group(2).strip() for m in re.finditer(r"^\s*#define\s+(\w+)[ \t]+([^\n]+)", text, re.M)}
+    text = re.sub(r"^\s*#define[^\n]*", " ", text, flags=re.M)
+    enums = {}
+    for m in re.finditer(r"typedef\s+enum\s*\w*\s*\{(.*?)\}\s*(\w+)\s*;", text, re.S):
+        values, value = {}, -1
+        for item in filter(None, (i.strip() for i in m.group(1).split(","))):
+            name, _, expr = item.partition("=")
+            value = int(expr.strip(), 0) if expr.strip() else value + 1
+            values[name.strip()] = value
+        enums[m.group(2)] = values
+    text = re.sub(r"typedef[^;{]*\{.*?\}[^;]*;", " ", text, flags=re.S)  # struct and enum bodies
+    functions = {}
+    for m in re.finditer(r"([A-Za-z_][\w\s\*]*?)\b(zipmoe_\w+)\s*\(([^;{]*?)\)\s*;", text):
+        ret, name, params = m.groups()
+        ret = _squash(re.sub(r"^.*\b(?:typedef|static)\b", "", ret))
+        params = [_squash(_param_type(p)) for p in params.split(",")] if params.strip() else []
+        functions[name] = (_squash(" ".join(re.findall(r"[A-Za-z_]\w*|\*", ret))), params)
+    return functions, enums, defines
+
+
+def _headers() -> tuple[dict, dict, dict]:
+    functions, enums, defines = {}, {}, {}
+    for header in sorted(INCLUDE.glob("*.h")):
+        f, e, d = _declarations(header.read_text())
+        functions.update(f)
+        enums.update(e)
+        defines.update(d)
+    return functions, enums, defines
+
+
+def _value(text: str) -> int:
+    """An integer #define's value: a literal, maybe cast, suffixed or shifted ("((uint64_t) 1 << 60)")."""
+    text = re.sub(r"\(\s*(?:u?int\d+_t|size_t|unsigned|int)\s*\)", "", text)
+    text = re.sub(r"(?<=[0-9a-fA-F])(?:[uU][lL]{0,2}|[lL]{1,2}[uU]?)\b", "", text)
+    if not re.fullmatch(r"[\s0-9a-fA-FxX()<>+\-*|]+", text):
+        raise ValueError(text)
+    return int(eval(text, {"__builtins__": {}}))  # noqa: S307 (digits and operators only, checked above)
+
+
+def test_cdef_functions_match_headers():
+    cdef, _, _ = _declarations(_native.CDEF)
+    header, _, _ = _headers()
+    assert cdef, "no prototypes found in the CDEF"
+    missing = sorted(set(cdef) - set(header))
+    assert not missing, f"declared in pyzipmoe/_native.py but in no header of {INCLUDE}: {missing}"
+    drift = {name: (cdef[name], header[name]) for name in cdef if cdef[name] != header[name]}
+    assert not drift, "prototypes that differ, (cffi, header): " + "; ".join(f"{k}: {v}" for k, v in drift.items())
+
+
+def test_cdef_enums_match_headers():
+    _, cdef, _ = _declarations(_native.CDEF)
+    _, header, _ = _headers()
+    assert cdef, "no enums found in the CDEF"
+    for name, values in cdef.items():
+        assert name in header, f"enum {name} is in no header"
+        assert values == header[name], f"enum {name}: cffi {values}, header {header[name]}"
+
+
+def test_cdef_defines_match_headers():
+    _, _, cdef = _declarations(_native.CDEF)
+    _, _, header = _headers()
+    for name, text in cdef.items():
+        assert name in header, f"#define {name} is in no header"
+        assert _value(text) == _value(header[name]), f"#define {name}: cffi {text}, header {header[name]}"
+
+
+def test_the_check_finds_drift():
+    """The parser behind the tests above sees what it must: a changed type, a missing constant."""
+    header = "ZIPMOE_API int64_t zipmoe_x(const uint8_t lengths[256], zipmoe_store * const * stores, size_t n);\n" \
+             "typedef enum { A = 1, B = 2, C = 3 } e;"
+    functions, enums, _ = _declarations(header)
+    assert functions["zipmoe_x"] == ("int64_t", ["const uint8_t[256]", "zipmoe_store*const*", "size_t"])
+    assert enums["e"] == {"A": 1, "B": 2, "C": 3}
+    other, other_enums, _ = _declarations("int64_t zipmoe_x(const uint8_t * l, zipmoe_store * const * s, size_t n);"
+                                          "typedef enum { A = 1, B = 2 } e;")
+    assert other["zipmoe_x"] != functions["zipmoe_x"] and other_enums["e"] != enums["e"]

@@ -3,6 +3,7 @@
  * it at load (zipmoe-llama.cpp), the memory monitor (pyzipmoe/controller.py) when it changes a budget split by
  * shares, so that both keep the same accounting. A pure function: nothing here touches the stores. */
 #include "zipmoe-impl.h"
+#include "zipmoe-cache.h"
 
 static uint64_t min_u64(uint64_t a, uint64_t b) { return a < b ? a : b; }
 static uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }

@@ -25,6 +25,7 @@
 #define ZIPMOE_CACHE_IMPL_H
 
 #include "zipmoe-impl.h"
+#include "zipmoe-cache.h"
 #include "reader.h"
 
 #include <pthread.h>

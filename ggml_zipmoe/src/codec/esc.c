@@ -9,6 +9,7 @@
  * portable decoder that the SIMD one is tested against, and the dispatch. */
 #include "zipmoe-impl.h"
 #include "common/cpu.h"
+#include "zipmoe-cache.h"
 
 #include <stdlib.h>
 

@@ -6,6 +6,7 @@
 #include "llama-impl.h"
 #include "ggml-cpu.h"
 #include "zipmoe.h"
+#include "zipmoe-cache.h"
 
 #include <sched.h>
 #include <unistd.h>

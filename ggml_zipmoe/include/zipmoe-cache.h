@@ -1,0 +1,331 @@
+/*
+ * zipmoe-cache.h - the expert cache of the zipmoe native library: how an inference engine serves compressed
+ * experts at run time under a memory budget (stores, tiers and their budgets, the materialise protocol,
+ * statistics) and the runtime configuration bare programs take from the environment.
+ *
+ * The conventions of zipmoe.h hold here (int64_t results, explicit sizes, caller-owned buffers).
+ */
+#ifndef ZIPMOE_CACHE_H
+#define ZIPMOE_CACHE_H
+
+#include "zipmoe.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------- the runtime configuration */
+
+/* The ZIPMOE_* environment variables the native code reads (bare llama.cpp programs are configured through them;
+ * pyzipmoe sets the same), read once by zipmoe_runtime_config_from_env. Text fields point into the environment:
+ * the value, or NULL where the variable is unset or empty, valid until the variable changes; their users check
+ * them and name them in their errors. Switches are 0 or 1. */
+typedef struct {
+    const char * memory_budget; /* ZIPMOE_MEMORY_BUDGET: bytes the model may keep resident (a size, or "60%" of
+                                 * physical memory): its weights that are not experts, the experts of one expert
+                                 * tensor in flight, a prompt's read buffers and the cache tiers, which get the rest
+                                 * (and, in generation, the room of the two before); unset: unbounded */
+    const char * hot_share;     /* ZIPMOE_HOT_SHARE: the tiers' fraction for decoded experts (default:
+                                 * zipmoe_budget_default_hot_share, 0 where nearly every expert fits compressed but
+                                 * not decoded and the escape code's SIMD decoder makes a warm hit cheap, else 1) */
+    const char * sm_share;      /* ZIPMOE_SM_SHARE: the fraction for sign+mantissa planes (default 0); whole
+                                 * compressed experts get the rest */
+    const char * plan;          /* ZIPMOE_PLAN: slots per tier per layer from `zipmoe plan`, instead of the shares:
+                                 * "<layer>:<hot>,<warm>,<sm>;..." */
+    const char * cache_policy;  /* ZIPMOE_CACHE_POLICY: tlfu (default, token-weighted LFU), lru, lfu or fifo */
+    const char * cache;         /* ZIPMOE_CACHE: "none": decode on every use (measurements, tests); "unbounded" */
+    const char * direct_io;     /* ZIPMOE_DIRECT_IO: "0": read the model file through the page cache (dropping what
+                                 * was read) instead of around it with O_DIRECT (default "1", where the file system
+                                 * has it) */
+    const char * read_buffer;   /* ZIPMOE_READ_BUFFER: what each read buffer keeps between uses (default 16MiB; a
+                                 * prompt's read-ahead above it waits for the other buffer instead of taking a second
+                                 * large one) */
+    const char * predict;       /* ZIPMOE_PREDICT: "1": in generation, the next layer's router runs on this layer's
+                                 * input and the experts it picks are read ahead (default "0": on the synthetic models
+                                 * it read 10% more and served under a tenth of the misses, with no speed difference
+                                 * to measure) */
+    int prefill;   /* ZIPMOE_PREFILL != "0": fill the tiers at load, as llama.cpp's read-ahead and warm-up fill the
+                    * page cache for a plain model, so that the first tokens do not wait */
+    int fused;     /* ZIPMOE_FUSED != "0": in generation and short batches (up to 64 routed slots, top-k x tokens) one
+                    * node computes the matmul's rows, those of decoded experts while the others are read; "0": a node
+                    * that materialises and then ggml_mul_mat_id, as a long batch does */
+    int stream;    /* ZIPMOE_STREAM != "0": the fused node decodes a routed warm expert into each thread's cache, a few
+                    * chunks at a time, computing their rows there; "0": into a place, as a long batch does */
+    int esc_simd;  /* ZIPMOE_ESC_SIMD != "0": the escape code's SIMD decoder where the CPU has it (measurements,
+                    * tests turn it off) */
+    int integrity; /* ZIPMOE_INTEGRITY != "skip": the loader checks a zipmoe GGUF's metadata and dense tensors
+                    * against its integrity record (skip: loads it unchecked, with a warning) */
+} zipmoe_runtime_config;
+
+ZIPMOE_API void zipmoe_runtime_config_from_env(zipmoe_runtime_config * cfg);
+
+/* ---------------------------------------------------------------- expert stores (run time) */
+
+/* A store serves one compressed expert tensor to an inference engine: it reserves the tensor's BF16
+ * memory (virtual; pages exist only for decoded experts) and decodes the experts a router selects, on
+ * the engine's own threads, from RAM or from the model file. What it keeps is bounded by the
+ * process's cache budget. */
+typedef struct zipmoe_store zipmoe_store;
+
+typedef enum {
+    ZIPMOE_POLICY_TOKEN_LFU = 0, /* the paper's: an expert's weight grows by the tokens routed to it */
+    ZIPMOE_POLICY_LRU       = 1,
+    ZIPMOE_POLICY_LFU       = 2, /* a use counts one, however many tokens */
+    ZIPMOE_POLICY_FIFO      = 3,
+} zipmoe_policy;
+
+/* The budgets of every store of the process, per tier (UINT64_MAX: unbounded): hot_bytes of decoded
+ * experts, warm_bytes of whole compressed regions and sm_bytes of sign+mantissa planes kept in RAM,
+ * shared out among stores in proportion to their BF16 size (the hot tier in whole experts, what a share
+ * holds beyond them going on to the next store); and the eviction policy. hot_bytes = 0
+ * decodes on every use. The experts the expert tensor in flight routes to are decoded whatever the budget
+ * (zipmoe_stats reports the peak). May be called at any time: stores shrink or grow their tiers at
+ * their next invocation. Defaults: hot unbounded, warm and sm 0, token-weighted LFU. */
+ZIPMOE_API int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, uint64_t sm_bytes,
+                                          zipmoe_policy policy);
+
+/* A planner's per-store plan: stores whose name starts with prefix (the longest matching prefix wins,
+ * e.g. "blk.3.") keep at most hot, warm and sm experts in each tier, instead of their share of the
+ * budgets. prefix NULL removes every rule. Takes effect like zipmoe_cache_configure. */
+ZIPMOE_API int64_t zipmoe_cache_set_slots(const char * prefix, int64_t hot, int64_t warm, int64_t sm);
+
+/* 1 (default): a store's invocation evicts what every other store's last invocation decoded beyond its limits,
+ * which the engine must have read by then (ggml runs each op's matmul before the next expert tensor's op); the
+ * budget then holds one expert tensor in flight. 0: only stores of other layers ("blk.N." names), for an engine
+ * whose graph does not keep that order; a layer's experts are then in flight at once. */
+ZIPMOE_API void    zipmoe_cache_set_store_turns(int enabled);
+
+/* What the budget holds for the expert tensor in flight (its routed experts, decoded beyond the tiers' limits:
+ * once another store plans, a store's are evicted down to its limits again). The
+ * memory of evicted experts is kept within it (slots.c), for the next experts decoded: they then neither fault
+ * nor zero their pages. Default 0: evicted experts' pages are freed. */
+ZIPMOE_API void    zipmoe_cache_set_reserve(uint64_t bytes);
+
+/* A larger hot budget for graphs whose stores are each routed no more experts than they keep decoded (generation:
+ * a token routes top-k): there a miss takes the place of the expert it evicts and reads a few experts, so the room
+ * a batch keeps beside the hot tier (the allowance for the expert tensor in flight, zipmoe_cache_set_reserve, and
+ * a prompt's read buffers) can hold decoded experts. Reset by zipmoe_cache_configure. Not with an sm tier; with
+ * slot rules, zipmoe_cache_set_token_room. */
+ZIPMOE_API void    zipmoe_cache_set_token_hot(uint64_t hot_bytes);
+
+/* The same for a planner's slots (zipmoe_cache_set_slots): what the stores may hold in all (their rules' tiers and
+ * generation's decoded experts beyond them) while each is routed no more experts than it keeps decoded; beyond the
+ * rules' bytes it is shared out as hot slots, by BF16 size in whole experts. Only when a rule sets every store and
+ * none keeps an sm tier. 0 (default, and after zipmoe_cache_set_slots(NULL, ...)): none. */
+ZIPMOE_API void    zipmoe_cache_set_token_room(uint64_t bytes);
+
+/* The bytes the slot rules' tiers take over the open stores (a plan's hot, warm and sm slots), what a budget's
+ * tiers less them leave a prompt's read buffers (zipmoe_cache_set_read_room). */
+ZIPMOE_API uint64_t zipmoe_cache_rules_bytes(void);
+
+/* Before computing a graph (one at a time) whose stores may each be routed up to `routed` distinct experts: the
+ * hot budget for it, generation's (zipmoe_cache_set_token_hot's shares, or a planner's rules plus the extra slots
+ * of zipmoe_cache_set_token_room) where every store keeps at least `routed` experts decoded under it, else the
+ * batch's (zipmoe_cache_configure's, the rules'); going back to the smaller one, every store is evicted down to it
+ * first. In generation evicted experts' pages are not kept (zipmoe_cache_set_reserve): a miss takes its victim's
+ * place, and the reserve's room is the hot tier's. Without a hot tier (every expert kept compressed: no sm budget,
+ * no rules), a graph whose misses fit the reserve, `routed` experts of the largest store, is generation too: the
+ * reserve keeps only their pages and the warm tier grows by the rest, back again for a larger graph. */
+ZIPMOE_API void    zipmoe_cache_begin_graph(int64_t routed);
+
+/* Whether stores bound from now on read around the page cache (O_DIRECT) where the file system allows it.
+ * Default 1; 0 reads through the page cache and drops what was read from it (for file systems whose O_DIRECT
+ * misbehaves, and to compare). */
+ZIPMOE_API void    zipmoe_cache_set_direct_io(int enabled);
+
+/* What each of the reader's buffers (staging, and two for reading the next store ahead) keeps between uses
+ * (default 16 MiB): generation's reads fit it. A prompt's larger read-ahead takes one large buffer at a time,
+ * waiting for the other to be given back; larger buffers are freed once a need fits this again. */
+ZIPMOE_API void    zipmoe_cache_set_read_buffer(uint64_t bytes);
+
+/* The room a budget leaves a prompt's read buffers (zipmoe_budget_split's reads; a planner's read room): the
+ * staging buffer and a read-ahead buffer take up to half of it each beyond what they keep between uses, and a
+ * store whose reads need more reads them through a ring (the reader waits for decoded experts' bytes to be free)
+ * and reads ahead only what fits. In generation, whose hot tier holds this room, they take no more than they
+ * keep (or one expert's region, if larger). Default UINT64_MAX: no bound (no budget). zipmoe_cache_apply_split
+ * sets it too, to the split's reads (UINT64_MAX where they are 0: every expert decoded, or no hot tier). */
+ZIPMOE_API void    zipmoe_cache_set_read_room(uint64_t bytes);
+
+/* One expert tensor's sizes, for splitting a budget. */
+typedef struct {
+    uint64_t bf16_bytes;       /* all of its experts decoded */
+    uint64_t n_expert;
+    uint64_t compressed_bytes; /* its data companion */
+} zipmoe_store_size;
+
+/* What a budget split by shares gives each use (bytes), for zipmoe_cache_configure (hot, warm, sm),
+ * zipmoe_cache_set_reserve (in_flight) and zipmoe_cache_set_token_hot (token_hot; 0: none). */
+typedef struct {
+    uint64_t hot, warm, sm;
+    uint64_t in_flight; /* the expert tensor in flight beyond the experts the hot tier holds */
+    uint64_t reads;     /* a prompt's read buffers: staging and the next store's read-ahead */
+    uint64_t token_hot; /* generation's hot tier: hot + in_flight + reads (not with an sm tier) */
+} zipmoe_budget_split;
+
+/* Splits `tiers` bytes (a budget less the weights that are not experts and the largest tensor's experts) of a
+ * model whose expert tensors are `stores`: a prompt's read buffers first (at most half), then hot_share decoded
+ * and sm_share sign+mantissa planes, the rest whole compressed regions; the hot tier grows by what the allowance
+ * for the tensor in flight need not hold (the experts it keeps decoded already). What libllama's loader applies
+ * for ZIPMOE_MEMORY_BUDGET, and the memory monitor when it changes such a budget. */
+ZIPMOE_API int64_t zipmoe_budget_split_tiers(const zipmoe_store_size * stores, size_t n_stores, uint64_t tiers,
+                                             double hot_share, double sm_share, zipmoe_budget_split * out);
+
+/* The hot share where the user set none: 0 (every expert compressed, none decoded) where the tiers hold at least
+ * ZIPMOE_WARM_FIRST_FIT of the experts' compressed bytes but less than ZIPMOE_WARM_FIRST_FIT of their BF16 bytes
+ * and warm_fast (every store's warm hits decode with a SIMD escape-code decoder); else 1 (every expert decoded).
+ * Measured (tiered-cache.md, "Choosing the split"): with the escape code, every expert compressed ran 1.3-1.7x
+ * decoded-only where nearly all fit compressed, 0.6-0.9x where a third did not; with Huffman, whose decoder is
+ * 3.5x slower, the two were even even where all fit. */
+#define ZIPMOE_WARM_FIRST_FIT 0.9
+ZIPMOE_API double zipmoe_budget_default_hot_share(const zipmoe_store_size * stores, size_t n_stores, uint64_t tiers,
+                                                  int warm_fast);
+
+/* Applies a split at once, as zipmoe_cache_configure (hot, warm, sm), zipmoe_cache_set_reserve (in_flight) and
+ * zipmoe_cache_set_token_hot (token_hot) would one after the other, and removes every slot rule: a running model's
+ * new budget (the memory monitor's), without a moment at a batch's hot budget in between. */
+ZIPMOE_API int64_t zipmoe_cache_apply_split(const zipmoe_budget_split * split, zipmoe_policy policy);
+
+/* Opens a store from an index (validated as zipmoe_tensor_open does). */
+ZIPMOE_API int64_t zipmoe_store_open(const char * name, const void * index, size_t index_size, uint64_t data_size,
+                                     zipmoe_store ** out);
+ZIPMOE_API void    zipmoe_store_free(zipmoe_store * s);
+ZIPMOE_API const zipmoe_tensor * zipmoe_store_tensor(const zipmoe_store * s);
+/* Reads the data companion at data_offset of fd (duplicated: fd may be closed after) and reserves the
+ * BF16 memory (ne0 * ne1 * n_expert * 2 bytes, MAP_NORESERVE). *dst receives its address. */
+ZIPMOE_API int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_offset, void ** dst, size_t * dst_size);
+
+/* Makes every expert named in ids resident in the BF16 memory. ids is an int32 matrix of ne1 rows of
+ * ne0 expert ids (byte strides nb0, nb1), as a router produces. All nth threads of one invocation call
+ * it with the same key (any pointer unique to the invocation) and ith = 0..nth-1; they share the
+ * decoding without waiting for each other, and when the last of them returns, every named expert is
+ * decoded. A decoded expert need not lie at its own index in the BF16 memory (under a budget a miss
+ * takes the place of the expert it evicts): where (NULL, or a contiguous int32 matrix of ne1 rows of
+ * ne0) receives the place of each named expert, its values at dst + place * n_per_expert: what
+ * ggml_mul_mat_id must read as its ids. Places hold until the store's next invocation. Returns the
+ * number of chunks this thread decoded, or an error, which is also recorded for zipmoe_store_take_error(). */
+ZIPMOE_API int64_t zipmoe_store_materialize(zipmoe_store * s, const void * key, const void * ids, int64_t ne0,
+                                            int64_t ne1, size_t nb0, size_t nb1, int32_t * where, int ith, int nth);
+/* zipmoe_store_materialize in parts, for a caller with work to do while the reads are in flight (the op that
+ * computes ggml_mul_mat_id's rows itself: the matmul of the routed experts that are decoded already).
+ * _begin plans the invocation and starts its reads; where (ne0 * ne1 int32, required) receives the place of every
+ * named expert, not a share, and pending (as many bytes) 1 for the experts this invocation decodes, 0 for those
+ * decoded already, whose values may be read at once, and, with flags ZIPMOE_TURN_STREAM, 2 for the experts it
+ * leaves in the warm tier for the caller to decode chunk by chunk into its own cache (zipmoe_store_stream_chunk):
+ * a one-token caller that reads each value once saves the expert's trip through memory (written to its place and
+ * read back). A warm expert is still decoded into a place where it takes the hot tier's free room or outranks the
+ * hot expert the policy would evict first. _end decodes this thread's share, calling turn->idle (set after
+ * _begin, or NULL) instead of sleeping while the bytes of its next chunk are read; it returns the chunks it decoded
+ * or an error.
+ * _wait returns once every expert pending 1 is decoded (the other threads' shares too): ZIPMOE_OK, or an error if a
+ * chunk failed (recorded for zipmoe_store_take_error); it must come before the store's next invocation begins.
+ * The turn is the caller's; every thread that began must end. */
+typedef struct {
+    int          (*idle)(void * ctx); /* the caller's, set after _begin: one unit of other work, 0 once none is left */
+    void *       idle_ctx;
+    int64_t      plan_n; /* set by _begin: experts the invocation decodes */
+    const void * plan;   /* the store's plan, read by _end */
+    uint64_t     seq;    /* the invocation's plan, which _wait waits for */
+    int32_t      ring;   /* its reads go through a ring */
+    int32_t      fast;   /* every named expert was decoded: _end and _wait return at once */
+} zipmoe_turn;
+#define ZIPMOE_TURN_STREAM 1 /* _begin's flags: the caller decodes warm experts itself (pending 2) */
+ZIPMOE_API int64_t zipmoe_store_materialize_begin(zipmoe_store * s, const void * key, const void * ids, int64_t ne0,
+                                                  int64_t ne1, size_t nb0, size_t nb1, int32_t * where,
+                                                  uint8_t * pending, int flags, int ith, int nth, zipmoe_turn * turn);
+ZIPMOE_API int64_t zipmoe_store_materialize_end(zipmoe_store * s, zipmoe_turn * turn, const void * ids, int64_t ne0,
+                                                int64_t ne1, size_t nb0, size_t nb1);
+ZIPMOE_API int64_t zipmoe_store_materialize_wait(zipmoe_store * s, const zipmoe_turn * turn);
+/* Decodes chunk c of expert e, which the invocation reported as streamed (pending 2), into out[info.chunk_n] (the
+ * expert's last chunk may be shorter), from its compressed copy in RAM, with normal stores: out is meant to be read
+ * right after, from the cache. Any thread that began the invocation (its _begin is what orders these reads after
+ * the plan) may call this, for any chunk, until the invocation's compute ends: the copy stays pinned until the
+ * store's next invocation, or until another store's plan or the next zipmoe_cache_begin_graph, which one graph
+ * computing at a time puts after it (zipmoe_llama_compute_turn). Returns the values decoded, or an error (also
+ * recorded for zipmoe_store_take_error, ZIPMOE_ERR_ARG too for an expert that is not streamed). */
+ZIPMOE_API int64_t zipmoe_store_stream_chunk(zipmoe_store * s, int64_t e, int64_t c, uint16_t * out);
+/* The same chunk's exponent plane alone, decoded into exp[n] (n: the chunk's values, at most info.chunk_n, returned;
+ * exactly n bytes are written), and *sm pointed at the expert's whole sign+mantissa plane (n_per_expert bytes, value
+ * i at (*sm)[i]; pinned as the expert is): for a caller that merges a row at a time (zipmoe_merge_bf16_cached) into
+ * its L1, next to the dot product that reads it. */
+ZIPMOE_API int64_t zipmoe_store_stream_exponents(zipmoe_store * s, int64_t e, int64_t c, uint8_t * exp,
+                                                 const uint8_t ** sm);
+/* Where decoded expert e lies in the BF16 memory, in experts (see zipmoe_store_materialize), or -1 if it is not
+ * decoded. */
+ZIPMOE_API int64_t zipmoe_store_place(zipmoe_store * s, int64_t e);
+/* A guess at the experts s's next invocation routes to (the engine runs the next layer's router on this layer's
+ * input): once the store invoked before s is done with its reads, the reader reads those that are not in RAM
+ * ahead, until s's invocation comes, and s decodes what it routed from them. A wrong guess costs only the reads;
+ * the invocation after clears it. ZIPMOE_ERR_ARG for an expert out of range. */
+ZIPMOE_API int64_t zipmoe_store_predict(zipmoe_store * s, const int32_t * experts, int64_t n);
+
+/* Tokens routed to each expert so far (counts[n], n >= n_expert): what a planner reads. */
+ZIPMOE_API int64_t zipmoe_store_activations(zipmoe_store * s, uint64_t * counts, int64_t n);
+/* The same for the stores whose name starts with prefix (a layer: "blk.3."; the most of its stores, which
+ * share one router): counts[0..n) zeroed, then filled. Returns the number of experts, 0 if no store matches. */
+ZIPMOE_API int64_t zipmoe_cache_activations(const char * prefix, uint64_t * counts, int64_t n);
+/* The routing of the last invocations (at most 512 are remembered) of the first store whose name starts with
+ * prefix, oldest first: one entry a generated token, or a prompt's batch (the union of its rows); entry i routed
+ * to expert e when bit e % 64 of masks[i * words + e / 64] is set. words >= (n_expert + 63) / 64. Returns the
+ * entries written (<= max_tokens), 0 if no store matches: what the planner's recency model reads. */
+ZIPMOE_API int64_t zipmoe_cache_routing(const char * prefix, uint64_t * masks, int64_t words, int64_t max_tokens);
+
+/* The first error this store recorded since the last call, with a message naming tensor and expert;
+ * ZIPMOE_OK if none. Clears it. */
+ZIPMOE_API int64_t zipmoe_store_take_error(zipmoe_store * s, char * msg, size_t msg_size);
+
+typedef struct {
+    uint64_t experts; /* experts made resident, summed over the stores */
+    uint64_t failed;  /* batches that failed (a damaged chunk, say): their experts wait for their first use */
+    uint64_t ns;      /* wall time */
+} zipmoe_prefill_stats;
+
+/* Fills the tiers of stores (a model just loaded) before its first token, as llama.cpp's warm-up fills the page
+ * cache for a plain model: each store routes batches of its own experts, as many as its tiers hold under the
+ * current configuration, the last batch the decoded ones, on n_threads threads created for the call and joined
+ * before it returns. Counts none of it as the model's routing (activations, hits, routing log); the decode and
+ * read counters of zipmoe_stats include it. A failed batch records no error for the engine: a damaged expert
+ * fails when a token routes to it. Returns the experts made resident, or an error. */
+ZIPMOE_API int64_t zipmoe_cache_prefill(zipmoe_store * const * stores, int64_t n_stores, int n_threads,
+                                        zipmoe_prefill_stats * out);
+
+typedef struct {
+    uint64_t stores;            /* expert tensors served */
+    uint64_t hot_bytes;         /* decoded experts kept now */
+    uint64_t warm_bytes;        /* compressed regions kept in RAM now */
+    uint64_t peak_hot_bytes;    /* most decoded bytes at once since the last reset */
+    uint64_t experts_decoded;   /* decodes of an expert (each counts) */
+    uint64_t chunks_decoded;
+    uint64_t bytes_decoded;     /* BF16 bytes written */
+    uint64_t decode_ns;         /* summed over threads, reads from disk included */
+    uint64_t materialize_calls; /* invocations (one per expert tensor per graph compute) */
+    uint64_t hits_hot;          /* routed experts found decoded */
+    uint64_t hits_warm;         /* ... found whole and compressed in RAM */
+    uint64_t misses;            /* ... read from the file */
+    uint64_t bytes_read;        /* from the file */
+    uint64_t read_ns;           /* summed over threads */
+    uint64_t evictions;         /* of decoded experts */
+    uint64_t sm_bytes;          /* sign+mantissa planes kept in RAM now */
+    uint64_t hits_sm;           /* routed experts found as a sign+mantissa plane (codes read) */
+    uint64_t stall_ns;          /* wall time of invocations that decoded, plan to publish */
+    uint64_t peak_resident_bytes; /* most hot + warm + sm bytes at once since the last reset */
+    uint64_t staging_bytes;     /* the reader's buffers (staging, read-ahead): bytes no tier keeps (transient) */
+    uint64_t pool_bytes;        /* pages of evicted experts kept for the next decodes (zipmoe_cache_set_reserve) */
+    uint64_t reading_calls;     /* invocations that read from the file: the first read is waited for, with */
+                                /* nothing to overlap it (the planner's t_layer)                          */
+    uint64_t bytes_read_ahead;  /* of bytes_read: read for the store invoked next while this one computed */
+    uint64_t bytes_read_guessed; /* of bytes_read_ahead: the experts the previous layer guessed (ZIPMOE_PREDICT) */
+    uint64_t guesses_used;      /* experts decoded from bytes read on such a guess */
+    uint64_t staging_transient_bytes; /* of staging_bytes: beyond what each buffer keeps between uses (a prompt's */
+                                      /* reads; given back once the reads fit that again)                       */
+    uint64_t decoding_bytes;    /* experts being decoded now: their pages are in use before hot_bytes counts them */
+    uint64_t experts_streamed;  /* of hits_warm: left warm for the caller to decode in its cache (ZIPMOE_TURN_STREAM) */
+} zipmoe_stats;
+
+ZIPMOE_API void zipmoe_stats_get(zipmoe_stats * out);
+ZIPMOE_API void zipmoe_stats_reset(void); /* zeroes the counters, not what is kept */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* ZIPMOE_CACHE_H */
