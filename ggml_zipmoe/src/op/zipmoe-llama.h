@@ -22,10 +22,11 @@ zipmoe_llama_tensor_ptr zipmoe_llama_open(const char * name, const void * index,
 
 // After the model's compressed tensors are opened: configures the cache from the environment
 // (ZIPMOE_MEMORY_BUDGET, ZIPMOE_HOT_SHARE, ZIPMOE_SM_SHARE, ZIPMOE_PLAN, ZIPMOE_CACHE_POLICY, ZIPMOE_CACHE;
-// see zipmoe-llama.cpp). other_bytes: the model's weights that are not compressed experts, which the
-// budget covers too; embd_bytes of them (row size embd_row_bytes) a token embedding that is only read a row
-// per token through the mapping (0 if none), charged for the rows of a batch. False, with a message saying
-// the minimum, if the budget cannot hold them and one expert tensor's experts; info: a line for the log.
+// zipmoe_runtime_config in zipmoe-cache.h lists them; zipmoe-config.cpp). other_bytes: the model's weights that
+// are not compressed experts, which the budget covers too; embd_bytes of them (row size embd_row_bytes) a token
+// embedding that is only read a row per token through the mapping (0 if none), charged for the rows of a batch.
+// False, with a message saying the minimum, if the budget cannot hold them and one expert tensor's experts;
+// info: a line for the log.
 bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t embd_row_bytes, std::string & info,
                             std::string & err);
 

@@ -1,0 +1,230 @@
+// zipmoe-config.cpp - the cache's configuration for a model llama.cpp loads: the memory budget from the
+// environment, checked against the model's minimum and split between the cache tiers (or a planner's slots), and
+// the cache's other settings. Called by zipmoe_llama_configure once the model's compressed tensors are opened.
+#include "zipmoe-config.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+// ZIPMOE_MEMORY_BUDGET: a size (zipmoe_parse_size: "6GiB", "512M", "1000000") or "60%" of physical memory, whose
+// number is written as a size's; false if malformed.
+static bool parse_budget(const char * text, uint64_t & out) {
+    std::string s(text);
+    s.erase(0, s.find_first_not_of(" \t\n\v\f\r"));
+    s.erase(s.find_last_not_of(" \t\n\v\f\r") + 1);
+    if (s.empty() || s.back() != '%') {
+        return zipmoe_parse_size(text, &out) == ZIPMOE_OK;
+    }
+    s.pop_back();
+    uint64_t whole = 0;
+    if (s.find_first_not_of("0123456789.") != std::string::npos || zipmoe_parse_size(s.c_str(), &whole) != ZIPMOE_OK) {
+        return false;
+    }
+    const double bytes = std::strtod(s.c_str(), nullptr) * (double) sysconf(_SC_PHYS_PAGES) * (double) sysconf(_SC_PAGESIZE) / 100;
+    if (!(bytes >= 0 && bytes <= (double) ZIPMOE_SIZE_MAX)) {
+        return false;
+    }
+    out = (uint64_t) bytes;
+    return true;
+}
+
+static std::string mib(uint64_t bytes) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.0f MiB", (double) bytes / (1024.0 * 1024.0));
+    return buf;
+}
+
+static bool parse_fraction(const char * name, const char * v, double & out, std::string & err) {
+    if (!v) {
+        return true;
+    }
+    char * end = nullptr;
+    out        = std::strtod(v, &end);
+    if (*end || !(out >= 0 && out <= 1)) {
+        err = std::string(name) + "=" + v + " is not a fraction between 0 and 1";
+        return false;
+    }
+    return true;
+}
+
+// ZIPMOE_PLAN: a planner's slots per layer, "<layer>:<hot>,<warm>,<sm>;..." (pyzipmoe/planner.py writes it).
+static bool apply_plan(const char * plan, std::string & err) {
+    zipmoe_cache_set_slots(nullptr, 0, 0, 0);
+    for (const char * p = plan; *p;) {
+        int       layer = -1, n = 0;
+        long long hot = -1, warm = -1, sm = -1;
+        if (std::sscanf(p, "%d:%lld,%lld,%lld%n", &layer, &hot, &warm, &sm, &n) != 4 || layer < 0 || hot < 0 ||
+            warm < 0 || sm < 0 || (p[n] != ';' && p[n] != '\0')) {
+            zipmoe_cache_set_slots(nullptr, 0, 0, 0);
+            err = std::string("ZIPMOE_PLAN=") + plan + " is not a plan (\"<layer>:<hot>,<warm>,<sm>;...\", as `zipmoe plan` prints)";
+            return false;
+        }
+        const std::string prefix = "blk." + std::to_string(layer) + ".";
+        zipmoe_cache_set_slots(prefix.c_str(), hot, warm, sm);
+        p += n + (p[n] == ';');
+    }
+    return true;
+}
+
+
+// A token embedding read a row per token (get_rows) is charged for the rows of one batch: llama.cpp's default
+// n_batch of distinct tokens, each spanning its pages. The rest of the mapped table is clean page cache that the
+// kernel may take back at any time (a row read again is a page fault), not memory the model keeps. Charging all of
+// it would take 109 MiB more from the tiers of a 32000-token, 2048-wide model, 577 MiB more from Qwen3-30B-A3B's.
+// pyzipmoe.budget.embd_charge says the same.
+static uint64_t embd_charge(uint64_t embd_bytes, uint64_t row_bytes) {
+    constexpr uint64_t batch_rows = 2048;
+    if (row_bytes == 0) {
+        return embd_bytes;
+    }
+    const uint64_t page = (uint64_t) sysconf(_SC_PAGESIZE);
+    const uint64_t row  = ((row_bytes + page - 1) / page + 1) * page; // an unaligned row touches one page more
+    return std::min(embd_bytes, batch_rows * row);
+}
+
+// The cache's configuration for a model being loaded, from the environment (env) and the model's stores: the
+// budget split between the tiers, or a planner's slots, and the cache's settings (zipmoe-config.h).
+bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::vector<zipmoe_store_size> & stores,
+                                  bool warm_fast, uint64_t other_bytes, uint64_t embd_bytes, uint64_t embd_row_bytes,
+                                  std::string & info, std::string & err) {
+    const uint64_t embd_charged = embd_charge(embd_bytes, embd_row_bytes);
+    other_bytes                 = other_bytes - embd_bytes + embd_charged;
+    const std::string embd_note = embd_charged < embd_bytes ? " (token_embd: the rows of a batch, " + mib(embd_charged) +
+                                                                  " of " + mib(embd_bytes) + ")"
+                                                            : "";
+    // a store's routed experts stay decoded until the next store plans (its matmul ran by then): the working set
+    // beyond the tiers is the largest expert tensor's, all of whose experts a prompt may route to
+    uint64_t working_set = 0, experts = 0;
+    for (const auto & st : stores) {
+        working_set = std::max(working_set, st.bf16_bytes);
+        experts += st.bf16_bytes;
+    }
+    uint64_t      hot = UINT64_MAX, warm = 0, sm = 0, in_flight = working_set, reads = UINT64_MAX, token_hot = 0;
+    uint64_t      tiers = UINT64_MAX; // what a budget leaves beyond its minimum
+    zipmoe_policy policy = ZIPMOE_POLICY_TOKEN_LFU;
+    if (const char * v = env.memory_budget) {
+        uint64_t budget = 0;
+        if (!parse_budget(v, budget)) {
+            err = std::string("ZIPMOE_MEMORY_BUDGET=") + v + " is not a size (e.g. 6GiB, 512MiB, 60%)";
+            return false;
+        }
+        const uint64_t minimum = other_bytes + working_set;
+        if (budget < minimum) {
+            err = "memory budget " + mib(budget) + " is too small for this model: it needs at least " + mib(minimum) +
+                  " (" + mib(other_bytes) + " of weights that are not experts" + embd_note + " + " + mib(working_set) +
+                  " for the experts of one expert tensor in flight); raise ZIPMOE_MEMORY_BUDGET (zipmoe "
+                  "--memory-budget)";
+            return false;
+        }
+        tiers            = budget - minimum;
+        double hot_share = zipmoe_budget_default_hot_share(stores.data(), stores.size(), tiers, warm_fast);
+        double sm_share  = 0;
+        if (!parse_fraction("ZIPMOE_HOT_SHARE", env.hot_share, hot_share, err) ||
+            !parse_fraction("ZIPMOE_SM_SHARE", env.sm_share, sm_share, err)) {
+            return false;
+        }
+        if (!env.hot_share) {
+            hot_share = std::min(hot_share, std::max(0.0, 1.0 - sm_share)); // (the default gives way to an sm share)
+        }
+        if (hot_share + sm_share > 1 + 1e-9) {
+            err = "ZIPMOE_HOT_SHARE + ZIPMOE_SM_SHARE is more than 1";
+            return false;
+        }
+        zipmoe_budget_split split{};
+        if (zipmoe_budget_split_tiers(stores.data(), stores.size(), tiers, hot_share, sm_share, &split) < 0) {
+            err = "the memory budget could not be split between the cache tiers";
+            return false;
+        }
+        hot       = split.hot;
+        warm      = split.warm;
+        sm        = split.sm;
+        in_flight = split.in_flight;
+        reads     = split.reads ? split.reads : UINT64_MAX; // (none left: as zipmoe_cache_apply_split)
+        token_hot = split.token_hot;
+        info = "zipmoe: memory budget " + mib(budget) + ": " + mib(other_bytes) + " weights that are not experts" +
+               embd_note + ", " + mib(in_flight) + " for one expert tensor in flight beyond its decoded experts, " +
+               (split.reads ? mib(split.reads) + " for a prompt's reads, " : std::string()) +
+               "cache tiers " + mib(hot) + " decoded, " + mib(warm) + " compressed, " + mib(sm) +
+               " sign+mantissa (experts " + mib(experts) + " in BF16)";
+    } else {
+        info = "zipmoe: no memory budget: decoded experts are kept (set ZIPMOE_MEMORY_BUDGET or --memory-budget)";
+    }
+    if (const char * v = env.cache_policy) {
+        static const std::pair<const char *, zipmoe_policy> names[] = {
+            { "tlfu", ZIPMOE_POLICY_TOKEN_LFU }, { "lru", ZIPMOE_POLICY_LRU },
+            { "lfu", ZIPMOE_POLICY_LFU },        { "fifo", ZIPMOE_POLICY_FIFO },
+        };
+        bool found = false;
+        for (const auto & [name, p] : names) {
+            if (std::strcmp(v, name) == 0) {
+                policy = p;
+                found  = true;
+            }
+        }
+        if (!found) {
+            err = std::string("ZIPMOE_CACHE_POLICY=") + v + " is not a policy (tlfu, lru, lfu or fifo)";
+            return false;
+        }
+    }
+    if (const char * v = env.direct_io) {
+        if (std::strcmp(v, "0") != 0 && std::strcmp(v, "1") != 0) {
+            err = std::string("ZIPMOE_DIRECT_IO=") + v + " is not 0 or 1";
+            return false;
+        }
+        zipmoe_cache_set_direct_io(std::strcmp(v, "1") == 0);
+    } else {
+        zipmoe_cache_set_direct_io(1);
+    }
+    uint64_t read_buffer = 16ull << 20;
+    if (const char * v = env.read_buffer; v && (zipmoe_parse_size(v, &read_buffer) != ZIPMOE_OK || read_buffer == 0)) {
+        err = std::string("ZIPMOE_READ_BUFFER=") + v + " is not a size (e.g. 16MiB)";
+        return false;
+    }
+    zipmoe_cache_set_read_buffer(read_buffer);
+    if (const char * v = env.cache) {
+        if (std::strcmp(v, "none") == 0) {
+            hot = 0;
+        } else if (std::strcmp(v, "unbounded") != 0) {
+            err = std::string("ZIPMOE_CACHE=") + v + " is not a cache mode (use unbounded or none)";
+            return false;
+        }
+    }
+    const char * plan = env.plan;
+    if (plan) {
+        if (!apply_plan(plan, err)) {
+            return false;
+        }
+        info += "; slots per layer from ZIPMOE_PLAN";
+        // a prompt's read buffers get what the plan's slots leave of the tiers (plan_tiers leaves them room)
+        const uint64_t slots = zipmoe_cache_rules_bytes();
+        reads                = tiers == UINT64_MAX ? UINT64_MAX : tiers > slots ? tiers - slots : 0;
+        // a plan leaves the whole allowance for the tensor in flight beside its slots (the planner credits none of
+        // it): evicted experts' pages are kept within it. Without that, a budget whose shares credit the
+        // allowance to the hot tier (all of it from the model's size up) had every decode fault in zeroed pages:
+        // 2x the time of a decode-bound plan (tiered-cache.md)
+        in_flight = working_set;
+    } else {
+        zipmoe_cache_set_slots(nullptr, 0, 0, 0);
+    }
+    zipmoe_cache_configure(hot, warm, sm, policy);
+    // a prompt's read buffers stay within the room the split left them (beyond it they are rings)
+    zipmoe_cache_set_read_room(reads);
+    // evicted experts' memory is kept, within the allowance for the tensor in flight, for the next decodes
+    zipmoe_cache_set_reserve(hot == 0 ? working_set : in_flight);
+    // generation's hot tier also holds the allowance and the read room (a prompt's first store evicts them again:
+    // zipmoe_cache_begin_graph); not decoding on every use, nor with a plan, whose slots run as planned (the
+    // calibration and the benchmarks measure them; pyzipmoe's memory monitor gives a run's plans that room)
+    if (token_hot > 0 && hot > 0 && !plan) {
+        zipmoe_cache_set_token_hot(token_hot);
+        info += "; while generating, " + mib(token_hot) + " decoded";
+    } else if (hot == 0 && warm > 0 && sm == 0 && !plan) { // (cache/config.c: warm_tokens_possible)
+        info += "; while generating, the compressed tier also holds the allowance beyond a token's decodes";
+    }
+    return true;
+}
+
