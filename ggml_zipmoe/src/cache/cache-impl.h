@@ -111,12 +111,12 @@ struct zipmoe_store {
     uint64_t        plan_seq;  /* plans begun, ever: a turn's plan is done once plan_key is NULL or a later one began */
     _Atomic int64_t next_chunk; /* the next chunk of the plan to claim: expert j * n_chunks + chunk */
     uint64_t        plan_t0;
-    _Atomic(const void *) last_key; /* the last plan's key and the g_op_seq it began at: a thread arriving */
+    _Atomic(const void *) last_key; /* the last plan's key and the g_open.op_seq it began at: a thread arriving */
     _Atomic uint64_t      last_seq; /* with both unchanged is a late sibling of that invocation           */
     int64_t         plan_n;
-    uint64_t        plan_decoding; /* bytes of the plan's experts that are not hot: in g_decoding_bytes until publish */
+    uint64_t        plan_decoding; /* bytes of the plan's experts that are not hot: in g_stats.decoding_bytes until publish */
     plan_item *     plan;
-    int             planning;   /* from make_plan until publish: the plan's compressed regions are in use */
+    int             planning;   /* from cache_make_plan until publish: the plan's compressed regions are in use */
     int             plan_stream; /* the invocation's caller decodes warm experts itself (ZIPMOE_TURN_STREAM) */
     int             prefilling; /* zipmoe_cache_prefill routes its own batches: no counts, no routing log */
     zipmoe_read_job job;        /* the plan's reads, items parallel to plan */
@@ -145,9 +145,9 @@ struct zipmoe_store {
     _Atomic uint64_t route_n;     /* entries written, ever: entry i lies at i % ROUTE_RING */
     uint64_t        hot_used, warm_used, sm_used;
     uint64_t        hot_limit, warm_limit, sm_limit; /* refreshed when the configuration changes */
-    int64_t         hot_slots;   /* under g_cfg_mu: its whole experts of the hot budget (share_hot_slots); -1: none */
-    int64_t         extra_slots; /* under g_cfg_mu: hot slots beyond its rule's in generation (rule_slots) */
-    uint64_t        warm_share;  /* under g_cfg_mu: its whole regions of the warm budget (shared_warm); UINT64_MAX: none */
+    int64_t         hot_slots;   /* under g_cfg.mu: its whole experts of the hot budget (cache_share_hot_slots); -1: none */
+    int64_t         extra_slots; /* under g_cfg.mu: hot slots beyond its rule's in generation (rule_slots) */
+    uint64_t        warm_share;  /* under g_cfg.mu: its whole regions of the warm budget (shared_warm); UINT64_MAX: none */
     _Atomic uint64_t cfg_gen;
     zipmoe_policy   policy;
     int             use_slots;   /* decode into memfd slots (slots.c): the hot tier cannot hold every expert */
