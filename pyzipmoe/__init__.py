@@ -3,7 +3,7 @@
 Importing this package is cheap: it loads neither the native library nor llama-cpp-python. It only points
 llama-cpp-python at zipmoe's build of libllama (environment variable ``LLAMA_CPP_LIB_PATH``, unless it is
 already set), so that once ``pyzipmoe`` has been imported, ``llama_cpp.Llama`` runs zipmoe GGUFs too.
-``pyzipmoe.Llama`` is ``llama_cpp.Llama`` plus zipmoe's options (see ``pyzipmoe.llama``).
+``pyzipmoe.Llama`` is ``llama_cpp.Llama`` plus zipmoe's options (see ``pyzipmoe.runtime.llama``).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ _point_llama_cpp_at_our_build()
 
 def __getattr__(name: str) -> Any:
     if name == "Llama":  # imports llama_cpp (and opens libllama) only when asked for
-        from .llama import Llama
+        from .runtime.llama import Llama
 
         return Llama
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Smoke test of tools/bench_codec.py (--quick) and of the safetensors loader it uses (pyzipmoe.weights).
+"""Smoke test of tools/bench_codec.py (--quick) and of the safetensors loader it uses (pyzipmoe.file.weights).
 
 Speeds are not asserted (machines are shared and noisy); sizes are, since they are deterministic.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyzipmoe import format, weights
+from pyzipmoe.file import gguf as format, weights
 from pyzipmoe.errors import FormatError
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from pyzipmoe import calibrate as cal_mod
+from pyzipmoe.plan import measure as cal_mod
 from pyzipmoe import cli
-from pyzipmoe.calibrate import (
+from pyzipmoe.plan.measure import (
     Calibration,
     CalibrationError,
     cache_dir,
@@ -24,7 +24,7 @@ from pyzipmoe.calibrate import (
     seconds_per_call,
     usable_cores,
 )
-from pyzipmoe.cli_calibrate import calibration_table, duration, register
+from pyzipmoe.cli.calibrate import calibration_table, duration, register
 
 # a few reads, a few ms per timing, tier costs through the stores (the engine's are tested once): tests stay quick
 FAST = {"read_bytes": 16 << 10, "min_seconds": 0.005, "engine": False}
@@ -64,7 +64,7 @@ def test_the_engine_measures_tier_costs_and_the_base(model: Path) -> None:
     """Through the engine: six generations, solved for the base and each tier's cost per expert of a layer. A
     calibration made without the engine does not count as one when the engine is asked for, nor for making the
     planner the default."""
-    from pyzipmoe.controller import planner_by_default
+    from pyzipmoe.runtime.controller import planner_by_default
 
     under_budget = {"budget": "1GiB", "hot_share": None, "sm_share": None}
     assert not planner_by_default(model, **under_budget)  # nothing measured: plans would come from guesses

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import pyzipmoe
-from pyzipmoe import format
+from pyzipmoe.file import gguf as format
 from pyzipmoe.cli import main
 
 REPO = Path(pyzipmoe.__file__).resolve().parent.parent

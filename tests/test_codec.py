@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from pyzipmoe import codec, format
+from pyzipmoe.file import codec, gguf as format
 from pyzipmoe.errors import ChecksumError, FormatError, UnsupportedError
 
 ALL_BF16 = np.arange(65536, dtype=np.uint16)  # every bit pattern: NaN payloads, +-0, +-Inf, subnormals

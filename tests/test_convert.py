@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyzipmoe import codec, convert, format
+from pyzipmoe.file import codec, convert, gguf as format
 from pyzipmoe.errors import ChecksumError, FormatError, UnsupportedError, ZipmoeError
 
 from conftest import ARCHS, CODECS, SMALL_CHUNK

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from gguf import GGUFValueType
 
-from pyzipmoe import codec, format
+from pyzipmoe.file import codec, gguf as format
 from pyzipmoe.errors import FormatError, UnsupportedError, ZipmoeError
 
 from conftest import SMALL_CHUNK

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import pyzipmoe
-from pyzipmoe import codec, convert, format
+from pyzipmoe.file import codec, convert, gguf as format
 from pyzipmoe._native import library_candidates
 from pyzipmoe.errors import ChecksumError, FormatError, UnsupportedError
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from pyzipmoe import memory
-from pyzipmoe.budget import cache_environment, parse_budget
+from pyzipmoe.runtime import memory
+from pyzipmoe.runtime.budget import cache_environment, parse_budget
 from pyzipmoe.errors import ZipmoeError
-from pyzipmoe.memory import MIN_MARGIN, MemoryReading, auto_budget, cgroup_memory, read_memory, safety_margin
+from pyzipmoe.runtime.memory import MIN_MARGIN, MemoryReading, auto_budget, cgroup_memory, read_memory, safety_margin
 
 GiB, MiB = 1 << 30, 1 << 20
 V1_UNLIMITED = 9223372036854771712  # what cgroup v1 writes for "no limit" with 4 KiB pages

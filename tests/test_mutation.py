@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from pyzipmoe import format
+from pyzipmoe.file import gguf as format
 
 WORKER = Path(__file__).with_name("mutation_worker.py")
 N_MUTATIONS = int(os.environ.get("ZIPMOE_MUTATIONS", "1000"))

@@ -1,4 +1,4 @@
-"""The tier planner (pyzipmoe/planner.py) and `zipmoe plan` (pyzipmoe/cli_plan.py).
+"""The tier planner (pyzipmoe/plan/) and `zipmoe plan` (pyzipmoe/cli/plan.py).
 
 The planner's numbers are checked against brute force: enumeration of every routed set for small layers (the
 conditional Poisson design, the tier-count distribution, the expected delay), every slot allocation for a tiny
@@ -14,9 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyzipmoe import cli_plan, planner
+from pyzipmoe.cli import plan as cli_plan
+from pyzipmoe.plan import solver as planner
 from pyzipmoe.errors import ZipmoeError
-from pyzipmoe.planner import Costs, ModelGeometry, PlanInputError, TierSeconds
+from pyzipmoe.plan.solver import Costs, ModelGeometry, PlanInputError, TierSeconds
 
 # reads and decoding both matter in the max; a layer that reads at all pays `layer` once
 SECONDS = TierSeconds(decode=0.3, read_sm=0.7, read_cold=1.1, layer=0.25, layer_sm=0.1)
@@ -602,7 +603,8 @@ def test_costs_validation(tmp_path: Path):
 
 @pytest.fixture(scope="module")
 def tiny_zipmoe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pyzipmoe import convert, synth
+    from pyzipmoe.file import convert
+    from pyzipmoe import synth
 
     root = tmp_path_factory.mktemp("plan")
     synth.write_config(root / "tiny.gguf", synth.PRESETS["tiny"])
@@ -631,7 +633,7 @@ def no_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def whole(model: Path, tier_bytes: int) -> str:
     """The --memory-budget that leaves tier_bytes for the tiers (the budget also holds the weights that are not
     experts and one layer's experts in flight)."""
-    from pyzipmoe.budget import model_memory
+    from pyzipmoe.runtime.budget import model_memory
 
     return str(model_memory(model).minimum + tier_bytes)
 
@@ -719,7 +721,7 @@ def test_register_keeps_the_budget_away_from_the_runtime_environment():
 
 def test_cli_costs_from_a_calibration(tiny_zipmoe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                       monkeypatch: pytest.MonkeyPatch):
-    """A calibration (pyzipmoe.calibrate, faked here) gives what it measured; what it could not stays estimated,
+    """A calibration (pyzipmoe.plan.measure, faked here) gives what it measured; what it could not stays estimated,
     and --costs overrides both."""
     import sys
     import types
@@ -729,9 +731,9 @@ def test_cli_costs_from_a_calibration(tiny_zipmoe: Path, tmp_path: Path, capsys:
             return {"cores": 3, "t_decode": 2e-4, "disk_bandwidth": 1e9, "read_latency": 5e-5,
                     "base_seconds_per_token": None}
 
-    fake = types.ModuleType("pyzipmoe.calibrate")
+    fake = types.ModuleType("pyzipmoe.plan.measure")
     fake.load_calibration = lambda path: Calibration()  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "pyzipmoe.calibrate", fake)
+    monkeypatch.setitem(sys.modules, "pyzipmoe.plan.measure", fake)
     code, out, _ = run_plan(capsys, str(tiny_zipmoe), "--memory-budget", whole(tiny_zipmoe, 60 << 10), "--json")
     data = json.loads(out)
     assert code == 0 and data["costs"]["cores"] == 3 and data["costs"]["t_decode"] == 2e-4

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyzipmoe import format
+from pyzipmoe.file import gguf as format
 from pyzipmoe._native import ffi, lib
 
 UNBOUNDED = 2**64 - 1
@@ -555,7 +555,7 @@ def test_a_budget_split_by_shares_leaves_a_prompt_s_reads_room_and_generation_al
     allowance for the tensor in flight share the rest with the largest tensor's experts, and generation's hot
     budget holds all of it; with an sm tier, no generation budget; with compressed tiers, the room holds what the
     warm tier does not keep whole and the sm tier's codes, with or without a hot tier; bad shares are refused."""
-    from pyzipmoe.controller import store_sizes
+    from pyzipmoe.runtime.controller import store_sizes
 
     sizes = store_sizes(zipmoe_model)
     cold = 1 - tiers / sum(b for b, _, _ in sizes)  # of every store's experts, with the tiers all hot
@@ -930,7 +930,7 @@ def test_the_planners_recency_model_predicts_the_runtimes_hits(zipmoe_model, sta
     were used since it was, under token-weighted LFU when fewer than `hot` rank above it by uses (then sm, or warm
     then sm without a hot tier). The runtime must agree token by token, ties and all (with fewer hot slots than
     routed experts, too: another layer's invocation trims this one's between tokens, as in a model)."""
-    from pyzipmoe import planner
+    from pyzipmoe.plan import solver as planner
 
     zf = format.open_zipmoe(zipmoe_model)
     ct = zf.compressed[0]

@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 
 import pyzipmoe
-from pyzipmoe import store as S
+from pyzipmoe.models import local as S
 from pyzipmoe.errors import ZipmoeError
-from pyzipmoe.modelfile import Message
-from pyzipmoe.store import BlobError, ModelName, ModelNotFoundError, Store, StoreError
+from pyzipmoe.models.modelfile import Message
+from pyzipmoe.models.local import BlobError, ModelName, ModelNotFoundError, Store, StoreError
 
 REPO = Path(pyzipmoe.__file__).resolve().parent.parent
 TIMEOUT = 120  # seconds for any child process
@@ -69,7 +69,7 @@ def zipmoe(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) 
     """Runs the zipmoe command in-process: (exit status, stdout, stderr). Until cli.py registers the store
     commands itself, they are registered here."""
     from pyzipmoe import cli
-    from pyzipmoe.cli_models import register
+    from pyzipmoe.cli.models import register
 
     if "create" not in subparsers(cli.build_parser()).choices:
         original = cli.build_parser
@@ -216,7 +216,7 @@ def test_second_create_stores_no_new_model_blob(store: Store, tiny_model: Path, 
     first = store.create("a", f"FROM {tiny_model}\nSYSTEM one\n", base_dir=tmp_path, threads=2)
     assert first.converted and not first.model_reused and first.new_blobs == 3  # model, config, system
     before = blob_files(store)
-    from pyzipmoe import convert
+    from pyzipmoe.file import convert
 
     def no_conversion(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the source was converted again")
@@ -465,7 +465,8 @@ def test_a_failing_create_leaves_the_store_consistent(store: Store, tiny_model: 
 
 KILLED_CREATE = r"""
 import pathlib, sys, time
-from pyzipmoe import convert, store as S
+from pyzipmoe.file import convert
+from pyzipmoe.models import local as S
 root, src, stage, ready = sys.argv[1:5]
 
 def hold():
@@ -521,7 +522,7 @@ def test_a_killed_create_leaves_the_store_consistent(stage: str, store: Store, t
 
 CONCURRENT_CREATE = r"""
 import pathlib, sys, time
-from pyzipmoe import store as S
+from pyzipmoe.models import local as S
 root, src, name, codec, go = sys.argv[1:6]
 while not pathlib.Path(go).exists():
     time.sleep(0.005)
@@ -689,8 +690,8 @@ import json, sys
 import numpy as np
 import pyzipmoe  # points llama_cpp at zipmoe's libllama
 import llama_cpp
-from pyzipmoe.llama import last_logits
-from pyzipmoe.store import llama_from_store
+from pyzipmoe.runtime.llama import last_logits
+from pyzipmoe.models.local import llama_from_store
 
 job = json.loads(sys.argv[1])
 llm = llama_from_store(job["name"], zipmoe_models=job["root"], verbose=False, n_threads=1)

@@ -64,7 +64,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pyzipmoe import codec, weights
+from pyzipmoe.file import codec, weights
 from pyzipmoe._native import ffi, lib
 
 INDEX_HEADER_ELEMS = 48  # docs/FORMAT.md: index = 48 + 2E + 2EC + 1 int64 elements

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
-from .errors import ZipmoeError
+from ..errors import ZipmoeError
 
 DIRECTIVES = ("FROM", "PARAMETER", "TEMPLATE", "SYSTEM", "LICENSE", "MESSAGE")
 # Ollama knows these; a Modelfile written for Ollama that uses them gets a reason, not just "unknown"
@@ -42,7 +42,7 @@ OLLAMA_ONLY = {
     "REQUIRES": "zipmoe has no minimum-version check",
 }
 ROLES = ("system", "user", "assistant")
-CACHE_POLICIES = ("unbounded", "none")  # pyzipmoe.llama.CACHE_MODES; a test keeps the two equal
+CACHE_POLICIES = ("unbounded", "none")  # pyzipmoe.runtime.llama.CACHE_MODES; a test keeps the two equal
 
 Kind = Literal["int", "float", "str", "size", "choice"]
 

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import FormatError, UnsupportedError, ZipmoeError
+from ..errors import FormatError, UnsupportedError, ZipmoeError
 
 __all__ = [
     "COST_FIELDS", "PLAN_ENV", "TIERS", "CostModel", "Costs", "LayerDesign", "LayerPlan", "LayerTable",
@@ -188,7 +188,7 @@ def geometry_from_gguf(path: str | os.PathLike[str]) -> ModelGeometry:
     Loads the native library (the indexes are validated by it). Raises PlanInputError for a file that is no zipmoe
     GGUF or whose expert tensors disagree with its metadata.
     """
-    from .format import DATA_SUFFIX, INDEX_SUFFIX, SOURCE_HEADER, open_zipmoe
+    from ..file.gguf import DATA_SUFFIX, INDEX_SUFFIX, SOURCE_HEADER, open_zipmoe
 
     label = str(path)
     try:

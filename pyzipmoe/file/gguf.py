@@ -26,7 +26,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from . import codec
-from .errors import ChecksumError, FormatError, UnsupportedError
+from ..errors import ChecksumError, FormatError, UnsupportedError
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSION = 3

@@ -15,7 +15,7 @@ The planner needs a few numbers it cannot know from the file alone (`Calibration
   t_layer                wall seconds a layer adds per token whenever it reads from disk: the wait for its
                          first read, which no decoding overlaps (read_latency + one region / disk_bandwidth)
 
-Those are measured through the engine (`engine=True`, the default; pyzipmoe.timing): the model generates greedily
+Those are measured through the engine (`engine=True`, the default; pyzipmoe.runtime.timing): the model generates greedily
 in fresh processes, with every expert decoded (the base), with k hot slots per layer and the rest of the experts
 warm, sm or cold, and with half the experts hot and the rest cold; each run's time per token is the base plus
 the layers that decoded and the experts the runtime counted in each tier times their costs, which the six runs
@@ -57,9 +57,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import FormatError, UnsupportedError, ZipmoeError
-from .memory import CGROUP_ROOT, PROC_SELF, cgroup_dirs
-from .progress import Progress, Silent
+from ..errors import FormatError, UnsupportedError, ZipmoeError
+from ..runtime.memory import CGROUP_ROOT, PROC_SELF, cgroup_dirs
+from ..progress import Progress, Silent
 
 SCHEMA = 4  # of the cache files; another value is measured again (1: tier costs from the stores alone; 2: t_layer
 #             fitted; 3: engine runs that generated token 0 forever, see llama.last_logits)
@@ -160,8 +160,8 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 def runtime_id() -> str:
     """The runtime's build: size and mtime of the native library the process loads and of the libllama the
     engine runs (the custom op and the budget's rules live there). The engine's costs change when either does."""
-    from ._native import library_candidates
-    from .runner import bin_dir
+    from .._native import library_candidates
+    from ..runtime.runner import bin_dir
 
     native = next((p for p in library_candidates() if p.is_file()), None)
     parts = []
@@ -296,8 +296,8 @@ def _pread(fd: int, size: int, offset: int, label: str) -> np.ndarray:
 
 def _reencoded(values: np.ndarray, info: Any, codec_name: str, name: str) -> tuple[Any, np.ndarray]:
     """One expert's values encoded with another codec, as a one-expert tensor: (ExpertTensor, region)."""
-    from . import codec
-    from .format import build_index
+    from ..file import codec
+    from ..file.gguf import build_index
 
     if codec_name == "huff":
         coder = codec.Codec("huff", lengths=codec.huff_lengths(codec.exponent_histogram(values)))
@@ -325,8 +325,8 @@ class DecodeCosts:
 def measure_decode(fd: int, tensors: Sequence[Any], expert: int, file_codec: str, *, min_seconds: float,
                    label: str, progress: Progress) -> DecodeCosts:
     """Decodes expert `expert` of every tensor in `tensors` (the CompressedTensors of one layer) on this thread."""
-    from . import codec
-    from ._native import ffi, lib
+    from ..file import codec
+    from .._native import ffi, lib
 
     regions = [_pread(fd, c.expert.span(expert).size, c.region_file_offset(expert), label) for c in tensors]
     outs = [np.empty(c.expert.info.n_per_expert, np.uint16) for c in tensors]
@@ -392,7 +392,7 @@ class _LayerStores:
     """The runtime's stores for one layer's expert tensors, reading the model file: what the engine would use."""
 
     def __init__(self, fd: int, tensors: Sequence[Any], label: str) -> None:
-        from ._native import ffi, lib
+        from .._native import ffi, lib
 
         self.ffi, self.lib, self.handles, self.keys, self.elapsed = ffi, lib, [], [], 0.0
         for c in tensors:
@@ -443,7 +443,7 @@ def measure_tiers(fd: int, tensors: Sequence[Any], n_expert: int, n_used: int, *
     on `threads` threads as the engine calls it, page cache dropped before every disk-bound pass: the wall time a
     routed expert costs in each tier, reader thread, slots, the cores' sharing and all. Runs with budgets of its
     own (the process's budget is changed: calibrate in a process that runs no model)."""
-    from ._native import lib
+    from .._native import lib
 
     unbounded = (1 << 64) - 1
     layer_bytes = sum(c.expert.info.n_per_expert * 2 for c in tensors) * n_expert
@@ -496,9 +496,9 @@ def measure_engine(model_path: Path, *, threads: int, expert_tensors: int, first
     cannot tell them apart (a model whose generation settles on so few experts that a tier is never used).
     first_read: seconds of a layer's first read from disk (the disk's latency and one region at its bandwidth),
     which no decoding overlaps: t_layer."""
-    from .budget import model_memory
-    from .planner import geometry_from_gguf
-    from .timing import time_generation
+    from ..runtime.budget import model_memory
+    from .solver import geometry_from_gguf
+    from ..runtime.timing import time_generation
 
     geometry = geometry_from_gguf(model_path)
     need = model_memory(model_path)
@@ -651,7 +651,7 @@ def measure_disk(path: Path, regions: Sequence[tuple[int, int]], read_bytes: int
 
 
 def _open_model(model_path: str | os.PathLike[str]) -> Any:
-    from .format import open_zipmoe
+    from ..file.gguf import open_zipmoe
 
     path = Path(model_path).expanduser()
     if not path.exists():
@@ -728,7 +728,7 @@ def calibrate(model_path: str | os.PathLike[str], *, force: bool = False, progre
     disk = measure_disk(path, regions, read_bytes, progress=progress)
     measured = None
     if engine:
-        from .timing import TimingError
+        from ..runtime.timing import TimingError
 
         try:
             region = sum(c.expert.span(expert).size for c in tensors) / len(tensors)  # a layer's first read

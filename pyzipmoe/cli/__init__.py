@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import ZipmoeError
-from .progress import Progress, for_terminal
+from ..errors import ZipmoeError
+from ..progress import Progress, for_terminal
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -110,7 +110,7 @@ def _print_json(data: dict[str, Any]) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from . import convert
+    from ..file import convert
 
     if args.level is not None and args.codec != "zstd":
         raise ZipmoeError("--level applies to --codec zstd only")
@@ -133,7 +133,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from . import convert
+    from ..file import convert
 
     report = convert.verify(args.file, args.against, threads=args.threads,
                             progress=for_terminal(args.quiet or args.json))
@@ -148,7 +148,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from . import convert
+    from ..file import convert
 
     info = convert.inspect(args.file, progress=for_terminal(args.json))
     if args.json:
@@ -171,7 +171,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_unpack(args: argparse.Namespace) -> int:
-    from . import convert
+    from ..file import convert
 
     report = convert.unpack(args.file, args.out, threads=args.threads, progress=for_terminal(args.quiet))
     if not args.quiet:
@@ -181,7 +181,8 @@ def cmd_unpack(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from . import convert, synth
+    from ..file import convert
+    from .. import synth
 
     progress = for_terminal(args.quiet)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="zipmoe-demo-"))
@@ -248,7 +249,7 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import codec
+    from ..file import codec
 
     fmt = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog="zipmoe", description=DESCRIPTION, epilog=EPILOG, formatter_class=fmt)
@@ -325,11 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bars, no output")
     p.set_defaults(run=cmd_demo)
     _add_llama_commands(sub, fmt)
-    from .cli_models import register as add_model_commands  # create, list/ls, show, cp, rm, prune, export, import
+    from .models import register as add_model_commands  # create, list/ls, show, cp, rm, prune, export, import
 
     add_model_commands(sub)
-    from .cli_calibrate import register as add_calibrate_command
-    from .cli_plan import register as add_plan_command
+    from .calibrate import register as add_calibrate_command
+    from .plan import register as add_plan_command
 
     add_calibrate_command(sub)
     add_plan_command(sub)
@@ -375,14 +376,14 @@ def _common_llama_flags(args: argparse.Namespace) -> list[str]:
 
 def _resolve(args: argparse.Namespace, program: str) -> tuple[str, list[str], Any]:
     """MODEL as a GGUF path or a stored model's name: (file, the package's flags for `program`, package)."""
-    from .store import resolve_model
+    from ..models.local import resolve_model
 
     path, package = resolve_model(args.model)
     return str(path), (package.llama_program_args(program) if package else []), package
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from . import runner
+    from ..runtime import runner
 
     model, package_flags, package = _resolve(args, "llama-cli")
     params = package.parameters if package else {}
@@ -419,7 +420,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from . import runner
+    from ..runtime import runner
 
     model, package_flags, package = _resolve(args, "llama-server")
     cache = args.cache or (package.parameters.get("cache_policy") if package else None)
@@ -430,14 +431,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from . import runner
+    from ..runtime import runner
 
     flags = ["-p", str(args.n_prompt), "-n", str(args.n_gen), "-r", str(args.repetitions)]
     if args.threads is not None:
         flags += ["-t", str(args.threads)]
     if args.no_warmup:
         flags.append("--no-warmup")
-    from .llama import is_zipmoe_file
+    from ..runtime.llama import is_zipmoe_file
 
     zipmoe_models = [m for m in args.models if is_zipmoe_file(m)]
     if args.planner is True and args.memory_budget is not None and len(zipmoe_models) > 1:
@@ -472,8 +473,8 @@ def _cache_settings(args: argparse.Namespace, model: str, package: Any = None) -
     """The runtime's environment for MODEL from --memory-budget, --policy, --hot-share, --sm-share and --trace (a
     stored model's memory_budget parameter is the default budget); the planner splits the budget unless shares
     are given."""
-    from .controller import planner_by_default, runtime_environment
-    from .llama import is_zipmoe_file
+    from ..runtime.controller import planner_by_default, runtime_environment
+    from ..runtime.llama import is_zipmoe_file
 
     budget = args.memory_budget
     if budget is None and package is not None:

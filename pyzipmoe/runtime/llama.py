@@ -31,9 +31,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from . import _point_llama_cpp_at_our_build, build_dir, llama_lib_dir
+from .. import _point_llama_cpp_at_our_build, build_dir, llama_lib_dir
 from .budget import CACHE_ENV, PLAN_ENV, PREFILL_ENV
-from .errors import NativeLibraryError, UnsupportedError, ZipmoeError
+from ..errors import NativeLibraryError, UnsupportedError, ZipmoeError
 
 CACHE_MODES = ("unbounded", "none")
 ZIPMOE_LIB_NAME = "libggml-zipmoe.so"
@@ -195,7 +195,7 @@ def zipmoe_stats(reset: bool = False) -> dict[str, float]:
     decode_ns, materialize_calls, ...), plus decode_seconds. With reset=True the counters (not the experts
     kept) are zeroed after reading.
     """
-    from ._native import ffi, lib
+    from .._native import ffi, lib
 
     _check_one_runtime()
     s = ffi.new("zipmoe_stats *")
@@ -221,7 +221,7 @@ def last_logits(llm: Any) -> Any:
 
 
 def zipmoe_stats_reset() -> None:
-    from ._native import lib
+    from .._native import lib
 
     lib.zipmoe_stats_reset()
 
@@ -244,7 +244,7 @@ def _env(name: str, value: str) -> Iterator[None]:
 
 def is_zipmoe_file(path: str | os.PathLike[str]) -> bool | None:
     """True for a zipmoe GGUF, False for another GGUF, None if the header cannot be read (llama.cpp decides)."""
-    from .format import read_gguf
+    from ..file.gguf import read_gguf
 
     try:
         return read_gguf(path).is_zipmoe
@@ -254,7 +254,7 @@ def is_zipmoe_file(path: str | os.PathLike[str]) -> bool | None:
 
 def _header_problem(path: str) -> str | None:
     """What pyzipmoe's own reader finds wrong with a file, if anything."""
-    from .format import open_zipmoe, read_gguf
+    from ..file.gguf import open_zipmoe, read_gguf
 
     try:
         if read_gguf(path).is_zipmoe:
@@ -277,13 +277,13 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
     hot_share, sm_share: shares of the cache for decoded experts and sign+mantissa planes (default 0); the rest keeps
         whole compressed experts. The default hot share is the runtime's: 0 where nearly every expert fits
         compressed but not decoded and the model's escape code decodes with SIMD here, else 1.
-    planner: let the planner split the cache per layer (pyzipmoe/planner.py), from this machine's calibration
+    planner: let the planner split the cache per layer (pyzipmoe/plan/), from this machine's calibration
         (`zipmoe calibrate`) and the routing (`trace`, then the order in which the run's tokens routed). None
         (default): on under a budget without shares or a plan, once the model has a calibration measured through
         the engine; else the cache keeps decoded experts (docs/notes/tiered-cache.md).
     trace: activation counts for the planner (.npz with "counts" [prompts, layers, experts]); default uniform.
     plan: slots per tier per layer, as `zipmoe plan` prints them ("0:12,4,0;1:..."), instead of planning.
-    adapt: re-plan while running (pyzipmoe.controller.MemoryMonitor): when the memory available changes ("auto"
+    adapt: re-plan while running (pyzipmoe.runtime.controller.MemoryMonitor): when the memory available changes ("auto"
         grows up to the model's size, a fixed budget is a ceiling), and from the routing the run has seen. Default:
         on whenever the planner splits the budget.
     prefill: fill the cache at load, on every core, so that the first tokens find their experts decoded (as
@@ -385,7 +385,7 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
         return after
 
     def zipmoe_stats(self, reset: bool = False) -> dict[str, float]:
-        """The runtime's counters (process-wide); see pyzipmoe.llama.zipmoe_stats."""
+        """The runtime's counters (process-wide); see pyzipmoe.runtime.llama.zipmoe_stats."""
         return zipmoe_stats(reset)
 
 
@@ -393,7 +393,7 @@ __all__ = ["CACHE_MODES", "Llama", "ZipmoeDecodeError", "ZipmoeLoadError", "is_z
            "loaded_library", "quiet_llama_log", "zipmoe_stats", "zipmoe_stats_reset"]
 
 
-if __name__ == "__main__":  # pragma: no cover - a quick look: python -m pyzipmoe.llama MODEL [PROMPT]
+if __name__ == "__main__":  # pragma: no cover - a quick look: python -m pyzipmoe.runtime.llama MODEL [PROMPT]
     llm = Llama(sys.argv[1], verbose=False)
     print(llm(sys.argv[2] if len(sys.argv) > 2 else "hello", max_tokens=16, temperature=0)["choices"][0]["text"])
     print(llm.zipmoe_stats())

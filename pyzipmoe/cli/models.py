@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .modelfile import PARAMETERS, ModelfileError, format_parameter
-from .modelfile import parse as parse_modelfile
-from .progress import for_terminal
-from .store import NAME_HELP, ModelPackage, Store, resolve_model
+from ..models.modelfile import PARAMETERS, ModelfileError, format_parameter
+from ..models.modelfile import parse as parse_modelfile
+from ..progress import for_terminal
+from ..models.local import NAME_HELP, ModelPackage, Store, resolve_model
 
 __all__ = ["EXIT_STATUS", "register", "resolve_model"]
 
@@ -30,7 +30,7 @@ MODELS_HELP = "the model store (default: $ZIPMOE_MODELS, else ~/.zipmoe/models)"
 
 
 def _human_size(n: float) -> str:
-    from .cli import human_size
+    from . import human_size
 
     return human_size(n)
 
@@ -231,13 +231,13 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def _para(text: str) -> str:
-    from .cli import _para as para
+    from . import _para as para
 
     return para(text)
 
 
 def _positive(text: str) -> int:
-    from .cli import _positive as positive
+    from . import _positive as positive
 
     return positive(text)
 
@@ -248,7 +248,7 @@ def _models_option(p: argparse.ArgumentParser) -> None:
 
 def register(sub: Any) -> None:
     """Adds the model-store commands to the `zipmoe` command's subparsers."""
-    from . import codec
+    from ..file import codec
 
     fmt = argparse.RawDescriptionHelpFormatter
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from . import build_dir, openmp_environment
+from .. import build_dir, openmp_environment
 from .budget import CACHE_ENV
-from .errors import NativeLibraryError, ZipmoeError
+from ..errors import NativeLibraryError, ZipmoeError
 
 PROGRAMS = ("llama-cli", "llama-completion", "llama-server", "llama-bench", "llama-simple")
 CACHE_MODES = ("unbounded", "none")
@@ -173,7 +173,7 @@ class Completion:
 
 
 def _context_length(model: Path) -> int | None:
-    from .format import read_gguf
+    from ..file.gguf import read_gguf
 
     try:
         g = read_gguf(model)

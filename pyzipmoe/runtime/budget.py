@@ -18,7 +18,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from .errors import ZipmoeError
+from ..errors import ZipmoeError
 
 POLICIES = ("tlfu", "lru", "lfu", "fifo")  # tlfu: the paper's token-weighted LFU
 BUDGET_ENV, HOT_SHARE_ENV, POLICY_ENV = "ZIPMOE_MEMORY_BUDGET", "ZIPMOE_HOT_SHARE", "ZIPMOE_CACHE_POLICY"
@@ -50,7 +50,7 @@ def parse_budget(text: str | int, *, total: int | None = None, model_bytes: int 
     """Bytes from "6GiB", "512MiB", "1000000", "60%" (of `total`, default the machine's memory) or "auto".
 
     "auto" is what this process could allocate now less a safety margin, at most `model_bytes` if given
-    (pyzipmoe.memory.auto_budget). "0" is a budget too: keep no expert, decode on every use.
+    (pyzipmoe.runtime.memory.auto_budget). "0" is a budget too: keep no expert, decode on every use.
     """
     if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
@@ -144,7 +144,7 @@ def model_memory(path: str | os.PathLike[str], *, mapped: bool = True) -> ModelM
     """The runtime's own accounting (zipmoe_llama_configure) for a zipmoe GGUF, from its header and indexes.
     mapped: llama.cpp maps the file without locking it (its default), so that a token embedding with an output
     matrix of its own is read a row per token and charged by embd_charge; else it is charged whole."""
-    from . import format
+    from ..file import gguf as format
 
     zf = format.open_zipmoe(path)
     compressed = {c.name for c in zf.compressed}

@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from . import planner
+from ..plan import solver as planner
 from .budget import AUTO, POLICY_ENV, ModelMemory, cache_environment, check_budget, model_memory, parse_budget
-from .errors import ZipmoeError
+from ..errors import ZipmoeError
 
 PENDING_STEPS = 20  # readings a shrink for the mapped weights waits for the tiers to come down to it, at most
 ROUTING_MIN_TOKENS = 64  # tokens a layer routes between two re-plans from the routing seen
@@ -37,7 +37,7 @@ def machine_costs(model_path: str | os.PathLike[str], geometry: planner.ModelGeo
     from."""
     costs = planner.default_costs(geometry)
     try:
-        from .calibrate import load_calibration
+        from ..plan.measure import load_calibration
 
         cal = load_calibration(model_path)
     except (ImportError, OSError, ZipmoeError):
@@ -85,7 +85,7 @@ def planner_by_default(model_path: str | os.PathLike[str], *, budget: str | int 
     if budget is None or not is_zipmoe or plan is not None or hot_share is not None or sm_share is not None:
         return False
     try:
-        from .calibrate import load_calibration
+        from ..plan.measure import load_calibration
 
         cal = load_calibration(model_path)
     except (ImportError, OSError, ZipmoeError):
@@ -134,7 +134,7 @@ def apply_plan(plan: planner.Plan, lib: Any = None, *, reserve: int | None = Non
     run's: the budget less the weights that are not experts; 0: the slots as planned). The room is set first: a
     smaller one never meets the larger slots it replaces."""
     if lib is None:
-        from ._native import lib
+        from .._native import lib
     lib.zipmoe_cache_set_token_room(token_room)
     set_read_room(plan, lib)
     for lp in plan.layers:
@@ -158,7 +158,7 @@ _UNBOUNDED = 2**64 - 1
 def store_sizes(model_path: str | os.PathLike[str]) -> list[tuple[int, int, int]]:
     """(BF16 bytes, experts, compressed bytes) of each expert tensor of a zipmoe GGUF, as the runtime's glue
     passes them to zipmoe_budget_split_tiers at load."""
-    from .format import open_zipmoe
+    from ..file.gguf import open_zipmoe
 
     return [(c.source.nbytes, c.source.dims[2], c.expert.info.data_size) for c in open_zipmoe(model_path).compressed]
 
@@ -166,15 +166,15 @@ def store_sizes(model_path: str | os.PathLike[str]) -> list[tuple[int, int, int]
 def warm_decodes_fast(model_path: str | os.PathLike[str]) -> bool:
     """Whether every expert tensor of a zipmoe GGUF decodes its warm hits with the escape code's SIMD decoder on
     this CPU: the runtime's default split keeps every expert compressed only then (default_hot_share)."""
-    from . import codec
-    from .format import open_zipmoe
+    from ..file import codec
+    from ..file.gguf import open_zipmoe
 
     compressed = open_zipmoe(model_path).compressed
     return bool(compressed) and codec.esc_simd_level() > 0 and all(c.expert.info.codec == "esc" for c in compressed)
 
 
 def _store_sizes_struct(sizes: list[tuple[int, int, int]]) -> Any:
-    from ._native import ffi
+    from .._native import ffi
 
     return ffi.new("zipmoe_store_size[]", [{"bf16_bytes": b, "n_expert": n, "compressed_bytes": c} for b, n, c in sizes])
 
@@ -182,7 +182,7 @@ def _store_sizes_struct(sizes: list[tuple[int, int, int]]) -> Any:
 def default_hot_share(tiers: int, sizes: list[tuple[int, int, int]], warm_fast: bool) -> float:
     """The runtime's hot share where none is set (zipmoe_budget_default_hot_share): 0, every expert compressed,
     where nearly all fit so but not decoded and warm hits decode fast; else 1."""
-    from ._native import lib as native
+    from .._native import lib as native
 
     return float(native.zipmoe_budget_default_hot_share(_store_sizes_struct(sizes), len(sizes), tiers, int(warm_fast)))
 
@@ -199,8 +199,8 @@ def apply_shares(tiers: int, split: tuple[float | None, float | None, float], si
     (zipmoe_cache_apply_split). `tiers`: the budget less its minimum. A hot share of None: the runtime's default
     for these tiers (default_hot_share, as at load), so that a budget that shrinks or grows past its threshold
     changes the split as the loader would have."""
-    from ._native import ffi
-    from ._native import lib as native
+    from .._native import ffi
+    from .._native import lib as native
 
     lib = lib or native
     hot_share, _, sm_share = split
@@ -218,8 +218,8 @@ def apply_shares(tiers: int, split: tuple[float | None, float | None, float], si
 def live_counts(geometry: planner.ModelGeometry, lib: Any = None) -> np.ndarray:
     """Tokens routed to each expert of each block so far, from the runtime's own counters: [n_layer, n_expert]."""
     if lib is None:
-        from ._native import lib
-    from ._native import ffi
+        from .._native import lib
+    from .._native import ffi
 
     counts = np.zeros((geometry.n_layer, geometry.n_expert), np.float64)
     buf = ffi.new("uint64_t[]", geometry.n_expert)
@@ -233,8 +233,8 @@ def live_routing(geometry: planner.ModelGeometry, lib: Any = None) -> dict[int, 
     """The experts each of the last generated tokens routed to, per MoE block, oldest first (the runtime remembers
     512): block -> bool [tokens, n_expert]. Blocks whose stores are not open are left out."""
     if lib is None:
-        from ._native import lib
-    from ._native import ffi
+        from .._native import lib
+    from .._native import ffi
 
     words = (geometry.n_expert + 63) // 64
     masks = np.zeros(ROUTING_LOG_TOKENS * words, np.uint64)
@@ -265,9 +265,9 @@ def _runtime_bytes(lib: Any = None) -> tuple[int, int, int]:
     """resident_bytes in two, what the budget covers and the read buffers' transient bytes, which it does not;
     and the invocations the runtime has served (it is running when they move)."""
     if lib is None:
-        from ._native import ffi, lib
+        from .._native import ffi, lib
     else:
-        from ._native import ffi
+        from .._native import ffi
     s = ffi.new("zipmoe_stats *")
     lib.zipmoe_stats_get(s)
     return (int(s.hot_bytes + s.warm_bytes + s.sm_bytes + s.decoding_bytes + s.pool_bytes),
@@ -277,7 +277,7 @@ def _runtime_bytes(lib: Any = None) -> tuple[int, int, int]:
 class MemoryMonitor:
     """Re-plans a running model's tiers when the memory available to the process changes.
 
-    Every `interval` seconds it reads the memory (pyzipmoe.memory.read_memory: psutil and the cgroup limit) and
+    Every `interval` seconds it reads the memory (pyzipmoe.runtime.memory.read_memory: psutil and the cgroup limit) and
     computes the budget the model could have now: what it holds (its weights that are not experts and the tiers'
     resident bytes, which include the experts in flight) plus what could still be allocated, less
     the safety margin of `--memory-budget auto` (so less than it holds when others ate into the margin), never
@@ -331,7 +331,7 @@ class MemoryMonitor:
         self.sizes = sizes
         self.warm_fast = warm_fast  # (warm_decodes_fast: for a split whose hot share is the runtime's default)
         # whether the plans it applies hold generation's room beyond their slots (apply_plan's token_room): off to
-        # measure plans as planned (pyzipmoe.timing, which tools/bench_planner.py compares with predictions)
+        # measure plans as planned (pyzipmoe.runtime.timing, which tools/bench_planner.py compares with predictions)
         self.generation_room = True
         # the run's eviction policy, whose hits the recency model predicts: the runtime read it at load (Llama sets
         # the environment only while it loads, so it passes what it asked for)
@@ -380,7 +380,7 @@ class MemoryMonitor:
         gets, generation's decoded experts beyond the slots."""
         lib = self._lib
         if lib is None:
-            from ._native import lib
+            from .._native import lib
         lib.zipmoe_cache_set_token_room(self._token_room(self.budget))
         set_read_room(self.planned.plan, lib)
 

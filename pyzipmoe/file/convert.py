@@ -26,13 +26,30 @@ from typing import Any, BinaryIO, TypeVar
 import numpy as np
 
 from . import codec as zcodec
-from .errors import FormatError, UnsupportedError, ZipmoeError
-from .format import (
-    GGML_TYPE_BF16, SOURCE_HEADER, CompressedTensor, GGUFFile, Tensor, ZipmoeFile,
-    ZipmoeMeta, ZipmoeWriter, align_up, build_index, is_expert_tensor, n_chunks, open_zipmoe,
-    check_integrity, pread_exact, read_gguf, region_alignment, restore_zeros, type_name, zipmoe_slots,
+from ..errors import FormatError, UnsupportedError, ZipmoeError
+from .gguf import (
+    GGML_TYPE_BF16,
+    SOURCE_HEADER,
+    CompressedTensor,
+    GGUFFile,
+    Tensor,
+    ZipmoeFile,
+    ZipmoeMeta,
+    ZipmoeWriter,
+    align_up,
+    build_index,
+    is_expert_tensor,
+    n_chunks,
+    open_zipmoe,
+    check_integrity,
+    pread_exact,
+    read_gguf,
+    region_alignment,
+    restore_zeros,
+    type_name,
+    zipmoe_slots,
 )
-from .progress import Progress, Silent
+from ..progress import Progress, Silent
 
 BLOCK = 8 << 20  # bytes per read when copying or scanning: large enough for sequential throughput
 CODEC_CHOICES = ("auto", "huff", "esc", "zstd")

@@ -51,9 +51,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from . import modelfile as mfile
-from .errors import ChecksumError, ZipmoeError
+from ..errors import ChecksumError, ZipmoeError
 from .modelfile import Message, Modelfile
-from .progress import Progress, Silent
+from ..progress import Progress, Silent
 
 ENV_MODELS = "ZIPMOE_MODELS"
 DEFAULT_HOST = "zipmoe.local"
@@ -842,7 +842,7 @@ class Store:
         """Creates (or replaces) model `name` from a Modelfile (text or parsed). FROM is a BF16 MoE GGUF (converted
         with codec/level/chunk_n, once: a later create from the same file reuses the result), a zipmoe GGUF, or a
         stored model (whose layers are inherited; the Modelfile's directives replace them)."""
-        from . import codec as zcodec
+        from ..file import codec as zcodec
 
         t0 = time.monotonic()
         name = _as_name(name)
@@ -896,16 +896,16 @@ class Store:
     def _model_blob(self, job: _Job, source: Path, settings: Mapping[str, Any], threads: int | None,
                     progress: Progress) -> tuple[Layer, dict[str, Any]]:
         """The model layer for a GGUF file: reused when the store has it, else staged (copied or converted)."""
-        from . import codec as zcodec
-        from . import convert
-        from .format import read_gguf
+        from ..file import codec as zcodec
+        from ..file import convert
+        from ..file.gguf import read_gguf
 
         g = read_gguf(source)
         source_hex, source_size = self._source_digest(source, progress)
         info: dict[str, Any] = {"source": str(source), "source_size": source_size, "converted": False,
                                 "model_reused": True, "convert": None}
         if g.is_zipmoe:
-            from .format import open_zipmoe
+            from ..file.gguf import open_zipmoe
 
             open_zipmoe(source)  # refuse a damaged file before it enters the store
             if self._intact(source_hex, source_size):
@@ -981,7 +981,7 @@ class Store:
     @staticmethod
     def _config_bytes(model_path: Path, size: int) -> bytes:
         """The config blob: what `show` and `list` tell about the model, and the conversion's provenance."""
-        from .format import open_zipmoe
+        from ..file.gguf import open_zipmoe
 
         zf = open_zipmoe(model_path)
         kv, meta = zf.gguf.kv, zf.meta
@@ -1245,7 +1245,7 @@ class Store:
                              "archive nor in the store")
 
         self._parts(manifest, lambda layer, what: path_of(layer).read_bytes())
-        from .format import open_zipmoe
+        from ..file.gguf import open_zipmoe
 
         open_zipmoe(path_of(manifest.model))
 
@@ -1342,7 +1342,7 @@ def llama_from_store(name: str, *, llama_class: type | None = None, zipmoe_model
     history are put in front of create_chat_completion's messages. Arguments given here, and to each call, win.
     The package is `llm.zipmoe_package`. (What pyzipmoe.Llama.from_store calls.)"""
     if llama_class is None:
-        from .llama import Llama  # imported on use: it loads llama_cpp and libllama
+        from ..runtime.llama import Llama  # imported on use: it loads llama_cpp and libllama
 
         llama_class = Llama
     package = Store(zipmoe_models).open(name, full_check=full_check)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .calibrate import DEFAULT_READ_BYTES, LATENCY_PROBES, Calibration
+from ..plan.measure import DEFAULT_READ_BYTES, LATENCY_PROBES, Calibration
 
 __all__ = ["EXIT_STATUS", "calibration_table", "register"]
 
@@ -23,7 +23,7 @@ EXIT_STATUS = "exit status: 0 success; 1 no such file, or not a zipmoe file; 2 b
 
 
 def _size(n: float) -> str:
-    from .cli import human_size
+    from . import human_size
 
     return human_size(n)
 
@@ -84,8 +84,8 @@ def calibration_table(cal: Calibration, cache_path: Path | None = None) -> str:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from .calibrate import cache_file, calibrate
-    from .progress import for_terminal
+    from ..plan.measure import cache_file, calibrate
+    from ..progress import for_terminal
 
     cal = calibrate(args.model, force=args.force, progress=for_terminal(args.json), read_bytes=args.read,
                     engine=not args.no_engine)
@@ -99,7 +99,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _read_size(text: str) -> int:
-    from .modelfile import parse_size
+    from ..models.modelfile import parse_size
 
     try:
         n = parse_size(text)
@@ -112,7 +112,7 @@ def _read_size(text: str) -> int:
 
 def register(sub: Any) -> None:
     """Adds `calibrate` to the `zipmoe` command's subparsers."""
-    from .cli import _para
+    from . import _para
 
     p = sub.add_parser(
         "calibrate", formatter_class=argparse.RawDescriptionHelpFormatter,

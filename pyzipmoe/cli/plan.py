@@ -1,7 +1,7 @@
 """`zipmoe plan`: the slots per tier of every MoE layer for a memory budget, and the speed they should give.
 
-cli.py calls `register(subparsers)`; `main(argv)` runs the command alone (`python -m pyzipmoe.cli_plan plan ...`)
-with the zipmoe command's error handling. The planner itself is pyzipmoe/planner.py.
+cli.py calls `register(subparsers)`; `main(argv)` runs the command alone (`python -m pyzipmoe.cli.plan plan ...`)
+with the zipmoe command's error handling. The planner itself is pyzipmoe/plan/.
 
 The option is `--memory-budget` but its attribute is `plan_budget`: cli.main turns an attribute `memory_budget`
 into the runtime's environment, which planning must not do.
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from . import planner
+from ..plan import solver as planner
 
 __all__ = ["main", "register"]
 
@@ -55,7 +55,7 @@ exit status: 0 success; 1 a model, trace or costs file that cannot be used, or n
 
 def _costs(args: argparse.Namespace, model_path: str, geometry: planner.ModelGeometry) -> tuple[planner.Costs, str]:
     """The calibration (or defaults), overridden by --costs; and where they came from."""
-    from .controller import machine_costs
+    from ..runtime.controller import machine_costs
 
     costs, source = machine_costs(model_path, geometry)
     if args.costs is not None:
@@ -87,7 +87,7 @@ def _pct(fraction: float) -> str:
 
 
 def _mean_size(sizes: Sequence[int]) -> str:
-    from .cli import human_size
+    from . import human_size
 
     return human_size(sum(sizes) / len(sizes))
 
@@ -102,7 +102,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def _report(model_path: str, geometry: planner.ModelGeometry, costs: planner.Costs, costs_source: str,
             trace: str | None, plan: planner.Plan) -> str:
-    from .cli import human_size
+    from . import human_size
 
     g, c = geometry, costs
     lines = [
@@ -146,8 +146,8 @@ def _to_json(model_path: str, geometry: planner.ModelGeometry, costs: planner.Co
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .budget import AUTO, check_budget, model_memory, parse_budget
-    from .store import resolve_model
+    from ..runtime.budget import AUTO, check_budget, model_memory, parse_budget
+    from ..models.local import resolve_model
 
     if str(args.plan_budget).strip().lower() != AUTO:
         parse_budget(args.plan_budget)  # a usage error (exit 2) before any file is read
@@ -167,7 +167,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps({**_to_json(model_path, geometry, costs, costs_source, args.trace, plan), "memory": memory},
                          indent=2))
     else:
-        from .cli import human_size
+        from . import human_size
 
         print(f"memory:       {human_size(budget)} in all = {human_size(need.other_bytes)} of weights that are not "
               f"experts{need.embd_note} + {human_size(need.in_flight_bytes)} for one expert tensor's experts in flight + "
@@ -179,7 +179,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     """Adds `plan` to the `zipmoe` command's subparsers."""
-    from .cli import _para
+    from . import _para
 
     p = sub.add_parser("plan", formatter_class=argparse.RawDescriptionHelpFormatter,
                        help="plan the expert tiers of each layer for a memory budget",
@@ -199,7 +199,7 @@ def register(sub: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`main(["plan", MODEL, "--memory-budget", SIZE])`: the `zipmoe` command, which registers plan."""
-    from .cli import main as zipmoe_main
+    from . import main as zipmoe_main
 
     return zipmoe_main(argv)
 
