@@ -140,7 +140,7 @@ def flip_bit() -> Callable[[Path, int], None]:
 def worker_env(lib_dir: Path) -> dict[str, str]:
     """The environment of a child that runs llama-cpp-python on the libllama in lib_dir, with the runtime's
     defaults (an unbounded cache): what configures it comes from the test, never from the outside environment."""
-    from pyzipmoe.runtime.budget import RUNTIME_ENV
+    from pyzipmoe.runtime.config import RUNTIME_ENV
 
     env = {k: v for k, v in os.environ.items() if k not in RUNTIME_ENV}
     env["LLAMA_CPP_LIB_PATH"] = str(lib_dir)

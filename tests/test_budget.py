@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pyzipmoe.runtime.budget import cache_environment, parse_budget
+from pyzipmoe.runtime.budget import parse_budget
+from pyzipmoe.runtime.config import RuntimeConfig
 from pyzipmoe.errors import ZipmoeError
 
 
@@ -26,13 +27,13 @@ def test_bad_sizes_say_what_is_wrong(text, says):
 
 
 def test_environment_carries_bytes_policy_and_share():
-    env = cache_environment("1MiB", "lru", 0.25)
+    env = RuntimeConfig("1MiB", "lru", 0.25).to_env()
     assert env == {"ZIPMOE_MEMORY_BUDGET": str(1 << 20), "ZIPMOE_CACHE_POLICY": "lru", "ZIPMOE_HOT_SHARE": "0.25"}
-    assert cache_environment() == {}
+    assert RuntimeConfig().to_env() == {}
     with pytest.raises(ZipmoeError):
-        cache_environment(policy="random")
+        RuntimeConfig(policy="random").to_env()
     with pytest.raises(ZipmoeError):
-        cache_environment(hot_share=1.5)
+        RuntimeConfig(hot_share=1.5).to_env()
 
 
 def test_programs_spin_briefly_unless_the_user_says_otherwise():

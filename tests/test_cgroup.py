@@ -97,7 +97,7 @@ def test_zipmoe_completes_in_a_limit_below_the_bf16_model(llama_lib_dir: Path, c
     bf16, packed = small_models
     limit = int(bf16.stat().st_size * LIMIT_SHARE)
     assert limit < bf16.stat().st_size
-    from pyzipmoe.runtime.budget import RUNTIME_ENV
+    from pyzipmoe.runtime.config import RUNTIME_ENV
 
     base = runner.environment(base={k: v for k, v in os.environ.items() if k not in RUNTIME_ENV})
 

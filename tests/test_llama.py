@@ -651,7 +651,8 @@ def test_a_token_embedding_read_by_rows_is_charged_for_a_batch_of_rows(tied: boo
 
     from pyzipmoe.file import convert
     from pyzipmoe import synth
-    from pyzipmoe.runtime.budget import RUNTIME_ENV, embd_charge, model_memory
+    from pyzipmoe.runtime.budget import embd_charge, model_memory
+    from pyzipmoe.runtime.config import RUNTIME_ENV
 
     simple = _program(ours, "llama-simple")
     src, packed = tmp_path / "wide.gguf", tmp_path / "wide.zipmoe.gguf"

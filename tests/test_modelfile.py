@@ -129,9 +129,9 @@ def test_stored_parameters_are_checked() -> None:
 
 
 def test_cache_policies_are_the_runtimes() -> None:
-    from pyzipmoe.runtime import runner
+    from pyzipmoe.runtime import config
 
-    assert M.CACHE_POLICIES == runner.CACHE_MODES
+    assert M.PARAMETERS[M.CACHE_MODE_PARAMETER].choices == config.CACHE_MODES
 
 
 # \r is a line break (CRLF files are read as LF), so a value cannot keep one

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pyzipmoe.cli import main as zipmoe_main
 from pyzipmoe.cli import plan as cli_plan
 from pyzipmoe.plan import solver as planner
 from pyzipmoe.errors import ZipmoeError
@@ -639,7 +640,7 @@ def whole(model: Path, tier_bytes: int) -> str:
 
 
 def run_plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    code = cli_plan.main(["plan", *args])
+    code = zipmoe_main(["plan", *args])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -721,7 +722,7 @@ def test_register_keeps_the_budget_away_from_the_runtime_environment():
 
 def test_cli_costs_from_a_calibration(tiny_zipmoe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                       monkeypatch: pytest.MonkeyPatch):
-    """A calibration (pyzipmoe.plan.measure, faked here) gives what it measured; what it could not stays estimated,
+    """A calibration (pyzipmoe.plan.calibration, faked here) gives what it measured; what it could not stays estimated,
     and --costs overrides both."""
     import sys
     import types
@@ -731,9 +732,9 @@ def test_cli_costs_from_a_calibration(tiny_zipmoe: Path, tmp_path: Path, capsys:
             return {"cores": 3, "t_decode": 2e-4, "disk_bandwidth": 1e9, "read_latency": 5e-5,
                     "base_seconds_per_token": None}
 
-    fake = types.ModuleType("pyzipmoe.plan.measure")
+    fake = types.ModuleType("pyzipmoe.plan.calibration")
     fake.load_calibration = lambda path: Calibration()  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "pyzipmoe.plan.measure", fake)
+    monkeypatch.setitem(sys.modules, "pyzipmoe.plan.calibration", fake)
     code, out, _ = run_plan(capsys, str(tiny_zipmoe), "--memory-budget", whole(tiny_zipmoe, 60 << 10), "--json")
     data = json.loads(out)
     assert code == 0 and data["costs"]["cores"] == 3 and data["costs"]["t_decode"] == 2e-4

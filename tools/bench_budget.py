@@ -509,7 +509,7 @@ def tg_argv(program: Path, model: str, gen: int, prompt: str, threads: int | Non
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from pyzipmoe.runtime import runner
-    from pyzipmoe.runtime.budget import RUNTIME_ENV
+    from pyzipmoe.runtime.config import RUNTIME_ENV
 
     parent = check_environment(args.cgroup_parent)
     mount = memory_mount()

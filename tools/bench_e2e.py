@@ -203,7 +203,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def measure(job: dict[str, Any], cold: bool) -> dict[str, Any]:
-    from pyzipmoe.runtime.budget import RUNTIME_ENV
+    from pyzipmoe.runtime.config import RUNTIME_ENV
 
     dropped = drop_page_cache() if cold else "warm"
     env = {k: v for k, v in os.environ.items() if k not in RUNTIME_ENV}  # an unbounded cache, always

@@ -17,6 +17,7 @@ from typing import Any
 from ..models.modelfile import PARAMETERS, ModelfileError, format_parameter
 from ..models.modelfile import parse as parse_modelfile
 from ..progress import for_terminal
+from .formatting import human_size, para, positive
 from ..models.local import NAME_HELP, ModelPackage, Store, resolve_model
 
 __all__ = ["EXIT_STATUS", "register", "resolve_model"]
@@ -27,12 +28,6 @@ MODELS_HELP = "the model store (default: $ZIPMOE_MODELS, else ~/.zipmoe/models)"
 
 
 # ------------------------------------------------------------------------------------------ formatting
-
-
-def _human_size(n: float) -> str:
-    from . import human_size
-
-    return human_size(n)
 
 
 def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
@@ -95,13 +90,13 @@ def cmd_create(args: argparse.Namespace) -> int:
         _print_json(report.to_dict())
     elif not args.quiet:
         if report.converted:
-            print(f"converted {report.source} ({_human_size(report.source_size)}) to a "
-                  f"{_human_size(report.model_size)} zipmoe GGUF ({report.model_size / report.source_size:.1%})")
+            print(f"converted {report.source} ({human_size(report.source_size)}) to a "
+                  f"{human_size(report.model_size)} zipmoe GGUF ({report.model_size / report.source_size:.1%})")
         elif report.model_reused:
-            print(f"model {report.model_digest[7:19]} is already in the store ({_human_size(report.model_size)}): "
+            print(f"model {report.model_digest[7:19]} is already in the store ({human_size(report.model_size)}): "
                   "nothing to convert or copy")
         else:
-            print(f"copied {report.source} ({_human_size(report.model_size)}) into the store")
+            print(f"copied {report.source} ({human_size(report.model_size)}) into the store")
         print(f"created {report.name} (ID {report.id}) in {report.seconds:.1f} s; "
               f"try: zipmoe run {report.name.removesuffix(':latest')}")
     return 0
@@ -113,7 +108,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         _print_json({"models": [e.to_dict() for e in entries]})
         return 0
     now = time.time()
-    rows = [(e.name.display, e.id or "-", _human_size(e.size) if not e.problem else "-",
+    rows = [(e.name.display, e.id or "-", human_size(e.size) if not e.problem else "-",
              ago(now - e.modified) if not e.problem else f"unusable: {e.problem}") for e in entries]
     print(_table(("NAME", "ID", "SIZE", "MODIFIED"), rows))
     return 0
@@ -129,9 +124,9 @@ def _model_rows(pkg: ModelPackage) -> list[tuple[str, str]]:
             ("embedding length", str(c.get("embedding_length") or "-"))]
     if c.get("expert_count"):
         rows.append(("experts", f"{c['expert_count']}, {c.get('expert_used_count') or '?'} used per token"))
-    ratio = f" ({size / source['size']:.1%} of the BF16 source, {_human_size(source['size'])})" if source.get(
+    ratio = f" ({size / source['size']:.1%} of the BF16 source, {human_size(source['size'])})" if source.get(
         "size") else ""
-    rows += [("size", f"{_human_size(size)}{ratio}"),
+    rows += [("size", f"{human_size(size)}{ratio}"),
              ("codec", f"{z.get('codec', '?')}" + (f" level {z['codec_level']}" if z.get("codec") == "zstd" else "")
               + f", {z.get('chunk_size', '?')} values per chunk"),
              ("source sha256", str(source.get("sha256", "-"))),
@@ -196,7 +191,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
     store = _store(args)
     for name in args.names:
         blobs, freed = store.remove(name)
-        print(f"deleted {name}" + (f" (freed {_human_size(freed)})" if blobs else ""))
+        print(f"deleted {name}" + (f" (freed {human_size(freed)})" if blobs else ""))
     return 0
 
 
@@ -207,7 +202,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         return 0
     verb = "would remove" if args.dry_run else "removed"
     print(f"{verb} {len(report.blobs)} unreferenced blob{'s' * (len(report.blobs) != 1)} "
-          f"({_human_size(report.bytes)}) and {report.jobs} leftover{'s' * (report.jobs != 1)} of interrupted "
+          f"({human_size(report.bytes)}) and {report.jobs} leftover{'s' * (report.jobs != 1)} of interrupted "
           "creates or imports")
     return 0
 
@@ -215,7 +210,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     report = _store(args).export(args.name, args.file, progress=for_terminal(args.quiet))
     if not args.quiet:
-        print(f"exported {report.names[0]} to {report.path} ({_human_size(report.bytes)}) in {report.seconds:.1f} s")
+        print(f"exported {report.names[0]} to {report.path} ({human_size(report.bytes)}) in {report.seconds:.1f} s")
     return 0
 
 
@@ -230,18 +225,6 @@ def cmd_import(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ parsing
 
 
-def _para(text: str) -> str:
-    from . import _para as para
-
-    return para(text)
-
-
-def _positive(text: str) -> int:
-    from . import _positive as positive
-
-    return positive(text)
-
-
 def _models_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", metavar="DIR", help=MODELS_HELP)
 
@@ -253,7 +236,7 @@ def register(sub: Any) -> None:
     fmt = argparse.RawDescriptionHelpFormatter
 
     def add(name: str, help_: str, description: str, examples: str, **kw: Any) -> argparse.ArgumentParser:
-        return sub.add_parser(name, formatter_class=fmt, help=help_, description=_para(description),
+        return sub.add_parser(name, formatter_class=fmt, help=help_, description=para(description),
                               epilog=f"examples:\n{examples}\n\n{EXIT_STATUS}", **kw)
 
     p = add("create", "create a model from a Modelfile",
@@ -279,9 +262,9 @@ def register(sub: Any) -> None:
                    help=f"exponent codec when FROM is converted (auto = {codec.DEFAULT_CODEC})")
     p.add_argument("--level", type=int, metavar="N",
                    help=f"zstd level (default: {codec.DEFAULT_ZSTD_LEVEL}; zstd only)")
-    p.add_argument("--chunk-size", type=_positive, metavar="N",
+    p.add_argument("--chunk-size", type=positive, metavar="N",
                    help=f"BF16 values per independently decodable chunk (default: {codec.DEFAULT_CHUNK_N})")
-    p.add_argument("--threads", type=_positive, metavar="N", help="conversion threads (default: all CPUs)")
+    p.add_argument("--threads", type=positive, metavar="N", help="conversion threads (default: all CPUs)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bars, no report")
     _models_option(p)

@@ -1,7 +1,6 @@
 """`zipmoe plan`: the slots per tier of every MoE layer for a memory budget, and the speed they should give.
 
-cli.py calls `register(subparsers)`; `main(argv)` runs the command alone (`python -m pyzipmoe.cli.plan plan ...`)
-with the zipmoe command's error handling. The planner itself is pyzipmoe/plan/.
+The zipmoe command (pyzipmoe.cli) calls `register(subparsers)`. The planner itself is pyzipmoe/plan/.
 
 The option is `--memory-budget` but its attribute is `plan_budget`: cli.main turns an attribute `memory_budget`
 into the runtime's environment, which planning must not do.
@@ -11,14 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
 from ..plan import solver as planner
+from ..runtime.config import PLAN_ENV
+from .formatting import human_size, para
 
-__all__ = ["main", "register"]
+__all__ = ["register"]
 
 DESCRIPTION = (
     "Plan how many experts of each MoE layer of MODEL to keep hot (decoded), warm (compressed in RAM) or sm (sign and "
@@ -87,8 +87,6 @@ def _pct(fraction: float) -> str:
 
 
 def _mean_size(sizes: Sequence[int]) -> str:
-    from . import human_size
-
     return human_size(sum(sizes) / len(sizes))
 
 
@@ -102,8 +100,6 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def _report(model_path: str, geometry: planner.ModelGeometry, costs: planner.Costs, costs_source: str,
             trace: str | None, plan: planner.Plan) -> str:
-    from . import human_size
-
     g, c = geometry, costs
     lines = [
         (f"model:        {model_path}: {len(g.layers)} MoE layers of {g.n_expert} experts, {g.n_expert_used} "
@@ -125,7 +121,7 @@ def _report(model_path: str, geometry: planner.ModelGeometry, costs: planner.Cos
     lines += [_table(header, rows), ""]
     all_hot = 1.0 / plan.base_seconds_per_token
     lines.append(f"predicted generation: {plan.tokens_per_second:.1f} tokens/s (all hot: {all_hot:.1f} tokens/s)")
-    lines.append(f"{planner.PLAN_ENV}={plan.encode()}")
+    lines.append(f"{PLAN_ENV}={plan.encode()}")
     return "\n".join(lines)
 
 
@@ -167,8 +163,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps({**_to_json(model_path, geometry, costs, costs_source, args.trace, plan), "memory": memory},
                          indent=2))
     else:
-        from . import human_size
-
         print(f"memory:       {human_size(budget)} in all = {human_size(need.other_bytes)} of weights that are not "
               f"experts{need.embd_note} + {human_size(need.in_flight_bytes)} for one expert tensor's experts in flight + "
               f"{human_size(plan.read_bytes)} for a prompt's reads + "
@@ -179,11 +173,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     """Adds `plan` to the `zipmoe` command's subparsers."""
-    from . import _para
-
     p = sub.add_parser("plan", formatter_class=argparse.RawDescriptionHelpFormatter,
                        help="plan the expert tiers of each layer for a memory budget",
-                       description=_para(DESCRIPTION), epilog=EPILOG)
+                       description=para(DESCRIPTION), epilog=EPILOG)
     p.add_argument("model", metavar="MODEL", help="a zipmoe GGUF, or the name of a stored model")
     p.add_argument("--memory-budget", dest="plan_budget", required=True, metavar="SIZE",
                    help="the model's whole budget: 6GiB, 512MiB, 1000000, a percentage of the memory (60%%) or "
@@ -196,13 +188,3 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=cmd_plan)
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`main(["plan", MODEL, "--memory-budget", SIZE])`: the `zipmoe` command, which registers plan."""
-    from . import main as zipmoe_main
-
-    return zipmoe_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

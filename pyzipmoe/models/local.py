@@ -311,8 +311,8 @@ class ModelPackage:
             out["last_n_tokens_size"] = p["repeat_last_n"]
         if "seed" in p and p["seed"] >= 0:
             out["seed"] = p["seed"]
-        if "cache_policy" in p:
-            out["zipmoe_cache"] = p["cache_policy"]
+        if self.cache_mode is not None:
+            out["zipmoe_cache"] = self.cache_mode
         if "memory_budget" in p:
             out["zipmoe_memory_budget"] = p["memory_budget"]
         return out
@@ -359,9 +359,16 @@ class ModelPackage:
                 out += ["-sysf", str(self.system_path)]
         return out
 
+    @property
+    def cache_mode(self) -> str | None:
+        """The package's cache mode (one of pyzipmoe.runtime.config.CACHE_MODES), if its Modelfile set one."""
+        return self.parameters.get(mfile.CACHE_MODE_PARAMETER)
+
     def environment(self) -> dict[str, str]:
         """Environment variables for the zipmoe runtime in a llama.cpp program."""
-        return {"ZIPMOE_CACHE": self.parameters["cache_policy"]} if "cache_policy" in self.parameters else {}
+        from ..runtime.config import RuntimeConfig
+
+        return RuntimeConfig(cache=self.cache_mode).to_env()
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name.display, "full_name": str(self.name), "id": self.id,

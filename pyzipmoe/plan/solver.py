@@ -54,7 +54,7 @@ import numpy as np
 from ..errors import FormatError, UnsupportedError, ZipmoeError
 
 __all__ = [
-    "COST_FIELDS", "PLAN_ENV", "TIERS", "CostModel", "Costs", "LayerDesign", "LayerPlan", "LayerTable",
+    "COST_FIELDS", "TIERS", "CostModel", "Costs", "LayerDesign", "LayerPlan", "LayerTable",
     "ModelGeometry", "Plan", "PlanInputError", "RecencyDesign", "TierSeconds", "conditional_poisson", "cost_model",
     "costs_from_dict", "costs_from_file", "counts_from_trace", "cp_inclusion", "decode_plan", "default_costs",
     "expected_delay", "fixed_split_plan", "geometry_from_gguf", "hit_rates", "inclusion_targets", "layer_delay", "layer_design",
@@ -63,7 +63,6 @@ __all__ = [
     "uniform_counts", "validate_counts",
 ]
 
-PLAN_ENV = "ZIPMOE_PLAN"
 TIERS = ("hot", "warm", "sm", "cold")
 
 # Conservative costs for a machine nobody has measured: a slow core, a SATA-class SSD, a laptop's memory.
@@ -1113,7 +1112,10 @@ class Plan:
         return ";".join(f"{lp.layer}:{lp.hot},{lp.warm},{lp.sm}" for lp in self.layers)
 
     def to_env(self) -> dict[str, str]:
-        return {PLAN_ENV: self.encode()}
+        """ZIPMOE_PLAN for a bare llama.cpp program."""
+        from ..runtime.config import RuntimeConfig
+
+        return RuntimeConfig(plan=self.encode()).to_env()
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -1,8 +1,7 @@
-"""Memory budgets as people write them ("6GiB", "512M", "60%", "auto") and the environment that carries them to the
-runtime.
+"""Memory budgets as people write them ("6GiB", "512M", "60%", "auto"), and what a model needs of one.
 
-The runtime in libllama reads ZIPMOE_MEMORY_BUDGET (bytes), ZIPMOE_HOT_SHARE and ZIPMOE_CACHE_POLICY when a model
-loads (ggml_zipmoe/src/op/zipmoe-llama.cpp); this module validates what a user gives before it gets there.
+pyzipmoe.runtime.config carries a budget to the runtime (ZIPMOE_MEMORY_BUDGET); this module validates what a user
+gives before it gets there.
 
 A budget covers everything the model keeps resident: its weights that are not experts (read through llama.cpp's
 mmap; a token embedding read a row per token only for the rows of a batch, embd_charge), the experts of the
@@ -20,17 +19,6 @@ from dataclasses import dataclass
 
 from ..errors import ZipmoeError
 
-POLICIES = ("tlfu", "lru", "lfu", "fifo")  # tlfu: the paper's token-weighted LFU
-BUDGET_ENV, HOT_SHARE_ENV, POLICY_ENV = "ZIPMOE_MEMORY_BUDGET", "ZIPMOE_HOT_SHARE", "ZIPMOE_CACHE_POLICY"
-SM_SHARE_ENV, PLAN_ENV = "ZIPMOE_SM_SHARE", "ZIPMOE_PLAN"
-CACHE_ENV = "ZIPMOE_CACHE"  # "none": decode on every use
-PREFILL_ENV = "ZIPMOE_PREFILL"  # "0": leave the cache tiers empty at load
-DIRECT_IO_ENV = "ZIPMOE_DIRECT_IO"  # "0": read the model file through the page cache instead of O_DIRECT
-READ_BUFFER_ENV = "ZIPMOE_READ_BUFFER"  # what each of the reader's buffers keeps between uses (default 16MiB)
-PREDICT_ENV = "ZIPMOE_PREDICT"  # "1": read ahead the experts the next layer's router picks on this layer's input
-# every variable that configures the runtime: what a benchmark or test clears to start from the defaults
-RUNTIME_ENV = (CACHE_ENV, BUDGET_ENV, HOT_SHARE_ENV, SM_SHARE_ENV, PLAN_ENV, POLICY_ENV, PREFILL_ENV, DIRECT_IO_ENV,
-               READ_BUFFER_ENV, PREDICT_ENV)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z%]*)\s*$")
@@ -81,28 +69,6 @@ def _why_not(text: str) -> str:
     if text.startswith("-"):
         return " (it is negative)"
     return ""
-
-
-def cache_environment(budget: str | int | None = None, policy: str | None = None,
-                      hot_share: float | None = None, sm_share: float | None = None) -> dict[str, str]:
-    """The variables that configure the runtime's cache; empty for the defaults (unbounded, tlfu). The shares split
-    what the budget leaves for the cache tiers: hot_share decoded, sm_share sign+mantissa planes, the rest whole
-    compressed experts."""
-    env = {}
-    if budget is not None:
-        env[BUDGET_ENV] = str(parse_budget(budget))
-    if policy is not None:
-        if policy not in POLICIES:
-            raise ZipmoeError(f"cache policy {policy!r} is not one of {', '.join(POLICIES)}")
-        env[POLICY_ENV] = policy
-    for name, share, var in (("hot share", hot_share, HOT_SHARE_ENV), ("sm share", sm_share, SM_SHARE_ENV)):
-        if share is not None:
-            if not 0 <= share <= 1:
-                raise ZipmoeError(f"{name} {share} is not a fraction between 0 and 1")
-            env[var] = repr(float(share))
-    if (hot_share or 0) + (sm_share or 0) > 1 + 1e-9:
-        raise ZipmoeError(f"hot share {hot_share} and sm share {sm_share} add up to more than 1")
-    return env
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,13 @@ from typing import Any
 import numpy as np
 
 from ..plan import solver as planner
-from .budget import AUTO, POLICY_ENV, ModelMemory, cache_environment, check_budget, model_memory, parse_budget
+from .budget import AUTO, ModelMemory, check_budget, model_memory, parse_budget
+from .config import DEFAULT_POLICY, POLICY_ENV, RuntimeConfig, hot_share_within
 from ..errors import ZipmoeError
 
 PENDING_STEPS = 20  # readings a shrink for the mapped weights waits for the tiers to come down to it, at most
 ROUTING_MIN_TOKENS = 64  # tokens a layer routes between two re-plans from the routing seen
 ROUTING_LOG_TOKENS = 512  # generated tokens whose routing the runtime remembers per store (store.c: ROUTE_LOG)
-DEFAULT_POLICY = "tlfu"  # the runtime's eviction policy unless ZIPMOE_CACHE_POLICY says otherwise (store.c)
 
 
 def machine_costs(model_path: str | os.PathLike[str], geometry: planner.ModelGeometry) -> tuple[planner.Costs, str]:
@@ -37,7 +37,7 @@ def machine_costs(model_path: str | os.PathLike[str], geometry: planner.ModelGeo
     from."""
     costs = planner.default_costs(geometry)
     try:
-        from ..plan.measure import load_calibration
+        from ..plan.calibration import load_calibration
 
         cal = load_calibration(model_path)
     except (ImportError, OSError, ZipmoeError):
@@ -85,7 +85,7 @@ def planner_by_default(model_path: str | os.PathLike[str], *, budget: str | int 
     if budget is None or not is_zipmoe or plan is not None or hot_share is not None or sm_share is not None:
         return False
     try:
-        from ..plan.measure import load_calibration
+        from ..plan.calibration import load_calibration
 
         cal = load_calibration(model_path)
     except (ImportError, OSError, ZipmoeError):
@@ -106,21 +106,19 @@ def runtime_environment(model_path: str | os.PathLike[str], *, budget: str | int
     The monitor (pyzipmoe.Llama) re-plans from the order the run's tokens route in (the recency model) once the
     runtime's routing log holds enough of them."""
     if budget is None or not is_zipmoe:
-        return cache_environment(budget if is_zipmoe else None, policy, hot_share, sm_share)
+        return RuntimeConfig(budget if is_zipmoe else None, policy, hot_share, sm_share).to_env()
     need = model_memory(model_path, mapped=mapped)
     nbytes = parse_budget(budget, model_bytes=need.minimum + need.expert_bytes) if str(budget) == AUTO \
         else parse_budget(budget)
     check_budget(nbytes, need)
-    env = cache_environment(nbytes, policy, hot_share, sm_share)
     if plan is not None:
         planner.decode_plan(plan)  # a clear error for a malformed one, before the runtime sees it
-        env[planner.PLAN_ENV] = plan
-    elif use_planner and hot_share is None and sm_share is None:
-        if trace is not None:  # a routing profile to plan the first tokens by; else decoded experts until the run's
-            env.update(plan_model(model_path, nbytes, trace=trace, need=need).plan.to_env())  # own routing tells
-        # the policy stays the default (token-weighted LFU): on the model's own greedy text LRU measured 12-27%
+    elif use_planner and hot_share is None and sm_share is None and trace is not None:
+        # a routing profile to plan the first tokens by; else decoded experts until the run's own routing tells.
+        # The policy stays the default (token-weighted LFU): on the model's own greedy text LRU measured 12-27%
         # slower at 60-93% with the same slots (tiered-cache.md); the recency model predicts either's hits
-    return env
+        plan = plan_model(model_path, nbytes, trace=trace, need=need).plan.encode()
+    return RuntimeConfig(nbytes, policy, hot_share, sm_share, plan=plan).to_env()
 
 
 # ------------------------------------------------------------------------------------------ live adaptation
@@ -205,7 +203,7 @@ def apply_shares(tiers: int, split: tuple[float | None, float | None, float], si
     lib = lib or native
     hot_share, _, sm_share = split
     if hot_share is None:
-        hot_share = min(default_hot_share(tiers, sizes, warm_fast), 1.0 - sm_share)
+        hot_share = hot_share_within(default_hot_share(tiers, sizes, warm_fast), sm_share)
     stores = _store_sizes_struct(sizes)
     out = ffi.new("zipmoe_budget_split *")
     if native.zipmoe_budget_split_tiers(stores, len(sizes), tiers, hot_share, sm_share, out) < 0:

@@ -31,12 +31,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .. import _point_llama_cpp_at_our_build, build_dir, llama_lib_dir
-from .budget import CACHE_ENV, PLAN_ENV, PREFILL_ENV
 from ..errors import NativeLibraryError, UnsupportedError, ZipmoeError
-
-CACHE_MODES = ("unbounded", "none")
-ZIPMOE_LIB_NAME = "libggml-zipmoe.so"
+from ..paths import ZIPMOE_LIB_NAME, bin_dir, llama_lib_dir
+from .config import CACHE_MODES, PLAN_ENV, RuntimeConfig, split_shares, use_zipmoe_llama
 
 
 class ZipmoeLoadError(ZipmoeError, ValueError):
@@ -48,7 +45,7 @@ class ZipmoeDecodeError(ZipmoeError, RuntimeError):
 
 
 def _import_llama_cpp() -> Any:
-    _point_llama_cpp_at_our_build()
+    use_zipmoe_llama()
     try:
         import llama_cpp
     except ModuleNotFoundError as e:
@@ -59,7 +56,7 @@ def _import_llama_cpp() -> Any:
     except (FileNotFoundError, OSError, RuntimeError) as e:  # libllama missing or not loadable
         where = os.environ.get("LLAMA_CPP_LIB_PATH") or "llama_cpp/lib"
         raise NativeLibraryError(f"llama-cpp-python cannot load libllama from {where} ({e}); build zipmoe's "
-                                 f"llama.cpp with `bash tools/setup.sh` (it goes to {build_dir() / 'bin'}) or "
+                                 f"llama.cpp with `bash tools/setup.sh` (it goes to {bin_dir()}) or "
                                  "point LLAMA_CPP_LIB_PATH at it") from None
     return llama_cpp
 
@@ -307,7 +304,7 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
             raise UnsupportedError(
                 f"{model_path} is a zipmoe GGUF, but the libllama in use ({loaded_library()}) was not built with "
                 f"zipmoe; build it with `bash tools/setup.sh` and make sure LLAMA_CPP_LIB_PATH is unset or points "
-                f"at {build_dir() / 'bin'} before llama_cpp is first imported (import pyzipmoe first)")
+                f"at {bin_dir()} before llama_cpp is first imported (import pyzipmoe first)")
         from .controller import monitor_for, planner_by_default, runtime_environment
 
         if planner is None:
@@ -318,12 +315,11 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
         cache_env = runtime_environment(model_path, budget=memory_budget, policy=cache_policy, hot_share=hot_share,
                                         sm_share=sm_share, trace=trace, is_zipmoe=self.is_zipmoe, plan=plan,
                                         use_planner=planner, mapped=mapped)
-        if prefill is not None:
-            cache_env[PREFILL_ENV] = "1" if prefill else "0"
+        cache_env.update(RuntimeConfig(cache=zipmoe_cache, prefill=prefill).to_env())
         mark = _error_log.mark()
         try:
             with contextlib.ExitStack() as env:  # what is not given stays as the environment says
-                for name, value in {CACHE_ENV: zipmoe_cache, **cache_env}.items():
+                for name, value in cache_env.items():
                     env.enter_context(_env(name, value))
                 super().__init__(model_path, *args, **kwargs)
         except ValueError as e:
@@ -335,10 +331,8 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
             adapt = memory_budget is not None
         if adapt and self.is_zipmoe and memory_budget is not None and plan is None:
             use_planner = planner and hot_share is None and sm_share is None
-            sm = sm_share or 0.0
             # no shares given: the runtime's default hot share, for whatever budget the monitor sets (apply_shares)
-            hot = hot_share if hot_share is not None else (None if sm_share is None else 1.0 - sm)
-            split = None if use_planner else (hot, None if hot is None else max(0.0, 1.0 - hot - sm), sm)
+            split = None if use_planner else split_shares(hot_share, sm_share)
             self.zipmoe_monitor = monitor_for(model_path, memory_budget, trace=trace, split=split,
                                               policy=cache_policy, mapped=mapped)
             if PLAN_ENV in cache_env:  # the planner's first plan, from the trace
