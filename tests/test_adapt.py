@@ -266,11 +266,12 @@ def allowed_bytes(model: Path, plan: str) -> tuple[int, int]:
     The limits are store.c's, per expert tensor: hot slots of n_per_expert BF16 values, warm slots of the mean
     compressed region (data size / n_expert, rounded up: alignment padding included, so a little more than the
     planner's mean region size), sm slots of n_per_expert bytes."""
+    from pyzipmoe.file.reader import open_zipmoe
+    from pyzipmoe.plan import inputs
     from pyzipmoe.plan import solver as planner
-    from pyzipmoe.file.gguf import open_zipmoe
 
     slots = planner.decode_plan(plan)
-    g = planner.geometry_from_gguf(model)
+    g = inputs.geometry_from_gguf(model)
     runtime = 0
     for c in open_zipmoe(model).compressed:
         info = c.expert.info
@@ -303,7 +304,7 @@ def test_shrink_and_grow_while_generating_same_logits(arch: str, threads: int, l
     tokens, so what the tiers hold is known at every token. With two threads, the new slots also reach
     invocations that ggml runs on two threads (see test_slots_changed_around_an_invocation_keep_the_store_working
     for what must hold there)."""
-    from pyzipmoe.plan import solver as planner
+    from pyzipmoe.plan import inputs
     from pyzipmoe.runtime.budget import model_memory
 
     model = zipmoe_models[arch, "huff"]
@@ -331,7 +332,7 @@ def test_shrink_and_grow_while_generating_same_logits(arch: str, threads: int, l
     assert got["shrink_plan"] == got["expected_shrink_plan"]
     assert [b for b, _ in got["replans"]] == [small, full]
     shrink_plan, grow_plan = got["shrink_plan"], got["grow_plan"]
-    g = planner.geometry_from_gguf(model)
+    g = inputs.geometry_from_gguf(model)
     assert grow_plan == ";".join(f"{layer}:{g.n_expert},0,0" for layer in g.layers), grow_plan  # all decoded
 
     # before the shrink every expert is decoded (the prompt, in one batch, routes to all of them)
@@ -382,11 +383,11 @@ def _native_library() -> None:
 STORE_RACE = r"""
 import json, os, sys, threading
 import numpy as np
-from pyzipmoe.file import gguf as format
+from pyzipmoe.file import reader
 from pyzipmoe._native import ffi, lib
 
 path, source, name, scenario = sys.argv[1:5]
-ct = format.open_zipmoe(path).compressed_by_name[name]
+ct = reader.open_zipmoe(path).compressed_by_name[name]
 prefix = name[: name.index(".", 4) + 1].encode()  # "blk.N."
 lib.zipmoe_cache_configure(2**64 - 1, 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
 lib.zipmoe_cache_set_slots(ffi.NULL, 0, 0, 0)

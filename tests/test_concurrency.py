@@ -154,12 +154,13 @@ def test_a_damaged_model_does_not_disturb_another(lib_dir: Path, zipmoe_model: P
     a compute never reports another model's error, nor misses its own (which once happened with one
     process-wide error slot)."""
     from pyzipmoe.file import gguf as format
+    from pyzipmoe.file import reader
 
     damaged = tmp_path / "damaged.gguf"
     raw = bytearray(zipmoe_model.read_bytes())
     g = format.read_gguf(zipmoe_model)
     for name in ("blk.0.ffn_up_exps.zipmoe_data", "blk.1.ffn_down_exps.zipmoe_data"):
-        zf = format.open_zipmoe(zipmoe_model).compressed_by_name[name.replace(".zipmoe_data", ".weight")]
+        zf = reader.open_zipmoe(zipmoe_model).compressed_by_name[name.replace(".zipmoe_data", ".weight")]
         for e in range(zf.expert.info.n_expert):  # every expert: whatever the router picks is damaged
             raw[g.by_name[name].file_offset + zf.expert.span(e).offset + 3] ^= 0x40
     damaged.write_bytes(bytes(raw))

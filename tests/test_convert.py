@@ -12,7 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyzipmoe.file import codec, convert, gguf as format
+from pyzipmoe.file import codec, convert
+from pyzipmoe.file import gguf as format
+from pyzipmoe.file import metadata
+from pyzipmoe.file import reader
 from pyzipmoe.errors import ChecksumError, FormatError, UnsupportedError, ZipmoeError
 
 from conftest import ARCHS, CODECS, SMALL_CHUNK
@@ -73,7 +76,7 @@ def test_output_does_not_depend_on_threads(tiny_model: Path, tmp_path: Path) -> 
 def test_zstd_level_is_recorded(tiny_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "z.gguf"
     convert.convert(tiny_model, out, codec="zstd", level=5)
-    zf = format.open_zipmoe(out)
+    zf = reader.open_zipmoe(out)
     assert (zf.meta.codec, zf.meta.level) == ("zstd", 5)
     assert {c.expert.info.level for c in zf.compressed} == {5}
     convert.verify(out, tiny_model)
@@ -180,7 +183,7 @@ def test_interrupted_convert_keeps_an_existing_destination(tiny_model: Path, tmp
 
 
 def expert_region(path: Path, tensor: str, expert: int) -> tuple[int, codec.ExpertSpan]:
-    c = format.open_zipmoe(path).compressed_by_name[tensor]
+    c = reader.open_zipmoe(path).compressed_by_name[tensor]
     return c.region_file_offset(expert), c.expert.span(expert)
 
 
@@ -202,7 +205,7 @@ def test_tampered_index_is_caught(zipmoe_model: Path, copy_of: Callable[[Path], 
     damaged = copy_of(zipmoe_model)
     index = format.read_gguf(damaged).by_name["blk.0.ffn_down_exps.zipmoe_index"]
     flip_bit(damaged, index.file_offset + 8 * 50)  # a region offset
-    for action in (convert.verify, convert.inspect, format.open_zipmoe):
+    for action in (convert.verify, convert.inspect, reader.open_zipmoe):
         with pytest.raises(ChecksumError, match="blk.0.ffn_down_exps.weight: index"):
             action(damaged)
 
@@ -338,7 +341,7 @@ def test_inspect_plain_gguf_measures_entropy(tiny_model: Path, zipmoe_model: Pat
     info = convert.inspect(tiny_model)
     assert info["format"] == "gguf" and not info["compressed"]
     assert info["status"].startswith("not compressed: 6 BF16 expert tensors")
-    recorded = format.ZipmoeMeta.from_gguf(format.read_gguf(zipmoe_model)).exponent_entropy
+    recorded = metadata.ZipmoeMeta.from_gguf(format.read_gguf(zipmoe_model)).exponent_entropy
     assert [t["exponent_entropy"] for t in info["tensors"]] == pytest.approx(recorded, abs=1e-5)
     assert all(t["zipmoe_bytes"] is None and t["ratio"] is None for t in info["tensors"])
 

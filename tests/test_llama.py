@@ -35,7 +35,7 @@ import pytest
 from conftest import worker_env
 
 import pyzipmoe
-from pyzipmoe.file.gguf import open_zipmoe
+from pyzipmoe.file.reader import open_zipmoe
 
 ARCHS = ("qwen3moe", "olmoe")
 PROMPT = ("the expert model said hello to the world of water and time, and then the people of the world "

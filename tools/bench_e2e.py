@@ -153,7 +153,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
 
     total, bf16_bytes = None, 0
     if llm.is_zipmoe:
-        from pyzipmoe.file.gguf import open_zipmoe
+        from pyzipmoe.file.reader import open_zipmoe
 
         infos = [c.expert.info for c in open_zipmoe(job["model"]).compressed]
         total = sum(i.n_expert for i in infos)

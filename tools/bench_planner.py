@@ -87,9 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write every run here")
     args = p.parse_args(argv)
 
-    from pyzipmoe.plan import measure as calibrate, solver as planner
+    from pyzipmoe.plan import measure as calibrate
+    from pyzipmoe.plan import inputs
+    from pyzipmoe.plan import solver as planner
     from pyzipmoe.runtime import controller
-    from pyzipmoe.file.gguf import open_zipmoe
+    from pyzipmoe.file.reader import open_zipmoe
 
     model = args.model
     bf16 = args.bf16_bytes or open_zipmoe(model).meta.source_size
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     if "error" in probe:
         print(f"the unconstrained run failed: {probe['error']}", file=sys.stderr)
         return 1
-    geometry = planner.geometry_from_gguf(model)
+    geometry = inputs.geometry_from_gguf(model)
     routing = {}
     for block, log in probe["routing"].items():
         routing[int(block)] = np.zeros((len(log), geometry.n_expert), bool)

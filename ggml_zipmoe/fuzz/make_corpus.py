@@ -18,7 +18,8 @@ import numpy as np
 
 from pyzipmoe.file import convert
 from pyzipmoe import synth
-from pyzipmoe.file.gguf import INDEX_HEADER, open_zipmoe
+from pyzipmoe.file.metadata import INDEX_HEADER
+from pyzipmoe.file.reader import open_zipmoe
 
 CHUNKS_PER_TENSOR = 6
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+from ..plan import inputs
 from ..plan import solver as planner
 from ..runtime.config import PLAN_ENV
 from .formatting import human_size, para
@@ -53,22 +54,22 @@ exit status: 0 success; 1 a model, trace or costs file that cannot be used, or n
 # ------------------------------------------------------------------------------------------ inputs
 
 
-def _costs(args: argparse.Namespace, model_path: str, geometry: planner.ModelGeometry) -> tuple[planner.Costs, str]:
+def _costs(args: argparse.Namespace, model_path: str, geometry: inputs.ModelGeometry) -> tuple[inputs.Costs, str]:
     """The calibration (or defaults), overridden by --costs; and where they came from."""
     from ..runtime.controller import machine_costs
 
     costs, source = machine_costs(model_path, geometry)
     if args.costs is not None:
-        costs = planner.costs_from_file(args.costs, defaults=costs)
+        costs = inputs.costs_from_file(args.costs, defaults=costs)
         source = f"{args.costs} (missing keys: {source})"
     return costs, source
 
 
-def _counts(args: argparse.Namespace, geometry: planner.ModelGeometry) -> Any:
+def _counts(args: argparse.Namespace, geometry: inputs.ModelGeometry) -> Any:
     """The trace's activation counts; None (uniform) without one."""
     if args.trace is None:
         return None
-    return planner.counts_from_trace(args.trace, geometry.n_layer, geometry.n_expert)
+    return inputs.counts_from_trace(args.trace, geometry.n_layer, geometry.n_expert)
 
 
 def _frequencies(trace: str | None) -> str:
@@ -98,7 +99,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
         for r in [header, *rows])
 
 
-def _report(model_path: str, geometry: planner.ModelGeometry, costs: planner.Costs, costs_source: str,
+def _report(model_path: str, geometry: inputs.ModelGeometry, costs: inputs.Costs, costs_source: str,
             trace: str | None, plan: planner.Plan) -> str:
     g, c = geometry, costs
     lines = [
@@ -116,8 +117,8 @@ def _report(model_path: str, geometry: planner.ModelGeometry, costs: planner.Cos
     rows = [(str(lp.layer), str(lp.hot), str(lp.warm), str(lp.sm), str(lp.cold), human_size(lp.nbytes),
              *map(_pct, lp.hit_rates), _ms(lp.delay)) for lp in plan.layers]
     rates = plan.hit_rates
-    rows.append(("all", *(str(sum(getattr(lp, t) for lp in plan.layers)) for t in planner.TIERS),
-                 human_size(plan.nbytes), *(_pct(rates[t]) for t in planner.TIERS), _ms(plan.delay)))
+    rows.append(("all", *(str(sum(getattr(lp, t) for lp in plan.layers)) for t in inputs.TIERS),
+                 human_size(plan.nbytes), *(_pct(rates[t]) for t in inputs.TIERS), _ms(plan.delay)))
     lines += [_table(header, rows), ""]
     all_hot = 1.0 / plan.base_seconds_per_token
     lines.append(f"predicted generation: {plan.tokens_per_second:.1f} tokens/s (all hot: {all_hot:.1f} tokens/s)")
@@ -125,7 +126,7 @@ def _report(model_path: str, geometry: planner.ModelGeometry, costs: planner.Cos
     return "\n".join(lines)
 
 
-def _to_json(model_path: str, geometry: planner.ModelGeometry, costs: planner.Costs, costs_source: str,
+def _to_json(model_path: str, geometry: inputs.ModelGeometry, costs: inputs.Costs, costs_source: str,
              trace: str | None, plan: planner.Plan) -> dict[str, Any]:
     g = geometry
     return {
@@ -149,7 +150,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         parse_budget(args.plan_budget)  # a usage error (exit 2) before any file is read
     path, _ = resolve_model(args.model)
     model_path = str(path)
-    geometry = planner.geometry_from_gguf(path)
+    geometry = inputs.geometry_from_gguf(path)
     need = model_memory(path)
     budget = parse_budget(args.plan_budget, model_bytes=need.minimum + need.expert_bytes)
     check_budget(budget, need)

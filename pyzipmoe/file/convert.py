@@ -27,28 +27,11 @@ import numpy as np
 
 from . import codec as zcodec
 from ..errors import FormatError, UnsupportedError, ZipmoeError
-from .gguf import (
-    GGML_TYPE_BF16,
-    SOURCE_HEADER,
-    CompressedTensor,
-    GGUFFile,
-    Tensor,
-    ZipmoeFile,
-    ZipmoeMeta,
-    ZipmoeWriter,
-    align_up,
-    build_index,
-    is_expert_tensor,
-    n_chunks,
-    open_zipmoe,
-    check_integrity,
-    pread_exact,
-    read_gguf,
-    region_alignment,
-    restore_zeros,
-    type_name,
-    zipmoe_slots,
-)
+from .gguf import GGML_TYPE_BF16, GGUFFile, Tensor, align_up, pread_exact, read_gguf, type_name
+from .metadata import SOURCE_HEADER, ZipmoeMeta, build_index, is_expert_tensor, n_chunks, region_alignment, zipmoe_slots
+from .reader import CompressedTensor, ZipmoeFile, open_zipmoe, restore_zeros
+from .writer import ZipmoeWriter
+from .integrity import check_integrity
 from ..progress import Progress, Silent
 
 BLOCK = 8 << 20  # bytes per read when copying or scanning: large enough for sequential throughput
@@ -256,7 +239,7 @@ def expert_tensors(g: GGUFFile) -> list[Tensor]:
 def _check_zero_gaps(g: GGUFFile, experts: list[Tensor]) -> None:
     """Refuses a source with more bytes between its tensors than the output will hold (header copy, dense
     tensors and half of each expert tensor at least): a reader can then bound what restoring costs
-    (format._check_restore_size) and tell a damaged zipmoe.source.size from a real one."""
+    (reader._check_restore_size) and tell a damaged zipmoe.source.size from a real one."""
     zeros = restore_zeros(g, g.file_size)
     expert_bytes = sum(t.nbytes for t in experts)
     floor = g.data_start + sum(t.nbytes for t in g.tensors) - expert_bytes + expert_bytes // 2

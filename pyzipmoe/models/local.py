@@ -912,7 +912,7 @@ class Store:
         info: dict[str, Any] = {"source": str(source), "source_size": source_size, "converted": False,
                                 "model_reused": True, "convert": None}
         if g.is_zipmoe:
-            from ..file.gguf import open_zipmoe
+            from ..file.reader import open_zipmoe
 
             open_zipmoe(source)  # refuse a damaged file before it enters the store
             if self._intact(source_hex, source_size):
@@ -988,7 +988,7 @@ class Store:
     @staticmethod
     def _config_bytes(model_path: Path, size: int) -> bytes:
         """The config blob: what `show` and `list` tell about the model, and the conversion's provenance."""
-        from ..file.gguf import open_zipmoe
+        from ..file.reader import open_zipmoe
 
         zf = open_zipmoe(model_path)
         kv, meta = zf.gguf.kv, zf.meta
@@ -1252,7 +1252,7 @@ class Store:
                              "archive nor in the store")
 
         self._parts(manifest, lambda layer, what: path_of(layer).read_bytes())
-        from ..file.gguf import open_zipmoe
+        from ..file.reader import open_zipmoe
 
         open_zipmoe(path_of(manifest.model))
 

@@ -110,7 +110,7 @@ def _pread(fd: int, size: int, offset: int, label: str) -> np.ndarray:
 def _reencoded(values: np.ndarray, info: Any, codec_name: str, name: str) -> tuple[Any, np.ndarray]:
     """One expert's values encoded with another codec, as a one-expert tensor: (ExpertTensor, region)."""
     from ..file import codec
-    from ..file.gguf import build_index
+    from ..file.metadata import build_index
 
     if codec_name == "huff":
         coder = codec.Codec("huff", lengths=codec.huff_lengths(codec.exponent_histogram(values)))
@@ -310,7 +310,7 @@ def measure_engine(model_path: Path, *, threads: int, expert_tensors: int, first
     first_read: seconds of a layer's first read from disk (the disk's latency and one region at its bandwidth),
     which no decoding overlaps: t_layer."""
     from ..runtime.budget import model_memory
-    from .solver import geometry_from_gguf
+    from .inputs import geometry_from_gguf
     from ..runtime.timing import time_generation
 
     geometry = geometry_from_gguf(model_path)
@@ -464,7 +464,7 @@ def measure_disk(path: Path, regions: Sequence[tuple[int, int]], read_bytes: int
 
 
 def _open_model(model_path: str | os.PathLike[str]) -> Any:
-    from ..file.gguf import open_zipmoe
+    from ..file.reader import open_zipmoe
 
     path = Path(model_path).expanduser()
     if not path.exists():

@@ -111,8 +111,9 @@ def model_memory(path: str | os.PathLike[str], *, mapped: bool = True) -> ModelM
     mapped: llama.cpp maps the file without locking it (its default), so that a token embedding with an output
     matrix of its own is read a row per token and charged by embd_charge; else it is charged whole."""
     from ..file import gguf as format
+    from ..file import reader
 
-    zf = format.open_zipmoe(path)
+    zf = reader.open_zipmoe(path)
     compressed = {c.name for c in zf.compressed}
     other = sum(t.nbytes for t in zf.source.tensors if t.name not in compressed)
     by_name = {t.name: t for t in zf.source.tensors}

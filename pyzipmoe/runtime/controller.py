@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ..plan import inputs
 from ..plan import solver as planner
 from .budget import AUTO, ModelMemory, check_budget, model_memory, parse_budget
 from .config import DEFAULT_POLICY, POLICY_ENV, RuntimeConfig, hot_share_within
@@ -31,11 +32,11 @@ ROUTING_MIN_TOKENS = 64  # tokens a layer routes between two re-plans from the r
 ROUTING_LOG_TOKENS = 512  # generated tokens whose routing the runtime remembers per store (store.c: ROUTE_LOG)
 
 
-def machine_costs(model_path: str | os.PathLike[str], geometry: planner.ModelGeometry) -> tuple[planner.Costs, str]:
+def machine_costs(model_path: str | os.PathLike[str], geometry: inputs.ModelGeometry) -> tuple[inputs.Costs, str]:
     """The planner's costs: the model's cached calibration (`zipmoe calibrate`) where there is one, the planner's
     conservative defaults for what it lacks (base_seconds_per_token needs the model running); and where they came
     from."""
-    costs = planner.default_costs(geometry)
+    costs = inputs.default_costs(geometry)
     try:
         from ..plan.calibration import load_calibration
 
@@ -46,9 +47,9 @@ def machine_costs(model_path: str | os.PathLike[str], geometry: planner.ModelGeo
         return costs, "conservative defaults (no calibration)"
     values = cal.as_costs_dict() if hasattr(cal, "as_costs_dict") else dict(cal)
     measured = {k: v for k, v in values.items() if v is not None}
-    costs = planner.costs_from_dict(measured, defaults=costs, label=f"calibration of {model_path}", strict=False)
-    estimated = [name for name in planner.COST_FIELDS
-                 if name not in measured and name not in planner.OPTIONAL_COST_FIELDS]
+    costs = inputs.costs_from_dict(measured, defaults=costs, label=f"calibration of {model_path}", strict=False)
+    estimated = [name for name in inputs.COST_FIELDS
+                 if name not in measured and name not in inputs.OPTIONAL_COST_FIELDS]
     return costs, "calibration" + (f" ({', '.join(estimated)}: conservative estimate)" if estimated else "")
 
 
@@ -69,9 +70,9 @@ def plan_model(model_path: str | os.PathLike[str], budget: int, *, trace: str | 
     hold the weights that are not experts and one expert tensor's experts."""
     need = need or model_memory(model_path)
     check_budget(budget, need)
-    geometry = planner.geometry_from_gguf(model_path)
+    geometry = inputs.geometry_from_gguf(model_path)
     costs, source = machine_costs(model_path, geometry)
-    counts = planner.counts_from_trace(trace, geometry.n_layer, geometry.n_expert) if trace else None
+    counts = inputs.counts_from_trace(trace, geometry.n_layer, geometry.n_expert) if trace else None
     model = planner.cost_model(geometry, costs, counts)
     return Planned(need, budget, model, planner.plan_tiers(model, budget - need.minimum), source)
 
@@ -156,7 +157,7 @@ _UNBOUNDED = 2**64 - 1
 def store_sizes(model_path: str | os.PathLike[str]) -> list[tuple[int, int, int]]:
     """(BF16 bytes, experts, compressed bytes) of each expert tensor of a zipmoe GGUF, as the runtime's glue
     passes them to zipmoe_budget_split_tiers at load."""
-    from ..file.gguf import open_zipmoe
+    from ..file.reader import open_zipmoe
 
     return [(c.source.nbytes, c.source.dims[2], c.expert.info.data_size) for c in open_zipmoe(model_path).compressed]
 
@@ -165,7 +166,7 @@ def warm_decodes_fast(model_path: str | os.PathLike[str]) -> bool:
     """Whether every expert tensor of a zipmoe GGUF decodes its warm hits with the escape code's SIMD decoder on
     this CPU: the runtime's default split keeps every expert compressed only then (default_hot_share)."""
     from ..file import codec
-    from ..file.gguf import open_zipmoe
+    from ..file.reader import open_zipmoe
 
     compressed = open_zipmoe(model_path).compressed
     return bool(compressed) and codec.esc_simd_level() > 0 and all(c.expert.info.codec == "esc" for c in compressed)
@@ -213,7 +214,7 @@ def apply_shares(tiers: int, split: tuple[float | None, float | None, float], si
         raise ZipmoeError(f"the runtime refused the tiers of a {tiers}-byte budget (status {rc})")
 
 
-def live_counts(geometry: planner.ModelGeometry, lib: Any = None) -> np.ndarray:
+def live_counts(geometry: inputs.ModelGeometry, lib: Any = None) -> np.ndarray:
     """Tokens routed to each expert of each block so far, from the runtime's own counters: [n_layer, n_expert]."""
     if lib is None:
         from .._native import lib
@@ -227,7 +228,7 @@ def live_counts(geometry: planner.ModelGeometry, lib: Any = None) -> np.ndarray:
     return counts
 
 
-def live_routing(geometry: planner.ModelGeometry, lib: Any = None) -> dict[int, np.ndarray]:
+def live_routing(geometry: inputs.ModelGeometry, lib: Any = None) -> dict[int, np.ndarray]:
     """The experts each of the last generated tokens routed to, per MoE block, oldest first (the runtime remembers
     512): block -> bool [tokens, n_expert]. Blocks whose stores are not open are left out."""
     if lib is None:

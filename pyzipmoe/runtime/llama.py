@@ -251,7 +251,8 @@ def is_zipmoe_file(path: str | os.PathLike[str]) -> bool | None:
 
 def _header_problem(path: str) -> str | None:
     """What pyzipmoe's own reader finds wrong with a file, if anything."""
-    from ..file.gguf import open_zipmoe, read_gguf
+    from ..file.reader import open_zipmoe
+    from ..file.gguf import read_gguf
 
     try:
         if read_gguf(path).is_zipmoe:
