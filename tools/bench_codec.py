@@ -629,7 +629,7 @@ def main(argv=None) -> int:
         pyzstd_version = zstandard.ZSTD_VERSION
         pyzstd_version = ".".join(map(str, pyzstd_version)) if isinstance(pyzstd_version, tuple) else str(pyzstd_version)
     except ImportError:
-        pyzstd_version = "not installed (pip install zstandard)"
+        pyzstd_version = "not installed (pip install 'pyzipmoe[bench]', or pip install zstandard)"
     results = {
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "threads": args.threads, "chunk_size": args.chunk_size, "order": args.order, "simd_level": codec.simd_level(),
