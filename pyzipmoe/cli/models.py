@@ -18,7 +18,9 @@ from ..models.modelfile import PARAMETERS, ModelfileError, format_parameter
 from ..models.modelfile import parse as parse_modelfile
 from ..progress import for_terminal
 from .formatting import human_size, para, positive
-from ..models.local import NAME_HELP, ModelPackage, Store, resolve_model
+from ..models.name import NAME_HELP
+from ..models.package import ModelPackage
+from ..models.directory import ModelDirectory, resolve_model
 
 __all__ = ["EXIT_STATUS", "register", "resolve_model"]
 
@@ -63,8 +65,8 @@ def _print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, ensure_ascii=False))
 
 
-def _store(args: argparse.Namespace) -> Store:
-    return Store(args.models)
+def _models(args: argparse.Namespace) -> ModelDirectory:
+    return ModelDirectory(args.models)
 
 
 # ------------------------------------------------------------------------------------------ commands
@@ -83,7 +85,7 @@ def cmd_create(args: argparse.Namespace) -> int:
             raise ModelfileError("not UTF-8 text; is it really a Modelfile?", source=str(path)) from None
         source, base_dir = str(path), path.resolve().parent
     mf = parse_modelfile(text, source)
-    report = _store(args).create(args.name, mf, base_dir=base_dir, codec=args.codec, level=args.level,
+    report = _models(args).create(args.name, mf, base_dir=base_dir, codec=args.codec, level=args.level,
                                  chunk_n=args.chunk_size, threads=args.threads,
                                  progress=for_terminal(args.quiet or args.json))
     if args.json:
@@ -103,7 +105,7 @@ def cmd_create(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    entries = _store(args).list_models()
+    entries = _models(args).list_models()
     if args.json:
         _print_json({"models": [e.to_dict() for e in entries]})
         return 0
@@ -139,7 +141,7 @@ def _indent(text: str, n: int = 4) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    pkg = _store(args).open(args.name, full_check=args.verify, progress=for_terminal(args.json))
+    pkg = _models(args).open(args.name, full_check=args.verify, progress=for_terminal(args.json))
     params = [(name, format_parameter(v, name)) for name, value in pkg.parameters.items()
               for v in (value if PARAMETERS[name].repeat else [value])]
     if args.json:
@@ -181,22 +183,22 @@ def _one_line(text: str, width: int = 70) -> str:
 
 
 def cmd_cp(args: argparse.Namespace) -> int:
-    store = _store(args)
-    dst = store.copy(args.src, args.dst)
+    models = _models(args)
+    dst = models.copy(args.src, args.dst)
     print(f"copied {args.src} to {dst.display}")
     return 0
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    store = _store(args)
+    models = _models(args)
     for name in args.names:
-        blobs, freed = store.remove(name)
+        blobs, freed = models.remove(name)
         print(f"deleted {name}" + (f" (freed {human_size(freed)})" if blobs else ""))
     return 0
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    report = _store(args).prune(dry_run=args.dry_run)
+    report = _models(args).prune(dry_run=args.dry_run)
     if args.json:
         _print_json(report.to_dict())
         return 0
@@ -208,14 +210,14 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    report = _store(args).export(args.name, args.file, progress=for_terminal(args.quiet))
+    report = _models(args).export(args.name, args.file, progress=for_terminal(args.quiet))
     if not args.quiet:
         print(f"exported {report.names[0]} to {report.path} ({human_size(report.bytes)}) in {report.seconds:.1f} s")
     return 0
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    report = _store(args).import_(args.file, args.name, progress=for_terminal(args.quiet))
+    report = _models(args).import_(args.file, args.name, progress=for_terminal(args.quiet))
     if not args.quiet:
         print(f"imported {', '.join(report.names)} from {report.path} ({report.new_blobs} new "
               f"blob{'s' * (report.new_blobs != 1)}) in {report.seconds:.1f} s")

@@ -144,7 +144,7 @@ def _to_json(model_path: str, geometry: inputs.ModelGeometry, costs: inputs.Cost
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from ..runtime.budget import AUTO, check_budget, model_memory, parse_budget
-    from ..models.local import resolve_model
+    from ..models.directory import resolve_model
 
     if str(args.plan_budget).strip().lower() != AUTO:
         parse_budget(args.plan_budget)  # a usage error (exit 2) before any file is read

@@ -29,7 +29,7 @@ def _common_llama_flags(args: argparse.Namespace) -> list[str]:
 
 def _resolve(args: argparse.Namespace, program: str) -> tuple[str, list[str], Any]:
     """MODEL as a GGUF path or a stored model's name: (file, the package's flags for `program`, package)."""
-    from ..models.local import resolve_model
+    from ..models.directory import resolve_model
 
     path, package = resolve_model(args.model)
     return str(path), (package.llama_program_args(program) if package else []), package
