@@ -26,7 +26,9 @@ import numpy as np
 import pytest
 
 import pyzipmoe
-from pyzipmoe.file import codec, convert
+from pyzipmoe.file import codec
+from pyzipmoe.file import convert
+from pyzipmoe.file import verify
 from pyzipmoe.file import gguf as format
 from pyzipmoe.file import integrity
 from pyzipmoe.file import metadata
@@ -204,7 +206,7 @@ def test_absurd_source_size_is_refused_by_the_reader(zipmoe_model: Path, tmp_pat
     damaged = tmp_path / "huge-source.gguf"
     damaged.write_bytes(bytes(raw))
     t0 = time.monotonic()
-    for action in (convert.verify, convert.inspect, lambda p: convert.unpack(p, tmp_path / "out.gguf")):
+    for action in (verify.verify, convert.inspect, lambda p: verify.unpack(p, tmp_path / "out.gguf")):
         with pytest.raises(FormatError, match="zipmoe.source.size"):
             action(damaged)
     assert time.monotonic() - t0 < 5
@@ -247,7 +249,7 @@ def test_converted_files_carry_a_valid_record(zipmoe_models: dict[tuple[str, str
         assert integrity.check_integrity(path, g, zf.integrity) == g.data_start + sum(
             t.nbytes for t, k in zip(g.tensors, kinds) if k == integrity.KIND_HASHED)
         assert _verify_c(path) == (0, "")
-        assert convert.verify(path).integrity_bytes > g.data_start
+        assert verify.verify(path).integrity_bytes > g.data_start
 
 
 def _damage(path: Path, where: str, out_dir: Path) -> Path:
@@ -295,7 +297,7 @@ def test_data_companions_are_left_to_their_chunk_checksums(zipmoe_model: Path, t
     integrity.check_integrity(damaged, g, integrity.IntegrityRecord.from_gguf(g))
     assert _verify_c(damaged)[0] == 0
     with pytest.raises(ChecksumError):
-        convert.verify(damaged)  # the chunk's own checksum
+        verify.verify(damaged)  # the chunk's own checksum
 
 
 def test_verify_refuses_a_file_without_a_record(zipmoe_model: Path, copy_of: Callable[[Path], Path]) -> None:
@@ -303,7 +305,7 @@ def test_verify_refuses_a_file_without_a_record(zipmoe_model: Path, copy_of: Cal
     renamed.write_bytes(renamed.read_bytes().replace(b"zipmoe.integrity", b"zipmoe.integritz"))
     assert reader.open_zipmoe(renamed).integrity is None
     with pytest.raises(FormatError, match="no zipmoe.integrity record"):
-        convert.verify(renamed)
+        verify.verify(renamed)
 
 
 # ------------------------------------------------------------------------------------- zipmoe's llama.cpp

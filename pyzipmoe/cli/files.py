@@ -53,9 +53,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ..file import convert
+    from ..file import verify
 
-    report = convert.verify(args.file, args.against, threads=args.threads,
+    report = verify.verify(args.file, args.against, threads=args.threads,
                             progress=for_terminal(args.quiet or args.json))
     if args.json:
         print_json({**report.to_dict(), "ok": True})
@@ -91,9 +91,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_unpack(args: argparse.Namespace) -> int:
-    from ..file import convert
+    from ..file import verify
 
-    report = convert.unpack(args.file, args.out, threads=args.threads, progress=for_terminal(args.quiet))
+    report = verify.unpack(args.file, args.out, threads=args.threads, progress=for_terminal(args.quiet))
     if not args.quiet:
         print(f"{report.path} -> {report.out}: {human_size(report.size)}, sha256 {report.sha256} "
               f"matches the original's")
@@ -101,8 +101,8 @@ def cmd_unpack(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from ..file import convert
     from .. import synth
+    from ..file import convert, verify
 
     progress = for_terminal(args.quiet)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="zipmoe-demo-"))
@@ -117,11 +117,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         say(f"1. generated {model} ({human_size(made.file_size)}): a {args.arch} model with random BF16 weights")
         report = convert.convert(model, packed, threads=args.threads, progress=progress)
         say(f"2. converted it to {packed} ({human_size(report.output_size)}) in {report.seconds:.1f} s")
-        checked = convert.verify(packed, model, threads=args.threads, progress=progress)
+        checked = verify.verify(packed, model, threads=args.threads, progress=progress)
         say(f"3. verified: {checked.experts} experts decode bit for bit to the source's")
-        back = convert.unpack(packed, restored, threads=args.threads, progress=progress)
+        back = verify.unpack(packed, restored, threads=args.threads, progress=progress)
         if back.sha256 != report.sha256:
-            raise convert.MismatchError(f"{restored} has sha256 {back.sha256}, the source {report.sha256}")
+            raise verify.MismatchError(f"{restored} has sha256 {back.sha256}, the source {report.sha256}")
         say(f"4. unpacked it to {restored}: sha256 {back.sha256[:16]}... equals the source's")
         say("")
         say(size_table([r.to_dict() for r in report.rows()]))
