@@ -1,7 +1,7 @@
 """`zipmoe calibrate MODEL`: what decoding and reading experts cost on this machine, measured once and cached.
 
-cli.py calls `register(subparsers)`. Nothing here imports cli.py at module level (cli.py imports this module), and
-the native library loads only when a measurement runs.
+The zipmoe command (pyzipmoe.cli) calls `register(subparsers)`; the native library loads only when a measurement
+runs.
 """
 
 from __future__ import annotations

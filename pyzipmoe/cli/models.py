@@ -1,8 +1,8 @@
 """`zipmoe create / list / show / cp / rm / prune / export / import`: models by name, as Ollama taught people.
 
-cli.py calls `register(subparsers)`; `resolve_model` is what `zipmoe run NAME` and `zipmoe serve NAME` use to
-accept a stored model name as well as a GGUF path. Nothing here imports cli.py at module level (cli.py imports
-this module), and nothing loads the native library until a command needs it.
+The zipmoe command (pyzipmoe.cli) calls `register(subparsers)`; pyzipmoe.models.directory.resolve_model is what
+`zipmoe run NAME` and `zipmoe serve NAME` use to accept a model's name as well as a GGUF path. Nothing loads the
+native library until a command needs it.
 """
 
 from __future__ import annotations

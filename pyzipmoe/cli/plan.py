@@ -2,8 +2,8 @@
 
 The zipmoe command (pyzipmoe.cli) calls `register(subparsers)`. The planner itself is pyzipmoe/plan/.
 
-The option is `--memory-budget` but its attribute is `plan_budget`: cli.main turns an attribute `memory_budget`
-into the runtime's environment, which planning must not do.
+The option is `--memory-budget` but its attribute is `plan_budget`: the run commands (pyzipmoe.cli.programs) turn
+an attribute `memory_budget` into the runtime's environment, which planning must not do.
 """
 
 from __future__ import annotations
