@@ -152,7 +152,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model_path = str(path)
     geometry = inputs.geometry_from_gguf(path)
     need = model_memory(path)
-    budget = parse_budget(args.plan_budget, model_bytes=need.minimum + need.expert_bytes)
+    budget = parse_budget(args.plan_budget, model_bytes=need.whole)
     check_budget(budget, need)
     counts = _counts(args, geometry)
     costs, costs_source = _costs(args, model_path, geometry)

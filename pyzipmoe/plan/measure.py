@@ -315,7 +315,7 @@ def measure_engine(model_path: Path, *, threads: int, expert_tensors: int, first
 
     geometry = geometry_from_gguf(model_path)
     need = model_memory(model_path)
-    budget = str(need.minimum + need.expert_bytes)  # room for every plan below
+    budget = str(need.whole)  # room for every plan below
     k, n = geometry.n_expert_used, geometry.n_expert
     if 2 * k > n:
         return None

@@ -91,7 +91,18 @@ class ModelMemory:
 
     @property
     def minimum(self) -> int:
+        """The smallest budget that works: the weights that are not experts and one expert tensor in flight."""
         return self.other_bytes + self.in_flight_bytes
+
+    @property
+    def whole(self) -> int:
+        """A budget that holds every expert decoded: the most a model can use, and what "auto" is capped at."""
+        return self.minimum + self.expert_bytes
+
+
+def model_budget(budget: str | int, need: ModelMemory) -> int:
+    """Bytes of a model's budget as a user wrote it: "auto" takes what is free, at most the whole model."""
+    return parse_budget(budget, model_bytes=need.whole) if str(budget) == AUTO else parse_budget(budget)
 
 
 EMBD_BATCH_ROWS = 2048  # llama.cpp's default n_batch: the most distinct rows one batch reads of the token embedding

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..plan import inputs
 from ..plan import solver as planner
-from .budget import AUTO, ModelMemory, check_budget, model_memory, parse_budget
+from .budget import AUTO, ModelMemory, check_budget, model_budget, model_memory
 from .config import DEFAULT_POLICY, POLICY_ENV, RuntimeConfig, hot_share_within
 from ..errors import ZipmoeError
 
@@ -109,8 +109,7 @@ def runtime_environment(model_path: str | os.PathLike[str], *, budget: str | int
     if budget is None or not is_zipmoe:
         return RuntimeConfig(budget if is_zipmoe else None, policy, hot_share, sm_share).to_env()
     need = model_memory(model_path, mapped=mapped)
-    nbytes = parse_budget(budget, model_bytes=need.minimum + need.expert_bytes) if str(budget) == AUTO \
-        else parse_budget(budget)
+    nbytes = model_budget(budget, need)
     check_budget(nbytes, need)
     if plan is not None:
         planner.decode_plan(plan)  # a clear error for a malformed one, before the runtime sees it
@@ -485,8 +484,8 @@ def monitor_for(model_path: str | os.PathLike[str], budget: str | int, *, trace:
     """A monitor for a model loaded with `runtime_environment(model_path, budget=budget, ...)`: "auto" may grow
     up to the model's size, a fixed budget is also the ceiling. mapped: as model_memory."""
     need = model_memory(model_path, mapped=mapped)
-    full = need.minimum + need.expert_bytes
-    nbytes = parse_budget(budget, model_bytes=full) if str(budget) == AUTO else parse_budget(budget)
+    full = need.whole
+    nbytes = model_budget(budget, need)
     planned = plan_model(Path(model_path), nbytes, trace=trace, need=need)
     auto = str(budget) == AUTO
     if kwargs.get("split") is not None:
