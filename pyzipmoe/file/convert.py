@@ -145,7 +145,7 @@ def _ordered(pool: ThreadPoolExecutor, fn: Callable[[T], R], items: Iterable[T],
             f.cancel()
 
 
-def _pread_into(fd: int, out: np.ndarray, offset: int, label: str) -> np.ndarray:
+def pread_into(fd: int, out: np.ndarray, offset: int, label: str) -> np.ndarray:
     """Fills `out` from the file at `offset`, without an intermediate bytes object."""
     view = memoryview(out).cast("B")
     done = 0
@@ -166,13 +166,13 @@ def _read_into(f: BinaryIO, view: memoryview, label: str) -> None:
         done += n
 
 
-def _blocks(size: int, block: int = BLOCK) -> Iterator[tuple[int, int]]:
+def byte_blocks(size: int, block: int = BLOCK) -> Iterator[tuple[int, int]]:
     """(start, length) of consecutive blocks covering [0, size)."""
     for start in range(0, size, block):
         yield start, min(block, size - start)
 
 
-def _threads(threads: int | None) -> int:
+def thread_count(threads: int | None) -> int:
     n = threads if threads is not None else (os.cpu_count() or 1)
     if n < 1:
         raise ZipmoeError(f"--threads must be at least 1, got {n}")
@@ -180,7 +180,7 @@ def _threads(threads: int | None) -> int:
 
 
 @contextmanager
-def _atomic_output(dst: Path) -> Iterator[BinaryIO]:
+def atomic_output(dst: Path) -> Iterator[BinaryIO]:
     """A new file that appears as `dst` only once the block completes; removed on any error or Ctrl-C."""
     # checked first: these would otherwise fail only at the end, or name the temporary file
     if dst.is_dir():
@@ -201,7 +201,7 @@ def _atomic_output(dst: Path) -> Iterator[BinaryIO]:
         raise
 
 
-def _refuse_same_file(a: Path, b: Path) -> None:
+def refuse_same_file(a: Path, b: Path) -> None:
     if a.resolve() == b.resolve() or (b.exists() and a.exists() and os.path.samefile(a, b)):
         raise ZipmoeError(f"{b}: the output would overwrite the input; choose another file name")
 
@@ -249,7 +249,7 @@ class SourceScan:
     histograms: dict[str, np.ndarray]  # exponent histogram of each expert tensor
 
 
-def _layout(g: GGUFFile) -> list[Tensor]:
+def tensors_by_offset(g: GGUFFile) -> list[Tensor]:
     """Tensors in file order; refuses overlaps (the bytes could not be restored from one copy)."""
     ordered = sorted(g.tensors, key=lambda t: t.file_offset)
     for a, b in zip(ordered, ordered[1:]):
@@ -269,7 +269,7 @@ def scan_source(f: BinaryIO, g: GGUFFile, experts: Iterable[Tensor], progress: P
     f.seek(0)
 
     def read(size: int, what: str, visit: Callable[[memoryview], None] | None = None) -> None:
-        for _, n in _blocks(size):
+        for _, n in byte_blocks(size):
             view = memoryview(buf)[:n]
             _read_into(f, view, g.label)
             sha.update(view)
@@ -285,7 +285,7 @@ def scan_source(f: BinaryIO, g: GGUFFile, experts: Iterable[Tensor], progress: P
 
     read(g.data_start, "header")
     pos = g.data_start
-    for t in _layout(g):
+    for t in tensors_by_offset(g):
         read(t.file_offset - pos, "gap", zeros(f"before tensor {t.name}"))
         if t.name in expert_names:
             read(t.nbytes, t.name, lambda v, h=histograms[t.name]: zcodec.exponent_histogram(
@@ -356,7 +356,7 @@ def _expert_regions(pool: ThreadPoolExecutor, fd: int, t: Tensor, coder: zcodec.
     n_per = ne0 * ne1
 
     def encode(e: int) -> zcodec.EncodedExpert:
-        values = _pread_into(fd, np.empty(n_per, np.uint16), t.file_offset + e * n_per * 2, label)
+        values = pread_into(fd, np.empty(n_per, np.uint16), t.file_offset + e * n_per * 2, label)
         return coder.encode_expert(values, settings.chunk_n)
 
     pos = 0
@@ -372,7 +372,7 @@ def _expert_regions(pool: ThreadPoolExecutor, fd: int, t: Tensor, coder: zcodec.
 
 
 def _copy(fd: int, offset: int, size: int, label: str, progress: Progress | None = None) -> Iterator[bytes]:
-    for start, n in _blocks(size):
+    for start, n in byte_blocks(size):
         data = pread_exact(fd, n, offset + start, label)
         if progress is not None:
             progress.advance(n)
@@ -427,9 +427,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, codec: 
     codec_name = _codec_name(codec)
     if not 1 <= chunk_n <= CHUNK_MAX:
         raise ZipmoeError(f"the chunk size must be between 1 and {CHUNK_MAX} values, got {chunk_n}")
-    threads = _threads(threads)
+    threads = thread_count(threads)
     progress = progress or Silent()
-    _refuse_same_file(src, dst)
+    refuse_same_file(src, dst)
     g = read_gguf(src)
     if g.is_zipmoe:
         raise UnsupportedError(f"{src}: already a zipmoe file; `zipmoe unpack` restores its source")
@@ -444,7 +444,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, codec: 
                               tensors=tuple(t.name for t in experts), source_size=g.file_size,
                               source_sha256=scan.sha256, source_data_start=g.data_start,
                               exponent_entropy=tuple(entropies[t.name] for t in experts))
-            with _atomic_output(dst) as out:
+            with atomic_output(dst) as out:
                 sizes = _write_zipmoe(out, f.fileno(), g, meta, scan, settings, threads, progress)
     finally:
         progress.close()

@@ -214,7 +214,7 @@ def zipmoe_slots(source: GGUFFile, expert_names: set[str], chunk_n: int) -> list
     return slots
 
 
-def _fixed_run(slots: Sequence[Slot], start: int, alignment: int) -> int | None:
+def fixed_run(slots: Sequence[Slot], start: int, alignment: int) -> int | None:
     """Padded bytes of the fixed-size slots from `start` up to the next page-aligned slot, or None if
     no page-aligned slot follows."""
     total = 0
@@ -246,6 +246,6 @@ def header_padding(kv: bytes, n_kv: int, slots: Sequence[Slot], alignment: int) 
     where padding can go (llama.cpp allows no gap before a tensor).
     """
     base = len(encode_header(kv + _padding_kv(0), n_kv + 1, slots, (), ()))
-    before = _fixed_run(slots, 0, alignment)
+    before = fixed_run(slots, 0, alignment)
     n = 0 if before is None or alignment >= PAGE else (-(base + before)) % PAGE
     return _padding_kv(n)

@@ -20,7 +20,15 @@ import numpy as np
 
 from ..errors import FormatError, ZipmoeError
 from ..progress import Progress, Silent
-from .convert import _atomic_output, _blocks, _layout, _ordered, _pread_into, _refuse_same_file, _threads
+from .convert import (
+    _ordered,
+    atomic_output,
+    byte_blocks,
+    pread_into,
+    refuse_same_file,
+    tensors_by_offset,
+    thread_count,
+)
 from .gguf import pread_exact
 from .integrity import check_integrity
 from .metadata import SOURCE_HEADER
@@ -52,7 +60,7 @@ class Piece:
 
 
 def _zeros(start: int, end: int) -> Iterator[Piece]:
-    for s, n in _blocks(end - start):
+    for s, n in byte_blocks(end - start):
         yield Piece(start + s, bytes(n), None)
 
 
@@ -62,7 +70,7 @@ def _decoded(pool: ThreadPoolExecutor, fd: int, c: CompressedTensor, depth: int,
 
     def decode(e: int) -> np.ndarray:
         span = c.expert.span(e)
-        region = _pread_into(fd, np.empty(span.size, np.uint8), c.data.file_offset + span.offset, label)
+        region = pread_into(fd, np.empty(span.size, np.uint8), c.data.file_offset + span.offset, label)
         return c.expert.decode_expert(e, region)
 
     expert_bytes = info.n_per_expert * 2
@@ -76,13 +84,13 @@ def _restored(zf: ZipmoeFile, fd: int, pool: ThreadPoolExecutor, depth: int) -> 
     yield Piece(0, pread_exact(fd, zf.source_header.nbytes, zf.source_header.file_offset, label), SOURCE_HEADER)
     compressed = zf.compressed_by_name
     pos = zf.source.data_start
-    for t in _layout(zf.source):
+    for t in tensors_by_offset(zf.source):
         yield from _zeros(pos, t.file_offset)
         if t.name in compressed:
             yield from _decoded(pool, fd, compressed[t.name], depth, label)
         else:
             mine = zf.gguf.by_name[t.name]
-            for start, n in _blocks(t.nbytes):
+            for start, n in byte_blocks(t.nbytes):
                 yield Piece(t.file_offset + start, pread_exact(fd, n, mine.file_offset + start, label), t.name,
                             start=start)
         pos = t.file_offset + t.nbytes
@@ -158,7 +166,7 @@ def verify(path: str | os.PathLike[str], against: str | os.PathLike[str] | None 
     file has the recorded sha256; with `against`, also compares it byte for byte with that source and
     names the first difference."""
     t0 = time.monotonic()
-    threads = _threads(threads)
+    threads = thread_count(threads)
     progress = progress or Silent()
     zf = open_zipmoe(path)
     with ExitStack() as stack:
@@ -197,12 +205,12 @@ def unpack(path: str | os.PathLike[str], out: str | os.PathLike[str], *, threads
     """Restores the source of a zipmoe file, byte for byte, and checks its sha256."""
     t0 = time.monotonic()
     path, out = Path(path), Path(out)
-    threads = _threads(threads)
+    threads = thread_count(threads)
     progress = progress or Silent()
-    _refuse_same_file(path, out)
+    refuse_same_file(path, out)
     zf = open_zipmoe(path)
     try:
-        with _atomic_output(out) as f:
+        with atomic_output(out) as f:
             sha = _restore(zf, threads, progress, lambda piece: f.write(piece.data))
             if sha != zf.meta.source_sha256:
                 raise MismatchError(f"{path}: the restored source has sha256 {sha}, but zipmoe.source.sha256 "

@@ -26,7 +26,7 @@ from .integrity import (
     integrity_hash,
     integrity_len,
 )
-from .metadata import PAGE, Slot, _fixed_run, encode_header, header_padding
+from .metadata import PAGE, Slot, fixed_run, encode_header, header_padding
 
 
 class ZipmoeWriter:
@@ -84,7 +84,7 @@ class ZipmoeWriter:
         if self._integrity is not None:
             self._integrity.append((KIND_COMPANION, 0) if hasher is None else (KIND_HASHED, hasher.digest()))
         if slot.page_aligned:
-            follow = _fixed_run(self._slots, i + 1, self._alignment)
+            follow = fixed_run(self._slots, i + 1, self._alignment)
             pad = 0 if follow is None else (-(self.file_pos + n + follow)) % PAGE
             n += self._f.write(bytes(pad))
             dims = (n // tensor_nbytes(slot.ggml_type, (1,)),)

@@ -31,7 +31,7 @@ class BlobError(ChecksumError):
 # ------------------------------------------------------------------------------------------ file helpers
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -39,7 +39,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _hash_file(path: Path, progress: Progress, label: str) -> tuple[str, int]:
+def hash_file(path: Path, progress: Progress, label: str) -> tuple[str, int]:
     sha, size = hashlib.sha256(), 0
     progress.start(label, path.stat().st_size)
     with open(path, "rb", buffering=0) as f:
@@ -50,7 +50,7 @@ def _hash_file(path: Path, progress: Progress, label: str) -> tuple[str, int]:
     return sha.hexdigest(), size
 
 
-def _stat_key(path: Path) -> list[int]:
+def stat_key(path: Path) -> list[int]:
     st = path.stat()
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
 
@@ -66,7 +66,7 @@ def _atomic_file(dst: Path) -> Iterator[BinaryIO]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, dst)
-        _fsync_dir(dst.parent)
+        fsync_dir(dst.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -80,7 +80,7 @@ class _JobRoot(Protocol):
     def _locked(self) -> contextlib.AbstractContextManager[None]: ...
 
 
-class _Job:
+class Job:
     """A create or import at work: a private directory under .state/tmp for blobs not yet in the store.
 
     It holds a flock on its lock file for its lifetime; `prune` removes job directories whose lock it can take
@@ -106,7 +106,7 @@ class _Job:
         self.lock_path.unlink(missing_ok=True)
         os.close(self._lock_fd)
 
-    def __enter__(self) -> _Job:  # noqa: PYI034 (a final class)
+    def __enter__(self) -> Job:  # noqa: PYI034 (a final class)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -146,7 +146,7 @@ class _Job:
         return Layer("", f"sha256:{hex_}", size)
 
 
-def _read_chunks(f: BinaryIO, size: int | None = None) -> Iterator[bytes]:
+def read_chunks(f: BinaryIO, size: int | None = None) -> Iterator[bytes]:
     left = size
     while left is None or left > 0:
         chunk = f.read(BLOCK if left is None else min(BLOCK, left))
@@ -159,7 +159,7 @@ def _read_chunks(f: BinaryIO, size: int | None = None) -> Iterator[bytes]:
         yield chunk
 
 
-class _HashingReader:
+class HashingReader:
     """A read-only file wrapper that hashes and counts what passes through it (for tarfile)."""
 
     def __init__(self, f: BinaryIO, progress: Progress, hash_: bool = True):

@@ -16,7 +16,7 @@ from typing import Any
 
 from . import modelfile as mfile
 from ..progress import Progress, Silent
-from .blobs import _Job, _atomic_file, _hash_file, _read_chunks, _stat_key
+from .blobs import Job, _atomic_file, hash_file, read_chunks, stat_key
 from .manifest import (
     Layer,
     MEDIA_CONFIG,
@@ -27,11 +27,11 @@ from .manifest import (
     MEDIA_SYSTEM,
     MEDIA_TEMPLATE,
     Manifest,
-    _DIGEST,
-    _sha,
+    DIGEST,
+    sha256_digest,
 )
 from .modelfile import Modelfile
-from .name import InvalidNameError, ModelName, ModelNotFoundError, ModelsError, _as_name
+from .name import InvalidNameError, ModelName, ModelNotFoundError, ModelsError, as_name
 from .package import ModelPackage
 
 
@@ -55,7 +55,7 @@ class CreateReport:
         return asdict(self)
 
 
-class _Creating:
+class Creating:
     """ModelDirectory's create (pyzipmoe.models.create): a Modelfile to a model package."""
 
     def create(self, name: str | ModelName, modelfile: Modelfile | str, *, base_dir: str | os.PathLike[str] = ".",
@@ -67,14 +67,14 @@ class _Creating:
         from ..file import codec as zcodec
 
         t0 = time.monotonic()
-        name = _as_name(name)
+        name = as_name(name)
         settings = _codec_settings(zcodec, codec, level, chunk_n)  # bad options fail before any work
         mf = mfile.parse(modelfile) if isinstance(modelfile, str) else modelfile
         progress = progress or Silent()
         base_dir = Path(base_dir)
         self._ensure()
         try:
-            with _Job(self) as job:
+            with Job(self) as job:
                 base, source = None, self._from_file(mf, base_dir)
                 if not source.exists():
                     base = self._from_model(mf, source)
@@ -115,7 +115,7 @@ class _Creating:
             raise mf.error(f"FROM {mf.from_}: no such file ({looked_at}), and no model {name.display!r} in "
                            f"{self.root}") from None
 
-    def _model_blob(self, job: _Job, source: Path, settings: Mapping[str, Any], threads: int | None,
+    def _model_blob(self, job: Job, source: Path, settings: Mapping[str, Any], threads: int | None,
                     progress: Progress) -> tuple[Layer, dict[str, Any]]:
         """The model layer for a GGUF file: reused when the store has it, else staged (copied or converted)."""
         from ..file import codec as zcodec
@@ -134,7 +134,7 @@ class _Creating:
                 return Layer(MEDIA_MODEL, f"sha256:{source_hex}", source_size), info
             with open(source, "rb", buffering=0) as f:
                 progress.start(f"copy {source.name}", source_size)
-                staged = job.stage_chunks(_read_chunks(f), progress)
+                staged = job.stage_chunks(read_chunks(f), progress)
             if staged.hex != source_hex:
                 self._source_record(source).unlink(missing_ok=True)
                 raise ModelsError(f"{source} changed while it was being read; run the command again")
@@ -150,7 +150,7 @@ class _Creating:
         if report.sha256 != source_hex:
             self._source_record(source).unlink(missing_ok=True)  # hash it afresh next time
             raise ModelsError(f"{source} changed while it was being converted; run the command again")
-        hex_, size = _hash_file(out, progress, "hash the converted model")
+        hex_, size = hash_file(out, progress, "hash the converted model")
         job.adopt(out, hex_, size)
         return Layer(MEDIA_MODEL, f"sha256:{hex_}", size), {**info, "converted": True, "model_reused": False,
                                                            "convert": report.to_dict()}
@@ -162,14 +162,14 @@ class _Creating:
         next time; convert also checks the sha256 it computes itself."""
         real = source.resolve()
         record = self._source_record(real)
-        stat = _stat_key(real)
+        stat = stat_key(real)
         try:
             saved = json.loads(record.read_bytes())
-            if saved["stat"] == stat and _DIGEST.fullmatch("sha256:" + saved["sha256"]):
+            if saved["stat"] == stat and DIGEST.fullmatch("sha256:" + saved["sha256"]):
                 return saved["sha256"], stat[0]
         except (OSError, ValueError, KeyError, TypeError):
             pass
-        hex_, size = _hash_file(real, progress, f"hash {source.name}")
+        hex_, size = hash_file(real, progress, f"hash {source.name}")
         with contextlib.suppress(OSError):
             record.parent.mkdir(exist_ok=True)
             with _atomic_file(record) as f:
@@ -177,7 +177,7 @@ class _Creating:
         return hex_, size
 
     def _source_record(self, path: Path) -> Path:
-        return self.state_dir / "sources" / _sha(str(path.resolve()).encode())
+        return self.state_dir / "sources" / sha256_digest(str(path.resolve()).encode())
 
     def _find_converted(self, source_hex: str, settings: Mapping[str, Any]) -> Layer | None:
         """A stored model blob converted from the source with sha256 source_hex with these codec settings.
@@ -226,7 +226,7 @@ class _Creating:
         return json.dumps(config, indent=2).encode()
 
     @staticmethod
-    def _package_layers(job: _Job, mf: Modelfile, base: ModelPackage | None) -> list[Layer]:
+    def _package_layers(job: Job, mf: Modelfile, base: ModelPackage | None) -> list[Layer]:
         """Template, system, licenses, messages and parameters: the Modelfile's, else the base model's."""
         template = mf.template if mf.template is not None else (base.template if base else None)
         system = mf.system if mf.system is not None else (base.system if base else None)

@@ -45,8 +45,8 @@ from typing import Any
 from . import modelfile as mfile
 from ..errors import ZipmoeError
 from ..progress import Progress, Silent
-from .blobs import BlobError, SMALL_BLOB_MAX, _Job, _atomic_file, _fsync_dir, _hash_file, _stat_key
-from .create import _Creating
+from .blobs import BlobError, SMALL_BLOB_MAX, Job, _atomic_file, fsync_dir, hash_file, stat_key
+from .create import Creating
 from .manifest import (
     Layer,
     MEDIA_LICENSE,
@@ -56,13 +56,13 @@ from .manifest import (
     MEDIA_TEMPLATE,
     Manifest,
     _is_message,
-    _sha,
+    sha256_digest,
     digest_hex,
 )
 from .modelfile import Message
-from .name import InvalidNameError, ModelName, ModelNotFoundError, ModelsError, NAME_HELP, _as_name
-from .package import ModelEntry, ModelPackage, _accepts, apply_package
-from .transfer import _Transferring
+from .name import InvalidNameError, ModelName, ModelNotFoundError, ModelsError, NAME_HELP, as_name
+from .package import ModelEntry, ModelPackage, accepts_keyword, apply_package
+from .transfer import Transferring
 
 
 ENV_MODELS = "ZIPMOE_MODELS"
@@ -90,8 +90,9 @@ def default_root() -> Path:
 _FIX = ("`zipmoe create` or `zipmoe import` {model} again to replace it (or `zipmoe rm {model}`)")
 
 
-class ModelDirectory(_Creating, _Transferring):
-    """A model store directory; every method is safe to call from several threads and processes at once."""
+class ModelDirectory(Creating, Transferring):
+    """A models directory (model packages by name); every method is safe to call from several threads and processes
+    at once."""
 
     def __init__(self, root: str | os.PathLike[str] | None = None):
         self.root = Path(root).expanduser() if root is not None else default_root()
@@ -131,11 +132,11 @@ class ModelDirectory(_Creating, _Transferring):
         """Records that blob hex_ was hashed and matched while its stat was what it is now."""
         path = self.blob_path(hex_)
         with _atomic_file(self.verified_dir / path.name) as f:
-            f.write(json.dumps(_stat_key(path)).encode())
+            f.write(json.dumps(stat_key(path)).encode())
 
     def _stamped(self, hex_: str) -> bool:
         try:
-            return json.loads((self.verified_dir / f"sha256-{hex_}").read_bytes()) == _stat_key(self.blob_path(hex_))
+            return json.loads((self.verified_dir / f"sha256-{hex_}").read_bytes()) == stat_key(self.blob_path(hex_))
         except (OSError, ValueError):
             return False
 
@@ -155,7 +156,7 @@ class ModelDirectory(_Creating, _Transferring):
                             f"{layer.size}; {fix}")
         if not full and self._stamped(hex_):
             return path
-        got, _ = _hash_file(path, progress or Silent(), f"verify {what}")
+        got, _ = hash_file(path, progress or Silent(), f"verify {what}")
         if got != hex_:
             raise BlobError(f"model {model}: its {what} blob {path} is damaged: its sha256 is {got[:16]}..., not "
                             f"{hex_[:16]}...; {fix}")
@@ -181,7 +182,7 @@ class ModelDirectory(_Creating, _Transferring):
         except FileNotFoundError:
             raise BlobError(f"model {model}: its {what} blob {path.name} is missing from {self.blobs_dir}; the store "
                             f"was damaged: {_FIX.format(model=model)}") from None
-        if _sha(data) != layer.hex:
+        if sha256_digest(data) != layer.hex:
             raise BlobError(f"model {model}: its {what} blob {path} is damaged (its sha256 does not match); "
                             f"{_FIX.format(model=model)}")
         return data
@@ -194,10 +195,10 @@ class ModelDirectory(_Creating, _Transferring):
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise ModelNotFoundError(f"model {name.display!r} not found in {self.root} "
                                      "(`zipmoe list` shows the models)") from None
-        return Manifest.from_bytes(data, f"model {name.display} ({path})"), _sha(data), mtime
+        return Manifest.from_bytes(data, f"model {name.display} ({path})"), sha256_digest(data), mtime
 
     def exists(self, name: str | ModelName) -> bool:
-        return self.manifest_path(_as_name(name)).is_file()
+        return self.manifest_path(as_name(name)).is_file()
 
     def _manifest_files(self) -> Iterator[tuple[tuple[str, ...], Path]]:
         """(host, namespace, model, tag) and path of every manifest file; temporary files (".*") are skipped."""
@@ -229,7 +230,7 @@ class ModelDirectory(_Creating, _Transferring):
             try:
                 data = path.read_bytes()
                 manifest = Manifest.from_bytes(data, str(path))
-                out.append(ModelEntry(name, _sha(data), manifest.size, path.stat().st_mtime))
+                out.append(ModelEntry(name, sha256_digest(data), manifest.size, path.stat().st_mtime))
             except (OSError, ModelsError) as e:
                 out.append(ModelEntry(name, "", 0, 0.0, str(e)))
         return sorted(out, key=lambda e: (-e.modified, e.name))
@@ -237,7 +238,7 @@ class ModelDirectory(_Creating, _Transferring):
     def open(self, name: str | ModelName, *, full_check: bool = False,
              progress: Progress | None = None) -> ModelPackage:
         """The model `name`, every blob checked (see the module's notes on the model blob)."""
-        name = _as_name(name)
+        name = as_name(name)
         manifest, digest, mtime = self._read_manifest(name)
         parts = self._parts(manifest, lambda layer, what: self._read_small(layer, name.display, what))
         model_path = self.check_blob(manifest.model, model=name.display, what="model", full=full_check,
@@ -297,7 +298,7 @@ class ModelDirectory(_Creating, _Transferring):
             out |= {x.hex for x in manifest.blobs}
         return out
 
-    def _commit(self, name: ModelName, manifest: Manifest, job: _Job | None) -> tuple[str, int, int]:
+    def _commit(self, name: ModelName, manifest: Manifest, job: Job | None) -> tuple[str, int, int]:
         """Moves the job's blobs into the store and writes the manifest last, all under the store lock.
         Returns the manifest's digest and how many blobs (and bytes) were new."""
         new = new_bytes = 0
@@ -318,7 +319,7 @@ class ModelDirectory(_Creating, _Transferring):
                     raise ModelsError(f"blob {target.name} of {name.display} disappeared while it was being created "
                                      "(did `zipmoe rm` or `zipmoe prune` run at the same time?); run the command again")
             if placed:
-                _fsync_dir(self.blobs_dir)  # the blobs are durable before the manifest that points at them
+                fsync_dir(self.blobs_dir)  # the blobs are durable before the manifest that points at them
                 for hex_ in placed:
                     with contextlib.suppress(OSError):
                         self._stamp(hex_)
@@ -326,10 +327,10 @@ class ModelDirectory(_Creating, _Transferring):
             path.parent.mkdir(parents=True, exist_ok=True)
             with _atomic_file(path) as f:
                 f.write(data)
-        return _sha(data), new, new_bytes
+        return sha256_digest(data), new, new_bytes
 
     def copy(self, src: str | ModelName, dst: str | ModelName) -> ModelName:
-        src, dst = _as_name(src), _as_name(dst)
+        src, dst = as_name(src), as_name(dst)
         with self._locked():
             self._read_manifest(src)  # ModelNotFoundError, or a manifest that is not worth copying
             data = self.manifest_path(src).read_bytes()
@@ -341,7 +342,7 @@ class ModelDirectory(_Creating, _Transferring):
 
     def remove(self, name: str | ModelName) -> tuple[int, int]:
         """Deletes the model and the blobs no other model uses (as `ollama rm` does); returns (blobs, bytes) freed."""
-        name = _as_name(name)
+        name = as_name(name)
         with self._locked():
             manifest, _, _ = self._read_manifest(name)
             path = self.manifest_path(name)
@@ -481,7 +482,7 @@ def llama_from_store(name: str, *, llama_class: type | None = None, zipmoe_model
         llama_class = Llama
     package = ModelDirectory(zipmoe_models).open(name, full_check=full_check)
     args = package.llama_kwargs()
-    if "zipmoe_memory_budget" in args and not _accepts(llama_class, "zipmoe_memory_budget"):
+    if "zipmoe_memory_budget" in args and not accepts_keyword(llama_class, "zipmoe_memory_budget"):
         # llama_cpp.Llama swallows unknown keywords; say so rather than pretend the budget applies
         warnings.warn(f"{package.name.display}: PARAMETER memory_budget is not supported by this "
                       f"{llama_class.__name__} yet; it is ignored", RuntimeWarning, stacklevel=2)

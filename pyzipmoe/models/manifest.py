@@ -30,11 +30,11 @@ OLLAMA_MEDIA_PREFIX = "application/vnd.ollama.image."
 # ------------------------------------------------------------------------------------------ manifests
 
 
-_DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
+DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
 
 
 def digest_hex(digest: str) -> str:
-    m = _DIGEST.fullmatch(digest)
+    m = DIGEST.fullmatch(digest)
     if m is None:
         raise ModelsError(f"{digest!r} is not a sha256 digest")
     return m.group(1)
@@ -111,11 +111,11 @@ def _layer(obj: Mapping[str, Any]) -> Layer:
     return Layer(obj["mediaType"], obj["digest"], size)
 
 
-def _sha(data: bytes) -> str:
+def sha256_digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _what(layer: Layer) -> str:
+def layer_kind(layer: Layer) -> str:
     return "config" if layer.media_type == MEDIA_CONFIG else layer.media_type.rsplit(".", 1)[-1]
 
 

@@ -104,5 +104,5 @@ class ModelName:
         return self.host, self.namespace, self.model, self.tag
 
 
-def _as_name(name: str | ModelName) -> ModelName:
+def as_name(name: str | ModelName) -> ModelName:
     return name if isinstance(name, ModelName) else ModelName.parse(name)

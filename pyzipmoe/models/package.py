@@ -173,7 +173,7 @@ class ModelEntry:
                 "problem": self.problem}
 
 
-def _accepts(cls: type, keyword: str) -> bool:
+def accepts_keyword(cls: type, keyword: str) -> bool:
     try:
         return keyword in inspect.signature(cls.__init__).parameters
     except (TypeError, ValueError):

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from ..progress import Progress, Silent
-from .blobs import BLOCK, BlobError, SMALL_BLOB_MAX, _HashingReader, _Job, _atomic_file, _read_chunks
-from .manifest import Layer, Manifest, _what
-from .name import InvalidNameError, ModelName, ModelsError, _as_name
+from .blobs import BLOCK, BlobError, SMALL_BLOB_MAX, HashingReader, Job, _atomic_file, read_chunks
+from .manifest import Layer, Manifest, layer_kind
+from .name import InvalidNameError, ModelName, ModelsError, as_name
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class TransferReport:
         return {**asdict(self), "names": list(self.names)}
 
 
-class _Transferring:
+class Transferring:
     """ModelDirectory's export and import (pyzipmoe.models.transfer): archives of model packages."""
 
     def export(self, name: str | ModelName, dest: str | os.PathLike[str], *,
@@ -42,7 +42,7 @@ class _Transferring:
         """Writes the model to a tar file with the store's layout (manifests/..., blobs/sha256-...). Every blob is
         hashed as it is read, so a damaged blob is never exported."""
         t0 = time.monotonic()
-        name = _as_name(name)
+        name = as_name(name)
         progress = progress or Silent()
         manifest, _, mtime = self._read_manifest(name)
         dest = Path(dest)
@@ -59,12 +59,12 @@ class _Transferring:
                 for layer in blobs:
                     path = self.blob_path(layer.digest)
                     if not path.is_file() or path.stat().st_size != layer.size:
-                        self.check_blob(layer, model=name.display, what=_what(layer))  # says what is wrong
+                        self.check_blob(layer, model=name.display, what=layer_kind(layer))  # says what is wrong
                     with open(path, "rb", buffering=0) as blob:
-                        reader = _HashingReader(blob, progress)
+                        reader = HashingReader(blob, progress)
                         tar.addfile(_tarinfo(f"blobs/{path.name}", layer.size, mtime), reader)
                         if reader.read(1) or reader.hexdigest() != layer.hex:
-                            raise BlobError(f"model {name.display}: its {_what(layer)} blob {path} is damaged (its "
+                            raise BlobError(f"model {name.display}: its {layer_kind(layer)} blob {path} is damaged (its "
                                             f"sha256 does not match); nothing was exported")
         finally:
             progress.close()
@@ -77,13 +77,13 @@ class _Transferring:
         t0 = time.monotonic()
         src = Path(src)
         progress = progress or Silent()
-        rename = _as_name(name) if name is not None else None
+        rename = as_name(name) if name is not None else None
         manifests: dict[ModelName, Manifest] = {}
         self._ensure()
         try:
-            with _Job(self) as job, open(src, "rb") as raw:
+            with Job(self) as job, open(src, "rb") as raw:
                 progress.start("import", os.fstat(raw.fileno()).st_size)
-                counted = _HashingReader(raw, progress, hash_=False)
+                counted = HashingReader(raw, progress, hash_=False)
                 try:
                     tar = tarfile.open(fileobj=counted, mode="r|*")  # type: ignore[call-overload]  # noqa: SIM115
                 except tarfile.TarError as e:
@@ -106,13 +106,13 @@ class _Transferring:
         return TransferReport(tuple((rename or n).display for n in manifests), str(src), src.stat().st_size, new,
                               time.monotonic() - t0)
 
-    def _import_member(self, tar: tarfile.TarFile, member: tarfile.TarInfo, src: Path, job: _Job,
+    def _import_member(self, tar: tarfile.TarFile, member: tarfile.TarInfo, src: Path, job: Job,
                        manifests: dict[ModelName, Manifest]) -> None:
         parts = member.name.split("/")
         f = tar.extractfile(member)
         assert f is not None
         if parts[0] == "blobs" and len(parts) == 2 and re.fullmatch(r"sha256-[0-9a-f]{64}", parts[1]):
-            staged = job.stage_chunks(_read_chunks(f, member.size))
+            staged = job.stage_chunks(read_chunks(f, member.size))
             if staged.hex != parts[1].removeprefix("sha256-"):
                 raise BlobError(f"{src}: {member.name} does not match its sha256 (got {staged.hex[:16]}...): the "
                                 "archive is damaged")
@@ -128,7 +128,7 @@ class _Transferring:
             raise ModelsError(f"{src}: unexpected entry {member.name!r}; a zipmoe export holds manifests/HOST/"
                              "NAMESPACE/MODEL/TAG and blobs/sha256-HEX only")
 
-    def _check_import(self, manifest: Manifest, job: _Job, src: Path, name: ModelName) -> None:
+    def _check_import(self, manifest: Manifest, job: Job, src: Path, name: ModelName) -> None:
         """Every blob is in the archive or the store, with the manifest's size; the package decodes; the model is
         a zipmoe GGUF."""
         def path_of(layer: Layer) -> Path:
@@ -140,7 +140,7 @@ class _Transferring:
                 return staged
             if self._intact(layer.hex, layer.size):
                 return self.blob_path(layer.hex)
-            raise ModelsError(f"{src}: the {_what(layer)} blob {layer.digest} of {name.display} is neither in the "
+            raise ModelsError(f"{src}: the {layer_kind(layer)} blob {layer.digest} of {name.display} is neither in the "
                              "archive nor in the store")
 
         self._parts(manifest, lambda layer, what: path_of(layer).read_bytes())
