@@ -64,8 +64,8 @@ class Transferring:
                         reader = HashingReader(blob, progress)
                         tar.addfile(_tarinfo(f"blobs/{path.name}", layer.size, mtime), reader)
                         if reader.read(1) or reader.hexdigest() != layer.hex:
-                            raise BlobError(f"model {name.display}: its {layer_kind(layer)} blob {path} is damaged (its "
-                                            f"sha256 does not match); nothing was exported")
+                            raise BlobError(f"model {name.display}: its {layer_kind(layer)} blob {path} is damaged "
+                                            f"(its sha256 does not match); nothing was exported")
         finally:
             progress.close()
         return TransferReport((name.display,), str(dest), dest.stat().st_size, 0, time.monotonic() - t0)
