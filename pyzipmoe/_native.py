@@ -13,6 +13,8 @@ from pathlib import Path
 import cffi
 
 from .errors import NativeLibraryError
+from .paths import ZIPMOE_LIB_NAME as LIB_NAME
+from .paths import bin_dir
 
 CDEF = """
 typedef enum {
@@ -184,18 +186,13 @@ int64_t zipmoe_expert_encode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
                              void * region, size_t cap, uint64_t * chunk_ends, uint64_t * checksums);
 """
 
-LIB_NAME = "libggml-zipmoe.so"
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
 
 def library_candidates() -> list[Path]:
-    """Where the shared library may be, most specific first."""
+    """Where the shared library may be, most specific first: ``$ZIPMOE_LIB``, then the build's ``bin/``."""
     found = []
     if os.environ.get("ZIPMOE_LIB"):
         found.append(Path(os.environ["ZIPMOE_LIB"]))
-    found.append(Path(__file__).resolve().parent / "lib" / LIB_NAME)
-    build_dir = Path(os.environ.get("ZIPMOE_BUILD_DIR", REPO_ROOT / "build"))
-    found.append(build_dir / "bin" / LIB_NAME)
+    found.append(bin_dir() / LIB_NAME)
     return found
 
 

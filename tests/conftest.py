@@ -45,7 +45,7 @@ def tiny_model(tiny_models: dict[str, Path]) -> Path:
 @pytest.fixture(scope="session")
 def zipmoe_models(tiny_models: dict[str, Path], models_dir: Path) -> dict[tuple[str, str], Path]:
     """Every tiny model converted with every codec, in several chunks per expert."""
-    from pyzipmoe import convert
+    from pyzipmoe.file import convert
 
     out = {}
     for arch, src in tiny_models.items():
@@ -140,7 +140,7 @@ def flip_bit() -> Callable[[Path, int], None]:
 def worker_env(lib_dir: Path) -> dict[str, str]:
     """The environment of a child that runs llama-cpp-python on the libllama in lib_dir, with the runtime's
     defaults (an unbounded cache): what configures it comes from the test, never from the outside environment."""
-    from pyzipmoe.budget import RUNTIME_ENV
+    from pyzipmoe.runtime.config import RUNTIME_ENV
 
     env = {k: v for k, v in os.environ.items() if k not in RUNTIME_ENV}
     env["LLAMA_CPP_LIB_PATH"] = str(lib_dir)

@@ -1,7 +1,7 @@
 """Live adaptation: less memory while a model generates, and the run completes with the BF16 model's tokens and
 smaller cache tiers.
 
-While llama.cpp runs a zipmoe model, pyzipmoe.controller.MemoryMonitor re-plans the cache tiers when the memory
+While llama.cpp runs a zipmoe model, pyzipmoe.runtime.controller.MemoryMonitor re-plans the cache tiers when the memory
 the process may use changes, and hands the new slots to the running stores (zipmoe_cache_set_slots); each store
 applies them at its next invocation, evicting down. Three tests:
 
@@ -62,9 +62,10 @@ WORKER = r"""
 import json, os, sys, time
 import numpy as np
 job = json.loads(sys.argv[1])
-from pyzipmoe import controller, memory, planner
-from pyzipmoe.budget import model_memory
-from pyzipmoe.llama import Llama, zipmoe_stats
+from pyzipmoe.runtime import controller, memory
+from pyzipmoe.plan import solver as planner
+from pyzipmoe.runtime.budget import model_memory
+from pyzipmoe.runtime.llama import Llama, zipmoe_stats
 
 FIELDS = ("hot_bytes", "warm_bytes", "sm_bytes", "evictions", "experts_decoded", "pool_bytes")
 
@@ -265,11 +266,12 @@ def allowed_bytes(model: Path, plan: str) -> tuple[int, int]:
     The limits are store.c's, per expert tensor: hot slots of n_per_expert BF16 values, warm slots of the mean
     compressed region (data size / n_expert, rounded up: alignment padding included, so a little more than the
     planner's mean region size), sm slots of n_per_expert bytes."""
-    from pyzipmoe import planner
-    from pyzipmoe.format import open_zipmoe
+    from pyzipmoe.file.reader import open_zipmoe
+    from pyzipmoe.plan import inputs
+    from pyzipmoe.plan import solver as planner
 
     slots = planner.decode_plan(plan)
-    g = planner.geometry_from_gguf(model)
+    g = inputs.geometry_from_gguf(model)
     runtime = 0
     for c in open_zipmoe(model).compressed:
         info = c.expert.info
@@ -302,8 +304,8 @@ def test_shrink_and_grow_while_generating_same_logits(arch: str, threads: int, l
     tokens, so what the tiers hold is known at every token. With two threads, the new slots also reach
     invocations that ggml runs on two threads (see test_slots_changed_around_an_invocation_keep_the_store_working
     for what must hold there)."""
-    from pyzipmoe import planner
-    from pyzipmoe.budget import model_memory
+    from pyzipmoe.plan import inputs
+    from pyzipmoe.runtime.budget import model_memory
 
     model = zipmoe_models[arch, "huff"]
     job = {"mode": "fake", "models": [("bf16", str(tiny_models[arch])), ("zipmoe", str(model))], "prompt": PROMPT,
@@ -330,7 +332,7 @@ def test_shrink_and_grow_while_generating_same_logits(arch: str, threads: int, l
     assert got["shrink_plan"] == got["expected_shrink_plan"]
     assert [b for b, _ in got["replans"]] == [small, full]
     shrink_plan, grow_plan = got["shrink_plan"], got["grow_plan"]
-    g = planner.geometry_from_gguf(model)
+    g = inputs.geometry_from_gguf(model)
     assert grow_plan == ";".join(f"{layer}:{g.n_expert},0,0" for layer in g.layers), grow_plan  # all decoded
 
     # before the shrink every expert is decoded (the prompt, in one batch, routes to all of them)
@@ -381,11 +383,11 @@ def _native_library() -> None:
 STORE_RACE = r"""
 import json, os, sys, threading
 import numpy as np
-from pyzipmoe import format
+from pyzipmoe.file import reader
 from pyzipmoe._native import ffi, lib
 
 path, source, name, scenario = sys.argv[1:5]
-ct = format.open_zipmoe(path).compressed_by_name[name]
+ct = reader.open_zipmoe(path).compressed_by_name[name]
 prefix = name[: name.index(".", 4) + 1].encode()  # "blk.N."
 lib.zipmoe_cache_configure(2**64 - 1, 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
 lib.zipmoe_cache_set_slots(ffi.NULL, 0, 0, 0)
@@ -499,8 +501,8 @@ def test_a_fixed_budget_in_a_container_sized_to_it_keeps_its_tiers(zipmoe_model:
     at 75% of the 2.8g model, 20 -> 29-33 misses a token). Nor may the compute buffers, which the first decode
     touches, nor the kernel moving the mapped weights' pages between its active and inactive lists. Memory that
     another process takes still shrinks the tiers, by as much; "auto" keeps its margin."""
-    from pyzipmoe import controller, memory
-    from pyzipmoe.budget import model_memory
+    from pyzipmoe.runtime import controller, memory
+    from pyzipmoe.runtime.budget import model_memory
 
     need = model_memory(zipmoe_model)
     budget = need.minimum + need.expert_bytes
@@ -556,8 +558,8 @@ def test_a_fixed_budget_makes_room_once_for_the_weights_the_page_cache_lost(zipm
     shrinks the tiers by twice what the cache lacks, whatever the hysteresis, and once: until the stores are down to
     it, readings that still find the weights short change nothing (acting on them shrank three and four times in a
     row). Then it keeps nothing beside the budget free for others any more: the process took that room."""
-    from pyzipmoe import controller, memory
-    from pyzipmoe.budget import model_memory
+    from pyzipmoe.runtime import controller, memory
+    from pyzipmoe.runtime.budget import model_memory
 
     need = model_memory(zipmoe_model)
     budget = need.minimum + need.expert_bytes
@@ -601,8 +603,8 @@ def test_a_fixed_split_shrinks_by_the_runtime_s_shares_not_by_slots(zipmoe_model
     a shrink the hot tier generated with ~36 MiB fewer decoded experts at 75% of the 2.8g model. Generation's hot
     budget is then the whole budget less the weights that are not experts, as at load."""
     _native_library()
-    from pyzipmoe import controller, memory
-    from pyzipmoe.budget import model_memory
+    from pyzipmoe.runtime import controller, memory
+    from pyzipmoe.runtime.budget import model_memory
 
     need = model_memory(zipmoe_model)
     budget = need.minimum + need.expert_bytes
@@ -674,7 +676,7 @@ def cgroup_parent() -> Path:
     mount = _memory_mount()
     if mount is None:
         pytest.skip("the cgroup v1 memory controller is not mounted")
-    from pyzipmoe.memory import cgroup_membership
+    from pyzipmoe.runtime.memory import cgroup_membership
 
     parent = mount / cgroup_membership().get("memory", "/").lstrip("/")
     if not (parent / "memory.limit_in_bytes").is_file() or not os.access(parent, os.W_OK):
@@ -685,7 +687,7 @@ def cgroup_parent() -> Path:
 @pytest.fixture(scope="module")
 def small_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The small preset (BF16, 61 MiB: 48 MiB of experts, 16 per layer) and its zipmoe GGUF."""
-    from pyzipmoe import convert
+    from pyzipmoe.file import convert
 
     d = tmp_path_factory.mktemp("adapt")
     bf16, packed = d / "small.gguf", d / "small.zipmoe.gguf"
@@ -714,8 +716,8 @@ def test_lowered_cgroup_limit_while_generating(llama_lib_dir: Path, cgroup_paren
 
     Two threads: a re-plan between tokens may split an invocation's threads between the store's fast and slow
     paths, which the store must survive (see test_slots_changed_around_an_invocation_keep_the_store_working)."""
-    from pyzipmoe.budget import model_memory
-    from pyzipmoe.memory import MIN_MARGIN
+    from pyzipmoe.runtime.budget import model_memory
+    from pyzipmoe.runtime.memory import MIN_MARGIN
 
     bf16, packed = small_models
     need = model_memory(packed)

@@ -1,4 +1,4 @@
-"""Smoke test of tools/bench_codec.py (--quick) and of the safetensors loader it uses (pyzipmoe.weights).
+"""Smoke test of tools/bench_codec.py (--quick) and of the safetensors loader it uses (pyzipmoe.file.weights).
 
 Speeds are not asserted (machines are shared and noisy); sizes are, since they are deterministic.
 """
@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyzipmoe import format, weights
+from pyzipmoe.file import weights
+from pyzipmoe.file import metadata
 from pyzipmoe.errors import FormatError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,7 +91,7 @@ def test_help_has_examples_and_bad_options_are_refused():
 def test_index_accounting_matches_the_format():
     bench = load_bench_module()
     for n_expert, n_chunks in [(1, 1), (8, 24), (128, 3)]:
-        assert bench.index_bytes(n_expert, n_chunks) == 8 * format.index_len(n_expert, n_chunks)
+        assert bench.index_bytes(n_expert, n_chunks) == 8 * metadata.index_len(n_expert, n_chunks)
 
 
 def test_split_jobs_covers_every_job_once_in_order():

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pyzipmoe.budget import cache_environment, parse_budget
+from pyzipmoe.runtime.budget import parse_budget
+from pyzipmoe.runtime.config import RuntimeConfig
 from pyzipmoe.errors import ZipmoeError
 
 
@@ -26,18 +27,19 @@ def test_bad_sizes_say_what_is_wrong(text, says):
 
 
 def test_environment_carries_bytes_policy_and_share():
-    env = cache_environment("1MiB", "lru", 0.25)
+    env = RuntimeConfig("1MiB", "lru", 0.25).to_env()
     assert env == {"ZIPMOE_MEMORY_BUDGET": str(1 << 20), "ZIPMOE_CACHE_POLICY": "lru", "ZIPMOE_HOT_SHARE": "0.25"}
-    assert cache_environment() == {}
+    assert RuntimeConfig().to_env() == {}
     with pytest.raises(ZipmoeError):
-        cache_environment(policy="random")
+        RuntimeConfig(policy="random").to_env()
     with pytest.raises(ZipmoeError):
-        cache_environment(hot_share=1.5)
+        RuntimeConfig(hot_share=1.5).to_env()
 
 
 def test_programs_spin_briefly_unless_the_user_says_otherwise():
     """llama.cpp programs zipmoe starts get OpenMP's short spinning (pyzipmoe.OPENMP_SPIN), a user's setting wins."""
-    from pyzipmoe import OPENMP_SPIN, runner
+    from pyzipmoe import OPENMP_SPIN
+    from pyzipmoe.runtime import runner
 
     name, value = OPENMP_SPIN
     assert runner.environment(base={})[name] == value
@@ -63,7 +65,7 @@ def test_importing_pyzipmoe_sets_the_spinning_for_this_process(given, expect):
 
 def test_a_token_embedding_is_charged_for_the_pages_of_a_batch_of_rows():
     """embd_charge: 2048 rows (llama.cpp's default batch), each on the pages it may span, at most the whole table."""
-    from pyzipmoe.budget import embd_charge
+    from pyzipmoe.runtime.budget import embd_charge
 
     page = 4096
     assert embd_charge(1 << 30, 2048, page) == 2048 * 2 * page       # a row within a page may cross into the next
@@ -76,7 +78,7 @@ def test_a_token_embedding_is_charged_for_the_pages_of_a_batch_of_rows():
 def test_the_default_split_keeps_experts_compressed_only_where_nearly_all_fit_so():
     """zipmoe_budget_default_hot_share: every expert compressed (0) where the tiers hold >= 90% of the compressed
     bytes and < 90% of the BF16 bytes, and warm hits decode fast; decoded-only (1) everywhere else."""
-    from pyzipmoe.controller import default_hot_share
+    from pyzipmoe.runtime.controller import default_hot_share
 
     sizes = [(3000, 8, 2000), (3000, 8, 2000)]  # BF16 6000, compressed 4000
     assert [default_hot_share(t, sizes, True) for t in (3500, 3600, 4000, 5399, 5400, 9000)] == [1, 0, 0, 0, 1, 1]

@@ -11,20 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from pyzipmoe import calibrate as cal_mod
+from pyzipmoe.plan import measure as cal_mod
 from pyzipmoe import cli
-from pyzipmoe.calibrate import (
+from pyzipmoe.plan import calibration as cal_cache
+from pyzipmoe.plan.calibration import (
     Calibration,
     CalibrationError,
     cache_dir,
     cache_file,
-    calibrate,
     cpu_model,
     load_calibration,
-    seconds_per_call,
     usable_cores,
 )
-from pyzipmoe.cli_calibrate import calibration_table, duration, register
+from pyzipmoe.plan.measure import calibrate, seconds_per_call
+from pyzipmoe.cli.calibrate import calibration_table, duration, register
 
 # a few reads, a few ms per timing, tier costs through the stores (the engine's are tested once): tests stay quick
 FAST = {"read_bytes": 16 << 10, "min_seconds": 0.005, "engine": False}
@@ -64,7 +64,7 @@ def test_the_engine_measures_tier_costs_and_the_base(model: Path) -> None:
     """Through the engine: six generations, solved for the base and each tier's cost per expert of a layer. A
     calibration made without the engine does not count as one when the engine is asked for, nor for making the
     planner the default."""
-    from pyzipmoe.controller import planner_by_default
+    from pyzipmoe.runtime.controller import planner_by_default
 
     under_budget = {"budget": "1GiB", "hot_share": None, "sm_share": None}
     assert not planner_by_default(model, **under_budget)  # nothing measured: plans would come from guesses
@@ -128,7 +128,7 @@ def test_second_call_uses_the_cache(model: Path, monkeypatch: pytest.MonkeyPatch
     first = calibrate(model, **FAST)
     where = cache_file(model)
     assert where.parent == cache_home / "zipmoe" / "calibration" and where.is_file()
-    assert json.loads(where.read_text())["schema"] == cal_mod.SCHEMA
+    assert json.loads(where.read_text())["schema"] == cal_cache.SCHEMA
     assert [p.name for p in where.parent.iterdir()] == [where.name]  # no temporary file left behind
     no_measuring(monkeypatch)
     again = calibrate(model, **FAST)
@@ -158,14 +158,14 @@ def test_rewriting_the_file_invalidates(model: Path, zipmoe_models: dict, tmp_pa
 
 def test_another_machine_does_not_use_the_calibration(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     here = calibrate(model, **FAST)
-    real = cal_mod.machine_id()
-    monkeypatch.setattr(cal_mod, "machine_id", lambda: {**real, "cpu": "Some Other CPU"})
+    real = cal_cache.machine_id()
+    monkeypatch.setattr(cal_cache, "machine_id", lambda: {**real, "cpu": "Some Other CPU"})
     assert load_calibration(model) is None
     there = calibrate(model, **FAST)
     assert not there.from_cache and there.machine["cpu"] == "Some Other CPU"
-    monkeypatch.setattr(cal_mod, "machine_id", lambda: {**real, "memory": real["memory"] * 2})
+    monkeypatch.setattr(cal_cache, "machine_id", lambda: {**real, "memory": real["memory"] * 2})
     assert load_calibration(model) is None
-    monkeypatch.setattr(cal_mod, "machine_id", lambda: real)
+    monkeypatch.setattr(cal_cache, "machine_id", lambda: real)
     assert load_calibration(model) == here  # each machine keeps its own entry
 
 

@@ -64,7 +64,7 @@ def cgroup_parent() -> Path:
 @pytest.fixture(scope="module")
 def small_models(tmp_path_factory: pytest.TempPathFactory, cgroup_parent: Path) -> tuple[Path, Path]:
     """The small preset (BF16) and its zipmoe GGUF."""
-    from pyzipmoe import convert
+    from pyzipmoe.file import convert
 
     d = tmp_path_factory.mktemp("cgroup")
     bf16, packed = d / "small.gguf", d / "small.zipmoe.gguf"
@@ -88,7 +88,7 @@ def test_zipmoe_completes_in_a_limit_below_the_bf16_model(llama_lib_dir: Path, c
                                                           small_models: tuple[Path, Path], tmp_path: Path,
                                                           program: str, threads: int | None) -> None:
     """bench_budget's tg, as llama-simple and as llama-completion (--tg-threads)."""
-    from pyzipmoe import runner
+    from pyzipmoe.runtime import runner
 
     tool = llama_lib_dir / program
     if not tool.is_file():
@@ -97,7 +97,7 @@ def test_zipmoe_completes_in_a_limit_below_the_bf16_model(llama_lib_dir: Path, c
     bf16, packed = small_models
     limit = int(bf16.stat().st_size * LIMIT_SHARE)
     assert limit < bf16.stat().st_size
-    from pyzipmoe.budget import RUNTIME_ENV
+    from pyzipmoe.runtime.config import RUNTIME_ENV
 
     base = runner.environment(base={k: v for k, v in os.environ.items() if k not in RUNTIME_ENV})
 

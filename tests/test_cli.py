@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 import pyzipmoe
-from pyzipmoe import format
+from pyzipmoe.file import gguf as format
+from pyzipmoe.file import reader
 from pyzipmoe.cli import main
 
 REPO = Path(pyzipmoe.__file__).resolve().parent.parent
@@ -130,7 +131,7 @@ def test_corrupted_expert_fails_verify(capsys: pytest.CaptureFixture[str], zipmo
                                        copy_of: Callable[[Path], Path],
                                        flip_bit: Callable[[Path, int], None], tmp_path: Path) -> None:
     damaged = copy_of(zipmoe_model)
-    c = format.open_zipmoe(damaged).compressed_by_name["blk.0.ffn_gate_exps.weight"]
+    c = reader.open_zipmoe(damaged).compressed_by_name["blk.0.ffn_gate_exps.weight"]
     flip_bit(damaged, c.region_file_offset(2) + c.expert.span(2).exp_offset + 1)
     code, out, err = run(capsys, "verify", damaged)
     assert code != 0 and out == ""

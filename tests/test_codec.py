@@ -8,7 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from pyzipmoe import codec, format
+from pyzipmoe.file import codec
+from pyzipmoe.file import gguf as format
+from pyzipmoe.file import metadata
 from pyzipmoe.errors import ChecksumError, FormatError, UnsupportedError
 
 ALL_BF16 = np.arange(65536, dtype=np.uint16)  # every bit pattern: NaN payloads, +-0, +-Inf, subnormals
@@ -37,11 +39,11 @@ def compress(experts: np.ndarray, name: str, chunk_n: int) -> tuple[codec.Expert
     offset = 0
     for e, enc in enumerate(encoded):
         regions[e] = (offset, enc.region.size)
-        offset = format.align_up(offset + enc.region.size, format.region_alignment(ne0 * ne1))
+        offset = format.align_up(offset + enc.region.size, metadata.region_alignment(ne0 * ne1))
     data = np.zeros(offset, np.uint8)
     for e, enc in enumerate(encoded):
         data[int(regions[e, 0]):int(regions[e, 0]) + enc.region.size] = enc.region
-    index = format.build_index(
+    index = metadata.build_index(
         codec_name=name, level=c.level, dims=(ne0, ne1, n_expert), chunk_n=chunk_n, data_size=data.size,
         lengths=c.lengths, regions=regions,
         chunk_ends=np.stack([enc.chunk_ends for enc in encoded]), checksums=np.stack([enc.checksums for enc in encoded]),

@@ -129,7 +129,7 @@ def test_two_instances_under_a_budget_take_turns(lib_dir: Path, zipmoe_model: Pa
     and decodes over their places. Two instances computing from two threads at once take turns a graph at a time
     (zipmoe_llama_compute_turn), so every matmul reads what its own op decoded: the tokens and logits of one
     instance without a budget."""
-    from pyzipmoe.budget import model_memory
+    from pyzipmoe.runtime.budget import model_memory
 
     budget = model_memory(zipmoe_model).minimum + (16 << 10)  # tiers of a few experts: every token evicts
     res = _result(_start(lib_dir, env={"ZIPMOE_MEMORY_BUDGET": str(budget), "ZIPMOE_PREFILL": "0"}, mode="two",
@@ -153,13 +153,14 @@ def test_a_damaged_model_does_not_disturb_another(lib_dir: Path, zipmoe_model: P
     Decode errors are recorded per store and taken by the graph compute whose ops materialised that store, so
     a compute never reports another model's error, nor misses its own (which once happened with one
     process-wide error slot)."""
-    from pyzipmoe import format
+    from pyzipmoe.file import gguf as format
+    from pyzipmoe.file import reader
 
     damaged = tmp_path / "damaged.gguf"
     raw = bytearray(zipmoe_model.read_bytes())
     g = format.read_gguf(zipmoe_model)
     for name in ("blk.0.ffn_up_exps.zipmoe_data", "blk.1.ffn_down_exps.zipmoe_data"):
-        zf = format.open_zipmoe(zipmoe_model).compressed_by_name[name.replace(".zipmoe_data", ".weight")]
+        zf = reader.open_zipmoe(zipmoe_model).compressed_by_name[name.replace(".zipmoe_data", ".weight")]
         for e in range(zf.expert.info.n_expert):  # every expert: whatever the router picks is damaged
             raw[g.by_name[name].file_offset + zf.expert.span(e).offset + 3] ^= 0x40
     damaged.write_bytes(bytes(raw))

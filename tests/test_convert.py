@@ -12,7 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyzipmoe import codec, convert, format
+from pyzipmoe.file import codec
+from pyzipmoe.file import convert
+from pyzipmoe.file import verify
+from pyzipmoe.file import gguf as format
+from pyzipmoe.file import metadata
+from pyzipmoe.file import reader
 from pyzipmoe.errors import ChecksumError, FormatError, UnsupportedError, ZipmoeError
 
 from conftest import ARCHS, CODECS, SMALL_CHUNK
@@ -34,13 +39,13 @@ def files_in(directory: Path) -> set[str]:
 def test_convert_verify_unpack(arch: str, name: str, tiny_models: dict[str, Path],
                                zipmoe_models: dict[tuple[str, str], Path], tmp_path: Path) -> None:
     src, packed = tiny_models[arch], zipmoe_models[arch, name]
-    checked = convert.verify(packed, against=src)
+    checked = verify.verify(packed, against=src)
     assert checked.sha256 == sha256(src)
     assert checked.tensors == 3 * 2 and checked.experts == 6 * 8
     assert checked.chunks == checked.experts * -(-2048 // SMALL_CHUNK)
-    assert convert.verify(packed).sha256 == checked.sha256
+    assert verify.verify(packed).sha256 == checked.sha256
     restored = tmp_path / "restored.gguf"
-    report = convert.unpack(packed, restored)
+    report = verify.unpack(packed, restored)
     assert restored.read_bytes() == src.read_bytes()
     assert report.sha256 == sha256(src)
     assert files_in(tmp_path) == {"restored.gguf"}
@@ -60,7 +65,7 @@ def test_default_settings_and_report(tiny_model: Path, tmp_path: Path) -> None:
     for t in report.tensors:
         assert t.floor == pytest.approx((8 + t.exponent_entropy) / 16)
         assert t.to_dict()["floor_gap_pct"] == pytest.approx((t.ratio / t.floor - 1) * 100)
-    assert convert.verify(out, tiny_model).experts == 48
+    assert verify.verify(out, tiny_model).experts == 48
 
 
 def test_output_does_not_depend_on_threads(tiny_model: Path, tmp_path: Path) -> None:
@@ -73,10 +78,10 @@ def test_output_does_not_depend_on_threads(tiny_model: Path, tmp_path: Path) -> 
 def test_zstd_level_is_recorded(tiny_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "z.gguf"
     convert.convert(tiny_model, out, codec="zstd", level=5)
-    zf = format.open_zipmoe(out)
+    zf = reader.open_zipmoe(out)
     assert (zf.meta.codec, zf.meta.level) == ("zstd", 5)
     assert {c.expert.info.level for c in zf.compressed} == {5}
-    convert.verify(out, tiny_model)
+    verify.verify(out, tiny_model)
 
 
 def test_ordered_keeps_order_and_bounds_work_in_flight() -> None:
@@ -180,7 +185,7 @@ def test_interrupted_convert_keeps_an_existing_destination(tiny_model: Path, tmp
 
 
 def expert_region(path: Path, tensor: str, expert: int) -> tuple[int, codec.ExpertSpan]:
-    c = format.open_zipmoe(path).compressed_by_name[tensor]
+    c = reader.open_zipmoe(path).compressed_by_name[tensor]
     return c.region_file_offset(expert), c.expert.span(expert)
 
 
@@ -191,9 +196,9 @@ def test_flipped_bit_in_an_expert_is_caught(plane: str, zipmoe_model: Path, copy
     start, span = expert_region(damaged, "blk.1.ffn_up_exps.weight", 5)
     flip_bit(damaged, start + (span.exp_offset + 3 if plane == "exponents" else 100))
     with pytest.raises(ChecksumError, match="blk.1.ffn_up_exps.weight: expert 5: "):
-        convert.verify(damaged)
+        verify.verify(damaged)
     with pytest.raises(ChecksumError):
-        convert.unpack(damaged, tmp_path / "restored.gguf")
+        verify.unpack(damaged, tmp_path / "restored.gguf")
     assert files_in(tmp_path) == {damaged.name}
 
 
@@ -202,7 +207,7 @@ def test_tampered_index_is_caught(zipmoe_model: Path, copy_of: Callable[[Path], 
     damaged = copy_of(zipmoe_model)
     index = format.read_gguf(damaged).by_name["blk.0.ffn_down_exps.zipmoe_index"]
     flip_bit(damaged, index.file_offset + 8 * 50)  # a region offset
-    for action in (convert.verify, convert.inspect, format.open_zipmoe):
+    for action in (verify.verify, convert.inspect, reader.open_zipmoe):
         with pytest.raises(ChecksumError, match="blk.0.ffn_down_exps.weight: index"):
             action(damaged)
 
@@ -218,7 +223,7 @@ def test_inconsistent_index_is_caught_even_with_a_valid_checksum(zipmoe_model: P
     data[index.file_offset:index.file_offset + index.nbytes] = idx.tobytes()
     damaged.write_bytes(bytes(data))
     with pytest.raises(FormatError, match="blk.1.ffn_gate_exps.weight: index: "):
-        convert.verify(damaged)
+        verify.verify(damaged)
 
 
 def test_corrupted_plain_tensor_is_caught_by_sha256(tiny_model: Path, zipmoe_model: Path,
@@ -227,13 +232,13 @@ def test_corrupted_plain_tensor_is_caught_by_sha256(tiny_model: Path, zipmoe_mod
     damaged = copy_of(zipmoe_model)
     t = format.read_gguf(damaged).by_name["blk.0.attn_q.weight"]
     flip_bit(damaged, t.file_offset + 10, 3)
-    with pytest.raises(convert.MismatchError, match="sha256"):
-        convert.verify(damaged)
-    with pytest.raises(convert.MismatchError, match=r"blk.0.attn_q.weight byte 10: zipmoe gives 0x.., "
+    with pytest.raises(verify.MismatchError, match="sha256"):
+        verify.verify(damaged)
+    with pytest.raises(verify.MismatchError, match=r"blk.0.attn_q.weight byte 10: zipmoe gives 0x.., "
                                                     r"the source has 0x.."):
-        convert.verify(damaged, against=tiny_model)
-    with pytest.raises(convert.MismatchError, match="nothing was written"):
-        convert.unpack(damaged, tmp_path / "restored.gguf")
+        verify.verify(damaged, against=tiny_model)
+    with pytest.raises(verify.MismatchError, match="nothing was written"):
+        verify.unpack(damaged, tmp_path / "restored.gguf")
     assert files_in(tmp_path) == {damaged.name}
 
 
@@ -250,14 +255,14 @@ def test_verify_names_the_first_differing_value(tiny_model: Path, zipmoe_model: 
     other.write_bytes(bytes(data))
     expected = (f"blk.1.ffn_gate_exps.weight expert 3 element 777 (flat index {3 * n_per + 777}): "
                 f"zipmoe gives 0x{old:04x}, the source has 0x{old ^ 0x8001:04x}")
-    with pytest.raises(convert.MismatchError) as e:
-        convert.verify(zipmoe_model, against=other)
+    with pytest.raises(verify.MismatchError) as e:
+        verify.verify(zipmoe_model, against=other)
     assert str(e.value) == expected
 
 
 def test_verify_against_a_file_of_another_size(zipmoe_model: Path, non_moe_gguf: Path) -> None:
-    with pytest.raises(convert.MismatchError, match="bytes, but the zipmoe file's source was"):
-        convert.verify(zipmoe_model, against=non_moe_gguf)
+    with pytest.raises(verify.MismatchError, match="bytes, but the zipmoe file's source was"):
+        verify.verify(zipmoe_model, against=non_moe_gguf)
 
 
 @pytest.mark.parametrize("cut", [0.5, 0.999])
@@ -265,11 +270,11 @@ def test_truncated_zipmoe_file_is_refused(cut: float, zipmoe_model: Path, tmp_pa
     damaged = tmp_path / "cut.gguf"
     data = zipmoe_model.read_bytes()
     damaged.write_bytes(data[:int(len(data) * cut)])
-    for action in (convert.verify, convert.inspect):
+    for action in (verify.verify, convert.inspect):
         with pytest.raises(FormatError, match="truncated"):
             action(damaged)
     with pytest.raises(FormatError, match="truncated"):
-        convert.unpack(damaged, tmp_path / "restored.gguf")
+        verify.unpack(damaged, tmp_path / "restored.gguf")
     assert files_in(tmp_path) == {"cut.gguf"}
 
 
@@ -289,13 +294,13 @@ def test_tampered_metadata_is_refused(old: bytes, new: bytes, error: type, messa
     assert data.count(old) == 1
     damaged.write_bytes(data.replace(old, new))
     with pytest.raises(error, match=message):
-        convert.verify(damaged)
+        verify.verify(damaged)
 
 
 def test_unpack_refuses_to_overwrite_its_input(zipmoe_model: Path, copy_of: Callable[[Path], Path]) -> None:
     packed = copy_of(zipmoe_model)
     with pytest.raises(ZipmoeError, match="overwrite the input"):
-        convert.unpack(packed, packed)
+        verify.unpack(packed, packed)
 
 
 def test_interrupted_unpack_leaves_nothing(zipmoe_model: Path, tmp_path: Path,
@@ -312,7 +317,7 @@ def test_interrupted_unpack_leaves_nothing(zipmoe_model: Path, tmp_path: Path,
 
     monkeypatch.setattr(codec.ExpertTensor, "decode_expert", failing)
     with pytest.raises(KeyboardInterrupt):
-        convert.unpack(zipmoe_model, tmp_path / "restored.gguf")
+        verify.unpack(zipmoe_model, tmp_path / "restored.gguf")
     assert files_in(tmp_path) == set()
 
 
@@ -338,7 +343,7 @@ def test_inspect_plain_gguf_measures_entropy(tiny_model: Path, zipmoe_model: Pat
     info = convert.inspect(tiny_model)
     assert info["format"] == "gguf" and not info["compressed"]
     assert info["status"].startswith("not compressed: 6 BF16 expert tensors")
-    recorded = format.ZipmoeMeta.from_gguf(format.read_gguf(zipmoe_model)).exponent_entropy
+    recorded = metadata.ZipmoeMeta.from_gguf(format.read_gguf(zipmoe_model)).exponent_entropy
     assert [t["exponent_entropy"] for t in info["tensors"]] == pytest.approx(recorded, abs=1e-5)
     assert all(t["zipmoe_bytes"] is None and t["ratio"] is None for t in info["tensors"])
 

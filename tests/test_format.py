@@ -13,7 +13,12 @@ import numpy as np
 import pytest
 from gguf import GGUFValueType
 
-from pyzipmoe import codec, format
+from pyzipmoe.file import codec
+from pyzipmoe.file import gguf as format
+from pyzipmoe.file import integrity
+from pyzipmoe.file import metadata
+from pyzipmoe.file import reader
+from pyzipmoe.file import writer
 from pyzipmoe.errors import FormatError, UnsupportedError, ZipmoeError
 
 from conftest import SMALL_CHUNK
@@ -124,13 +129,13 @@ def test_huge_counts_are_refused_before_allocating() -> None:
 @pytest.mark.parametrize("alignment", [32, 8192])
 def test_writer_puts_data_companions_on_pages_without_gaps(alignment: int) -> None:
     kv = format.encode_kv("general.alignment", GGUFValueType.UINT32, alignment)
-    slots = [format.Slot("a", format.GGML_TYPE_I8, (3,)),
-             format.Slot("b.zipmoe_data", format.GGML_TYPE_I8, None),
-             format.Slot("c", format.GGML_TYPE_I64, (5,)),
-             format.Slot("d.zipmoe_data", format.GGML_TYPE_I8, None),
-             format.Slot("e", format.GGML_TYPE_I8, (7,))]
+    slots = [metadata.Slot("a", format.GGML_TYPE_I8, (3,)),
+             metadata.Slot("b.zipmoe_data", format.GGML_TYPE_I8, None),
+             metadata.Slot("c", format.GGML_TYPE_I64, (5,)),
+             metadata.Slot("d.zipmoe_data", format.GGML_TYPE_I8, None),
+             metadata.Slot("e", format.GGML_TYPE_I8, (7,))]
     f = io.BytesIO()
-    w = format.ZipmoeWriter(f, kv_raw=kv, n_kv=1, slots=slots, alignment=alignment)
+    w = writer.ZipmoeWriter(f, kv_raw=kv, n_kv=1, slots=slots, alignment=alignment)
     sizes = [w.write_tensor([bytes(range(3))]), w.write_tensor([b"\x01" * 1000]),
              w.write_tensor([bytes(40)]), w.write_tensor([b"\x02" * 5000]), w.write_tensor([bytes(7)])]
     w.finish()
@@ -139,16 +144,16 @@ def test_writer_puts_data_companions_on_pages_without_gaps(alignment: int) -> No
     assert [t.nbytes for t in g.tensors] == sizes
     assert sizes[1] >= 1000 and sizes[3] == 5000  # the last data companion needs no padding
     assert llama_cpp_layout_problems(g) == []
-    assert g.by_name["b.zipmoe_data"].file_offset % format.PAGE == 0
-    assert g.by_name["d.zipmoe_data"].file_offset % format.PAGE == 0
+    assert g.by_name["b.zipmoe_data"].file_offset % metadata.PAGE == 0
+    assert g.by_name["d.zipmoe_data"].file_offset % metadata.PAGE == 0
     data = f.getvalue()
     assert data[g.by_name["d.zipmoe_data"].file_offset:][:5000] == b"\x02" * 5000
-    assert format.PADDING_KEY in g.kv
+    assert metadata.PADDING_KEY in g.kv
 
 
 def test_build_index_checks_table_shapes() -> None:
     with pytest.raises(ValueError, match="do not match"):
-        format.build_index(codec_name="zstd", level=1, dims=(4, 4, 2), chunk_n=8, data_size=0, lengths=None,
+        metadata.build_index(codec_name="zstd", level=1, dims=(4, 4, 2), chunk_n=8, data_size=0, lengths=None,
                            regions=np.zeros((3, 2), np.uint64), chunk_ends=np.zeros((2, 2), np.uint64),
                            checksums=np.zeros((2, 2), np.uint64))
 
@@ -160,7 +165,7 @@ def test_output_is_readable_by_gguf_py(zipmoe_models: dict[tuple[str, str], Path
     for path in zipmoe_models.values():
         r = gguf.GGUFReader(path)
         names = [t.name for t in r.tensors]
-        assert names[-1] == format.SOURCE_HEADER
+        assert names[-1] == metadata.SOURCE_HEADER
         assert "blk.0.ffn_up_exps.zipmoe_data" in names and "blk.0.ffn_up_exps.weight" not in names
         assert r.fields["zipmoe.codec"].contents() in ("huff", "zstd", "esc")
 
@@ -173,28 +178,28 @@ def test_output_layout_is_what_llama_cpp_accepts(zipmoe_models: dict[tuple[str, 
         last = g.tensors[-1]
         assert g.file_size == g.data_start + format.align_up(last.offset + last.nbytes, g.alignment)
         for t in g.tensors:
-            if t.name.endswith(format.DATA_SUFFIX):
-                assert t.file_offset % format.PAGE == 0, t.name
+            if t.name.endswith(metadata.DATA_SUFFIX):
+                assert t.file_offset % metadata.PAGE == 0, t.name
 
 
 def test_tensor_infos_follow_the_format(tiny_model: Path, zipmoe_model: Path) -> None:
     src, out = format.read_gguf(tiny_model), format.read_gguf(zipmoe_model)
     expected = []
     for t in src.tensors:
-        if format.is_expert_tensor(t):
+        if metadata.is_expert_tensor(t):
             base = t.name.removesuffix(".weight")
             expected += [(base + ".zipmoe_data", format.GGML_TYPE_I8), (base + ".zipmoe_index", format.GGML_TYPE_I64)]
         else:
             expected.append((t.name, t.ggml_type))
-    expected.append((format.SOURCE_HEADER, format.GGML_TYPE_I8))
+    expected.append((metadata.SOURCE_HEADER, format.GGML_TYPE_I8))
     assert [(t.name, t.ggml_type) for t in out.tensors] == expected
     src_bytes, out_bytes = tiny_model.read_bytes(), zipmoe_model.read_bytes()
     for t in src.tensors:
-        if not format.is_expert_tensor(t):
+        if not metadata.is_expert_tensor(t):
             mine = out.by_name[t.name]
             assert mine.dims == t.dims
             assert out_bytes[mine.file_offset:][:mine.nbytes] == src_bytes[t.file_offset:][:t.nbytes], t.name
-    header = out.by_name[format.SOURCE_HEADER]
+    header = out.by_name[metadata.SOURCE_HEADER]
     assert header.dims == (src.data_start,)
     assert out_bytes[header.file_offset:][:header.nbytes] == src_bytes[:src.data_start]
 
@@ -209,12 +214,12 @@ def test_metadata_follows_the_format(tiny_model: Path, zipmoe_model: Path) -> No
         ("zipmoe.codec_level", T.INT32, None), ("zipmoe.chunk_size", T.UINT32, None),
         ("zipmoe.tensors", T.ARRAY, T.STRING), ("zipmoe.source.size", T.UINT64, None),
         ("zipmoe.source.sha256", T.STRING, None), ("zipmoe.source.data_start", T.UINT64, None),
-        ("zipmoe.exponent_entropy", T.ARRAY, T.FLOAT32), (format.INTEGRITY_KEY, T.ARRAY, T.UINT64),
-        (format.PADDING_KEY, T.ARRAY, T.UINT8),
+        ("zipmoe.exponent_entropy", T.ARRAY, T.FLOAT32), (integrity.INTEGRITY_KEY, T.ARRAY, T.UINT64),
+        (metadata.PADDING_KEY, T.ARRAY, T.UINT8),
     ]
-    meta = format.ZipmoeMeta.from_gguf(out)
+    meta = metadata.ZipmoeMeta.from_gguf(out)
     assert (meta.version, meta.codec, meta.level, meta.chunk_size) == (1, "huff", 0, SMALL_CHUNK)
-    assert meta.tensors == tuple(t.name for t in src.tensors if format.is_expert_tensor(t))
+    assert meta.tensors == tuple(t.name for t in src.tensors if metadata.is_expert_tensor(t))
     assert meta.source_size == tiny_model.stat().st_size
     assert meta.source_sha256 == hashlib.sha256(tiny_model.read_bytes()).hexdigest()
     assert meta.source_data_start == src.data_start
@@ -226,20 +231,20 @@ def test_index_follows_the_format(zipmoe_model: Path) -> None:
     data, index = g.by_name["blk.1.ffn_down_exps.zipmoe_data"], g.by_name["blk.1.ffn_down_exps.zipmoe_index"]
     raw = zipmoe_model.read_bytes()[index.file_offset:][:index.nbytes]
     idx = np.frombuffer(raw, "<i8")
-    ne0, ne1, n_expert = format.open_zipmoe(zipmoe_model).source.by_name["blk.1.ffn_down_exps.weight"].dims
+    ne0, ne1, n_expert = reader.open_zipmoe(zipmoe_model).source.by_name["blk.1.ffn_down_exps.weight"].dims
     n_per = ne0 * ne1
     chunks = -(-n_per // SMALL_CHUNK)
-    assert list(idx[:16]) == [format.INDEX_MAGIC, 1, 2, 0, 30, ne0, ne1, n_expert, 1, n_expert, n_per, SMALL_CHUNK,
-                              chunks, data.nbytes, format.region_alignment(n_per), 0]
+    assert list(idx[:16]) == [metadata.INDEX_MAGIC, 1, 2, 0, 30, ne0, ne1, n_expert, 1, n_expert, n_per, SMALL_CHUNK,
+                              chunks, data.nbytes, metadata.region_alignment(n_per), 0]
     assert idx.size == 48 + 2 * n_expert + 2 * n_expert * chunks + 1
     assert idx[-1].astype(np.uint64) == np.uint64(codec.checksum(raw[:-8]))
     lengths = idx[16:48].view(np.uint8)
     assert 0 < lengths.max() <= 11
     assert sum(2.0 ** -int(n) for n in lengths if n) == 1.0  # a complete prefix code
     regions = idx[48:48 + 2 * n_expert].reshape(n_expert, 2)
-    assert (regions[:, 0] % format.region_alignment(n_per) == 0).all() and (np.diff(regions[:, 0]) > 0).all()
+    assert (regions[:, 0] % metadata.region_alignment(n_per) == 0).all() and (np.diff(regions[:, 0]) > 0).all()
 
 
 def test_open_zipmoe_refuses_a_plain_gguf(tiny_model: Path) -> None:
     with pytest.raises(FormatError, match="not a zipmoe file"):
-        format.open_zipmoe(tiny_model)
+        reader.open_zipmoe(tiny_model)

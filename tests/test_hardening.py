@@ -26,7 +26,13 @@ import numpy as np
 import pytest
 
 import pyzipmoe
-from pyzipmoe import codec, convert, format
+from pyzipmoe.file import codec
+from pyzipmoe.file import convert
+from pyzipmoe.file import verify
+from pyzipmoe.file import gguf as format
+from pyzipmoe.file import integrity
+from pyzipmoe.file import metadata
+from pyzipmoe.file import reader
 from pyzipmoe._native import library_candidates
 from pyzipmoe.errors import ChecksumError, FormatError, UnsupportedError
 
@@ -54,7 +60,7 @@ def _u64(raw: bytes | bytearray, at: int) -> int:
 
 def _record_at(raw: bytes | bytearray) -> tuple[int, int]:
     """(file offset, element count) of the zipmoe.integrity value."""
-    key = format.encode_string(format.INTEGRITY_KEY)
+    key = format.encode_string(integrity.INTEGRITY_KEY)
     at = raw.index(key) + len(key) + 4 + 4
     return at + 8, _u64(raw, at)
 
@@ -63,14 +69,14 @@ def forge_integrity(raw: bytearray, layout: format.GGUFFile) -> None:
     """Rewrites the integrity record to match raw, as a hostile writer would (tensor layout as in `layout`)."""
     at, n = _record_at(raw)
     rec = np.frombuffer(bytes(raw[at:at + 8 * n]), "<u8").copy()
-    kinds = rec[format.INTEGRITY_HEADER:-1:2]
+    kinds = rec[integrity.INTEGRITY_HEADER:-1:2]
     for i, t in enumerate(layout.tensors):
-        if kinds[i] == format.KIND_HASHED:
+        if kinds[i] == integrity.KIND_HASHED:
             data = raw[t.file_offset:t.file_offset + t.nbytes]
-            rec[format.INTEGRITY_HEADER + 2 * i + 1] = format.integrity_hash(data)
+            rec[integrity.INTEGRITY_HEADER + 2 * i + 1] = integrity.integrity_hash(data)
     meta = bytearray(raw[:int(rec[3])])
     meta[at:at + 8 * n] = bytes(8 * n)
-    rec[4] = format.integrity_hash(meta)
+    rec[4] = integrity.integrity_hash(meta)
     rec[-1] = codec.checksum(rec[:-1])
     raw[at:at + 8 * n] = rec.tobytes()
 
@@ -106,7 +112,7 @@ def _open_index(index: bytes, data_size: int) -> int:
 def _verify_c(path: Path) -> tuple[int, str]:
     """zipmoe_integrity_verify on a file, as the loader calls it."""
     g = format.read_gguf(path)
-    rec = format.IntegrityRecord.from_gguf(g)
+    rec = integrity.IntegrityRecord.from_gguf(g)
     names = [_ffi.new("char[]", t.name.encode()) for t in g.tensors]
     tensors = _ffi.new("zipmoe_integrity_tensor[]", len(g.tensors))
     for i, t in enumerate(g.tensors):
@@ -200,7 +206,7 @@ def test_absurd_source_size_is_refused_by_the_reader(zipmoe_model: Path, tmp_pat
     damaged = tmp_path / "huge-source.gguf"
     damaged.write_bytes(bytes(raw))
     t0 = time.monotonic()
-    for action in (convert.verify, convert.inspect, lambda p: convert.unpack(p, tmp_path / "out.gguf")):
+    for action in (verify.verify, convert.inspect, lambda p: verify.unpack(p, tmp_path / "out.gguf")):
         with pytest.raises(FormatError, match="zipmoe.source.size"):
             action(damaged)
     assert time.monotonic() - t0 < 5
@@ -219,31 +225,31 @@ def test_converter_refuses_sources_that_are_mostly_gaps(tiny_model: Path, tmp_pa
 
 def test_chain_hash_is_the_same_in_pieces_and_in_c() -> None:
     rng = np.random.default_rng(7)
-    data = rng.integers(0, 256, 3 * format.INTEGRITY_BLOCK + 12345, dtype=np.uint8).tobytes()
-    whole = format.integrity_hash(data)
+    data = rng.integers(0, 256, 3 * integrity.INTEGRITY_BLOCK + 12345, dtype=np.uint8).tobytes()
+    whole = integrity.integrity_hash(data)
     assert whole == _lib.zipmoe_integrity_hash(data, len(data), 0)
     for _ in range(5):
-        h, pos = format.ChainHash(), 0
+        h, pos = integrity.ChainHash(), 0
         while pos < len(data):
-            n = int(rng.integers(1, 2 * format.INTEGRITY_BLOCK))
+            n = int(rng.integers(1, 2 * integrity.INTEGRITY_BLOCK))
             h.update(data[pos:pos + n])
             pos += n
         assert h.digest() == whole
-    assert format.integrity_hash(b"") == format.ChainHash().digest() == 0
+    assert integrity.integrity_hash(b"") == integrity.ChainHash().digest() == 0
 
 
 def test_converted_files_carry_a_valid_record(zipmoe_models: dict[tuple[str, str], Path]) -> None:
     for path in zipmoe_models.values():
-        zf = format.open_zipmoe(path)
+        zf = reader.open_zipmoe(path)
         assert zf.integrity is not None
         g = zf.gguf
-        kinds = [format.KIND_COMPANION if t.name.endswith(format.DATA_SUFFIX) else format.KIND_HASHED
+        kinds = [integrity.KIND_COMPANION if t.name.endswith(metadata.DATA_SUFFIX) else integrity.KIND_HASHED
                  for t in g.tensors]
         assert list(zf.integrity.kinds) == kinds
-        assert format.check_integrity(path, g, zf.integrity) == g.data_start + sum(
-            t.nbytes for t, k in zip(g.tensors, kinds) if k == format.KIND_HASHED)
+        assert integrity.check_integrity(path, g, zf.integrity) == g.data_start + sum(
+            t.nbytes for t, k in zip(g.tensors, kinds) if k == integrity.KIND_HASHED)
         assert _verify_c(path) == (0, "")
-        assert convert.verify(path).integrity_bytes > g.data_start
+        assert verify.verify(path).integrity_bytes > g.data_start
 
 
 def _damage(path: Path, where: str, out_dir: Path) -> Path:
@@ -273,7 +279,7 @@ def test_integrity_names_the_damage(where: str, message: str, zipmoe_model: Path
     damaged = _damage(zipmoe_model, where, tmp_path)
     g = format.read_gguf(damaged)
     with pytest.raises(ChecksumError, match=message):
-        format.check_integrity(damaged, g, format.IntegrityRecord.from_gguf(g))
+        integrity.check_integrity(damaged, g, integrity.IntegrityRecord.from_gguf(g))
     rc, msg = _verify_c(damaged)
     assert rc == -3  # ZIPMOE_ERR_CHECKSUM
     assert re.search(message, msg), msg
@@ -282,24 +288,24 @@ def test_integrity_names_the_damage(where: str, message: str, zipmoe_model: Path
 def test_damaged_record_is_refused_by_the_reader(zipmoe_model: Path, tmp_path: Path) -> None:
     damaged = _damage(zipmoe_model, "record", tmp_path)
     with pytest.raises(ChecksumError, match="zipmoe.integrity: the record is damaged"):
-        format.open_zipmoe(damaged)
+        reader.open_zipmoe(damaged)
 
 
 def test_data_companions_are_left_to_their_chunk_checksums(zipmoe_model: Path, tmp_path: Path) -> None:
     damaged = _damage(zipmoe_model, "data companion", tmp_path)
     g = format.read_gguf(damaged)
-    format.check_integrity(damaged, g, format.IntegrityRecord.from_gguf(g))
+    integrity.check_integrity(damaged, g, integrity.IntegrityRecord.from_gguf(g))
     assert _verify_c(damaged)[0] == 0
     with pytest.raises(ChecksumError):
-        convert.verify(damaged)  # the chunk's own checksum
+        verify.verify(damaged)  # the chunk's own checksum
 
 
 def test_verify_refuses_a_file_without_a_record(zipmoe_model: Path, copy_of: Callable[[Path], Path]) -> None:
     renamed = copy_of(zipmoe_model)
     renamed.write_bytes(renamed.read_bytes().replace(b"zipmoe.integrity", b"zipmoe.integritz"))
-    assert format.open_zipmoe(renamed).integrity is None
+    assert reader.open_zipmoe(renamed).integrity is None
     with pytest.raises(FormatError, match="no zipmoe.integrity record"):
-        convert.verify(renamed)
+        verify.verify(renamed)
 
 
 # ------------------------------------------------------------------------------------- zipmoe's llama.cpp
@@ -335,7 +341,7 @@ def test_llama_refuses_forged_hostile_files(zipmoe_model: Path, tmp_path: Path) 
     index = g.by_name["blk.0.ffn_up_exps.zipmoe_index"]
     idx = np.frombuffer(original[index.file_offset:index.file_offset + index.nbytes], "<u8")
     n_expert, chunks = int(idx[9]), int(idx[12])
-    first_chunk = format.INDEX_HEADER + 2 * n_expert
+    first_chunk = metadata.INDEX_HEADER + 2 * n_expert
     cases: dict[str, Callable[[bytearray], None]] = {
         "data companion of 2^60 bytes": lambda raw: raw.__setitem__(
             slice(_tensor_info_dims_at(raw, g, "blk.0.ffn_up_exps.zipmoe_data"),
@@ -343,7 +349,7 @@ def test_llama_refuses_forged_hostile_files(zipmoe_model: Path, tmp_path: Path) 
         "2^40 values per expert": lambda raw: forge_index(raw, index, {
             5: 1 << 20, 6: 1 << 20, 10: 1 << 40, 12: -(-(1 << 40) // int(idx[11]))}),
         "a million experts": lambda raw: forge_index(raw, index, {7: 1 << 20, 9: 1 << 20}),
-        "region outside the data": lambda raw: forge_index(raw, index, {format.INDEX_HEADER + 2: 1 << 62}),
+        "region outside the data": lambda raw: forge_index(raw, index, {metadata.INDEX_HEADER + 2: 1 << 62}),
         "chunk past its region": lambda raw: forge_index(raw, index, {first_chunk: 1 << 40}),
         "chunk ends out of order": lambda raw: forge_index(raw, index, {first_chunk + 2 * (chunks - 2): 1}),
     }
@@ -372,7 +378,7 @@ def test_llama_survives_forged_index_damage(zipmoe_models: dict[tuple[str, str],
     for key in (("qwen3moe", "huff"), ("olmoe", "zstd")):
         model = zipmoe_models[key]
         g, original = format.read_gguf(model), model.read_bytes()
-        indexes = [t for t in g.tensors if t.name.endswith(format.INDEX_SUFFIX)]
+        indexes = [t for t in g.tensors if t.name.endswith(metadata.INDEX_SUFFIX)]
         for i in range(N_FORGED // 2):
             raw = bytearray(original)
             t = indexes[int(rng.integers(len(indexes)))]
@@ -380,7 +386,7 @@ def test_llama_survives_forged_index_damage(zipmoe_models: dict[tuple[str, str],
             edits = {}
             for _ in range(int(rng.integers(1, 4))):
                 # the header and the region table most of the time: that is where the sizes are
-                at = int(rng.integers(format.INDEX_HEADER + 16)) if rng.random() < 0.6 else int(rng.integers(n - 1))
+                at = int(rng.integers(metadata.INDEX_HEADER + 16)) if rng.random() < 0.6 else int(rng.integers(n - 1))
                 old = _u64(raw, t.file_offset + 8 * at)
                 edits[at] = int(rng.choice([old ^ (1 << int(rng.integers(64))), old + int(rng.integers(-3, 4)),
                                             0, 2**64 - 1, 1 << int(rng.integers(64))]))

@@ -35,7 +35,7 @@ import pytest
 from conftest import worker_env
 
 import pyzipmoe
-from pyzipmoe.format import open_zipmoe
+from pyzipmoe.file.reader import open_zipmoe
 
 ARCHS = ("qwen3moe", "olmoe")
 PROMPT = ("the expert model said hello to the world of water and time, and then the people of the world "
@@ -94,7 +94,7 @@ WORKER = r"""
 import json, sys
 import numpy as np
 job = json.loads(sys.argv[1])
-from pyzipmoe.llama import Llama, zipmoe_stats_reset
+from pyzipmoe.runtime.llama import Llama, zipmoe_stats_reset
 
 def error(e):
     return {"type": type(e).__name__, "message": str(e), "mro": [c.__name__ for c in type(e).__mro__]}
@@ -270,7 +270,7 @@ def test_every_budget_and_policy_gives_the_same_logits(logits: Callable, ours: P
     again, compressed ones kept in RAM (hot_share < 1), sign+mantissa planes kept and codes read (sm_share), or read
     from the file again; prefill and decode, 1 and 2 threads, each eviction policy; and the planner's split. Logits
     stay bit-identical to the BF16 model's."""
-    from pyzipmoe.budget import model_memory
+    from pyzipmoe.runtime.budget import model_memory
 
     ref_reports, ref = logits(arch, "bf16")
     minimum = model_memory(zipmoe_models[arch, "huff"]).minimum  # what any budget must hold; the tiers get the rest
@@ -309,9 +309,9 @@ def test_escape_coded_experts_under_budgets_give_the_same_logits(logits: Callabl
     """The escape-coded model under budgets that force misses, warm hits and streamed warm experts, and under the
     runtime's default split where nearly every expert fits compressed: there, on a CPU whose SIMD decoder runs it,
     every expert is kept compressed (zipmoe_budget_default_hot_share), and the logits stay the BF16 model's."""
-    from pyzipmoe import codec
-    from pyzipmoe.budget import model_memory
-    from pyzipmoe.controller import default_hot_share, store_sizes
+    from pyzipmoe.file import codec
+    from pyzipmoe.runtime.budget import model_memory
+    from pyzipmoe.runtime.controller import default_hot_share, store_sizes
 
     model = zipmoe_models[arch, "esc"]
     ref_reports, ref = logits(arch, "bf16")
@@ -342,8 +342,8 @@ def test_per_expert_scales_follow_the_routed_experts_not_their_places(ours: Path
     from dataclasses import replace
 
     from conftest import SMALL_CHUNK
-    from pyzipmoe import convert
-    from pyzipmoe.budget import model_memory
+    from pyzipmoe.file import convert
+    from pyzipmoe.runtime.budget import model_memory
     from pyzipmoe.synth import SynthConfig, write_config
 
     src = write_config(tmp_path / "scaled.gguf", replace(SynthConfig(), expert_scales=True)).path
@@ -375,7 +375,7 @@ def test_read_ahead_gives_the_same_logits(logits: Callable, ours: Path, env: dic
     mul_mat_id after the materialising node, not the op's own. The stores decode from those bytes with the same
     logits. The first store of a graph has nobody to read ahead for it, so the bytes read ahead are a part of
     bytes_read."""
-    from pyzipmoe.budget import model_memory
+    from pyzipmoe.runtime.budget import model_memory
 
     arch = ARCHS[0]
     ref_reports, ref = logits(arch, "bf16")
@@ -428,7 +428,7 @@ def test_the_decoded_experts_in_flight_count_once(logits: Callable, ours: Path, 
     Generated tokens route 2 experts a store, whose misses take their victims' places: the hot tier then holds
     all of it, the tiers and the 32 KiB of the largest tensor, 28 and 30 experts; the second attempt's prompt,
     after that, is back within the budget before its first store decodes beyond its share."""
-    from pyzipmoe.budget import model_memory
+    from pyzipmoe.runtime.budget import model_memory
 
     ref_reports, ref = logits(arch, "bf16")
     need = model_memory(zipmoe_models[arch, "huff"])
@@ -460,7 +460,7 @@ def test_generation_without_a_hot_tier_lends_the_allowance_in_flight_to_the_warm
     so in generation the pool keeps a token's pages and the warm tier takes the rest of the allowance
     (zipmoe_cache_begin_graph): more than the whole room the budget leaves the tiers. Logits stay the BF16 model's."""
     from pyzipmoe import synth
-    from pyzipmoe.budget import model_memory
+    from pyzipmoe.runtime.budget import model_memory
 
     _, ref = logits(arch, "bf16")
     model = zipmoe_models[arch, "huff"]
@@ -485,7 +485,7 @@ def test_a_plan_keeps_evicted_pages_within_the_allowance_in_flight(logits: Calla
     """A plan leaves the allowance for the expert tensor in flight beside its slots, whatever the budget: experts
     evicted keep their pages there for the next decodes. (With a budget of the model's size the shares had credited the
     whole allowance to the hot tier, and a decode-on-every-use plan faulted in zeroed pages for every expert.)"""
-    from pyzipmoe.budget import model_memory
+    from pyzipmoe.runtime.budget import model_memory
 
     ref_reports, ref = logits(arch, "bf16")
     need = model_memory(zipmoe_models[arch, "huff"])
@@ -503,7 +503,8 @@ def test_a_plan_keeps_evicted_pages_within_the_allowance_in_flight(logits: Calla
 def small_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The "small" synthetic preset (48 MiB of experts, compressed regions of ~170 KB: the tiny preset's 3 KiB ones
     take their O_DIRECT blocks more than their bytes), BF16 and zipmoe."""
-    from pyzipmoe import convert, synth
+    from pyzipmoe.file import convert
+    from pyzipmoe import synth
 
     d = tmp_path_factory.mktemp("small")
     bf16, packed = d / "small.gguf", d / "small.zipmoe.gguf"
@@ -520,9 +521,9 @@ def test_a_planned_budget_holds_a_prompt_s_read_buffers(ours: Path, small_models
     budget less the weights that are not experts together. The plan is pyzipmoe.Llama's decoded-only split as its
     monitor applies it; the buffers keep 64 KiB each between uses, so that the prompt's reads show. Before
     plan_tiers the plan took all of the tiers and the buffers came on top."""
-    from pyzipmoe import planner
-    from pyzipmoe.budget import model_memory
-    from pyzipmoe.controller import plan_model
+    from pyzipmoe.plan import solver as planner
+    from pyzipmoe.runtime.budget import model_memory
+    from pyzipmoe.runtime.controller import plan_model
 
     bf16, path = small_models
     need = model_memory(path)
@@ -548,8 +549,8 @@ def test_a_plan_that_takes_all_of_the_tiers_reads_a_prompt_through_rings(ours: P
     room) leaves a prompt's read buffers what its slots leave (zipmoe_cache_rules_bytes): they read through rings of
     what they keep, and the tiers, the experts in flight and the buffers still fit the budget. Before, the buffers
     took a store's cold experts at once, beside the budget."""
-    from pyzipmoe.budget import model_memory
-    from pyzipmoe.controller import plan_model
+    from pyzipmoe.runtime.budget import model_memory
+    from pyzipmoe.runtime.controller import plan_model
 
     bf16, path = small_models
     need = model_memory(path)
@@ -574,7 +575,7 @@ def test_a_plan_that_takes_all_of_the_tiers_reads_a_prompt_through_rings(ours: P
 def test_a_budget_below_the_minimum_is_refused_saying_the_minimum(arch: str, zipmoe_models: dict[tuple[str, str], Path],
                                                                  ours: Path, tmp_path: Path) -> None:
     """Python refuses it before loading, and bare libllama (the environment variable) refuses it at load."""
-    from pyzipmoe.budget import model_memory
+    from pyzipmoe.runtime.budget import model_memory
 
     path = zipmoe_models[arch, "huff"]
     need = model_memory(path)
@@ -615,8 +616,9 @@ def test_compressed_tiers_give_back_what_they_evict(ours: Path, tmp_path: Path) 
     heaps and the process grew past its budget (~400 MB at 75% of the 2.8g model)."""
     from dataclasses import replace
 
-    from pyzipmoe import convert, synth
-    from pyzipmoe.budget import model_memory
+    from pyzipmoe.file import convert
+    from pyzipmoe import synth
+    from pyzipmoe.runtime.budget import model_memory
 
     src, packed = tmp_path / "small.gguf", tmp_path / "small.zipmoe.gguf"
     synth.write_config(src, replace(synth.PRESETS["small"], n_layer=2))
@@ -628,7 +630,7 @@ def test_compressed_tiers_give_back_what_they_evict(ours: Path, tmp_path: Path) 
     assert done.returncode == 0, _tail(done.stderr)
     got = json.loads(done.stdout.strip().splitlines()[-1])
     from pyzipmoe._native import ffi, lib
-    from pyzipmoe.controller import store_sizes
+    from pyzipmoe.runtime.controller import store_sizes
 
     sizes = store_sizes(packed)
     split = ffi.new("zipmoe_budget_split *")  # the warm tier the loader gives (beside a prompt's read room)
@@ -647,8 +649,10 @@ def test_a_token_embedding_read_by_rows_is_charged_for_a_batch_of_rows(tied: boo
     import mmap
     from dataclasses import replace
 
-    from pyzipmoe import convert, synth
-    from pyzipmoe.budget import RUNTIME_ENV, embd_charge, model_memory
+    from pyzipmoe.file import convert
+    from pyzipmoe import synth
+    from pyzipmoe.runtime.budget import embd_charge, model_memory
+    from pyzipmoe.runtime.config import RUNTIME_ENV
 
     simple = _program(ours, "llama-simple")
     src, packed = tmp_path / "wide.gguf", tmp_path / "wide.zipmoe.gguf"
@@ -777,11 +781,11 @@ def test_llama_simple_same_greedy_output(ours: Path, arch: str, tiny_models: dic
 
 
 def test_timing_times_the_models_greedy_text(ours: Path, zipmoe_model: Path, tmp_path: Path) -> None:
-    """pyzipmoe.timing (engine calibration, tools/bench_planner.py) generates the model's greedy text, the tokens
+    """pyzipmoe.runtime.timing (engine calibration, tools/bench_planner.py) generates the model's greedy text, the tokens
     the logits_all worker generates. It once took argmax of llama-cpp-python's `scores`, which stay zero without
     logits_all: token 0 forever, a text whose experts repeat, and costs and plans measured on it."""
-    from pyzipmoe.timing import PROMPT as TIMING_PROMPT
-    from pyzipmoe.timing import time_generation
+    from pyzipmoe.runtime.timing import PROMPT as TIMING_PROMPT
+    from pyzipmoe.runtime.timing import time_generation
 
     reports, _ = run_worker(zipmoe_model, ours, [{"config": {"n_threads": 1}}], tmp_path / "ref.npz",
                             prompt=TIMING_PROMPT.decode())

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from pyzipmoe import memory
-from pyzipmoe.budget import cache_environment, parse_budget
+from pyzipmoe.runtime import memory
+from pyzipmoe.runtime.budget import parse_budget
+from pyzipmoe.runtime.config import RuntimeConfig
 from pyzipmoe.errors import ZipmoeError
-from pyzipmoe.memory import MIN_MARGIN, MemoryReading, auto_budget, cgroup_memory, read_memory, safety_margin
+from pyzipmoe.runtime.memory import MIN_MARGIN, MemoryReading, auto_budget, cgroup_memory, read_memory, safety_margin
 
 GiB, MiB = 1 << 30, 1 << 20
 V1_UNLIMITED = 9223372036854771712  # what cgroup v1 writes for "no limit" with 4 KiB pages
@@ -198,7 +199,7 @@ def test_parse_budget_auto(monkeypatch):
     assert parse_budget("auto") == expect
     assert parse_budget(" AUTO ") == expect
     assert parse_budget("auto", model_bytes=GiB) == GiB
-    assert cache_environment("auto") == {"ZIPMOE_MEMORY_BUDGET": str(expect)}
+    assert RuntimeConfig("auto").to_env() == {"ZIPMOE_MEMORY_BUDGET": str(expect)}
 
 
 def test_parse_budget_auto_on_this_machine():

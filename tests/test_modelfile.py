@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pyzipmoe import modelfile as M
-from pyzipmoe.modelfile import Message, ModelfileError, parse, render
+from pyzipmoe.models import modelfile as M
+from pyzipmoe.models.modelfile import Message, ModelfileError, parse, render
 
 FULL = '''\
 # a Modelfile as people write them for Ollama
@@ -129,9 +129,9 @@ def test_stored_parameters_are_checked() -> None:
 
 
 def test_cache_policies_are_the_runtimes() -> None:
-    from pyzipmoe import runner
+    from pyzipmoe.runtime import config
 
-    assert M.CACHE_POLICIES == runner.CACHE_MODES
+    assert M.PARAMETERS[M.CACHE_MODE_PARAMETER].choices == config.CACHE_MODES
 
 
 # \r is a line break (CRLF files are read as LF), so a value cannot keep one

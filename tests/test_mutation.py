@@ -29,7 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from pyzipmoe import format
+from pyzipmoe.file import gguf as format
+from pyzipmoe.file import metadata
 
 WORKER = Path(__file__).with_name("mutation_worker.py")
 N_MUTATIONS = int(os.environ.get("ZIPMOE_MUTATIONS", "1000"))
@@ -40,7 +41,7 @@ def _hashed_ranges(g: format.GGUFFile) -> list[tuple[int, int, str]]:
     """(start, end, what) of every byte the integrity record covers."""
     ranges = [(0, g.data_start, "metadata")]
     ranges += [(t.file_offset, t.file_offset + t.nbytes, t.name) for t in g.tensors
-               if not t.name.endswith(format.DATA_SUFFIX)]
+               if not t.name.endswith(metadata.DATA_SUFFIX)]
     return ranges
 
 

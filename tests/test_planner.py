@@ -1,4 +1,4 @@
-"""The tier planner (pyzipmoe/planner.py) and `zipmoe plan` (pyzipmoe/cli_plan.py).
+"""The tier planner (pyzipmoe/plan/) and `zipmoe plan` (pyzipmoe/cli/plan.py).
 
 The planner's numbers are checked against brute force: enumeration of every routed set for small layers (the
 conditional Poisson design, the tier-count distribution, the expected delay), every slot allocation for a tiny
@@ -14,9 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyzipmoe import cli_plan, planner
+from pyzipmoe.cli import main as zipmoe_main
+from pyzipmoe.cli import plan as cli_plan
+from pyzipmoe.plan import inputs
+from pyzipmoe.plan import routing as plan_routing
+from pyzipmoe.plan import solver as planner
 from pyzipmoe.errors import ZipmoeError
-from pyzipmoe.planner import Costs, ModelGeometry, PlanInputError, TierSeconds
+from pyzipmoe.plan.inputs import Costs, ModelGeometry, PlanInputError
+from pyzipmoe.plan.routing import TierSeconds
 
 # reads and decoding both matter in the max; a layer that reads at all pays `layer` once
 SECONDS = TierSeconds(decode=0.3, read_sm=0.7, read_cold=1.1, layer=0.25, layer_sm=0.1)
@@ -73,49 +78,49 @@ def test_cp_fit_reaches_the_targets_on_random_layers():
     for _ in range(25):
         n = int(rng.integers(3, 65))
         k = int(rng.integers(1, min(8, n - 1) + 1))
-        design = planner.layer_design(skewed(rng, n), k)
+        design = plan_routing.layer_design(skewed(rng, n), k)
         assert design.inclusion.sum() == pytest.approx(k, abs=1e-12)
         assert ((design.bernoulli >= 0) & (design.bernoulli <= 1)).all()
-        np.testing.assert_allclose(planner.cp_inclusion(design.bernoulli, k), design.inclusion, rtol=0, atol=1e-9)
+        np.testing.assert_allclose(plan_routing.cp_inclusion(design.bernoulli, k), design.inclusion, rtol=0, atol=1e-9)
         assert (np.diff(design.inclusion) <= 1e-15).all()  # rank order: most used first
 
 
 def test_cp_fit_says_when_it_does_not_converge():
     with pytest.raises(ZipmoeError, match="did not converge"):
-        planner.conditional_poisson(np.array([0.9, 0.6, 0.3, 0.2]), 2, max_iter=2)
+        plan_routing.conditional_poisson(np.array([0.9, 0.6, 0.3, 0.2]), 2, max_iter=2)
 
 
 def test_inclusion_targets_cap_at_one_and_keep_k():
-    pi = planner.inclusion_targets(np.array([100.0, 1, 1, 1, 1, 0]), 3)
+    pi = plan_routing.inclusion_targets(np.array([100.0, 1, 1, 1, 1, 0]), 3)
     assert pi[0] == 1 and pi[5] == 0 and pi.sum() == pytest.approx(3)
     np.testing.assert_allclose(pi[1:5], 0.5)
     # fewer experts ever used than routed per token: the rest is spread evenly over the unused ones
-    np.testing.assert_allclose(planner.inclusion_targets(np.array([5.0, 0, 0]), 2), [1, 0.5, 0.5])
+    np.testing.assert_allclose(plan_routing.inclusion_targets(np.array([5.0, 0, 0]), 2), [1, 0.5, 0.5])
 
 
 @pytest.mark.parametrize("n,k", [(n, k) for n in (2, 4, 6, 8) for k in (1, 2, 3) if k < n])
 def test_planner_is_exact_against_enumeration(n: int, k: int):
     rng = np.random.default_rng(100 * n + k)
-    design = planner.layer_design(skewed(rng, n), k)
+    design = plan_routing.layer_design(skewed(rng, n), k)
     p = design.bernoulli
     enumerated = brute_inclusion(p, k)
-    np.testing.assert_allclose(planner.cp_inclusion(p, k), enumerated, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(plan_routing.cp_inclusion(p, k), enumerated, rtol=0, atol=1e-12)
     np.testing.assert_allclose(enumerated, design.inclusion, rtol=0, atol=1e-9)
-    table_hot, table_warm, table_sm, table_delay = planner.split_delays(design, SECONDS)
+    table_hot, table_warm, table_sm, table_delay = plan_routing.split_delays(design, SECONDS)
     table = {(int(h), int(w), int(s)): d for h, w, s, d in zip(table_hot, table_warm, table_sm, table_delay)}
     assert len(table) == len(splits(n))
     for hot, warm, sm in splits(n):
-        joint = planner.tier_count_distribution(design, hot, warm, sm)
+        joint = plan_routing.tier_count_distribution(design, hot, warm, sm)
         np.testing.assert_allclose(joint, brute_tier_counts(p, k, hot, warm, sm), rtol=0, atol=1e-12)
         expected = brute_delay(p, k, hot, warm, sm, SECONDS)
-        assert planner.expected_delay(design, SECONDS, hot, warm, sm) == pytest.approx(expected, rel=1e-12, abs=1e-15)
+        assert plan_routing.expected_delay(design, SECONDS, hot, warm, sm) == pytest.approx(expected, rel=1e-12, abs=1e-15)
         assert table[hot, warm, sm] == pytest.approx(expected, rel=1e-12, abs=1e-15)
 
 
 def test_delay_matches_sampling():
     rng = np.random.default_rng(7)
     n, k, (hot, warm, sm) = 16, 4, (3, 4, 5)
-    design = planner.layer_design(skewed(rng, n), k)
+    design = plan_routing.layer_design(skewed(rng, n), k)
     draws = rng.random((400_000, n)) < design.bernoulli  # conditional Poisson by rejection: keep draws of k
     routed = draws[draws.sum(axis=1) == k]
     assert len(routed) > 20_000
@@ -125,7 +130,7 @@ def test_delay_matches_sampling():
                         counts[:, 2] * SECONDS.read_sm + counts[:, 3] * SECONDS.read_cold) + \
         np.where(counts[:, 2] > 0, SECONDS.layer_sm, np.where(counts[:, 3] > 0, SECONDS.layer, 0))
     standard_error = delays.std() / np.sqrt(len(delays))
-    assert abs(delays.mean() - planner.expected_delay(design, SECONDS, hot, warm, sm)) < 5 * standard_error
+    assert abs(delays.mean() - plan_routing.expected_delay(design, SECONDS, hot, warm, sm)) < 5 * standard_error
     np.testing.assert_allclose(routed.mean(axis=0), design.inclusion, atol=0.01)
 
 
@@ -134,28 +139,28 @@ def test_delay_matches_sampling():
 
 def test_one_routed_expert():
     f = np.array([4.0, 3, 2, 1])
-    design = planner.layer_design(f, 1)
+    design = plan_routing.layer_design(f, 1)
     np.testing.assert_allclose(design.inclusion, [0.4, 0.3, 0.2, 0.1])
     np.testing.assert_allclose(brute_inclusion(design.bernoulli, 1), design.inclusion, atol=1e-12)
     # with k = 1 the routed expert is in exactly one tier: the hit rates are the delay's weights
-    rates = planner.hit_rates(design, 1, 1, 1)
+    rates = plan_routing.hit_rates(design, 1, 1, 1)
     expected = rates[1] * SECONDS.decode + rates[2] * max(SECONDS.decode, SECONDS.read_sm) + \
         rates[3] * max(SECONDS.decode, SECONDS.read_cold) + rates[2] * SECONDS.layer_sm + rates[3] * SECONDS.layer
-    assert planner.expected_delay(design, SECONDS, 1, 1, 1) == pytest.approx(expected, rel=1e-12)
+    assert plan_routing.expected_delay(design, SECONDS, 1, 1, 1) == pytest.approx(expected, rel=1e-12)
 
 
 def test_equally_likely_experts():
-    design = planner.layer_design(np.ones(6), 2)
+    design = plan_routing.layer_design(np.ones(6), 2)
     np.testing.assert_allclose(design.inclusion, 2 / 6)
     np.testing.assert_allclose(design.bernoulli, design.bernoulli[0])
     np.testing.assert_array_equal(design.order, np.arange(6))  # ties ranked by id
 
 
 def test_an_expert_always_chosen():
-    design = planner.layer_design(np.array([1000.0, 1, 1, 1, 1]), 2)
+    design = plan_routing.layer_design(np.array([1000.0, 1, 1, 1, 1]), 2)
     assert design.inclusion[0] == 1 and design.bernoulli[0] == 1
     np.testing.assert_allclose(brute_inclusion(design.bernoulli, 2), design.inclusion, atol=1e-12)
-    joint = planner.tier_count_distribution(design, 1, 0, 0)
+    joint = plan_routing.tier_count_distribution(design, 1, 0, 0)
     assert joint[0].sum() == 0 and joint[1].sum() == pytest.approx(1)  # it is hot and always routed
 
 
@@ -170,7 +175,7 @@ def test_a_never_used_expert_gets_no_slot():
 
 
 def test_a_layer_never_used_counts_as_uniform():
-    counts = planner.validate_counts(np.array([[0, 0, 0], [1, 2, 3]]), 2, 3)
+    counts = inputs.validate_counts(np.array([[0, 0, 0], [1, 2, 3]]), 2, 3)
     np.testing.assert_array_equal(counts[0], [1, 1, 1])
 
 
@@ -213,7 +218,7 @@ def test_lru_ranks_match_an_explicit_lru_list():
     rng = np.random.default_rng(3)
     for n, k in ((5, 1), (8, 2), (12, 4)):
         routing = local_routing(rng, 60, n, k, stay=0.5)
-        assert (planner.lru_ranks(routing) == brute_lru_ranks(routing)).all()
+        assert (plan_routing.lru_ranks(routing) == brute_lru_ranks(routing)).all()
 
 
 def explicit_lfu_hits(routing: np.ndarray, initial_uses: np.ndarray) -> np.ndarray:
@@ -245,12 +250,12 @@ def test_lfu_ranks_match_lfu_caches_of_every_size():
         for t in np.flatnonzero(rng.random(len(routing)) < 0.1):  # a prompt batch routes to any number
             routing[t] = rng.random(n) < 0.6
         initial = rng.integers(0, 4, n) if trial % 2 else np.zeros(n, int)
-        ranks = planner.lfu_ranks(routing, initial if trial % 2 else None)
+        ranks = plan_routing.lfu_ranks(routing, initial if trial % 2 else None)
         hits = explicit_lfu_hits(routing, initial)
         for c in range(n + 1):
             assert (((ranks >= 0) & (ranks < c)).sum(axis=1) == hits[:, c]).all(), (trial, c)
     with pytest.raises(PlanInputError):
-        planner.lfu_ranks(routing, np.zeros(n + 1))
+        plan_routing.lfu_ranks(routing, np.zeros(n + 1))
 
 
 def test_the_recency_design_follows_the_policy():
@@ -258,16 +263,16 @@ def test_the_recency_design_follows_the_policy():
     routing = np.zeros((40, 6), bool)
     for t in range(40):
         routing[t, [0, 1 + t % 5] if t % 2 == 0 else [1 + t % 5, 1 + (t + 1) % 5]] = True
-    lru = planner.recency_design(routing, 2, history=8, policy="lru")
-    lfu = planner.recency_design(routing, 2, history=8, policy="tlfu")
+    lru = plan_routing.recency_design(routing, 2, history=8, policy="lru")
+    lfu = plan_routing.recency_design(routing, 2, history=8, policy="tlfu")
     assert lfu.hit_rates(3, 0, 0)[0] > lru.hit_rates(3, 0, 0)[0] + 0.2
     with pytest.raises(PlanInputError, match="fifo"):
-        planner.recency_design(routing, 2, policy="fifo")
+        plan_routing.recency_design(routing, 2, policy="fifo")
 
 
 def test_recency_split_delays_match_each_split():
     rng = np.random.default_rng(4)
-    design = planner.recency_design(local_routing(rng, 80, 7, 2), 2)
+    design = plan_routing.recency_design(local_routing(rng, 80, 7, 2), 2)
     assert design is not None and design.ranks.shape == (60, 2)
     hot, warm, sm, delay = design.split_delays(SECONDS)
     assert sorted(zip(hot, warm, sm)) == sorted(x for x in splits(7) if x[0] == 0 or x[1] == 0)
@@ -282,14 +287,14 @@ def test_recency_split_delays_match_each_split():
 
 def test_recency_design_needs_enough_generated_tokens():
     rng = np.random.default_rng(5)
-    assert planner.recency_design(local_routing(rng, 20, 8, 2), 2) is None  # 15 scored < RECENCY_MIN_TOKENS
+    assert plan_routing.recency_design(local_routing(rng, 20, 8, 2), 2) is None  # 15 scored < RECENCY_MIN_TOKENS
     with_prompt = local_routing(rng, 40, 8, 2)
     with_prompt[0] = True  # a prompt's batch: it places the experts, it is not scored
-    design = planner.recency_design(with_prompt, 2, history=0)
+    design = plan_routing.recency_design(with_prompt, 2, history=0)
     assert design is not None and design.ranks.shape == (39, 2)
-    assert (planner.lru_ranks(with_prompt)[1][with_prompt[1]] < 8).all()  # seen in the prompt: not cold
+    assert (plan_routing.lru_ranks(with_prompt)[1][with_prompt[1]] < 8).all()  # seen in the prompt: not cold
     with pytest.raises(PlanInputError):
-        planner.recency_design(np.zeros(8, bool), 2)
+        plan_routing.recency_design(np.zeros(8, bool), 2)
 
 
 def test_recency_sees_what_frequencies_miss():
@@ -323,17 +328,17 @@ def test_a_plan_spends_what_the_routing_log_leaves():
 def test_weighted_recency_means():
     """Weights of one change nothing; whole weights count a token that many times (0: not at all)."""
     rng = np.random.default_rng(9)
-    design = planner.recency_design(local_routing(rng, 80, 7, 2), 2)
+    design = plan_routing.recency_design(local_routing(rng, 80, 7, 2), 2)
     assert design is not None and design.weights is None
-    ones = planner.RecencyDesign(design.k, design.n_expert, design.ranks, weights=np.ones(60))
+    ones = plan_routing.RecencyDesign(design.k, design.n_expert, design.ranks, weights=np.ones(60))
     for x, y in zip(ones.split_delays(SECONDS), design.split_delays(SECONDS)):
         assert np.array_equal(x, y)
     for h, w, s in ((0, 0, 0), (2, 0, 3), (0, 4, 1), (7, 0, 0)):
         assert ones.expected_delay(SECONDS, h, w, s) == design.expected_delay(SECONDS, h, w, s)
         assert ones.hit_rates(h, w, s) == design.hit_rates(h, w, s)
     counts = rng.integers(0, 4, 60)
-    weighted = planner.RecencyDesign(design.k, design.n_expert, design.ranks, weights=counts)
-    repeated = planner.RecencyDesign(design.k, design.n_expert, np.repeat(design.ranks, counts, axis=0))
+    weighted = plan_routing.RecencyDesign(design.k, design.n_expert, design.ranks, weights=counts)
+    repeated = plan_routing.RecencyDesign(design.k, design.n_expert, np.repeat(design.ranks, counts, axis=0))
     assert weighted.tokens == repeated.tokens == counts.sum()
     for x, y in zip(weighted.split_delays(SECONDS), repeated.split_delays(SECONDS)):
         assert x == pytest.approx(y, rel=1e-12, abs=1e-15)
@@ -341,10 +346,10 @@ def test_weighted_recency_means():
         assert d == pytest.approx(weighted.expected_delay(SECONDS, int(h), int(w), int(s)))
         assert d == pytest.approx(repeated.expected_delay(SECONDS, int(h), int(w), int(s)))
         assert weighted.hit_rates(int(h), int(w), int(s)) == pytest.approx(repeated.hit_rates(int(h), int(w), int(s)))
-    assert planner.miss_fractions(weighted) == pytest.approx(planner.miss_fractions(repeated))
+    assert plan_routing.miss_fractions(weighted) == pytest.approx(plan_routing.miss_fractions(repeated))
     for bad in (np.ones(59), np.zeros(60), -np.ones(60), np.full(60, np.nan)):
         with pytest.raises(ZipmoeError, match="weights"):
-            planner.RecencyDesign(design.k, design.n_expert, design.ranks, weights=bad)
+            plan_routing.RecencyDesign(design.k, design.n_expert, design.ranks, weights=bad)
 
 
 def routed_from(rng: np.random.Generator, tokens: int, popularity: np.ndarray, k: int) -> np.ndarray:
@@ -367,11 +372,11 @@ def test_layers_that_route_alike_are_pooled():
     40 seeds more than 2), pooled 1 more (57 of 60, the others 4 or 5)."""
     rng = np.random.default_rng(11)
     n_layer, n, k, tokens = 8, 32, 4, 42  # 32 scored tokens a layer (the first quarter is history)
-    uniform = [planner.recency_design(routed_from(rng, tokens, np.ones(n), k), k) for _ in range(n_layer)]
+    uniform = [plan_routing.recency_design(routed_from(rng, tokens, np.ones(n), k), k) for _ in range(n_layer)]
     assert all(d is not None and d.tokens == 32 for d in uniform)
-    n0 = planner.pooling_strength(uniform)  # type: ignore[arg-type]
+    n0 = plan_routing.pooling_strength(uniform)  # type: ignore[arg-type]
     assert 32 / (32 + n0) < 0.2
-    pooled = planner.pool_designs(uniform)  # type: ignore[arg-type]
+    pooled = plan_routing.pool_designs(uniform)  # type: ignore[arg-type]
     # each layer keeps its own weight's share of its distance from the pool: here all of them, so one spread
     own_hits = np.array([d.hit_rates(16, 0, 0)[0] for d in uniform])  # type: ignore[union-attr]
     pooled_hits = np.array([d.hit_rates(16, 0, 0)[0] for d in pooled])
@@ -399,8 +404,8 @@ def test_layers_that_differ_keep_their_own_designs():
     popularity = [np.ones(n) if b % 2 == 0 else np.isin(np.arange(n), rng.choice(n, 6, replace=False)) * 1.0
                   for b in range(n_layer)]
     routing = {b: routed_from(rng, tokens, popularity[b], k) for b in range(n_layer)}
-    designs = [planner.recency_design(routing[b], k) for b in range(n_layer)]
-    n0 = planner.pooling_strength(designs)  # type: ignore[arg-type]
+    designs = [plan_routing.recency_design(routing[b], k) for b in range(n_layer)]
+    n0 = plan_routing.pooling_strength(designs)  # type: ignore[arg-type]
     assert 400 / (400 + n0) > 0.8
     geometry = ModelGeometry.uniform(n_layer, n, k, hot_bytes=100, warm_bytes=60, sm_bytes=50)
     model = planner.cost_model(geometry, fast_disk_costs(), routing=routing)
@@ -411,17 +416,17 @@ def test_layers_that_differ_keep_their_own_designs():
 def test_a_single_layer_is_not_pooled():
     rng = np.random.default_rng(13)
     routing = local_routing(rng, 64, 8, 2)
-    design = planner.recency_design(routing, 2)
+    design = plan_routing.recency_design(routing, 2)
     assert design is not None
-    assert planner.pooling_strength([design]) == 0
-    assert planner.pool_designs([design])[0] is design
+    assert plan_routing.pooling_strength([design]) == 0
+    assert plan_routing.pool_designs([design])[0] is design
     geometry = ModelGeometry.uniform(1, 8, 2, hot_bytes=100, warm_bytes=60, sm_bytes=50)
     model = planner.cost_model(geometry, costs(), routing={0: routing})
     assert model.designs[0].weights is None and np.array_equal(model.designs[0].ranks, design.ranks)
     # a layer without a routing log keeps its frequency design; a lone recency design is not pooled with it
     geometry = ModelGeometry.uniform(2, 8, 2, hot_bytes=100, warm_bytes=60, sm_bytes=50)
     model = planner.cost_model(geometry, costs(), routing={1: routing})
-    assert isinstance(model.designs[0], planner.LayerDesign)
+    assert isinstance(model.designs[0], plan_routing.LayerDesign)
     assert model.designs[1].weights is None and np.array_equal(model.designs[1].ranks, design.ranks)
 
 
@@ -461,9 +466,9 @@ def test_dynamic_programme_matches_every_allocation():
                              warm_bytes=(3, 3), sm_bytes=(2, 2))
     counts = np.array([[9, 1, 4, 2], [0, 0, 0, 0], [1, 1, 6, 3]])  # block 1 is dense: its row is never read
     model = planner.cost_model(geometry, costs(disk_bandwidth=40.0, read_latency=0.002), counts)
-    seconds = [planner.tier_seconds(geometry, model.costs, i) for i in range(2)]
+    seconds = [plan_routing.tier_seconds(geometry, model.costs, i) for i in range(2)]
     layer_options = [[(h * geometry.hot_bytes[i] + w * geometry.warm_bytes[i] + s * geometry.sm_bytes[i],
-                       planner.expected_delay(model.designs[i], seconds[i], h, w, s)) for h, w, s in splits(4)]
+                       plan_routing.expected_delay(model.designs[i], seconds[i], h, w, s)) for h, w, s in splits(4)]
                      for i in range(2)]
     for budget in range(geometry.all_hot_bytes + 1):
         best = min(d0 + d1 for (b0, d0), (b1, d1) in itertools.product(*layer_options) if b0 + b1 <= budget)
@@ -549,7 +554,7 @@ def test_trace_files(tmp_path: Path):
     np.savez(tmp_path / "t.npz", counts=counts)
     np.save(tmp_path / "t.npy", counts)
     for name in ("t.npz", "t.npy"):
-        got = planner.counts_from_trace(tmp_path / name, 2, 4)
+        got = inputs.counts_from_trace(tmp_path / name, 2, 4)
         np.testing.assert_array_equal(got, [[6, 2, 0, 3], [1, 1, 1, 1]])  # layer 1 never used: uniform
 
 
@@ -573,28 +578,28 @@ def test_bad_traces(tmp_path: Path, content, message: str):
     else:
         np.savez(path, counts=content)
     with pytest.raises(PlanInputError, match=message) as e:
-        planner.counts_from_trace(path, 2, 4)
+        inputs.counts_from_trace(path, 2, 4)
     assert "\n" not in str(e.value) and e.value.exit_code == 1
 
 
 def test_missing_trace(tmp_path: Path):
     with pytest.raises(PlanInputError, match="expected an .npz"):
-        planner.counts_from_trace(tmp_path / "nope.npz", 2, 4)
+        inputs.counts_from_trace(tmp_path / "nope.npz", 2, 4)
 
 
 def test_costs_validation(tmp_path: Path):
     defaults = costs()
     path = tmp_path / "costs.json"
     path.write_text(json.dumps({"cores": 8, "disk_bandwidth": 2e9}))
-    loaded = planner.costs_from_file(path, defaults=defaults)
+    loaded = inputs.costs_from_file(path, defaults=defaults)
     assert (loaded.cores, loaded.disk_bandwidth, loaded.t_decode) == (8, 2e9, defaults.t_decode)
     for text, message in (('{"cores": 0}', "cores"), ('{"t_decde": 1}', "unknown key"), ("[1]", "JSON object"),
                           ("{", "not JSON"), ('{"disk_bandwidth": -5}', "disk_bandwidth")):
         path.write_text(text)
         with pytest.raises(PlanInputError, match=message):
-            planner.costs_from_file(path, defaults=defaults)
+            inputs.costs_from_file(path, defaults=defaults)
     calibration = {"t_decode": 2e-3, "base_seconds_per_token": 0.5, "codec": "huff"}  # extra keys are skipped
-    assert planner.costs_from_dict(calibration, defaults=defaults, label="c", strict=False).t_decode == 2e-3
+    assert inputs.costs_from_dict(calibration, defaults=defaults, label="c", strict=False).t_decode == 2e-3
 
 
 # ------------------------------------------------------------------------------ a real zipmoe file
@@ -602,7 +607,8 @@ def test_costs_validation(tmp_path: Path):
 
 @pytest.fixture(scope="module")
 def tiny_zipmoe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pyzipmoe import convert, synth
+    from pyzipmoe.file import convert
+    from pyzipmoe import synth
 
     root = tmp_path_factory.mktemp("plan")
     synth.write_config(root / "tiny.gguf", synth.PRESETS["tiny"])
@@ -611,7 +617,7 @@ def tiny_zipmoe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_geometry_from_a_zipmoe_file(tiny_zipmoe: Path):
-    g = planner.geometry_from_gguf(tiny_zipmoe)
+    g = inputs.geometry_from_gguf(tiny_zipmoe)
     tiny = __import__("pyzipmoe.synth", fromlist=["PRESETS"]).PRESETS["tiny"]
     values = 3 * tiny.n_embd * tiny.n_ff_exp  # gate, up and down
     assert (g.n_layer, g.n_expert, g.n_expert_used, g.layers) == (tiny.n_layer, tiny.n_expert, tiny.n_expert_used,
@@ -620,7 +626,7 @@ def test_geometry_from_a_zipmoe_file(tiny_zipmoe: Path):
     assert all(values < w < 2 * values for w in g.warm_bytes)
     assert g.dense_bytes > 0
     with pytest.raises(PlanInputError, match="not a zipmoe file"):
-        planner.geometry_from_gguf(tiny_zipmoe.with_name("tiny.gguf"))
+        inputs.geometry_from_gguf(tiny_zipmoe.with_name("tiny.gguf"))
 
 
 @pytest.fixture
@@ -631,13 +637,13 @@ def no_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def whole(model: Path, tier_bytes: int) -> str:
     """The --memory-budget that leaves tier_bytes for the tiers (the budget also holds the weights that are not
     experts and one layer's experts in flight)."""
-    from pyzipmoe.budget import model_memory
+    from pyzipmoe.runtime.budget import model_memory
 
     return str(model_memory(model).minimum + tier_bytes)
 
 
 def run_plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    code = cli_plan.main(["plan", *args])
+    code = zipmoe_main(["plan", *args])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -719,7 +725,7 @@ def test_register_keeps_the_budget_away_from_the_runtime_environment():
 
 def test_cli_costs_from_a_calibration(tiny_zipmoe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                       monkeypatch: pytest.MonkeyPatch):
-    """A calibration (pyzipmoe.calibrate, faked here) gives what it measured; what it could not stays estimated,
+    """A calibration (pyzipmoe.plan.calibration, faked here) gives what it measured; what it could not stays estimated,
     and --costs overrides both."""
     import sys
     import types
@@ -729,9 +735,9 @@ def test_cli_costs_from_a_calibration(tiny_zipmoe: Path, tmp_path: Path, capsys:
             return {"cores": 3, "t_decode": 2e-4, "disk_bandwidth": 1e9, "read_latency": 5e-5,
                     "base_seconds_per_token": None}
 
-    fake = types.ModuleType("pyzipmoe.calibrate")
+    fake = types.ModuleType("pyzipmoe.plan.calibration")
     fake.load_calibration = lambda path: Calibration()  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "pyzipmoe.calibrate", fake)
+    monkeypatch.setitem(sys.modules, "pyzipmoe.plan.calibration", fake)
     code, out, _ = run_plan(capsys, str(tiny_zipmoe), "--memory-budget", whole(tiny_zipmoe, 60 << 10), "--json")
     data = json.loads(out)
     assert code == 0 and data["costs"]["cores"] == 3 and data["costs"]["t_decode"] == 2e-4

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyzipmoe import format
+from pyzipmoe.file import reader as zreader
 from pyzipmoe._native import ffi, lib
 
 UNBOUNDED = 2**64 - 1
@@ -35,7 +35,7 @@ def default_budget():
 class Store:
     """A store bound to one compressed tensor of a zipmoe file, with its BF16 memory as numpy."""
 
-    def __init__(self, path: Path, ct: format.CompressedTensor):
+    def __init__(self, path: Path, ct: zreader.CompressedTensor):
         with open(path, "rb") as f:
             f.seek(ct.index.file_offset)
             self._index = f.read(ct.index.nbytes)
@@ -81,7 +81,7 @@ class Store:
         return self.weights[place]
 
 
-def source_experts(source_path: Path, ct: format.CompressedTensor) -> np.ndarray:
+def source_experts(source_path: Path, ct: zreader.CompressedTensor) -> np.ndarray:
     ne0, ne1, n_expert = ct.source.dims
     with open(source_path, "rb") as f:
         f.seek(ct.source.file_offset)
@@ -102,7 +102,7 @@ def stats():
 
 @pytest.mark.parametrize("nth", [1, 2, 3, 8])
 def test_threads_materialise_exactly_the_routed_experts(zipmoe_model, tiny_model, nth, stats):
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     ct = zf.compressed[0]
     store = Store(zipmoe_model, ct)
     ref = source_experts(tiny_model, ct)
@@ -128,7 +128,7 @@ def test_a_turn_s_decoded_experts_are_ready_at_once_and_the_others_after_its_wai
     """The fused matmul's protocol: _begin gives every thread all places, which experts are pending, and lets the
     decoded ones be read while the others are read and decoded; _end calls the idle work while a chunk's bytes are
     in flight; after _wait every routed expert is decoded."""
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     ct = zf.compressed[0]
     lib.zipmoe_cache_configure(budget_for(zf, ct, 3)[0], 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
     store = Store(zipmoe_model, ct)
@@ -213,7 +213,7 @@ def _stream_turn(store: Store, ids: np.ndarray) -> tuple[int, np.ndarray, np.nda
     return begun, where, pending, turn
 
 
-def _streamed_values(store: Store, ct: format.CompressedTensor, e: int) -> np.ndarray:
+def _streamed_values(store: Store, ct: zreader.CompressedTensor, e: int) -> np.ndarray:
     """Expert e decoded chunk by chunk through zipmoe_store_stream_chunk, as the fused op decodes it."""
     n, chunk = ct.expert.info.n_per_expert, ct.expert.info.chunk_n
     out = np.zeros(-(-n // chunk) * chunk, np.uint16)
@@ -223,7 +223,7 @@ def _streamed_values(store: Store, ct: format.CompressedTensor, e: int) -> np.nd
     return out[:n]
 
 
-def _streamed_planes(store: Store, ct: format.CompressedTensor, e: int) -> np.ndarray:
+def _streamed_planes(store: Store, ct: zreader.CompressedTensor, e: int) -> np.ndarray:
     """Expert e through zipmoe_store_stream_exponents: each chunk's exponent plane, merged here with the expert's
     sign+mantissa plane as the fused op merges a row."""
     n, chunk = ct.expert.info.n_per_expert, ct.expert.info.chunk_n
@@ -243,7 +243,7 @@ def test_a_streaming_turn_leaves_warm_experts_to_its_caller_pinned_until_the_nex
     """ZIPMOE_TURN_STREAM: routed warm experts stay compressed (pending 2) and their chunks decode exactly, even once
     the tiers settle below them at the turn's end; with a full hot tier the one that outranks its coldest expert is
     decoded into a place instead. The next invocation unpins them."""
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     stores = [Store(zipmoe_model, ct) for ct in zf.compressed]  # all of the model's stores share the budget
     ct, store = zf.compressed[0], stores[0]
     ref = source_experts(tiny_model, ct)
@@ -292,7 +292,7 @@ def test_a_streaming_turn_leaves_warm_experts_to_its_caller_pinned_until_the_nex
 
 
 def test_cache_none_decodes_on_every_use(zipmoe_model, tiny_model, stats):
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     ct = zf.compressed[1]
     lib.zipmoe_cache_configure(0, 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
     store = Store(zipmoe_model, ct)
@@ -307,7 +307,7 @@ def test_concurrent_invocations_on_one_store_each_complete(zipmoe_model, tiny_mo
 
     With an unbounded budget: under a budget, one graph's eviction could take experts that the other's
     matmul still has to read (two graphs computing on one model at once is not supported with a budget)."""
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     ct = zf.compressed[2]
     store = Store(zipmoe_model, ct)
     ref = source_experts(tiny_model, ct)
@@ -329,11 +329,11 @@ def test_concurrent_invocations_on_one_store_each_complete(zipmoe_model, tiny_mo
             np.testing.assert_array_equal(store.decoded(e), ref[e])
 
 
-def damaged_copy(zipmoe_model: Path, tmp_path: Path, expert: int) -> tuple[Path, format.ZipmoeFile]:
+def damaged_copy(zipmoe_model: Path, tmp_path: Path, expert: int) -> tuple[Path, zreader.ZipmoeFile]:
     """A copy of the model with one bit flipped inside `expert`'s sign+mantissa plane of the first tensor."""
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(zipmoe_model.read_bytes())
-    zf = format.open_zipmoe(bad)
+    zf = zreader.open_zipmoe(bad)
     with open(bad, "r+b") as f:
         pos = zf.compressed[0].region_file_offset(expert) + 3
         f.seek(pos)
@@ -382,7 +382,7 @@ def test_a_late_sibling_of_a_failed_invocation_fails_too_and_plans_nothing(zipmo
 
 
 def test_out_of_range_expert_ids_are_an_error_not_a_write(zipmoe_model):
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     store = Store(zipmoe_model, zf.compressed[0])
     store.materialize(np.array([[0, 999]]), 2)
     assert lib.zipmoe_store_take_error(store.handle, ffi.NULL, 0) == lib.ZIPMOE_ERR_ARG
@@ -391,7 +391,7 @@ def test_out_of_range_expert_ids_are_an_error_not_a_write(zipmoe_model):
 def test_a_guess_names_experts_of_the_store(zipmoe_model):
     """zipmoe_store_predict (the engine's guess at a store's next routing) refuses ids outside the store; a guess
     changes nothing of what an invocation decodes."""
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     store = Store(zipmoe_model, zf.compressed[0])
     n_expert = zf.compressed[0].source.dims[2]
     assert lib.zipmoe_store_predict(store.handle, ffi.new("int32_t[]", [0, n_expert]), 2) == lib.ZIPMOE_ERR_ARG
@@ -406,7 +406,7 @@ def test_guessed_experts_are_read_ahead_and_decode_bit_exact(zipmoe_model, tiny_
     """A store of layer 1 given a guess (zipmoe_store_predict) has the reader read the guessed experts ahead once
     the store invoked before it (layer 0's, which learned the order) is done with its reads; a right guess is
     decoded from those bytes, a wrong one is dropped and the store reads what it routed. Values exact either way."""
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     first = next(c for c in zf.compressed if c.name.startswith("blk.0."))
     second = next(c for c in zf.compressed if c.name.startswith("blk.1.") and c.name[6:] == first.name[6:])
     stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
@@ -433,7 +433,7 @@ def test_a_prompts_read_ahead_takes_back_a_buffer_left_to_a_store_not_invoked(zi
     """A prompt's read-ahead (larger than ZIPMOE_READ_BUFFER) waits for a buffer held by a store whose invocation is
     in flight, but takes back one left to a store that was read ahead for and then not invoked (the graph went
     elsewhere): else it would wait for that store forever and read nothing ahead."""
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
     layer = [[k for k, ct in enumerate(zf.compressed) if ct.name.startswith(f"blk.{n}.")] for n in (0, 1)]
     a, b, c = stores[layer[0][0]], stores[layer[1][0]], stores[layer[1][1]]
@@ -463,7 +463,7 @@ def test_a_prompts_read_ahead_takes_back_a_buffer_left_to_a_store_not_invoked(zi
 def test_the_read_buffers_report_what_a_prompt_grew_them_by(zipmoe_model, stats):
     """staging_transient_bytes: what the read buffers hold beyond what each keeps between uses (a prompt's reads),
     which the memory monitor counts as held; gone once the reads fit what a buffer keeps again."""
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
     ct, store = zf.compressed[0], stores[0]
     lib.zipmoe_cache_configure(budget_for(zf, ct, 1)[0], 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
@@ -491,7 +491,7 @@ def test_a_prompt_s_reads_beyond_the_read_room_go_through_a_ring(zipmoe_model, t
     """zipmoe_cache_set_read_room: a prompt that reads more than the room lets a buffer hold is staged through a
     ring (the reader waits for decoded experts' bytes to be free) and reads the next store ahead only as far as the
     room goes: the same experts, the buffers no larger than what they keep. Without the room they grow."""
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     layer = [k for k, ct in enumerate(zf.compressed) if ct.name.startswith("blk.0.")]
     stores = [Store(zipmoe_model, zf.compressed[k]) for k in layer[:2]]  # the first reads the second ahead
     refs = [source_experts(tiny_model, zf.compressed[k]) for k in layer[:2]]
@@ -555,7 +555,7 @@ def test_a_budget_split_by_shares_leaves_a_prompt_s_reads_room_and_generation_al
     allowance for the tensor in flight share the rest with the largest tensor's experts, and generation's hot
     budget holds all of it; with an sm tier, no generation budget; with compressed tiers, the room holds what the
     warm tier does not keep whole and the sm tier's codes, with or without a hot tier; bad shares are refused."""
-    from pyzipmoe.controller import store_sizes
+    from pyzipmoe.runtime.controller import store_sizes
 
     sizes = store_sizes(zipmoe_model)
     cold = 1 - tiers / sum(b for b, _, _ in sizes)  # of every store's experts, with the tiers all hot
@@ -600,7 +600,7 @@ def test_a_budget_split_by_shares_leaves_a_prompt_s_reads_room_and_generation_al
 
 
 def test_bind_refuses_a_data_companion_outside_the_file(zipmoe_model, tmp_path):
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     ct = zf.compressed[-1]
     short = tmp_path / "short.gguf"
     short.write_bytes(zipmoe_model.read_bytes()[: ct.data.file_offset + 10])
@@ -617,12 +617,12 @@ def test_bind_refuses_a_data_companion_outside_the_file(zipmoe_model, tmp_path):
         os.close(fd)
 
 
-def expert_bytes(ct: format.CompressedTensor) -> int:
+def expert_bytes(ct: zreader.CompressedTensor) -> int:
     ne0, ne1, _ = ct.source.dims
     return ne0 * ne1 * 2
 
 
-def budget_for(zf: format.ZipmoeFile, ct: format.CompressedTensor, n_hot: int, n_warm_bytes: int = 0) -> tuple[int, int]:
+def budget_for(zf: zreader.ZipmoeFile, ct: zreader.CompressedTensor, n_hot: int, n_warm_bytes: int = 0) -> tuple[int, int]:
     """Process budgets that give store `ct` room for n_hot decoded experts (budgets are shared by BF16 size)."""
     total = sum(expert_bytes(c) * c.source.dims[2] for c in zf.compressed)
     share = expert_bytes(ct) * ct.source.dims[2] / total
@@ -632,7 +632,7 @@ def budget_for(zf: format.ZipmoeFile, ct: format.CompressedTensor, n_hot: int, n
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("warm_experts", [0, 3])
 def test_every_tier_and_transition_stays_bit_exact_under_a_tiny_budget(zipmoe_model, tiny_model, stats, policy, warm_experts):
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     stores = [Store(zipmoe_model, ct) for ct in zf.compressed]  # all of the model's stores share the budget
     ct = zf.compressed[0]
     store = stores[0]
@@ -661,7 +661,7 @@ def test_every_tier_and_transition_stays_bit_exact_under_a_tiny_budget(zipmoe_mo
 
 
 def test_lru_keeps_the_recent_and_lfu_the_frequent(zipmoe_model, stats):
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
     ct, store = zf.compressed[0], stores[0]
     for policy, expect_hot in (("lru", 1), ("lfu", 0)):
@@ -679,7 +679,7 @@ def test_a_miss_takes_the_place_of_the_expert_it_evicts(zipmoe_model, tiny_model
     """Under a budget a miss is decoded where the expert evicted for it lay, its pages still mapped (no slot moves),
     and the op's `where` sends the matmul there. Not with an sm tier, whose contests must see the eviction after
     the decode: there the miss takes a free place, its own index if free."""
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
     ct, store = zf.compressed[0], stores[0]
     ref = source_experts(tiny_model, ct)
@@ -710,7 +710,7 @@ def test_generation_keeps_the_allowance_decoded_and_a_batch_takes_it_back_first(
     rules' as extra hot slots). A graph that may route more (a prompt's batch) gets the smaller hot tier back
     before its first store decodes beyond its share, so it peaks where it always did. Not with an sm tier, whose
     misses do not evict first."""
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
     size, n_expert = expert_bytes(zf.compressed[0]), zf.compressed[0].source.dims[2]
     assert all(expert_bytes(ct) == size and ct.source.dims[2] == n_expert for ct in zf.compressed)
@@ -763,7 +763,7 @@ def test_a_shrink_in_generation_keeps_no_evicted_pages_beside_the_full_tier(zipm
     """In generation (token mode) a miss takes its victim's place, so the pages of experts a shrink evicts are not
     kept for the next decodes (zipmoe_cache_set_reserve's pool): generation's hot tier holds that room already, and
     kept pages came on top of it (by up to the whole reserve) until the next prompt."""
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
     size, n_expert = expert_bytes(zf.compressed[0]), zf.compressed[0].source.dims[2]
     refs = [source_experts(tiny_model, ct) for ct in zf.compressed]
@@ -801,7 +801,7 @@ def test_generation_without_a_hot_tier_lends_the_allowance_to_the_warm_tier(zipm
     in flight (zipmoe_cache_set_reserve), a token only its few misses: in generation the reserve keeps their pages
     and the warm tier grows by the rest (zipmoe_cache_begin_graph), and a larger graph takes it back before any
     store decodes. The values stay the source's throughout."""
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
     size, n_expert = expert_bytes(zf.compressed[0]), zf.compressed[0].source.dims[2]
     refs = [source_experts(tiny_model, ct) for ct in zf.compressed]
@@ -849,7 +849,7 @@ def test_warm_shares_carry_what_a_store_cannot_use_to_the_next(zipmoe_model, tin
     the hot tier's slots do: a budget a quarter of a region a store short of every region leaves out about a
     quarter as many regions as there are stores (and what regions larger than the mean take), not one a store
     (7.0 of the 6 stores' regions before the shares carried, 3.3 after)."""
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
     refs = [source_experts(tiny_model, ct) for ct in zf.compressed]
     n_expert = zf.compressed[0].source.dims[2]
@@ -870,7 +870,7 @@ def test_a_plan_evicts_what_the_store_before_it_decoded_beyond_its_limits(zipmoe
     """The engine runs each op's matmul before the next expert tensor's op, so a store's plan evicts what the other
     stores' last invocations decoded beyond their limits, those of its own layer too: one tensor in flight. With
     store turns off (a graph that breaks that order), only the stores of other layers."""
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
     first, second = [k for k, ct in enumerate(zf.compressed) if ct.name.startswith("blk.0.")][:2]
     lib.zipmoe_cache_configure(budget_for(zf, zf.compressed[first], 1)[0], 0, 0, lib.ZIPMOE_POLICY_LRU)
@@ -886,7 +886,7 @@ def test_a_plan_evicts_what_the_store_before_it_decoded_beyond_its_limits(zipmoe
 
 
 def test_activation_counts_are_tokens_routed(zipmoe_model):
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     store = Store(zipmoe_model, zf.compressed[0])
     store.materialize(np.array([[1, 2], [1, 3], [1, 2]]), 2)
     counts = np.zeros(zf.compressed[0].source.dims[2], np.uint64)
@@ -905,7 +905,7 @@ def routing_log(prefix: str, n_expert: int, max_tokens: int = 1024) -> list[list
 def test_routing_log_keeps_generated_tokens_oldest_first(zipmoe_model):
     """The planner's recency model reads the order in which invocations routed: generated tokens on the slow path
     and on the lock-free fast path (all routed experts decoded), a prompt's batch as one entry; 512 at most."""
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     ct = zf.compressed[0]
     n_expert = ct.source.dims[2]
     store = Store(zipmoe_model, ct)
@@ -930,9 +930,9 @@ def test_the_planners_recency_model_predicts_the_runtimes_hits(zipmoe_model, sta
     were used since it was, under token-weighted LFU when fewer than `hot` rank above it by uses (then sm, or warm
     then sm without a hot tier). The runtime must agree token by token, ties and all (with fewer hot slots than
     routed experts, too: another layer's invocation trims this one's between tokens, as in a model)."""
-    from pyzipmoe import planner
+    from pyzipmoe.plan import routing as plan_routing
 
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     ct = zf.compressed[0]
     other = next(c for c in zf.compressed if c.name.split(".")[1] != ct.name.split(".")[1])
     n_expert = ct.source.dims[2]
@@ -958,7 +958,7 @@ def test_the_planners_recency_model_predicts_the_runtimes_hits(zipmoe_model, sta
             last = ids
         assert [[e for e in range(n_expert) if routing[t, e]] for t in range(len(routing))] == \
             routing_log(ct.name, n_expert)
-        design = planner.recency_design(routing, 2, history=0, policy=policy)
+        design = plan_routing.recency_design(routing, 2, history=0, policy=policy)
         assert design.tier_counts(*slots).tolist() == hits
     finally:
         lib.zipmoe_cache_set_slots(ffi.NULL, 0, 0, 0)
@@ -967,7 +967,7 @@ def test_the_planners_recency_model_predicts_the_runtimes_hits(zipmoe_model, sta
 def test_reading_activations_while_layers_plan_does_not_deadlock(zipmoe_model):
     """A plan trims the other layers' stores, taking the store list's lock under its own; the controller reads
     activation counts taking the list's lock, then each store's. Found as a hang of a planner run."""
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     layers = {}
     for ct in zf.compressed:
         layers.setdefault(ct.name.split(".")[1], ct)
@@ -1006,7 +1006,7 @@ def test_reading_activations_while_layers_plan_does_not_deadlock(zipmoe_model):
 def test_a_late_sibling_neither_decodes_nor_counts_again(zipmoe_model, stats, hot):
     """ggml may run one thread of an invocation after its siblings finished it (a descheduled thread): that thread
     must find the experts decoded, not decode them again (ZIPMOE_CACHE=none would) nor count their use twice."""
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     lib.zipmoe_cache_configure(UNBOUNDED if hot == "unbounded" else 0, 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
     store = Store(zipmoe_model, zf.compressed[0])
     ids = np.ascontiguousarray([[1, 2]], np.int32)
@@ -1036,7 +1036,7 @@ def prefill(stores: list[Store], threads: int = 2) -> dict[str, int]:
 def test_prefill_fills_the_tiers_exactly_and_counts_no_routing(zipmoe_model, tiny_model, stats, threads):
     """At load the tiers are filled as generation would fill them (the last batch decoded, the earlier ones in
     the compressed tiers), bit-exact, with none of it counted as the model's routing."""
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
     ct, store = zf.compressed[0], stores[0]
     n_expert = ct.source.dims[2]
@@ -1073,7 +1073,7 @@ def test_the_prefill_teaches_no_order_to_the_first_prompts_read_ahead(zipmoe_mod
     layer by layer in its own order; had it taught that order, a model's first prompt would read ahead for stores
     that come later or came already, and read their experts again for themselves (1.8 GB read for 1.1 GB
     decoded on the 2.8g model). The first prompt reads each decoded expert's region once, and nothing ahead."""
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
     n_expert = zf.compressed[0].source.dims[2]
     lib.zipmoe_cache_configure(budget_for(zf, zf.compressed[0], 1)[0], 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
@@ -1093,7 +1093,7 @@ def test_the_prefill_teaches_no_order_to_the_first_prompts_read_ahead(zipmoe_mod
 
 
 def test_prefill_without_a_budget_decodes_every_expert(zipmoe_model, tiny_model, stats):
-    zf = format.open_zipmoe(zipmoe_model)
+    zf = zreader.open_zipmoe(zipmoe_model)
     stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
     assert prefill(stores)["experts"] == sum(ct.source.dims[2] for ct in zf.compressed)
     for ct, store in zip(zf.compressed, stores):

@@ -23,10 +23,17 @@ from typing import Any
 import pytest
 
 import pyzipmoe
-from pyzipmoe import store as S
+from pyzipmoe.models import blobs as models_blobs
+from pyzipmoe.models import directory as S
+from pyzipmoe.models import manifest as models_manifest
+from pyzipmoe.models import name as models_name
+from pyzipmoe.models import package as models_package
 from pyzipmoe.errors import ZipmoeError
-from pyzipmoe.modelfile import Message
-from pyzipmoe.store import BlobError, ModelName, ModelNotFoundError, Store, StoreError
+from pyzipmoe.models.modelfile import Message
+from pyzipmoe.models.blobs import BlobError
+from pyzipmoe.models.directory import ModelDirectory as Store
+from pyzipmoe.models.name import ModelName, ModelNotFoundError
+from pyzipmoe.models.name import ModelsError as StoreError
 
 REPO = Path(pyzipmoe.__file__).resolve().parent.parent
 TIMEOUT = 120  # seconds for any child process
@@ -69,7 +76,7 @@ def zipmoe(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) 
     """Runs the zipmoe command in-process: (exit status, stdout, stderr). Until cli.py registers the store
     commands itself, they are registered here."""
     from pyzipmoe import cli
-    from pyzipmoe.cli_models import register
+    from pyzipmoe.cli.models import register
 
     if "create" not in subparsers(cli.build_parser()).choices:
         original = cli.build_parser
@@ -124,7 +131,7 @@ def test_model_names(text: str, full: str, display: str) -> None:
 @pytest.mark.parametrize("text", ["", "a/b/c/d", "/abs/m", "m:", ":tag", "-m", "m:.x", "a b", "m@sha256:abc",
                                   "x" * 81, "../m", "m/../x", "ns//m", "m:t:u"])
 def test_bad_model_names(text: str) -> None:
-    with pytest.raises(S.InvalidNameError) as e:
+    with pytest.raises(models_name.InvalidNameError) as e:
         ModelName.parse(text)
     assert e.value.exit_code == 2 and "invalid model name" in str(e.value)
 
@@ -197,9 +204,9 @@ def test_layout_is_ollamas_with_zipmoe_media_types(store: Store, tiny_model: Pat
     manifest = json.loads(path.read_bytes())
     assert manifest["schemaVersion"] == 2
     assert manifest["mediaType"] == "application/vnd.docker.distribution.manifest.v2+json"
-    assert manifest["config"]["mediaType"] == S.MEDIA_CONFIG
+    assert manifest["config"]["mediaType"] == models_manifest.MEDIA_CONFIG
     types = [x["mediaType"] for x in manifest["layers"]]
-    assert types == [S.MEDIA_MODEL, S.MEDIA_TEMPLATE, S.MEDIA_SYSTEM, S.MEDIA_LICENSE, S.MEDIA_MESSAGES, S.MEDIA_PARAMS]
+    assert types == [models_manifest.MEDIA_MODEL, models_manifest.MEDIA_TEMPLATE, models_manifest.MEDIA_SYSTEM, models_manifest.MEDIA_LICENSE, models_manifest.MEDIA_MESSAGES, models_manifest.MEDIA_PARAMS]
     for layer in [manifest["config"], *manifest["layers"]]:
         assert not layer["mediaType"].startswith("application/vnd.ollama.image.")
         blob = store.root / "blobs" / layer["digest"].replace(":", "-")
@@ -216,7 +223,7 @@ def test_second_create_stores_no_new_model_blob(store: Store, tiny_model: Path, 
     first = store.create("a", f"FROM {tiny_model}\nSYSTEM one\n", base_dir=tmp_path, threads=2)
     assert first.converted and not first.model_reused and first.new_blobs == 3  # model, config, system
     before = blob_files(store)
-    from pyzipmoe import convert
+    from pyzipmoe.file import convert
 
     def no_conversion(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the source was converted again")
@@ -444,7 +451,7 @@ def test_an_ollama_manifest_is_refused(store: Store) -> None:
 def test_a_failing_create_leaves_the_store_consistent(store: Store, tiny_model: Path, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     store.create("keep", f"FROM {tiny_model}\nSYSTEM keep\n", base_dir=tmp_path)
-    real = S._atomic_file
+    real = models_blobs._atomic_file
 
     def failing(dst: Path) -> Any:
         if "manifests" in dst.parts:  # after the blobs are in place, before the manifest
@@ -465,7 +472,8 @@ def test_a_failing_create_leaves_the_store_consistent(store: Store, tiny_model: 
 
 KILLED_CREATE = r"""
 import pathlib, sys, time
-from pyzipmoe import convert, store as S
+from pyzipmoe.file import convert
+from pyzipmoe.models import directory as S
 root, src, stage, ready = sys.argv[1:5]
 
 def hold():
@@ -485,7 +493,7 @@ else:
             hold()
         return real_atomic(dst)
     S._atomic_file = committing
-S.Store(root).create("victim", f"FROM {src}\nSYSTEM victim\n", threads=2)
+S.ModelDirectory(root).create("victim", f"FROM {src}\nSYSTEM victim\n", threads=2)
 """
 
 
@@ -521,11 +529,11 @@ def test_a_killed_create_leaves_the_store_consistent(stage: str, store: Store, t
 
 CONCURRENT_CREATE = r"""
 import pathlib, sys, time
-from pyzipmoe import store as S
+from pyzipmoe.models import directory as S
 root, src, name, codec, go = sys.argv[1:6]
 while not pathlib.Path(go).exists():
     time.sleep(0.005)
-report = S.Store(root).create(name, f"FROM {src}\nSYSTEM {name}\n", codec=codec, threads=1)
+report = S.ModelDirectory(root).create(name, f"FROM {src}\nSYSTEM {name}\n", codec=codec, threads=1)
 print(report.model_digest)
 """
 
@@ -624,12 +632,12 @@ def test_package_arguments_for_llama_and_programs(store: Store, tiny_model: Path
 def test_chat_messages_put_system_and_history_first() -> None:
     history = (Message("user", "hi"), Message("assistant", "hello"))
     user = [{"role": "user", "content": "and you?"}]
-    assert S.chat_messages("sys", history, user) == [
+    assert models_package.chat_messages("sys", history, user) == [
         {"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "hello"}, *user]
     own = [{"role": "system", "content": "mine"}, *user]
-    assert S.chat_messages("sys", (), own) == own  # the caller's own system prompt wins
-    assert S.chat_messages(None, (), user) == user
+    assert models_package.chat_messages("sys", (), own) == own  # the caller's own system prompt wins
+    assert models_package.chat_messages(None, (), user) == user
 
 
 class FakeLlama:
@@ -689,8 +697,8 @@ import json, sys
 import numpy as np
 import pyzipmoe  # points llama_cpp at zipmoe's libllama
 import llama_cpp
-from pyzipmoe.llama import last_logits
-from pyzipmoe.store import llama_from_store
+from pyzipmoe.runtime.llama import last_logits
+from pyzipmoe.models.directory import llama_from_store
 
 job = json.loads(sys.argv[1])
 llm = llama_from_store(job["name"], zipmoe_models=job["root"], verbose=False, n_threads=1)

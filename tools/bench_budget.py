@@ -115,7 +115,7 @@ def say(text: str) -> None:
 
 
 def parse_size(text: str) -> int:
-    from pyzipmoe.budget import parse_budget
+    from pyzipmoe.runtime.budget import parse_budget
 
     if text.strip().endswith("%") or text.strip().lower() == "auto":
         raise BenchError(f"{text!r}: give a size (e.g. 256MiB)")
@@ -390,7 +390,7 @@ def run_limited(argv: list[str], env: dict[str, str], parent: Path, limit: int |
 
 def default_bench_codec() -> str:
     """esc where this CPU runs its SIMD decoder, else huff (the converter's default)."""
-    from pyzipmoe import codec
+    from pyzipmoe.file import codec
 
     return "esc" if codec.esc_simd_level() > 0 else "huff"
 
@@ -508,8 +508,8 @@ def tg_argv(program: Path, model: str, gen: int, prompt: str, threads: int | Non
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from pyzipmoe import runner
-    from pyzipmoe.budget import RUNTIME_ENV
+    from pyzipmoe.runtime import runner
+    from pyzipmoe.runtime.config import RUNTIME_ENV
 
     parent = check_environment(args.cgroup_parent)
     mount = memory_mount()

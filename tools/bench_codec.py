@@ -64,7 +64,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pyzipmoe import codec, weights
+from pyzipmoe.file import codec, weights
 from pyzipmoe._native import ffi, lib
 
 INDEX_HEADER_ELEMS = 48  # docs/FORMAT.md: index = 48 + 2E + 2EC + 1 int64 elements
@@ -629,7 +629,7 @@ def main(argv=None) -> int:
         pyzstd_version = zstandard.ZSTD_VERSION
         pyzstd_version = ".".join(map(str, pyzstd_version)) if isinstance(pyzstd_version, tuple) else str(pyzstd_version)
     except ImportError:
-        pyzstd_version = "not installed (pip install zstandard)"
+        pyzstd_version = "not installed (pip install 'pyzipmoe[bench]', or pip install zstandard)"
     results = {
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "threads": args.threads, "chunk_size": args.chunk_size, "order": args.order, "simd_level": codec.simd_level(),

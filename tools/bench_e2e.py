@@ -75,7 +75,8 @@ def ensure_models(workdir: Path, preset: str, arch: str, threads: int, regenerat
                   say: Any) -> tuple[Path, Path]:
     """The BF16 GGUF and its zipmoe GGUF in workdir, made again only when the code that writes them (or the
     preset) changed since they were made, or when asked to."""
-    from pyzipmoe import convert, synth
+    from pyzipmoe.file import convert
+    from pyzipmoe import synth
 
     workdir.mkdir(parents=True, exist_ok=True)
     bf16 = workdir / f"{preset}-{arch}.gguf"
@@ -117,7 +118,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     """Runs in a child process: load the model, then one kind of measurement."""
     import numpy as np
 
-    from pyzipmoe.llama import Llama, zipmoe_stats
+    from pyzipmoe.runtime.llama import Llama, zipmoe_stats
 
     t0 = time.perf_counter()
     llm = Llama(job["model"], n_ctx=job["prompt"] + job["gen"] + 8, n_batch=job["prompt"], n_ubatch=job["prompt"],
@@ -152,7 +153,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
 
     total, bf16_bytes = None, 0
     if llm.is_zipmoe:
-        from pyzipmoe.format import open_zipmoe
+        from pyzipmoe.file.reader import open_zipmoe
 
         infos = [c.expert.info for c in open_zipmoe(job["model"]).compressed]
         total = sum(i.n_expert for i in infos)
@@ -202,7 +203,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def measure(job: dict[str, Any], cold: bool) -> dict[str, Any]:
-    from pyzipmoe.budget import RUNTIME_ENV
+    from pyzipmoe.runtime.config import RUNTIME_ENV
 
     dropped = drop_page_cache() if cold else "warm"
     env = {k: v for k, v in os.environ.items() if k not in RUNTIME_ENV}  # an unbounded cache, always

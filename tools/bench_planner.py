@@ -7,7 +7,7 @@ tokens, a plan from the order in which those tokens routed (the recency model), 
 monitor re-plans every 64 tokens; here once, and then it stops so that nothing changes while timing); (b) each fixed
 split of the cache between the hot, warm and sm tiers in steps of --step (the same slots in every layer, the
 default policy), after as many tokens as the planner's run (--warmup * 3/2). --gen tokens are timed in steady
-state (greedy, one token at a time, a fresh process per run, pyzipmoe.timing). The runtime enforces the budget itself; no cgroup is needed (tools/bench_budget.py measures
+state (greedy, one token at a time, a fresh process per run, pyzipmoe.runtime.timing). The runtime enforces the budget itself; no cgroup is needed (tools/bench_budget.py measures
 under cgroup limits).
 
 Predictions come from this machine's calibration (`zipmoe calibrate`: tier costs and the base time per token
@@ -41,7 +41,7 @@ DEFAULT_MODEL = REPO / "build" / "bench-budget" / "2.8g-uniform.zipmoe.gguf"
 
 def measure(model: Path, llama: dict[str, Any], args: argparse.Namespace, **kwargs: Any) -> dict[str, Any]:
     """The median of --repeat timed runs (by tokens/s), or {"error": ...}."""
-    from pyzipmoe.timing import TimingError, time_generation
+    from pyzipmoe.runtime.timing import TimingError, time_generation
 
     # every row times the same tokens: the planner's run re-plans after --warmup tokens and settles for half as
     # many more (time_generation's replan); a fixed split generates as many before timing. (Timing the fixed
@@ -87,8 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write every run here")
     args = p.parse_args(argv)
 
-    from pyzipmoe import calibrate, controller, planner
-    from pyzipmoe.format import open_zipmoe
+    from pyzipmoe.plan import measure as calibrate
+    from pyzipmoe.plan import inputs
+    from pyzipmoe.plan import solver as planner
+    from pyzipmoe.runtime import controller
+    from pyzipmoe.file.reader import open_zipmoe
 
     model = args.model
     bf16 = args.bf16_bytes or open_zipmoe(model).meta.source_size
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     if "error" in probe:
         print(f"the unconstrained run failed: {probe['error']}", file=sys.stderr)
         return 1
-    geometry = planner.geometry_from_gguf(model)
+    geometry = inputs.geometry_from_gguf(model)
     routing = {}
     for block, log in probe["routing"].items():
         routing[int(block)] = np.zeros((len(log), geometry.n_expert), bool)

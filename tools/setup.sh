@@ -39,7 +39,7 @@ fi
 # --- Python package; the venv sees system packages so that nothing installed twice is downloaded twice
 step "installing the Python package into .venv"
 [ -x .venv/bin/python ] || python3 -m venv --system-site-packages .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,bench]'
 
 # --- native library and llama.cpp with zipmoe: libraries and programs in build/bin
 step "building libggml-zipmoe and llama.cpp with zipmoe into build/bin (first time: ~20 min on 2 cores)"

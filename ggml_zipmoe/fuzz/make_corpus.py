@@ -16,8 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pyzipmoe import convert, synth
-from pyzipmoe.format import INDEX_HEADER, open_zipmoe
+from pyzipmoe.file import convert
+from pyzipmoe import synth
+from pyzipmoe.file.metadata import INDEX_HEADER
+from pyzipmoe.file.reader import open_zipmoe
 
 CHUNKS_PER_TENSOR = 6
 

@@ -1,24 +1,25 @@
 """`zipmoe plan`: the slots per tier of every MoE layer for a memory budget, and the speed they should give.
 
-cli.py calls `register(subparsers)`; `main(argv)` runs the command alone (`python -m pyzipmoe.cli_plan plan ...`)
-with the zipmoe command's error handling. The planner itself is pyzipmoe/planner.py.
+The zipmoe command (pyzipmoe.cli) calls `register(subparsers)`. The planner itself is pyzipmoe/plan/.
 
-The option is `--memory-budget` but its attribute is `plan_budget`: cli.main turns an attribute `memory_budget`
-into the runtime's environment, which planning must not do.
+The option is `--memory-budget` but its attribute is `plan_budget`: the run commands (pyzipmoe.cli.programs) turn
+an attribute `memory_budget` into the runtime's environment, which planning must not do.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from . import planner
+from ..plan import inputs
+from ..plan import solver as planner
+from ..runtime.config import PLAN_ENV
+from .formatting import human_size, para
 
-__all__ = ["main", "register"]
+__all__ = ["register"]
 
 DESCRIPTION = (
     "Plan how many experts of each MoE layer of MODEL to keep hot (decoded), warm (compressed in RAM) or sm (sign and "
@@ -53,22 +54,22 @@ exit status: 0 success; 1 a model, trace or costs file that cannot be used, or n
 # ------------------------------------------------------------------------------------------ inputs
 
 
-def _costs(args: argparse.Namespace, model_path: str, geometry: planner.ModelGeometry) -> tuple[planner.Costs, str]:
+def _costs(args: argparse.Namespace, model_path: str, geometry: inputs.ModelGeometry) -> tuple[inputs.Costs, str]:
     """The calibration (or defaults), overridden by --costs; and where they came from."""
-    from .controller import machine_costs
+    from ..runtime.controller import machine_costs
 
     costs, source = machine_costs(model_path, geometry)
     if args.costs is not None:
-        costs = planner.costs_from_file(args.costs, defaults=costs)
+        costs = inputs.costs_from_file(args.costs, defaults=costs)
         source = f"{args.costs} (missing keys: {source})"
     return costs, source
 
 
-def _counts(args: argparse.Namespace, geometry: planner.ModelGeometry) -> Any:
+def _counts(args: argparse.Namespace, geometry: inputs.ModelGeometry) -> Any:
     """The trace's activation counts; None (uniform) without one."""
     if args.trace is None:
         return None
-    return planner.counts_from_trace(args.trace, geometry.n_layer, geometry.n_expert)
+    return inputs.counts_from_trace(args.trace, geometry.n_layer, geometry.n_expert)
 
 
 def _frequencies(trace: str | None) -> str:
@@ -87,8 +88,6 @@ def _pct(fraction: float) -> str:
 
 
 def _mean_size(sizes: Sequence[int]) -> str:
-    from .cli import human_size
-
     return human_size(sum(sizes) / len(sizes))
 
 
@@ -100,10 +99,8 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
         for r in [header, *rows])
 
 
-def _report(model_path: str, geometry: planner.ModelGeometry, costs: planner.Costs, costs_source: str,
+def _report(model_path: str, geometry: inputs.ModelGeometry, costs: inputs.Costs, costs_source: str,
             trace: str | None, plan: planner.Plan) -> str:
-    from .cli import human_size
-
     g, c = geometry, costs
     lines = [
         (f"model:        {model_path}: {len(g.layers)} MoE layers of {g.n_expert} experts, {g.n_expert_used} "
@@ -120,16 +117,16 @@ def _report(model_path: str, geometry: planner.ModelGeometry, costs: planner.Cos
     rows = [(str(lp.layer), str(lp.hot), str(lp.warm), str(lp.sm), str(lp.cold), human_size(lp.nbytes),
              *map(_pct, lp.hit_rates), _ms(lp.delay)) for lp in plan.layers]
     rates = plan.hit_rates
-    rows.append(("all", *(str(sum(getattr(lp, t) for lp in plan.layers)) for t in planner.TIERS),
-                 human_size(plan.nbytes), *(_pct(rates[t]) for t in planner.TIERS), _ms(plan.delay)))
+    rows.append(("all", *(str(sum(getattr(lp, t) for lp in plan.layers)) for t in inputs.TIERS),
+                 human_size(plan.nbytes), *(_pct(rates[t]) for t in inputs.TIERS), _ms(plan.delay)))
     lines += [_table(header, rows), ""]
     all_hot = 1.0 / plan.base_seconds_per_token
     lines.append(f"predicted generation: {plan.tokens_per_second:.1f} tokens/s (all hot: {all_hot:.1f} tokens/s)")
-    lines.append(f"{planner.PLAN_ENV}={plan.encode()}")
+    lines.append(f"{PLAN_ENV}={plan.encode()}")
     return "\n".join(lines)
 
 
-def _to_json(model_path: str, geometry: planner.ModelGeometry, costs: planner.Costs, costs_source: str,
+def _to_json(model_path: str, geometry: inputs.ModelGeometry, costs: inputs.Costs, costs_source: str,
              trace: str | None, plan: planner.Plan) -> dict[str, Any]:
     g = geometry
     return {
@@ -146,16 +143,16 @@ def _to_json(model_path: str, geometry: planner.ModelGeometry, costs: planner.Co
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .budget import AUTO, check_budget, model_memory, parse_budget
-    from .store import resolve_model
+    from ..runtime.budget import AUTO, check_budget, model_memory, parse_budget
+    from ..models.directory import resolve_model
 
     if str(args.plan_budget).strip().lower() != AUTO:
         parse_budget(args.plan_budget)  # a usage error (exit 2) before any file is read
     path, _ = resolve_model(args.model)
     model_path = str(path)
-    geometry = planner.geometry_from_gguf(path)
+    geometry = inputs.geometry_from_gguf(path)
     need = model_memory(path)
-    budget = parse_budget(args.plan_budget, model_bytes=need.minimum + need.expert_bytes)
+    budget = parse_budget(args.plan_budget, model_bytes=need.whole)
     check_budget(budget, need)
     counts = _counts(args, geometry)
     costs, costs_source = _costs(args, model_path, geometry)
@@ -167,8 +164,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps({**_to_json(model_path, geometry, costs, costs_source, args.trace, plan), "memory": memory},
                          indent=2))
     else:
-        from .cli import human_size
-
         print(f"memory:       {human_size(budget)} in all = {human_size(need.other_bytes)} of weights that are not "
               f"experts{need.embd_note} + {human_size(need.in_flight_bytes)} for one expert tensor's experts in flight + "
               f"{human_size(plan.read_bytes)} for a prompt's reads + "
@@ -179,11 +174,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     """Adds `plan` to the `zipmoe` command's subparsers."""
-    from .cli import _para
-
     p = sub.add_parser("plan", formatter_class=argparse.RawDescriptionHelpFormatter,
                        help="plan the expert tiers of each layer for a memory budget",
-                       description=_para(DESCRIPTION), epilog=EPILOG)
+                       description=para(DESCRIPTION), epilog=EPILOG)
     p.add_argument("model", metavar="MODEL", help="a zipmoe GGUF, or the name of a stored model")
     p.add_argument("--memory-budget", dest="plan_budget", required=True, metavar="SIZE",
                    help="the model's whole budget: 6GiB, 512MiB, 1000000, a percentage of the memory (60%%) or "
@@ -196,13 +189,3 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=cmd_plan)
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`main(["plan", MODEL, "--memory-budget", SIZE])`: the `zipmoe` command, which registers plan."""
-    from .cli import main as zipmoe_main
-
-    return zipmoe_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

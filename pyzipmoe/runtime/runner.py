@@ -18,20 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from . import build_dir, openmp_environment
-from .budget import CACHE_ENV
-from .errors import NativeLibraryError, ZipmoeError
+from ..errors import NativeLibraryError, ZipmoeError
+from ..paths import bin_dir
+from .config import RuntimeConfig, openmp_environment
 
 PROGRAMS = ("llama-cli", "llama-completion", "llama-server", "llama-bench", "llama-simple")
-CACHE_MODES = ("unbounded", "none")
 
 
 class ProgramError(ZipmoeError):
     """A llama.cpp program failed; the message carries its last error line."""
-
-
-def bin_dir() -> Path:
-    return build_dir() / "bin"
 
 
 def program(name: str) -> Path:
@@ -46,18 +41,14 @@ def program(name: str) -> Path:
 def environment(cache: str | None = None, base: Mapping[str, str] | None = None, *,
                 memory_budget: str | None = None, policy: str | None = None) -> dict[str, str]:
     """The environment for a program: zipmoe's bin directory first on LD_LIBRARY_PATH, OpenMP's spinning
-    (pyzipmoe.OPENMP_SPIN, unless base sets it), ZIPMOE_CACHE, the memory budget and the cache policy if given."""
-    from .budget import cache_environment
-
+    (OPENMP_SPIN, unless base sets it), and the runtime's configuration: ZIPMOE_CACHE, the memory budget and the
+    cache policy if given."""
     env = dict(os.environ if base is None else base)
     openmp_environment(env)
-    env.update(cache_environment(memory_budget, policy))
+    config = RuntimeConfig(budget=memory_budget, policy=policy, cache=cache)
     parts = [str(bin_dir())] + [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
     env["LD_LIBRARY_PATH"] = os.pathsep.join(dict.fromkeys(parts))
-    if cache is not None:
-        if cache not in CACHE_MODES:
-            raise ZipmoeError(f"cache mode must be one of {', '.join(CACHE_MODES)}, not {cache!r}")
-        env[CACHE_ENV] = cache
+    env.update(config.to_env())
     return env
 
 
@@ -173,7 +164,7 @@ class Completion:
 
 
 def _context_length(model: Path) -> int | None:
-    from .format import read_gguf
+    from ..file.gguf import read_gguf
 
     try:
         g = read_gguf(model)

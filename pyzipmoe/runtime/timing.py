@@ -3,7 +3,7 @@ the runtime's counters over the timed tokens come back. What calibration's tier 
 measure with: the costs a planner needs are those the engine pays (threads, slots, reads, the matmuls' cache
 pressure), which microbenchmarks of the decoder do not show.
 
-    python -m pyzipmoe.timing '{"model": "m.zipmoe.gguf", "llama": {"memory_budget": "3GiB"}, "warmup": 16,
+    python -m pyzipmoe.runtime.timing '{"model": "m.zipmoe.gguf", "llama": {"memory_budget": "3GiB"}, "warmup": 16,
                                 "gen": 24, "threads": 2}'
 
 prints one JSON line: {"tps", "seconds", "stats", "predicted_live", "routing", "tokens"}.
@@ -17,10 +17,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-from .errors import ZipmoeError
+from ..errors import ZipmoeError
+from ..paths import REPO_ROOT, bin_dir
+from .config import RUNTIME_ENV
 
 PROMPT = b"Once upon a time, in a land far away"
 
@@ -44,14 +45,14 @@ def time_generation(model: str | os.PathLike[str], *, llama: Mapping[str, Any] |
 
     job = {"model": str(model), "llama": dict(llama or {}), "warmup": warmup, "gen": gen, "threads": threads,
            "replan": replan, "routing": routing}
-    base = {k: v for k, v in (os.environ if env is None else env).items() if not k.startswith("ZIPMOE_")}
+    # the runtime's defaults, except what `llama` asks for; where the build is (ZIPMOE_BUILD_DIR) is kept
+    base = {k: v for k, v in (os.environ if env is None else env).items() if k not in RUNTIME_ENV}
     run_env = runner.environment(base=base)
-    run_env["LLAMA_CPP_LIB_PATH"] = str(runner.bin_dir())
+    run_env["LLAMA_CPP_LIB_PATH"] = str(bin_dir())
     run_env.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's BLAS threads must not spin on the cores we time
-    root = Path(__file__).resolve().parent.parent
-    run_env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [run_env.get("PYTHONPATH")])])
+    run_env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [run_env.get("PYTHONPATH")])])
     try:
-        done = subprocess.run([sys.executable, "-m", "pyzipmoe.timing", json.dumps(job)], env=run_env,
+        done = subprocess.run([sys.executable, "-m", "pyzipmoe.runtime.timing", json.dumps(job)], env=run_env,
                               capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         raise TimingError(f"{model}: timing generation took more than {timeout:g} s") from None
@@ -80,7 +81,7 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
     routing = None
     if job["routing"]:
         from .controller import live_routing
-        from .planner import geometry_from_gguf
+        from ..plan.inputs import geometry_from_gguf
 
         routing = {int(b): [np.flatnonzero(row).tolist() for row in log]
                    for b, log in live_routing(geometry_from_gguf(job["model"])).items()}

@@ -31,12 +31,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from . import _point_llama_cpp_at_our_build, build_dir, llama_lib_dir
-from .budget import CACHE_ENV, PLAN_ENV, PREFILL_ENV
-from .errors import NativeLibraryError, UnsupportedError, ZipmoeError
-
-CACHE_MODES = ("unbounded", "none")
-ZIPMOE_LIB_NAME = "libggml-zipmoe.so"
+from ..errors import NativeLibraryError, UnsupportedError, ZipmoeError
+from ..paths import ZIPMOE_LIB_NAME, bin_dir, llama_lib_dir
+from .config import CACHE_MODES, PLAN_ENV, RuntimeConfig, split_shares, use_zipmoe_llama
 
 
 class ZipmoeLoadError(ZipmoeError, ValueError):
@@ -48,7 +45,7 @@ class ZipmoeDecodeError(ZipmoeError, RuntimeError):
 
 
 def _import_llama_cpp() -> Any:
-    _point_llama_cpp_at_our_build()
+    use_zipmoe_llama()
     try:
         import llama_cpp
     except ModuleNotFoundError as e:
@@ -59,7 +56,7 @@ def _import_llama_cpp() -> Any:
     except (FileNotFoundError, OSError, RuntimeError) as e:  # libllama missing or not loadable
         where = os.environ.get("LLAMA_CPP_LIB_PATH") or "llama_cpp/lib"
         raise NativeLibraryError(f"llama-cpp-python cannot load libllama from {where} ({e}); build zipmoe's "
-                                 f"llama.cpp with `bash tools/setup.sh` (it goes to {build_dir() / 'bin'}) or "
+                                 f"llama.cpp with `bash tools/setup.sh` (it goes to {bin_dir()}) or "
                                  "point LLAMA_CPP_LIB_PATH at it") from None
     return llama_cpp
 
@@ -195,7 +192,7 @@ def zipmoe_stats(reset: bool = False) -> dict[str, float]:
     decode_ns, materialize_calls, ...), plus decode_seconds. With reset=True the counters (not the experts
     kept) are zeroed after reading.
     """
-    from ._native import ffi, lib
+    from .._native import ffi, lib
 
     _check_one_runtime()
     s = ffi.new("zipmoe_stats *")
@@ -221,7 +218,7 @@ def last_logits(llm: Any) -> Any:
 
 
 def zipmoe_stats_reset() -> None:
-    from ._native import lib
+    from .._native import lib
 
     lib.zipmoe_stats_reset()
 
@@ -244,7 +241,7 @@ def _env(name: str, value: str) -> Iterator[None]:
 
 def is_zipmoe_file(path: str | os.PathLike[str]) -> bool | None:
     """True for a zipmoe GGUF, False for another GGUF, None if the header cannot be read (llama.cpp decides)."""
-    from .format import read_gguf
+    from ..file.gguf import read_gguf
 
     try:
         return read_gguf(path).is_zipmoe
@@ -254,7 +251,8 @@ def is_zipmoe_file(path: str | os.PathLike[str]) -> bool | None:
 
 def _header_problem(path: str) -> str | None:
     """What pyzipmoe's own reader finds wrong with a file, if anything."""
-    from .format import open_zipmoe, read_gguf
+    from ..file.reader import open_zipmoe
+    from ..file.gguf import read_gguf
 
     try:
         if read_gguf(path).is_zipmoe:
@@ -277,13 +275,13 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
     hot_share, sm_share: shares of the cache for decoded experts and sign+mantissa planes (default 0); the rest keeps
         whole compressed experts. The default hot share is the runtime's: 0 where nearly every expert fits
         compressed but not decoded and the model's escape code decodes with SIMD here, else 1.
-    planner: let the planner split the cache per layer (pyzipmoe/planner.py), from this machine's calibration
+    planner: let the planner split the cache per layer (pyzipmoe/plan/), from this machine's calibration
         (`zipmoe calibrate`) and the routing (`trace`, then the order in which the run's tokens routed). None
         (default): on under a budget without shares or a plan, once the model has a calibration measured through
         the engine; else the cache keeps decoded experts (docs/notes/tiered-cache.md).
     trace: activation counts for the planner (.npz with "counts" [prompts, layers, experts]); default uniform.
     plan: slots per tier per layer, as `zipmoe plan` prints them ("0:12,4,0;1:..."), instead of planning.
-    adapt: re-plan while running (pyzipmoe.controller.MemoryMonitor): when the memory available changes ("auto"
+    adapt: re-plan while running (pyzipmoe.runtime.controller.MemoryMonitor): when the memory available changes ("auto"
         grows up to the model's size, a fixed budget is a ceiling), and from the routing the run has seen. Default:
         on whenever the planner splits the budget.
     prefill: fill the cache at load, on every core, so that the first tokens find their experts decoded (as
@@ -307,7 +305,7 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
             raise UnsupportedError(
                 f"{model_path} is a zipmoe GGUF, but the libllama in use ({loaded_library()}) was not built with "
                 f"zipmoe; build it with `bash tools/setup.sh` and make sure LLAMA_CPP_LIB_PATH is unset or points "
-                f"at {build_dir() / 'bin'} before llama_cpp is first imported (import pyzipmoe first)")
+                f"at {bin_dir()} before llama_cpp is first imported (import pyzipmoe first)")
         from .controller import monitor_for, planner_by_default, runtime_environment
 
         if planner is None:
@@ -318,12 +316,11 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
         cache_env = runtime_environment(model_path, budget=memory_budget, policy=cache_policy, hot_share=hot_share,
                                         sm_share=sm_share, trace=trace, is_zipmoe=self.is_zipmoe, plan=plan,
                                         use_planner=planner, mapped=mapped)
-        if prefill is not None:
-            cache_env[PREFILL_ENV] = "1" if prefill else "0"
+        cache_env.update(RuntimeConfig(cache=zipmoe_cache, prefill=prefill).to_env())
         mark = _error_log.mark()
         try:
             with contextlib.ExitStack() as env:  # what is not given stays as the environment says
-                for name, value in {CACHE_ENV: zipmoe_cache, **cache_env}.items():
+                for name, value in cache_env.items():
                     env.enter_context(_env(name, value))
                 super().__init__(model_path, *args, **kwargs)
         except ValueError as e:
@@ -335,10 +332,8 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
             adapt = memory_budget is not None
         if adapt and self.is_zipmoe and memory_budget is not None and plan is None:
             use_planner = planner and hot_share is None and sm_share is None
-            sm = sm_share or 0.0
             # no shares given: the runtime's default hot share, for whatever budget the monitor sets (apply_shares)
-            hot = hot_share if hot_share is not None else (None if sm_share is None else 1.0 - sm)
-            split = None if use_planner else (hot, None if hot is None else max(0.0, 1.0 - hot - sm), sm)
+            split = None if use_planner else split_shares(hot_share, sm_share)
             self.zipmoe_monitor = monitor_for(model_path, memory_budget, trace=trace, split=split,
                                               policy=cache_policy, mapped=mapped)
             if PLAN_ENV in cache_env:  # the planner's first plan, from the trace
@@ -385,7 +380,7 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
         return after
 
     def zipmoe_stats(self, reset: bool = False) -> dict[str, float]:
-        """The runtime's counters (process-wide); see pyzipmoe.llama.zipmoe_stats."""
+        """The runtime's counters (process-wide); see pyzipmoe.runtime.llama.zipmoe_stats."""
         return zipmoe_stats(reset)
 
 
@@ -393,7 +388,7 @@ __all__ = ["CACHE_MODES", "Llama", "ZipmoeDecodeError", "ZipmoeLoadError", "is_z
            "loaded_library", "quiet_llama_log", "zipmoe_stats", "zipmoe_stats_reset"]
 
 
-if __name__ == "__main__":  # pragma: no cover - a quick look: python -m pyzipmoe.llama MODEL [PROMPT]
+if __name__ == "__main__":  # pragma: no cover - a quick look: python -m pyzipmoe.runtime.llama MODEL [PROMPT]
     llm = Llama(sys.argv[1], verbose=False)
     print(llm(sys.argv[2] if len(sys.argv) > 2 else "hello", max_tokens=16, temperature=0)["choices"][0]["text"])
     print(llm.zipmoe_stats())

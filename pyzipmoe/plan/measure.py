@@ -15,7 +15,7 @@ The planner needs a few numbers it cannot know from the file alone (`Calibration
   t_layer                wall seconds a layer adds per token whenever it reads from disk: the wait for its
                          first read, which no decoding overlaps (read_latency + one region / disk_bandwidth)
 
-Those are measured through the engine (`engine=True`, the default; pyzipmoe.timing): the model generates greedily
+Those are measured through the engine (`engine=True`, the default; pyzipmoe.runtime.timing): the model generates greedily
 in fresh processes, with every expert decoded (the base), with k hot slots per layer and the rest of the experts
 warm, sm or cold, and with half the experts hot and the rest cold; each run's time per token is the base plus
 the layers that decoded and the experts the runtime counted in each tier times their costs, which the six runs
@@ -32,37 +32,37 @@ from the page cache (posix_fadvise DONTNEED, after fdatasync so that freshly wri
 dropped) and without readahead (POSIX_FADV_RANDOM: each read fetches its region, as the runtime's reads of
 single experts do); pages another process keeps mapped stay cached, so a model that is being served reads warm.
 
-The cache is one JSON file per (model path, machine) under $XDG_CACHE_HOME/zipmoe/calibration (default
-~/.cache/...). It records the file's size, mtime_ns and inode and the machine's identity (CPU model, CPU count,
-memory); when any of them differs, the calibration is measured again.
+The results are kept per machine and model file (pyzipmoe.plan.calibration).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
 import os
-import platform
 import random
 import re
 import statistics
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .errors import FormatError, UnsupportedError, ZipmoeError
-from .memory import CGROUP_ROOT, PROC_SELF, cgroup_dirs
-from .progress import Progress, Silent
+from ..errors import FormatError, UnsupportedError
+from . import calibration
+from .calibration import (
+    Calibration,
+    CalibrationError,
+    cache_file,
+    load_calibration,
+    model_fingerprint,
+    save_calibration,
+    usable_cores,
+)
+from ..progress import Progress, Silent
 
-SCHEMA = 4  # of the cache files; another value is measured again (1: tier costs from the stores alone; 2: t_layer
-#             fitted; 3: engine runs that generated token 0 forever, see llama.last_logits)
 DEFAULT_READ_BYTES = 256 << 20  # a few hundred MiB: enough reads for a stable median, a few seconds on an SSD
 DEFAULT_MIN_SECONDS = 0.25  # of CPU time per timing: enough batches for a stable median
 _BATCH_SECONDS = 1e-3  # a timed batch lasts at least this: far above the clock's resolution and call overhead
@@ -70,193 +70,6 @@ _MAX_SAMPLES = 10_000
 LATENCY_PROBES = 64  # one-page reads that measure read_latency
 PAGE = 4096
 _LAYER = re.compile(r"blk\.(\d+)\.")
-
-
-class CalibrationError(ZipmoeError):
-    """The model cannot be calibrated: missing, or not a zipmoe file (exit status 1)."""
-
-    exit_code = 1
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """Costs measured on one machine for one model file; `as_costs_dict()` is what the planner takes."""
-
-    model: dict[str, Any]  # path (real), size, mtime_ns, inode: the file measured
-    machine: dict[str, Any]  # cpu, cpu_count, memory: the machine measured on
-    measured_at: float  # Unix time
-    seconds: float  # how long measuring took
-    codec: str  # the model's exponent codec
-    chunk_size: int  # values per chunk
-    layer: int  # the layer whose expert was decoded
-    expert_tensors: int  # expert tensors in that layer (gate, up, down: 3)
-    expert_values: int  # BF16 values of one expert over those tensors
-    expert_compressed_bytes: int  # their regions' bytes in the file
-    t_decode: float  # core-seconds the runtime spends to decode one expert of a layer from RAM (wall x cores)
-    t_decode_fresh: float  # the decoder alone into freshly mapped memory, one core (page faults included)
-    t_read_sm: float  # wall seconds per expert when the exponent codes come from disk (page cache dropped)
-    t_read_cold: float  # ... when the whole region comes from disk (read and decode overlapping)
-    decode_values_per_second: dict[str, float]  # per codec, one core, checksum + exponents + merge
-    merge_seconds_per_value: float  # exponent and sign+mantissa planes into BF16, one core
-    split_seconds_per_value: float  # the reverse
-    disk_bandwidth: float  # bytes/s, cold, one region per read, one read in flight, net of read_latency
-    read_latency: float  # seconds, median cold one-page read
-    read_size: int  # bytes, median region size read
-    reads: int
-    bytes_read: int
-    page_cache_dropped: bool  # False where posix_fadvise is missing: the reads may have been warm
-    cores: int  # usable now (re-read when loaded from the cache: a container's quota can change)
-    base_seconds_per_token: float | None = None  # measured through the engine, or given by the caller, or None
-    t_layer: float | None = None  # wall seconds a layer adds per token whenever it reads (engine only)
-    tier_source: str = "stores"  # "engine": tier costs and base from generating; "stores": the stores alone
-    from_cache: bool = field(default=False, compare=False)  # not stored
-
-    def as_costs_dict(self) -> dict[str, Any]:
-        """The planner's `Costs` fields."""
-        return {"cores": self.cores, "t_decode": self.t_decode, "disk_bandwidth": self.disk_bandwidth,
-                "read_latency": self.read_latency, "base_seconds_per_token": self.base_seconds_per_token,
-                "t_read_sm": self.t_read_sm, "t_read_cold": self.t_read_cold, "t_layer": self.t_layer}
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        del data["from_cache"]
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Calibration:
-        """ValueError, KeyError or TypeError when `data` is not a sane calibration (a damaged cache file)."""
-        names = {f.name for f in fields(cls)} - {"from_cache"}
-        cal = cls(**{k: data[k] for k in names if k in data})
-        positive = [cal.t_decode, cal.t_decode_fresh, cal.disk_bandwidth, cal.read_latency, cal.merge_seconds_per_value,
-                    cal.split_seconds_per_value, *cal.decode_values_per_second.values()]
-        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in positive):
-            raise ValueError("calibration numbers must be positive and finite")
-        return cal
-
-
-# ------------------------------------------------------------------------------------------ identity
-
-
-def model_fingerprint(model_path: str | os.PathLike[str]) -> dict[str, Any]:
-    """What changes when the file is replaced or rewritten (OSError if it cannot be stat'ed)."""
-    real = os.path.realpath(model_path)
-    st = os.stat(real)
-    return {"path": real, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
-
-
-def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """The CPU's name as /proc/cpuinfo gives it (x86: model name; Arm: Hardware or CPU part), else platform's."""
-    try:
-        text = cpuinfo.read_text(errors="replace")
-    except OSError:
-        text = ""
-    for key in ("model name", "Hardware", "cpu model", "CPU part"):
-        m = re.search(rf"^{key}\s*:\s*(.+)$", text, re.MULTILINE)
-        if m:
-            return m.group(1).strip()
-    return platform.processor() or platform.machine() or "unknown"
-
-
-def runtime_id() -> str:
-    """The runtime's build: size and mtime of the native library the process loads and of the libllama the
-    engine runs (the custom op and the budget's rules live there). The engine's costs change when either does."""
-    from ._native import library_candidates
-    from .runner import bin_dir
-
-    native = next((p for p in library_candidates() if p.is_file()), None)
-    parts = []
-    for path in (native, (bin_dir() / "libllama.so").resolve()):
-        if path is not None and path.is_file():
-            st = path.stat()
-            parts.append(f"{st.st_size}-{st.st_mtime_ns}")
-    return "+".join(parts) or "unknown"
-
-
-def machine_id() -> dict[str, Any]:
-    """What makes measurements of one machine (and one build of the runtime) invalid on another."""
-    import psutil
-
-    return {"cpu": cpu_model(), "cpu_count": os.cpu_count() or 1, "memory": int(psutil.virtual_memory().total),
-            "runtime": runtime_id()}
-
-
-def cgroup_cpu_quota(*, cgroup_root: Path = CGROUP_ROOT, proc_self: Path = PROC_SELF) -> float | None:
-    """CPUs' worth of time the cgroup hierarchy allows per period (v1 cfs quota/period, v2 cpu.max); None: no
-    quota. The tightest of the process's cgroup and its ancestors."""
-    version, dirs = cgroup_dirs("cpu", cgroup_root=cgroup_root, proc_self=proc_self)
-    quotas = []
-    for d in dirs:
-        try:
-            if version == 1:
-                quota, period = ((d / f).read_text().strip() for f in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
-            else:
-                quota, period = (d / "cpu.max").read_text().split()
-            if quota not in ("max", "-1") and int(period) > 0 and int(quota) > 0:
-                quotas.append(int(quota) / int(period))
-        except (OSError, ValueError):
-            continue  # missing or garbled: no quota there
-    return min(quotas) if quotas else None
-
-
-def usable_cores(*, cgroup_root: Path = CGROUP_ROOT, proc_self: Path = PROC_SELF) -> int:
-    """CPUs this process may run on (affinity), capped by its CPU quota rounded down; at least 1."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    quota = cgroup_cpu_quota(cgroup_root=cgroup_root, proc_self=proc_self)
-    if quota is not None:
-        cores = min(cores, int(quota))
-    return max(1, cores)
-
-
-# ------------------------------------------------------------------------------------------ cache
-
-
-def cache_dir() -> Path:
-    """$XDG_CACHE_HOME/zipmoe/calibration; ~/.cache/... when it is unset or relative (as the XDG spec says)."""
-    base = os.environ.get("XDG_CACHE_HOME", "")
-    root = Path(base) if os.path.isabs(base) else Path.home() / ".cache"
-    return root / "zipmoe" / "calibration"
-
-
-def cache_file(model_path: str | os.PathLike[str], machine: dict[str, Any] | None = None) -> Path:
-    """Where the calibration of this file on this machine is kept.
-
-    Named by the file's real path and the machine, so that a rewritten model replaces its stale entry instead of
-    adding one, and machines sharing a home directory keep one each; the file's size, mtime and inode are checked
-    against the entry's when it is loaded."""
-    key = json.dumps([os.path.realpath(model_path), machine if machine is not None else machine_id()],
-                     sort_keys=True)
-    return cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
-
-
-def load_calibration(model_path: str | os.PathLike[str]) -> Calibration | None:
-    """The cached calibration of this file as it is now, on this machine; None if there is none (or it is stale,
-    or damaged: a cache is never worth an error)."""
-    try:
-        fingerprint = model_fingerprint(model_path)
-    except OSError:
-        return None
-    machine = machine_id()
-    try:
-        data = json.loads(cache_file(model_path, machine).read_text())
-        if data.get("schema") != SCHEMA or data.get("model") != fingerprint or data.get("machine") != machine:
-            return None
-        cal = Calibration.from_dict(data)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-    return replace(cal, cores=usable_cores(), from_cache=True)
-
-
-def _save(cal: Calibration, path: Path) -> None:
-    """Atomically: a reader sees the old entry or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"schema": SCHEMA, **cal.to_dict()}, f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ------------------------------------------------------------------------------------------ measuring
@@ -296,8 +109,8 @@ def _pread(fd: int, size: int, offset: int, label: str) -> np.ndarray:
 
 def _reencoded(values: np.ndarray, info: Any, codec_name: str, name: str) -> tuple[Any, np.ndarray]:
     """One expert's values encoded with another codec, as a one-expert tensor: (ExpertTensor, region)."""
-    from . import codec
-    from .format import build_index
+    from ..file import codec
+    from ..file.metadata import build_index
 
     if codec_name == "huff":
         coder = codec.Codec("huff", lengths=codec.huff_lengths(codec.exponent_histogram(values)))
@@ -325,8 +138,8 @@ class DecodeCosts:
 def measure_decode(fd: int, tensors: Sequence[Any], expert: int, file_codec: str, *, min_seconds: float,
                    label: str, progress: Progress) -> DecodeCosts:
     """Decodes expert `expert` of every tensor in `tensors` (the CompressedTensors of one layer) on this thread."""
-    from . import codec
-    from ._native import ffi, lib
+    from ..file import codec
+    from .._native import ffi, lib
 
     regions = [_pread(fd, c.expert.span(expert).size, c.region_file_offset(expert), label) for c in tensors]
     outs = [np.empty(c.expert.info.n_per_expert, np.uint16) for c in tensors]
@@ -392,7 +205,7 @@ class _LayerStores:
     """The runtime's stores for one layer's expert tensors, reading the model file: what the engine would use."""
 
     def __init__(self, fd: int, tensors: Sequence[Any], label: str) -> None:
-        from ._native import ffi, lib
+        from .._native import ffi, lib
 
         self.ffi, self.lib, self.handles, self.keys, self.elapsed = ffi, lib, [], [], 0.0
         for c in tensors:
@@ -443,7 +256,7 @@ def measure_tiers(fd: int, tensors: Sequence[Any], n_expert: int, n_used: int, *
     on `threads` threads as the engine calls it, page cache dropped before every disk-bound pass: the wall time a
     routed expert costs in each tier, reader thread, slots, the cores' sharing and all. Runs with budgets of its
     own (the process's budget is changed: calibrate in a process that runs no model)."""
-    from ._native import lib
+    from .._native import lib
 
     unbounded = (1 << 64) - 1
     layer_bytes = sum(c.expert.info.n_per_expert * 2 for c in tensors) * n_expert
@@ -496,13 +309,13 @@ def measure_engine(model_path: Path, *, threads: int, expert_tensors: int, first
     cannot tell them apart (a model whose generation settles on so few experts that a tier is never used).
     first_read: seconds of a layer's first read from disk (the disk's latency and one region at its bandwidth),
     which no decoding overlaps: t_layer."""
-    from .budget import model_memory
-    from .planner import geometry_from_gguf
-    from .timing import time_generation
+    from ..runtime.budget import model_memory
+    from .inputs import geometry_from_gguf
+    from ..runtime.timing import time_generation
 
     geometry = geometry_from_gguf(model_path)
     need = model_memory(model_path)
-    budget = str(need.minimum + need.expert_bytes)  # room for every plan below
+    budget = str(need.whole)  # room for every plan below
     k, n = geometry.n_expert_used, geometry.n_expert
     if 2 * k > n:
         return None
@@ -651,7 +464,7 @@ def measure_disk(path: Path, regions: Sequence[tuple[int, int]], read_bytes: int
 
 
 def _open_model(model_path: str | os.PathLike[str]) -> Any:
-    from .format import open_zipmoe
+    from ..file.reader import open_zipmoe
 
     path = Path(model_path).expanduser()
     if not path.exists():
@@ -712,7 +525,7 @@ def calibrate(model_path: str | os.PathLike[str], *, force: bool = False, progre
             _save_quietly(cached, cache_file(path, cached.machine))
         return cached
     zf = _open_model(path)
-    fingerprint, machine = model_fingerprint(path), machine_id()  # before measuring: a change during it shows later
+    fingerprint, machine = model_fingerprint(path), calibration.machine_id()  # before measuring: a change during it shows later
     started, t0 = time.time(), time.perf_counter()
     layer, tensors = _first_layer(zf.compressed)
     expert = 0
@@ -728,7 +541,7 @@ def calibrate(model_path: str | os.PathLike[str], *, force: bool = False, progre
     disk = measure_disk(path, regions, read_bytes, progress=progress)
     measured = None
     if engine:
-        from .timing import TimingError
+        from ..runtime.timing import TimingError
 
         try:
             region = sum(c.expert.span(expert).size for c in tensors) / len(tensors)  # a layer's first read
@@ -769,6 +582,6 @@ def calibrate(model_path: str | os.PathLike[str], *, force: bool = False, progre
 def _save_quietly(cal: Calibration, path: Path) -> None:
     """A cache that cannot be written (read-only home) costs a warning, not the measurement."""
     try:
-        _save(cal, path)
+        save_calibration(cal, path)
     except OSError as e:
         warnings.warn(f"could not cache the calibration in {path}: {e.strerror or e}", stacklevel=3)

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
-from .errors import ZipmoeError
+from ..errors import ZipmoeError
+from ..runtime.config import CACHE_MODES
 
 DIRECTIVES = ("FROM", "PARAMETER", "TEMPLATE", "SYSTEM", "LICENSE", "MESSAGE")
 # Ollama knows these; a Modelfile written for Ollama that uses them gets a reason, not just "unknown"
@@ -42,7 +43,10 @@ OLLAMA_ONLY = {
     "REQUIRES": "zipmoe has no minimum-version check",
 }
 ROLES = ("system", "user", "assistant")
-CACHE_POLICIES = ("unbounded", "none")  # pyzipmoe.llama.CACHE_MODES; a test keeps the two equal
+# The parameter that sets the cache mode (ZIPMOE_CACHE, Llama's zipmoe_cache, `zipmoe run --cache`; one of
+# CACHE_MODES). Its keyword says "policy" for the Modelfiles and stored packages that use it; it is not the eviction
+# policy (Llama's cache_policy, `--policy`), which a Modelfile does not set.
+CACHE_MODE_PARAMETER = "cache_policy"
 
 Kind = Literal["int", "float", "str", "size", "choice"]
 
@@ -85,8 +89,8 @@ PARAMETERS: Mapping[str, ParamSpec] = MappingProxyType({
     "stop": ParamSpec("str", "stop generating at this text (repeat for several)", repeat=True),
     "memory_budget": ParamSpec("size", "memory the model may keep resident, experts included, e.g. 8GiB or 512MiB", 1,
                                zipmoe=True),
-    "cache_policy": ParamSpec("choice", "zipmoe expert cache: unbounded keeps decoded experts, none decodes on "
-                              "every use", choices=CACHE_POLICIES, zipmoe=True),
+    CACHE_MODE_PARAMETER: ParamSpec("choice", "zipmoe expert cache: unbounded keeps decoded experts, none decodes on "
+                                    "every use", choices=CACHE_MODES, zipmoe=True),
 })
 
 

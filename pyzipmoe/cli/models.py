@@ -1,8 +1,8 @@
 """`zipmoe create / list / show / cp / rm / prune / export / import`: models by name, as Ollama taught people.
 
-cli.py calls `register(subparsers)`; `resolve_model` is what `zipmoe run NAME` and `zipmoe serve NAME` use to
-accept a stored model name as well as a GGUF path. Nothing here imports cli.py at module level (cli.py imports
-this module), and nothing loads the native library until a command needs it.
+The zipmoe command (pyzipmoe.cli) calls `register(subparsers)`; pyzipmoe.models.directory.resolve_model is what
+`zipmoe run NAME` and `zipmoe serve NAME` use to accept a model's name as well as a GGUF path. Nothing loads the
+native library until a command needs it.
 """
 
 from __future__ import annotations
@@ -14,10 +14,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .modelfile import PARAMETERS, ModelfileError, format_parameter
-from .modelfile import parse as parse_modelfile
-from .progress import for_terminal
-from .store import NAME_HELP, ModelPackage, Store, resolve_model
+from ..models.modelfile import PARAMETERS, ModelfileError, format_parameter
+from ..models.modelfile import parse as parse_modelfile
+from ..progress import for_terminal
+from .formatting import human_size, para, positive
+from ..models.name import NAME_HELP
+from ..models.package import ModelPackage
+from ..models.directory import ModelDirectory, resolve_model
 
 __all__ = ["EXIT_STATUS", "register", "resolve_model"]
 
@@ -27,12 +30,6 @@ MODELS_HELP = "the model store (default: $ZIPMOE_MODELS, else ~/.zipmoe/models)"
 
 
 # ------------------------------------------------------------------------------------------ formatting
-
-
-def _human_size(n: float) -> str:
-    from .cli import human_size
-
-    return human_size(n)
 
 
 def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
@@ -68,8 +65,8 @@ def _print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, ensure_ascii=False))
 
 
-def _store(args: argparse.Namespace) -> Store:
-    return Store(args.models)
+def _models(args: argparse.Namespace) -> ModelDirectory:
+    return ModelDirectory(args.models)
 
 
 # ------------------------------------------------------------------------------------------ commands
@@ -88,32 +85,32 @@ def cmd_create(args: argparse.Namespace) -> int:
             raise ModelfileError("not UTF-8 text; is it really a Modelfile?", source=str(path)) from None
         source, base_dir = str(path), path.resolve().parent
     mf = parse_modelfile(text, source)
-    report = _store(args).create(args.name, mf, base_dir=base_dir, codec=args.codec, level=args.level,
+    report = _models(args).create(args.name, mf, base_dir=base_dir, codec=args.codec, level=args.level,
                                  chunk_n=args.chunk_size, threads=args.threads,
                                  progress=for_terminal(args.quiet or args.json))
     if args.json:
         _print_json(report.to_dict())
     elif not args.quiet:
         if report.converted:
-            print(f"converted {report.source} ({_human_size(report.source_size)}) to a "
-                  f"{_human_size(report.model_size)} zipmoe GGUF ({report.model_size / report.source_size:.1%})")
+            print(f"converted {report.source} ({human_size(report.source_size)}) to a "
+                  f"{human_size(report.model_size)} zipmoe GGUF ({report.model_size / report.source_size:.1%})")
         elif report.model_reused:
-            print(f"model {report.model_digest[7:19]} is already in the store ({_human_size(report.model_size)}): "
+            print(f"model {report.model_digest[7:19]} is already in the store ({human_size(report.model_size)}): "
                   "nothing to convert or copy")
         else:
-            print(f"copied {report.source} ({_human_size(report.model_size)}) into the store")
+            print(f"copied {report.source} ({human_size(report.model_size)}) into the store")
         print(f"created {report.name} (ID {report.id}) in {report.seconds:.1f} s; "
               f"try: zipmoe run {report.name.removesuffix(':latest')}")
     return 0
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    entries = _store(args).list_models()
+    entries = _models(args).list_models()
     if args.json:
         _print_json({"models": [e.to_dict() for e in entries]})
         return 0
     now = time.time()
-    rows = [(e.name.display, e.id or "-", _human_size(e.size) if not e.problem else "-",
+    rows = [(e.name.display, e.id or "-", human_size(e.size) if not e.problem else "-",
              ago(now - e.modified) if not e.problem else f"unusable: {e.problem}") for e in entries]
     print(_table(("NAME", "ID", "SIZE", "MODIFIED"), rows))
     return 0
@@ -129,9 +126,9 @@ def _model_rows(pkg: ModelPackage) -> list[tuple[str, str]]:
             ("embedding length", str(c.get("embedding_length") or "-"))]
     if c.get("expert_count"):
         rows.append(("experts", f"{c['expert_count']}, {c.get('expert_used_count') or '?'} used per token"))
-    ratio = f" ({size / source['size']:.1%} of the BF16 source, {_human_size(source['size'])})" if source.get(
+    ratio = f" ({size / source['size']:.1%} of the BF16 source, {human_size(source['size'])})" if source.get(
         "size") else ""
-    rows += [("size", f"{_human_size(size)}{ratio}"),
+    rows += [("size", f"{human_size(size)}{ratio}"),
              ("codec", f"{z.get('codec', '?')}" + (f" level {z['codec_level']}" if z.get("codec") == "zstd" else "")
               + f", {z.get('chunk_size', '?')} values per chunk"),
              ("source sha256", str(source.get("sha256", "-"))),
@@ -144,7 +141,7 @@ def _indent(text: str, n: int = 4) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    pkg = _store(args).open(args.name, full_check=args.verify, progress=for_terminal(args.json))
+    pkg = _models(args).open(args.name, full_check=args.verify, progress=for_terminal(args.json))
     params = [(name, format_parameter(v, name)) for name, value in pkg.parameters.items()
               for v in (value if PARAMETERS[name].repeat else [value])]
     if args.json:
@@ -186,41 +183,41 @@ def _one_line(text: str, width: int = 70) -> str:
 
 
 def cmd_cp(args: argparse.Namespace) -> int:
-    store = _store(args)
-    dst = store.copy(args.src, args.dst)
+    models = _models(args)
+    dst = models.copy(args.src, args.dst)
     print(f"copied {args.src} to {dst.display}")
     return 0
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    store = _store(args)
+    models = _models(args)
     for name in args.names:
-        blobs, freed = store.remove(name)
-        print(f"deleted {name}" + (f" (freed {_human_size(freed)})" if blobs else ""))
+        blobs, freed = models.remove(name)
+        print(f"deleted {name}" + (f" (freed {human_size(freed)})" if blobs else ""))
     return 0
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    report = _store(args).prune(dry_run=args.dry_run)
+    report = _models(args).prune(dry_run=args.dry_run)
     if args.json:
         _print_json(report.to_dict())
         return 0
     verb = "would remove" if args.dry_run else "removed"
     print(f"{verb} {len(report.blobs)} unreferenced blob{'s' * (len(report.blobs) != 1)} "
-          f"({_human_size(report.bytes)}) and {report.jobs} leftover{'s' * (report.jobs != 1)} of interrupted "
+          f"({human_size(report.bytes)}) and {report.jobs} leftover{'s' * (report.jobs != 1)} of interrupted "
           "creates or imports")
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    report = _store(args).export(args.name, args.file, progress=for_terminal(args.quiet))
+    report = _models(args).export(args.name, args.file, progress=for_terminal(args.quiet))
     if not args.quiet:
-        print(f"exported {report.names[0]} to {report.path} ({_human_size(report.bytes)}) in {report.seconds:.1f} s")
+        print(f"exported {report.names[0]} to {report.path} ({human_size(report.bytes)}) in {report.seconds:.1f} s")
     return 0
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    report = _store(args).import_(args.file, args.name, progress=for_terminal(args.quiet))
+    report = _models(args).import_(args.file, args.name, progress=for_terminal(args.quiet))
     if not args.quiet:
         print(f"imported {', '.join(report.names)} from {report.path} ({report.new_blobs} new "
               f"blob{'s' * (report.new_blobs != 1)}) in {report.seconds:.1f} s")
@@ -230,30 +227,18 @@ def cmd_import(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ parsing
 
 
-def _para(text: str) -> str:
-    from .cli import _para as para
-
-    return para(text)
-
-
-def _positive(text: str) -> int:
-    from .cli import _positive as positive
-
-    return positive(text)
-
-
 def _models_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", metavar="DIR", help=MODELS_HELP)
 
 
 def register(sub: Any) -> None:
     """Adds the model-store commands to the `zipmoe` command's subparsers."""
-    from . import codec
+    from ..file import codec
 
     fmt = argparse.RawDescriptionHelpFormatter
 
     def add(name: str, help_: str, description: str, examples: str, **kw: Any) -> argparse.ArgumentParser:
-        return sub.add_parser(name, formatter_class=fmt, help=help_, description=_para(description),
+        return sub.add_parser(name, formatter_class=fmt, help=help_, description=para(description),
                               epilog=f"examples:\n{examples}\n\n{EXIT_STATUS}", **kw)
 
     p = add("create", "create a model from a Modelfile",
@@ -279,9 +264,9 @@ def register(sub: Any) -> None:
                    help=f"exponent codec when FROM is converted (auto = {codec.DEFAULT_CODEC})")
     p.add_argument("--level", type=int, metavar="N",
                    help=f"zstd level (default: {codec.DEFAULT_ZSTD_LEVEL}; zstd only)")
-    p.add_argument("--chunk-size", type=_positive, metavar="N",
+    p.add_argument("--chunk-size", type=positive, metavar="N",
                    help=f"BF16 values per independently decodable chunk (default: {codec.DEFAULT_CHUNK_N})")
-    p.add_argument("--threads", type=_positive, metavar="N", help="conversion threads (default: all CPUs)")
+    p.add_argument("--threads", type=positive, metavar="N", help="conversion threads (default: all CPUs)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bars, no report")
     _models_option(p)

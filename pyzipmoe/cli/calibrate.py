@@ -1,7 +1,7 @@
 """`zipmoe calibrate MODEL`: what decoding and reading experts cost on this machine, measured once and cached.
 
-cli.py calls `register(subparsers)`. Nothing here imports cli.py at module level (cli.py imports this module), and
-the native library loads only when a measurement runs.
+The zipmoe command (pyzipmoe.cli) calls `register(subparsers)`; the native library loads only when a measurement
+runs.
 """
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .calibrate import DEFAULT_READ_BYTES, LATENCY_PROBES, Calibration
+from .formatting import human_size, para
+
+from ..plan.calibration import Calibration, cache_file
+from ..plan.measure import DEFAULT_READ_BYTES, LATENCY_PROBES
 
 __all__ = ["EXIT_STATUS", "calibration_table", "register"]
 
@@ -20,12 +23,6 @@ EXIT_STATUS = "exit status: 0 success; 1 no such file, or not a zipmoe file; 2 b
 
 
 # ------------------------------------------------------------------------------------------ formatting
-
-
-def _size(n: float) -> str:
-    from .cli import human_size
-
-    return human_size(n)
 
 
 def duration(seconds: float) -> str:
@@ -54,7 +51,7 @@ def calibration_table(cal: Calibration, cache_path: Path | None = None) -> str:
         ("cores", str(cal.cores), "usable by this process (CPU affinity, cgroup CPU quota)"),
         ("t_decode", duration(cal.t_decode),
          (f"core time: one expert of layer {cal.layer} ({cal.expert_tensors} tensors, {cal.expert_values} values, "
-          f"{_size(cal.expert_compressed_bytes)}) from RAM, through the runtime on every core")),
+          f"{human_size(cal.expert_compressed_bytes)}) from RAM, through the runtime on every core")),
         ("t_read_sm", duration(cal.t_read_sm), "wall time per expert, exponent codes read from disk (sm tier)"),
         ("t_read_cold", duration(cal.t_read_cold), "wall time per expert, whole region read from disk (cold)"),
         ("decode, fresh", duration(cal.t_decode_fresh), "the decoder alone into freshly mapped pages"),
@@ -66,8 +63,8 @@ def calibration_table(cal: Calibration, cache_path: Path | None = None) -> str:
         ("merge", f"{cal.merge_seconds_per_value * 1e9:.3f} ns/value", "exponent + sign/mantissa planes into BF16"),
         ("split", f"{cal.split_seconds_per_value * 1e9:.3f} ns/value", "BF16 into the two planes"),
         ("read latency", duration(cal.read_latency), f"cold read of one page, median of up to {LATENCY_PROBES}"),
-        ("disk bandwidth", f"{_size(cal.disk_bandwidth)}/s",
-         f"cold, {cal.reads} expert regions of ~{_size(cal.read_size)} ({_size(cal.bytes_read)}), net of latency"),
+        ("disk bandwidth", f"{human_size(cal.disk_bandwidth)}/s",
+         f"cold, {cal.reads} expert regions of ~{human_size(cal.read_size)} ({human_size(cal.bytes_read)}), net of latency"),
         ("base time/token", duration(cal.base_seconds_per_token) if cal.base_seconds_per_token else "-",
          "given" if cal.base_seconds_per_token else "not measured: it needs the model running"),
     ]
@@ -84,8 +81,8 @@ def calibration_table(cal: Calibration, cache_path: Path | None = None) -> str:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from .calibrate import cache_file, calibrate
-    from .progress import for_terminal
+    from ..plan.measure import calibrate
+    from ..progress import for_terminal
 
     cal = calibrate(args.model, force=args.force, progress=for_terminal(args.json), read_bytes=args.read,
                     engine=not args.no_engine)
@@ -99,7 +96,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _read_size(text: str) -> int:
-    from .modelfile import parse_size
+    from ..models.modelfile import parse_size
 
     try:
         n = parse_size(text)
@@ -112,12 +109,10 @@ def _read_size(text: str) -> int:
 
 def register(sub: Any) -> None:
     """Adds `calibrate` to the `zipmoe` command's subparsers."""
-    from .cli import _para
-
     p = sub.add_parser(
         "calibrate", formatter_class=argparse.RawDescriptionHelpFormatter,
         help="measure what decoding and reading experts cost on this machine",
-        description=_para(
+        description=para(
             "Measure, for MODEL (a zipmoe GGUF) on this machine, what the memory-budget planner predicts with: "
             "the time a generated token takes with every expert decoded (base time/token) and what one expert of "
             "a layer adds when it comes from each tier: decoded from RAM (t_decode), its exponent codes read from "

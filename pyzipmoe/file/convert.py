@@ -1,4 +1,5 @@
-"""BF16 MoE GGUF -> zipmoe GGUF and back: convert, verify, unpack, inspect.
+"""BF16 MoE GGUF -> zipmoe GGUF (convert), and what compression would gain (inspect); pyzipmoe.file.verify goes
+back.
 
 Everything streams: expert tensors are read expert by expert with pread (not through mmap, whose pages
 would count against the process), at most `threads + 2` experts are in flight, and the output is
@@ -18,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
@@ -26,13 +27,13 @@ from typing import Any, BinaryIO, TypeVar
 import numpy as np
 
 from . import codec as zcodec
-from .errors import FormatError, UnsupportedError, ZipmoeError
-from .format import (
-    GGML_TYPE_BF16, SOURCE_HEADER, CompressedTensor, GGUFFile, Tensor, ZipmoeFile,
-    ZipmoeMeta, ZipmoeWriter, align_up, build_index, is_expert_tensor, n_chunks, open_zipmoe,
-    check_integrity, pread_exact, read_gguf, region_alignment, restore_zeros, type_name, zipmoe_slots,
-)
-from .progress import Progress, Silent
+from ..errors import FormatError, UnsupportedError, ZipmoeError
+from ..progress import Progress, Silent
+from .gguf import GGML_TYPE_BF16, GGUFFile, Tensor, align_up, pread_exact, read_gguf, type_name
+from .metadata import ZipmoeMeta, build_index, is_expert_tensor, n_chunks, region_alignment, zipmoe_slots
+from .reader import ZipmoeFile, open_zipmoe, restore_zeros
+from .writer import ZipmoeWriter
+
 
 BLOCK = 8 << 20  # bytes per read when copying or scanning: large enough for sequential throughput
 CODEC_CHOICES = ("auto", "huff", "esc", "zstd")
@@ -40,12 +41,6 @@ CHUNK_MAX = 1 << 24  # ZIPMOE_CHUNK_MAX of zipmoe.h
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-
-class MismatchError(ZipmoeError):
-    """Restored bytes differ from the source (or from its recorded sha256)."""
-
-    exit_code = 1
 
 
 # ------------------------------------------------------------------------------------------ statistics
@@ -150,7 +145,7 @@ def _ordered(pool: ThreadPoolExecutor, fn: Callable[[T], R], items: Iterable[T],
             f.cancel()
 
 
-def _pread_into(fd: int, out: np.ndarray, offset: int, label: str) -> np.ndarray:
+def pread_into(fd: int, out: np.ndarray, offset: int, label: str) -> np.ndarray:
     """Fills `out` from the file at `offset`, without an intermediate bytes object."""
     view = memoryview(out).cast("B")
     done = 0
@@ -171,13 +166,13 @@ def _read_into(f: BinaryIO, view: memoryview, label: str) -> None:
         done += n
 
 
-def _blocks(size: int, block: int = BLOCK) -> Iterator[tuple[int, int]]:
+def byte_blocks(size: int, block: int = BLOCK) -> Iterator[tuple[int, int]]:
     """(start, length) of consecutive blocks covering [0, size)."""
     for start in range(0, size, block):
         yield start, min(block, size - start)
 
 
-def _threads(threads: int | None) -> int:
+def thread_count(threads: int | None) -> int:
     n = threads if threads is not None else (os.cpu_count() or 1)
     if n < 1:
         raise ZipmoeError(f"--threads must be at least 1, got {n}")
@@ -185,7 +180,7 @@ def _threads(threads: int | None) -> int:
 
 
 @contextmanager
-def _atomic_output(dst: Path) -> Iterator[BinaryIO]:
+def atomic_output(dst: Path) -> Iterator[BinaryIO]:
     """A new file that appears as `dst` only once the block completes; removed on any error or Ctrl-C."""
     # checked first: these would otherwise fail only at the end, or name the temporary file
     if dst.is_dir():
@@ -206,7 +201,7 @@ def _atomic_output(dst: Path) -> Iterator[BinaryIO]:
         raise
 
 
-def _refuse_same_file(a: Path, b: Path) -> None:
+def refuse_same_file(a: Path, b: Path) -> None:
     if a.resolve() == b.resolve() or (b.exists() and a.exists() and os.path.samefile(a, b)):
         raise ZipmoeError(f"{b}: the output would overwrite the input; choose another file name")
 
@@ -239,7 +234,7 @@ def expert_tensors(g: GGUFFile) -> list[Tensor]:
 def _check_zero_gaps(g: GGUFFile, experts: list[Tensor]) -> None:
     """Refuses a source with more bytes between its tensors than the output will hold (header copy, dense
     tensors and half of each expert tensor at least): a reader can then bound what restoring costs
-    (format._check_restore_size) and tell a damaged zipmoe.source.size from a real one."""
+    (reader._check_restore_size) and tell a damaged zipmoe.source.size from a real one."""
     zeros = restore_zeros(g, g.file_size)
     expert_bytes = sum(t.nbytes for t in experts)
     floor = g.data_start + sum(t.nbytes for t in g.tensors) - expert_bytes + expert_bytes // 2
@@ -254,7 +249,7 @@ class SourceScan:
     histograms: dict[str, np.ndarray]  # exponent histogram of each expert tensor
 
 
-def _layout(g: GGUFFile) -> list[Tensor]:
+def tensors_by_offset(g: GGUFFile) -> list[Tensor]:
     """Tensors in file order; refuses overlaps (the bytes could not be restored from one copy)."""
     ordered = sorted(g.tensors, key=lambda t: t.file_offset)
     for a, b in zip(ordered, ordered[1:]):
@@ -274,7 +269,7 @@ def scan_source(f: BinaryIO, g: GGUFFile, experts: Iterable[Tensor], progress: P
     f.seek(0)
 
     def read(size: int, what: str, visit: Callable[[memoryview], None] | None = None) -> None:
-        for _, n in _blocks(size):
+        for _, n in byte_blocks(size):
             view = memoryview(buf)[:n]
             _read_into(f, view, g.label)
             sha.update(view)
@@ -290,7 +285,7 @@ def scan_source(f: BinaryIO, g: GGUFFile, experts: Iterable[Tensor], progress: P
 
     read(g.data_start, "header")
     pos = g.data_start
-    for t in _layout(g):
+    for t in tensors_by_offset(g):
         read(t.file_offset - pos, "gap", zeros(f"before tensor {t.name}"))
         if t.name in expert_names:
             read(t.nbytes, t.name, lambda v, h=histograms[t.name]: zcodec.exponent_histogram(
@@ -361,7 +356,7 @@ def _expert_regions(pool: ThreadPoolExecutor, fd: int, t: Tensor, coder: zcodec.
     n_per = ne0 * ne1
 
     def encode(e: int) -> zcodec.EncodedExpert:
-        values = _pread_into(fd, np.empty(n_per, np.uint16), t.file_offset + e * n_per * 2, label)
+        values = pread_into(fd, np.empty(n_per, np.uint16), t.file_offset + e * n_per * 2, label)
         return coder.encode_expert(values, settings.chunk_n)
 
     pos = 0
@@ -377,7 +372,7 @@ def _expert_regions(pool: ThreadPoolExecutor, fd: int, t: Tensor, coder: zcodec.
 
 
 def _copy(fd: int, offset: int, size: int, label: str, progress: Progress | None = None) -> Iterator[bytes]:
-    for start, n in _blocks(size):
+    for start, n in byte_blocks(size):
         data = pread_exact(fd, n, offset + start, label)
         if progress is not None:
             progress.advance(n)
@@ -432,9 +427,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, codec: 
     codec_name = _codec_name(codec)
     if not 1 <= chunk_n <= CHUNK_MAX:
         raise ZipmoeError(f"the chunk size must be between 1 and {CHUNK_MAX} values, got {chunk_n}")
-    threads = _threads(threads)
+    threads = thread_count(threads)
     progress = progress or Silent()
-    _refuse_same_file(src, dst)
+    refuse_same_file(src, dst)
     g = read_gguf(src)
     if g.is_zipmoe:
         raise UnsupportedError(f"{src}: already a zipmoe file; `zipmoe unpack` restores its source")
@@ -449,192 +444,13 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, codec: 
                               tensors=tuple(t.name for t in experts), source_size=g.file_size,
                               source_sha256=scan.sha256, source_data_start=g.data_start,
                               exponent_entropy=tuple(entropies[t.name] for t in experts))
-            with _atomic_output(dst) as out:
+            with atomic_output(dst) as out:
                 sizes = _write_zipmoe(out, f.fileno(), g, meta, scan, settings, threads, progress)
     finally:
         progress.close()
     stats = tuple(TensorStats(t.name, t.dims, t.nbytes, sizes[t.name], entropies[t.name]) for t in experts)
     return ConvertReport(str(src), str(dst), codec_name, settings.level, chunk_n, threads, g.file_size,
                          dst.stat().st_size, scan.sha256, time.monotonic() - t0, stats)
-
-
-# ----------------------------------------------------------------------------------------- restoring
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A run of restored source bytes, and what it belongs to (for precise mismatch reports)."""
-
-    offset: int  # in the source file
-    data: Any  # a uint8 buffer
-    tensor: str | None  # None between tensors
-    expert: int | None = None
-    start: int = 0  # offset of the run inside its tensor (or expert)
-
-    @property
-    def nbytes(self) -> int:
-        return memoryview(self.data).nbytes
-
-
-def _zeros(start: int, end: int) -> Iterator[Piece]:
-    for s, n in _blocks(end - start):
-        yield Piece(start + s, bytes(n), None)
-
-
-def _decoded(pool: ThreadPoolExecutor, fd: int, c: CompressedTensor, depth: int, label: str) -> Iterator[Piece]:
-    """The expert tensor's original bytes, expert by expert; chunk checksums are verified on the way."""
-    info = c.expert.info
-
-    def decode(e: int) -> np.ndarray:
-        span = c.expert.span(e)
-        region = _pread_into(fd, np.empty(span.size, np.uint8), c.data.file_offset + span.offset, label)
-        return c.expert.decode_expert(e, region)
-
-    expert_bytes = info.n_per_expert * 2
-    for e, values in enumerate(_ordered(pool, decode, range(info.n_expert), depth)):
-        yield Piece(c.source.file_offset + e * expert_bytes, values.view(np.uint8), c.name, e)
-
-
-def _restored(zf: ZipmoeFile, fd: int, pool: ThreadPoolExecutor, depth: int) -> Iterator[Piece]:
-    """The source file, front to back, as FORMAT.md's "Restoring the source" describes it."""
-    label = str(zf.path)
-    yield Piece(0, pread_exact(fd, zf.source_header.nbytes, zf.source_header.file_offset, label), SOURCE_HEADER)
-    compressed = zf.compressed_by_name
-    pos = zf.source.data_start
-    for t in _layout(zf.source):
-        yield from _zeros(pos, t.file_offset)
-        if t.name in compressed:
-            yield from _decoded(pool, fd, compressed[t.name], depth, label)
-        else:
-            mine = zf.gguf.by_name[t.name]
-            for start, n in _blocks(t.nbytes):
-                yield Piece(t.file_offset + start, pread_exact(fd, n, mine.file_offset + start, label), t.name,
-                            start=start)
-        pos = t.file_offset + t.nbytes
-    yield from _zeros(pos, zf.meta.source_size)
-
-
-def _restore(zf: ZipmoeFile, threads: int, progress: Progress, sink: Callable[[Piece], None]) -> str:
-    """Streams the restored source into `sink` and returns its sha256."""
-    sha = hashlib.sha256()
-    progress.start("decode", zf.meta.source_size)
-    fd = os.open(zf.path, os.O_RDONLY)
-    try:
-        with ThreadPoolExecutor(threads, thread_name_prefix="zipmoe-decode") as pool:
-            for piece in _restored(zf, fd, pool, threads + 2):
-                sha.update(piece.data)
-                sink(piece)
-                progress.advance(piece.nbytes)
-    finally:
-        os.close(fd)
-    return sha.hexdigest()
-
-
-def _mismatch(piece: Piece, ref: np.ndarray) -> MismatchError:
-    """Names the first differing value: tensor, expert and element for experts, byte otherwise."""
-    mine = np.frombuffer(piece.data, np.uint8)
-    if piece.expert is not None:
-        a, b = mine.view(np.uint16), ref.view(np.uint16)
-        i = int(np.flatnonzero(a != b)[0])
-        return MismatchError(f"{piece.tensor} expert {piece.expert} element {i} "
-                             f"(flat index {piece.expert * a.size + i}): zipmoe gives 0x{a[i]:04x}, "
-                             f"the source has 0x{b[i]:04x}")
-    i = int(np.flatnonzero(mine != ref)[0])
-    where = (f"{piece.tensor} byte {piece.start + i}" if piece.tensor
-             else f"source byte {piece.offset + i} (between tensors)")
-    return MismatchError(f"{where}: zipmoe gives 0x{mine[i]:02x}, the source has 0x{ref[i]:02x}")
-
-
-@contextmanager
-def _comparing(against: Path, source_size: int) -> Iterator[Callable[[Piece], None]]:
-    """A sink that compares each restored piece with the same bytes of `against`."""
-    with open(against, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size != source_size:
-            raise MismatchError(f"{against} is {size} bytes, but the zipmoe file's source was {source_size}")
-
-        def compare(piece: Piece) -> None:
-            ref = np.frombuffer(pread_exact(f.fileno(), piece.nbytes, piece.offset, str(against)), np.uint8)
-            if not np.array_equal(np.frombuffer(piece.data, np.uint8), ref):
-                raise _mismatch(piece, ref)
-
-        yield compare
-
-
-@dataclass(frozen=True)
-class VerifyReport:
-    path: str
-    against: str | None
-    sha256: str
-    tensors: int
-    experts: int
-    chunks: int
-    source_size: int
-    seconds: float
-    integrity_bytes: int = 0  # metadata and dense tensor bytes checked against the zipmoe.integrity record
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def verify(path: str | os.PathLike[str], against: str | os.PathLike[str] | None = None, *,
-           threads: int | None = None, progress: Progress | None = None) -> VerifyReport:
-    """Decodes every expert of a zipmoe file (checking every chunk checksum) and checks that the restored
-    file has the recorded sha256; with `against`, also compares it byte for byte with that source and
-    names the first difference."""
-    t0 = time.monotonic()
-    threads = _threads(threads)
-    progress = progress or Silent()
-    zf = open_zipmoe(path)
-    with ExitStack() as stack:
-        stack.callback(progress.close)
-        sink = (stack.enter_context(_comparing(Path(against), zf.meta.source_size)) if against is not None
-                else lambda piece: None)
-        sha = _restore(zf, threads, progress, sink)
-    if sha != zf.meta.source_sha256:
-        # with `against`, every byte matched, so it is the recorded hash that is wrong
-        cls = FormatError if against is not None else MismatchError
-        raise cls(f"{path}: the restored source has sha256 {sha}, but zipmoe.source.sha256 is "
-                  f"{zf.meta.source_sha256}")
-    # then what llama.cpp reads besides the experts, as its loader checks it: the metadata and the dense tensors
-    # (the sha256 above covers the source's header, not the zipmoe file's own key/value pairs)
-    integrity_bytes = check_integrity(zf.path, zf.gguf, zf.integrity)
-    infos = [c.expert.info for c in zf.compressed]
-    return VerifyReport(str(path), None if against is None else str(against), sha, len(infos),
-                        sum(i.n_expert for i in infos), sum(i.n_expert * i.n_chunks for i in infos),
-                        zf.meta.source_size, time.monotonic() - t0, integrity_bytes)
-
-
-@dataclass(frozen=True)
-class UnpackReport:
-    path: str
-    out: str
-    sha256: str
-    size: int
-    seconds: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def unpack(path: str | os.PathLike[str], out: str | os.PathLike[str], *, threads: int | None = None,
-           progress: Progress | None = None) -> UnpackReport:
-    """Restores the source of a zipmoe file, byte for byte, and checks its sha256."""
-    t0 = time.monotonic()
-    path, out = Path(path), Path(out)
-    threads = _threads(threads)
-    progress = progress or Silent()
-    _refuse_same_file(path, out)
-    zf = open_zipmoe(path)
-    try:
-        with _atomic_output(out) as f:
-            sha = _restore(zf, threads, progress, lambda piece: f.write(piece.data))
-            if sha != zf.meta.source_sha256:
-                raise MismatchError(f"{path}: the restored source has sha256 {sha}, but zipmoe.source.sha256 "
-                                    f"is {zf.meta.source_sha256}; nothing was written")
-    finally:
-        progress.close()
-    return UnpackReport(str(path), str(out), sha, zf.meta.source_size, time.monotonic() - t0)
 
 
 # ----------------------------------------------------------------------------------------- inspecting

@@ -21,23 +21,24 @@ from typing import Any
 
 import numpy as np
 
-from . import planner
-from .budget import AUTO, POLICY_ENV, ModelMemory, cache_environment, check_budget, model_memory, parse_budget
-from .errors import ZipmoeError
+from ..plan import inputs
+from ..plan import solver as planner
+from .budget import AUTO, ModelMemory, check_budget, model_budget, model_memory
+from .config import DEFAULT_POLICY, POLICY_ENV, RuntimeConfig, hot_share_within
+from ..errors import ZipmoeError
 
 PENDING_STEPS = 20  # readings a shrink for the mapped weights waits for the tiers to come down to it, at most
 ROUTING_MIN_TOKENS = 64  # tokens a layer routes between two re-plans from the routing seen
 ROUTING_LOG_TOKENS = 512  # generated tokens whose routing the runtime remembers per store (store.c: ROUTE_LOG)
-DEFAULT_POLICY = "tlfu"  # the runtime's eviction policy unless ZIPMOE_CACHE_POLICY says otherwise (store.c)
 
 
-def machine_costs(model_path: str | os.PathLike[str], geometry: planner.ModelGeometry) -> tuple[planner.Costs, str]:
+def machine_costs(model_path: str | os.PathLike[str], geometry: inputs.ModelGeometry) -> tuple[inputs.Costs, str]:
     """The planner's costs: the model's cached calibration (`zipmoe calibrate`) where there is one, the planner's
     conservative defaults for what it lacks (base_seconds_per_token needs the model running); and where they came
     from."""
-    costs = planner.default_costs(geometry)
+    costs = inputs.default_costs(geometry)
     try:
-        from .calibrate import load_calibration
+        from ..plan.calibration import load_calibration
 
         cal = load_calibration(model_path)
     except (ImportError, OSError, ZipmoeError):
@@ -46,9 +47,9 @@ def machine_costs(model_path: str | os.PathLike[str], geometry: planner.ModelGeo
         return costs, "conservative defaults (no calibration)"
     values = cal.as_costs_dict() if hasattr(cal, "as_costs_dict") else dict(cal)
     measured = {k: v for k, v in values.items() if v is not None}
-    costs = planner.costs_from_dict(measured, defaults=costs, label=f"calibration of {model_path}", strict=False)
-    estimated = [name for name in planner.COST_FIELDS
-                 if name not in measured and name not in planner.OPTIONAL_COST_FIELDS]
+    costs = inputs.costs_from_dict(measured, defaults=costs, label=f"calibration of {model_path}", strict=False)
+    estimated = [name for name in inputs.COST_FIELDS
+                 if name not in measured and name not in inputs.OPTIONAL_COST_FIELDS]
     return costs, "calibration" + (f" ({', '.join(estimated)}: conservative estimate)" if estimated else "")
 
 
@@ -69,9 +70,9 @@ def plan_model(model_path: str | os.PathLike[str], budget: int, *, trace: str | 
     hold the weights that are not experts and one expert tensor's experts."""
     need = need or model_memory(model_path)
     check_budget(budget, need)
-    geometry = planner.geometry_from_gguf(model_path)
+    geometry = inputs.geometry_from_gguf(model_path)
     costs, source = machine_costs(model_path, geometry)
-    counts = planner.counts_from_trace(trace, geometry.n_layer, geometry.n_expert) if trace else None
+    counts = inputs.counts_from_trace(trace, geometry.n_layer, geometry.n_expert) if trace else None
     model = planner.cost_model(geometry, costs, counts)
     return Planned(need, budget, model, planner.plan_tiers(model, budget - need.minimum), source)
 
@@ -85,7 +86,7 @@ def planner_by_default(model_path: str | os.PathLike[str], *, budget: str | int 
     if budget is None or not is_zipmoe or plan is not None or hot_share is not None or sm_share is not None:
         return False
     try:
-        from .calibrate import load_calibration
+        from ..plan.calibration import load_calibration
 
         cal = load_calibration(model_path)
     except (ImportError, OSError, ZipmoeError):
@@ -106,21 +107,18 @@ def runtime_environment(model_path: str | os.PathLike[str], *, budget: str | int
     The monitor (pyzipmoe.Llama) re-plans from the order the run's tokens route in (the recency model) once the
     runtime's routing log holds enough of them."""
     if budget is None or not is_zipmoe:
-        return cache_environment(budget if is_zipmoe else None, policy, hot_share, sm_share)
+        return RuntimeConfig(budget if is_zipmoe else None, policy, hot_share, sm_share).to_env()
     need = model_memory(model_path, mapped=mapped)
-    nbytes = parse_budget(budget, model_bytes=need.minimum + need.expert_bytes) if str(budget) == AUTO \
-        else parse_budget(budget)
+    nbytes = model_budget(budget, need)
     check_budget(nbytes, need)
-    env = cache_environment(nbytes, policy, hot_share, sm_share)
     if plan is not None:
         planner.decode_plan(plan)  # a clear error for a malformed one, before the runtime sees it
-        env[planner.PLAN_ENV] = plan
-    elif use_planner and hot_share is None and sm_share is None:
-        if trace is not None:  # a routing profile to plan the first tokens by; else decoded experts until the run's
-            env.update(plan_model(model_path, nbytes, trace=trace, need=need).plan.to_env())  # own routing tells
-        # the policy stays the default (token-weighted LFU): on the model's own greedy text LRU measured 12-27%
+    elif use_planner and hot_share is None and sm_share is None and trace is not None:
+        # a routing profile to plan the first tokens by; else decoded experts until the run's own routing tells.
+        # The policy stays the default (token-weighted LFU): on the model's own greedy text LRU measured 12-27%
         # slower at 60-93% with the same slots (tiered-cache.md); the recency model predicts either's hits
-    return env
+        plan = plan_model(model_path, nbytes, trace=trace, need=need).plan.encode()
+    return RuntimeConfig(nbytes, policy, hot_share, sm_share, plan=plan).to_env()
 
 
 # ------------------------------------------------------------------------------------------ live adaptation
@@ -134,7 +132,7 @@ def apply_plan(plan: planner.Plan, lib: Any = None, *, reserve: int | None = Non
     run's: the budget less the weights that are not experts; 0: the slots as planned). The room is set first: a
     smaller one never meets the larger slots it replaces."""
     if lib is None:
-        from ._native import lib
+        from .._native import lib
     lib.zipmoe_cache_set_token_room(token_room)
     set_read_room(plan, lib)
     for lp in plan.layers:
@@ -158,7 +156,7 @@ _UNBOUNDED = 2**64 - 1
 def store_sizes(model_path: str | os.PathLike[str]) -> list[tuple[int, int, int]]:
     """(BF16 bytes, experts, compressed bytes) of each expert tensor of a zipmoe GGUF, as the runtime's glue
     passes them to zipmoe_budget_split_tiers at load."""
-    from .format import open_zipmoe
+    from ..file.reader import open_zipmoe
 
     return [(c.source.nbytes, c.source.dims[2], c.expert.info.data_size) for c in open_zipmoe(model_path).compressed]
 
@@ -166,15 +164,15 @@ def store_sizes(model_path: str | os.PathLike[str]) -> list[tuple[int, int, int]
 def warm_decodes_fast(model_path: str | os.PathLike[str]) -> bool:
     """Whether every expert tensor of a zipmoe GGUF decodes its warm hits with the escape code's SIMD decoder on
     this CPU: the runtime's default split keeps every expert compressed only then (default_hot_share)."""
-    from . import codec
-    from .format import open_zipmoe
+    from ..file import codec
+    from ..file.reader import open_zipmoe
 
     compressed = open_zipmoe(model_path).compressed
     return bool(compressed) and codec.esc_simd_level() > 0 and all(c.expert.info.codec == "esc" for c in compressed)
 
 
 def _store_sizes_struct(sizes: list[tuple[int, int, int]]) -> Any:
-    from ._native import ffi
+    from .._native import ffi
 
     return ffi.new("zipmoe_store_size[]", [{"bf16_bytes": b, "n_expert": n, "compressed_bytes": c} for b, n, c in sizes])
 
@@ -182,7 +180,7 @@ def _store_sizes_struct(sizes: list[tuple[int, int, int]]) -> Any:
 def default_hot_share(tiers: int, sizes: list[tuple[int, int, int]], warm_fast: bool) -> float:
     """The runtime's hot share where none is set (zipmoe_budget_default_hot_share): 0, every expert compressed,
     where nearly all fit so but not decoded and warm hits decode fast; else 1."""
-    from ._native import lib as native
+    from .._native import lib as native
 
     return float(native.zipmoe_budget_default_hot_share(_store_sizes_struct(sizes), len(sizes), tiers, int(warm_fast)))
 
@@ -199,13 +197,13 @@ def apply_shares(tiers: int, split: tuple[float | None, float | None, float], si
     (zipmoe_cache_apply_split). `tiers`: the budget less its minimum. A hot share of None: the runtime's default
     for these tiers (default_hot_share, as at load), so that a budget that shrinks or grows past its threshold
     changes the split as the loader would have."""
-    from ._native import ffi
-    from ._native import lib as native
+    from .._native import ffi
+    from .._native import lib as native
 
     lib = lib or native
     hot_share, _, sm_share = split
     if hot_share is None:
-        hot_share = min(default_hot_share(tiers, sizes, warm_fast), 1.0 - sm_share)
+        hot_share = hot_share_within(default_hot_share(tiers, sizes, warm_fast), sm_share)
     stores = _store_sizes_struct(sizes)
     out = ffi.new("zipmoe_budget_split *")
     if native.zipmoe_budget_split_tiers(stores, len(sizes), tiers, hot_share, sm_share, out) < 0:
@@ -215,11 +213,11 @@ def apply_shares(tiers: int, split: tuple[float | None, float | None, float], si
         raise ZipmoeError(f"the runtime refused the tiers of a {tiers}-byte budget (status {rc})")
 
 
-def live_counts(geometry: planner.ModelGeometry, lib: Any = None) -> np.ndarray:
+def live_counts(geometry: inputs.ModelGeometry, lib: Any = None) -> np.ndarray:
     """Tokens routed to each expert of each block so far, from the runtime's own counters: [n_layer, n_expert]."""
     if lib is None:
-        from ._native import lib
-    from ._native import ffi
+        from .._native import lib
+    from .._native import ffi
 
     counts = np.zeros((geometry.n_layer, geometry.n_expert), np.float64)
     buf = ffi.new("uint64_t[]", geometry.n_expert)
@@ -229,12 +227,12 @@ def live_counts(geometry: planner.ModelGeometry, lib: Any = None) -> np.ndarray:
     return counts
 
 
-def live_routing(geometry: planner.ModelGeometry, lib: Any = None) -> dict[int, np.ndarray]:
+def live_routing(geometry: inputs.ModelGeometry, lib: Any = None) -> dict[int, np.ndarray]:
     """The experts each of the last generated tokens routed to, per MoE block, oldest first (the runtime remembers
     512): block -> bool [tokens, n_expert]. Blocks whose stores are not open are left out."""
     if lib is None:
-        from ._native import lib
-    from ._native import ffi
+        from .._native import lib
+    from .._native import ffi
 
     words = (geometry.n_expert + 63) // 64
     masks = np.zeros(ROUTING_LOG_TOKENS * words, np.uint64)
@@ -265,9 +263,9 @@ def _runtime_bytes(lib: Any = None) -> tuple[int, int, int]:
     """resident_bytes in two, what the budget covers and the read buffers' transient bytes, which it does not;
     and the invocations the runtime has served (it is running when they move)."""
     if lib is None:
-        from ._native import ffi, lib
+        from .._native import ffi, lib
     else:
-        from ._native import ffi
+        from .._native import ffi
     s = ffi.new("zipmoe_stats *")
     lib.zipmoe_stats_get(s)
     return (int(s.hot_bytes + s.warm_bytes + s.sm_bytes + s.decoding_bytes + s.pool_bytes),
@@ -277,7 +275,7 @@ def _runtime_bytes(lib: Any = None) -> tuple[int, int, int]:
 class MemoryMonitor:
     """Re-plans a running model's tiers when the memory available to the process changes.
 
-    Every `interval` seconds it reads the memory (pyzipmoe.memory.read_memory: psutil and the cgroup limit) and
+    Every `interval` seconds it reads the memory (pyzipmoe.runtime.memory.read_memory: psutil and the cgroup limit) and
     computes the budget the model could have now: what it holds (its weights that are not experts and the tiers'
     resident bytes, which include the experts in flight) plus what could still be allocated, less
     the safety margin of `--memory-budget auto` (so less than it holds when others ate into the margin), never
@@ -331,7 +329,7 @@ class MemoryMonitor:
         self.sizes = sizes
         self.warm_fast = warm_fast  # (warm_decodes_fast: for a split whose hot share is the runtime's default)
         # whether the plans it applies hold generation's room beyond their slots (apply_plan's token_room): off to
-        # measure plans as planned (pyzipmoe.timing, which tools/bench_planner.py compares with predictions)
+        # measure plans as planned (pyzipmoe.runtime.timing, which tools/bench_planner.py compares with predictions)
         self.generation_room = True
         # the run's eviction policy, whose hits the recency model predicts: the runtime read it at load (Llama sets
         # the environment only while it loads, so it passes what it asked for)
@@ -380,7 +378,7 @@ class MemoryMonitor:
         gets, generation's decoded experts beyond the slots."""
         lib = self._lib
         if lib is None:
-            from ._native import lib
+            from .._native import lib
         lib.zipmoe_cache_set_token_room(self._token_room(self.budget))
         set_read_room(self.planned.plan, lib)
 
@@ -486,8 +484,8 @@ def monitor_for(model_path: str | os.PathLike[str], budget: str | int, *, trace:
     """A monitor for a model loaded with `runtime_environment(model_path, budget=budget, ...)`: "auto" may grow
     up to the model's size, a fixed budget is also the ceiling. mapped: as model_memory."""
     need = model_memory(model_path, mapped=mapped)
-    full = need.minimum + need.expert_bytes
-    nbytes = parse_budget(budget, model_bytes=full) if str(budget) == AUTO else parse_budget(budget)
+    full = need.whole
+    nbytes = model_budget(budget, need)
     planned = plan_model(Path(model_path), nbytes, trace=trace, need=need)
     auto = str(budget) == AUTO
     if kwargs.get("split") is not None:

@@ -1,0 +1,236 @@
+"""`zipmoe convert`, `verify`, `inspect`, `unpack` and `demo`: zipmoe's files.
+
+Modules that load the native library (codec, convert) are imported inside functions, under main()'s error handling,
+so a missing library is one line that says how to build it, not an import traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import ZipmoeError
+from ..progress import Progress, for_terminal
+from .formatting import (
+    EXIT_OK,
+    TABLE_NOTE,
+    human_size,
+    para,
+    positive,
+    print_json,
+    size_table,
+    tensor_table,
+)
+
+# -------------------------------------------------------------------------------------------- commands
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from ..file import convert
+
+    if args.level is not None and args.codec != "zstd":
+        raise ZipmoeError("--level applies to --codec zstd only")
+    report = convert.convert(
+        args.src, args.dst, codec=args.codec,
+        level=convert.zcodec.DEFAULT_ZSTD_LEVEL if args.level is None else args.level,
+        chunk_n=args.chunk_size, threads=args.threads, progress=for_terminal(args.quiet or args.json),
+    )
+    if args.json:
+        print_json(report.to_dict())
+    elif not args.quiet:
+        total = report.rows()[-1]
+        print(f"{report.src} -> {report.dst}: {human_size(report.source_size)} -> "
+              f"{human_size(report.output_size)} ({total.ratio:.1%}) in {report.seconds:.1f} s "
+              f"[{report.codec}, {report.chunk_n} values per chunk, {report.threads} threads]")
+        print()
+        print(size_table([r.to_dict() for r in report.rows()]))
+        print(TABLE_NOTE)
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from ..file import verify
+
+    report = verify.verify(args.file, args.against, threads=args.threads,
+                            progress=for_terminal(args.quiet or args.json))
+    if args.json:
+        print_json({**report.to_dict(), "ok": True})
+    elif not args.quiet:
+        against = f"; identical to {report.against}" if report.against else ""
+        print(f"OK {report.path}: {report.tensors} expert tensors, {report.experts} experts, {report.chunks} "
+              f"chunks decoded with good checksums; the restored source matches its sha256 "
+              f"{report.sha256[:16]}...{against}")
+    return EXIT_OK
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from ..file import convert
+
+    info = convert.inspect(args.file, progress=for_terminal(args.json))
+    if args.json:
+        print_json(info)
+        return EXIT_OK
+    print(f"{info['file']}: {human_size(info['file_size'])}, {info['status']}")
+    if info["compressed"]:
+        src = info["source"]
+        print(f"codec {info['codec']} (level {info['codec_level']}), {info['chunk_size']} values per chunk; "
+              f"source {human_size(src['size'])}, sha256 {src['sha256']}")
+    for t in info["unsupported_experts"]:
+        print(f"  {t['name']}: {t['type']}")
+    if info["tensors"]:
+        print()
+        print(tensor_table(info["tensors"]))
+        print()
+        print(size_table(info["groups"]))
+        print(TABLE_NOTE)
+    return EXIT_OK
+
+
+def cmd_unpack(args: argparse.Namespace) -> int:
+    from ..file import verify
+
+    report = verify.unpack(args.file, args.out, threads=args.threads, progress=for_terminal(args.quiet))
+    if not args.quiet:
+        print(f"{report.path} -> {report.out}: {human_size(report.size)}, sha256 {report.sha256} "
+              f"matches the original's")
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .. import synth
+    from ..file import convert, verify
+
+    progress = for_terminal(args.quiet)
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="zipmoe-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    model, packed, restored = (workdir / f"{args.preset}-{args.arch}{s}.gguf" for s in ("", ".zipmoe", ".restored"))
+    say: Callable[[str], None] = (lambda s: None) if args.quiet else print
+    try:
+        config = synth.for_arch(synth.PRESETS[args.preset], args.arch)
+        progress.start("generate", synth.tensor_data_bytes(config))
+        made = synth.write_config(model, config, progress=_synth_progress(progress))
+        progress.close()
+        say(f"1. generated {model} ({human_size(made.file_size)}): a {args.arch} model with random BF16 weights")
+        report = convert.convert(model, packed, threads=args.threads, progress=progress)
+        say(f"2. converted it to {packed} ({human_size(report.output_size)}) in {report.seconds:.1f} s")
+        checked = verify.verify(packed, model, threads=args.threads, progress=progress)
+        say(f"3. verified: {checked.experts} experts decode bit for bit to the source's")
+        back = verify.unpack(packed, restored, threads=args.threads, progress=progress)
+        if back.sha256 != report.sha256:
+            raise verify.MismatchError(f"{restored} has sha256 {back.sha256}, the source {report.sha256}")
+        say(f"4. unpacked it to {restored}: sha256 {back.sha256[:16]}... equals the source's")
+        say("")
+        say(size_table([r.to_dict() for r in report.rows()]))
+        say(TABLE_NOTE)
+    finally:
+        progress.close()
+        if not args.keep:
+            if args.workdir:
+                for p in (model, model.with_name(model.name + ".part"), packed, restored):
+                    p.unlink(missing_ok=True)
+            else:
+                shutil.rmtree(workdir, ignore_errors=True)
+    if args.keep:
+        say(f"files kept in {workdir}")
+    return EXIT_OK
+
+
+def _synth_progress(progress: Progress) -> Callable[[int, int, str], None]:
+    """synth reports cumulative bytes; Progress wants increments."""
+    last = [0]
+
+    def update(done: int, total: int, name: str) -> None:
+        progress.advance(done - last[0])
+        last[0] = done
+
+    return update
+
+
+# --------------------------------------------------------------------------------------------- parsing
+
+
+def register(sub: Any) -> None:
+    """Adds convert, verify, inspect, unpack and demo to the `zipmoe` command's subparsers."""
+    from ..file import codec
+
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = sub.add_parser(
+        "convert", formatter_class=fmt, help="compress the BF16 expert tensors of a GGUF",
+        description=para("Compress every BF16 expert tensor (blk.N.ffn_{up,gate,down,gate_up}_exps.weight) of SRC "
+                      "into DST, a GGUF that keeps every other tensor and key of SRC. SRC is read twice "
+                      "(statistics, then encoding); memory use does not grow with the model."),
+        epilog="examples:\n  zipmoe convert model-bf16.gguf model.zipmoe.gguf\n"
+               "  zipmoe convert model-bf16.gguf model.zipmoe.gguf --codec zstd --level 3 --threads 8")
+    p.add_argument("src", metavar="SRC", help="a BF16 MoE GGUF")
+    p.add_argument("dst", metavar="DST", help="the zipmoe GGUF to write (replaced if it exists)")
+    p.add_argument("--codec", choices=("auto", "huff", "esc", "zstd"), default="auto",
+                   help="exponent codec: huff (the smallest of the fast ones), esc (2-3%% larger, decoded several "
+                        "times faster on CPUs with AVX-512 VBMI2, slower than huff elsewhere) or zstd; "
+                        f"auto = {codec.DEFAULT_CODEC}")
+    p.add_argument("--level", type=int, metavar="N",
+                   help=f"zstd compression level (default: {codec.DEFAULT_ZSTD_LEVEL}; zstd only)")
+    p.add_argument("--chunk-size", type=positive, default=codec.DEFAULT_CHUNK_N, metavar="N",
+                   help="BF16 values per independently decodable chunk (default: %(default)s)")
+    add_threads(p)
+    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress bars, no size table")
+    p.set_defaults(run=cmd_convert)
+
+    p = sub.add_parser(
+        "verify", formatter_class=fmt, help="check that a zipmoe file restores its source exactly",
+        description=para("Decode every expert of FILE (each chunk's checksum is checked) and restore the source in "
+                      "memory, checking its sha256 against the one recorded at conversion. With --against, "
+                      "also compare with the source file and name the first differing value."),
+        epilog="example:\n  zipmoe verify model.zipmoe.gguf --against model-bf16.gguf")
+    p.add_argument("file", metavar="FILE", help="a zipmoe GGUF")
+    p.add_argument("--against", metavar="SRC", help="the BF16 GGUF it was converted from")
+    add_threads(p)
+    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress bars, no report (the exit status tells)")
+    p.set_defaults(run=cmd_verify)
+
+    p = sub.add_parser(
+        "inspect", formatter_class=fmt, help="sizes, exponent entropy and ratios of a GGUF",
+        description=para("For a zipmoe file: per expert tensor its BF16 and compressed sizes, the entropy of its "
+                      "exponents H(exp), the entropy floor (8 + H(exp)) / 16 and how far the achieved ratio is "
+                      "above it. For a plain GGUF: its expert tensors, their measured H(exp) and floor."),
+        epilog="examples:\n  zipmoe inspect model.zipmoe.gguf\n  zipmoe inspect model-bf16.gguf --json")
+    p.add_argument("file", metavar="FILE", help="a zipmoe or plain GGUF")
+    p.add_argument("--json", action="store_true", help="print everything as JSON on stdout")
+    p.set_defaults(run=cmd_inspect)
+
+    p = sub.add_parser(
+        "unpack", formatter_class=fmt, help="restore the original BF16 GGUF",
+        description=para("Write the source of FILE back, byte for byte, to OUT; its sha256 is checked before OUT "
+                      "appears."),
+        epilog="example:\n  zipmoe unpack model.zipmoe.gguf model-bf16.gguf")
+    p.add_argument("file", metavar="FILE", help="a zipmoe GGUF")
+    p.add_argument("out", metavar="OUT", help="where to write the restored GGUF")
+    add_threads(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bars, no report")
+    p.set_defaults(run=cmd_unpack)
+
+    p = sub.add_parser(
+        "demo", formatter_class=fmt, help="generate a synthetic MoE model, convert, verify and unpack it",
+        description=para("Run the whole cycle on a synthetic BF16 MoE model with random weights (whose exponents "
+                      "have the statistics of trained ones): generate, convert, verify against the source, "
+                      "unpack and compare sha256, then print the size table."),
+        epilog="examples:\n  zipmoe demo\n  zipmoe demo --preset tiny --arch olmoe --workdir /tmp/z --keep")
+    p.add_argument("--preset", choices=("tiny", "small"), default="small",
+                   help="model size: tiny (~0.3 MB) or small (~64 MB, the default)")
+    p.add_argument("--arch", choices=("qwen3moe", "olmoe"), default="qwen3moe", help="model architecture")
+    p.add_argument("--workdir", metavar="DIR", help="where to put the files (default: a temporary directory)")
+    p.add_argument("--keep", action="store_true", help="keep the files afterwards")
+    add_threads(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bars, no output")
+    p.set_defaults(run=cmd_demo)
+
+def add_threads(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=positive, metavar="N", help="worker threads (default: all CPUs)")
+
+
+# ------------------------------------------------------------------- running models: run, serve, bench

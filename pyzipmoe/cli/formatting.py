@@ -1,0 +1,100 @@
+"""What the zipmoe command's subcommands share: exit statuses, sizes and tables as text, JSON output, help paragraphs
+and argument types."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import textwrap
+from collections.abc import Sequence
+from typing import Any
+
+EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def human_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def pct(x: float | None, signed: bool = False) -> str:
+    if x is None:
+        return "-"
+    return f"{x:+.1f}%" if signed else f"{x:.1%}"
+
+
+def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned first column, right-aligned numbers."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        first = f"{cells[0]:<{widths[0]}}"
+        return "  ".join([first, *(f"{c:>{w}}" for c, w in zip(cells[1:], widths[1:]))]).rstrip()
+
+    return "\n".join([line(header), *(line(r) for r in rows)])
+
+
+def size_table(groups: Sequence[dict[str, Any]]) -> str:
+    """The tensor-group size table of convert and inspect (dicts of SizeRow.to_dict())."""
+    header = ("tensor group", "tensors", "BF16 size", "zipmoe size", "ratio", "floor", "vs floor")
+    rows = [(g["label"], str(g["n_tensors"] or ""), human_size(g["bf16_bytes"]),
+             "-" if g["zipmoe_bytes"] is None else human_size(g["zipmoe_bytes"]),
+             pct(g["ratio"]), pct(g["floor"]), pct(g["floor_gap_pct"], signed=True)) for g in groups]
+    return render_table(header, rows)
+
+
+def tensor_table(tensors: Sequence[dict[str, Any]]) -> str:
+    header = ("tensor", "shape", "BF16 size", "zipmoe size", "H(exp)", "ratio", "floor", "vs floor")
+    rows = [(t["name"], "x".join(map(str, t["dims"])), human_size(t["bf16_bytes"]),
+             "-" if t["zipmoe_bytes"] is None else human_size(t["zipmoe_bytes"]),
+             f"{t['exponent_entropy']:.3f}", pct(t["ratio"]), pct(t["floor"]),
+             pct(t["floor_gap_pct"], signed=True)) for t in tensors]
+    return render_table(header, rows)
+
+
+TABLE_NOTE = ("ratio = zipmoe size / BF16 size; floor = (8 + H(exp)) / 16, the best a code that stores "
+              "sign+mantissa raw can do; vs floor = ratio / floor - 1")
+
+
+def print_json(data: dict[str, Any]) -> None:
+    print(json.dumps(data, indent=2))
+
+
+def para(text: str) -> str:
+    """A description paragraph wrapped for the terminal (the formatter keeps the epilogs' line breaks)."""
+    return textwrap.fill(text, width=min(100, shutil.get_terminal_size().columns - 2))
+
+
+def positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+
+def fraction(text: str) -> float:
+    try:
+        f = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= f <= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {f}")
+    return f
+
+
+def nonnegative(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {n}")
+    return n

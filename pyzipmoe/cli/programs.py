@@ -1,0 +1,229 @@
+"""`zipmoe run`, `serve` and `bench`: zipmoe's llama.cpp programs (and pyzipmoe.Llama for a `run -p` completion)
+on a zipmoe or plain GGUF, a file or a package's name."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from ..errors import ZipmoeError
+from .formatting import EXIT_OK, fraction, human_size, nonnegative, para, positive, print_json, render_table
+
+LLAMA_COMMANDS = ("run", "serve", "bench")
+
+
+def _llama_args(args: argparse.Namespace) -> list[str]:
+    return list(getattr(args, "llama_args", None) or [])
+
+
+def _common_llama_flags(args: argparse.Namespace) -> list[str]:
+    flags = []
+    if getattr(args, "threads", None) is not None:
+        flags += ["-t", str(args.threads)]
+    if getattr(args, "ctx_size", None) is not None:
+        flags += ["-c", str(args.ctx_size)]
+    return flags
+
+
+def _resolve(args: argparse.Namespace, program: str) -> tuple[str, list[str], Any]:
+    """MODEL as a GGUF path or a stored model's name: (file, the package's flags for `program`, package)."""
+    from ..models.directory import resolve_model
+
+    path, package = resolve_model(args.model)
+    return str(path), (package.llama_program_args(program) if package else []), package
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from ..runtime import runner
+
+    model, package_flags, package = _resolve(args, "llama-cli")
+    params = package.parameters if package else {}
+    cache = args.cache or (package.cache_mode if package else None)
+    extra = _llama_args(args)
+    if args.prompt is None:
+        os.environ.update(_cache_settings(args, model, package))  # what libllama in llama-cli reads  # interactive chat: llama-cli; the package's flags first, so that the user's win
+        argv = [str(runner.program("llama-cli")), "-m", model, *package_flags, *_common_llama_flags(args)]
+        if args.n_predict is not None:
+            argv += ["-n", str(args.n_predict)]
+        if args.temp is not None:
+            argv += ["--temp", str(args.temp)]
+        if args.seed is not None:
+            argv += ["--seed", str(args.seed)]
+        return runner.run_foreground([*argv, *extra], runner.environment(cache))
+    if extra:
+        raise ZipmoeError("llama.cpp arguments after -- go to the interactive llama-cli, not to a -p completion; "
+                          "for a single chat turn with llama-cli use: zipmoe run MODEL -- -st -p PROMPT")
+    def pick(given: Any, key: str, default: Any) -> Any:
+        return given if given is not None else params.get(key, default)
+
+    completion = runner.complete(model, args.prompt, n_predict=pick(args.n_predict, "num_predict", 128),
+                                 threads=args.threads, n_ctx=pick(args.ctx_size, "num_ctx", None),
+                                 temperature=pick(args.temp, "temperature", 0.8), seed=pick(args.seed, "seed", None),
+                                 cache=cache or "unbounded", out=sys.stdout,
+                                 options={"memory_budget": args.memory_budget or params.get("memory_budget"),
+                                          "cache_policy": args.policy, "hot_share": args.hot_share,
+                                          "sm_share": args.sm_share, "trace": args.trace,
+                                          "planner": args.planner})
+    print()
+    if args.stats:
+        runner.print_completion_stats(completion)
+    return EXIT_OK
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ..runtime import runner
+
+    model, package_flags, package = _resolve(args, "llama-server")
+    cache = args.cache or (package.cache_mode if package else None)
+    os.environ.update(_cache_settings(args, model, package))
+    argv = [str(runner.program("llama-server")), "-m", model, "--host", args.host, "--port", str(args.port),
+            *package_flags, *_common_llama_flags(args)]
+    return runner.run_foreground([*argv, *_llama_args(args)], runner.environment(cache))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ..runtime import runner
+
+    flags = ["-p", str(args.n_prompt), "-n", str(args.n_gen), "-r", str(args.repetitions)]
+    if args.threads is not None:
+        flags += ["-t", str(args.threads)]
+    if args.no_warmup:
+        flags.append("--no-warmup")
+    from ..runtime.llama import is_zipmoe_file
+
+    zipmoe_models = [m for m in args.models if is_zipmoe_file(m)]
+    if args.planner is True and args.memory_budget is not None and len(zipmoe_models) > 1:
+        raise ZipmoeError("the planner plans one model at a time: bench one zipmoe model under --memory-budget, or "
+                          "give --hot-share (and --sm-share) to split every model's budget the same way")
+    os.environ.update(_cache_settings(args, zipmoe_models[0] if zipmoe_models else args.models[0]))
+    results, records = runner.llama_bench(args.models, [*flags, *_llama_args(args)], cache=args.cache)
+    if args.json:
+        print_json({"results": [r.to_dict() for r in results], "cache": args.cache or "unbounded",
+                     "llama_bench": records})
+        return EXIT_OK
+    header = ("model", "size", "params", "threads", "ubatch", "test", "tokens/s")
+    rows = [(r.model, human_size(r.model_size), f"{r.model_n_params / 1e6:.1f} M", str(r.n_threads), str(r.n_ubatch),
+             r.test, f"{r.tokens_per_second:.2f} ± {r.stddev:.2f}") for r in results]
+    print(render_table(header, rows))
+    print(f"llama-bench, {args.repetitions} repetitions{', no warmup' if args.no_warmup else ' after a warmup run'}; "
+          f"zipmoe cache: {args.cache or 'unbounded'}")
+    return EXIT_OK
+
+
+def _cache_settings(args: argparse.Namespace, model: str, package: Any = None) -> dict[str, str]:
+    """The runtime's environment for MODEL from --memory-budget, --policy, --hot-share, --sm-share and --trace (a
+    stored model's memory_budget parameter is the default budget); the planner splits the budget unless shares
+    are given."""
+    from ..runtime.controller import planner_by_default, runtime_environment
+    from ..runtime.llama import is_zipmoe_file
+
+    budget = args.memory_budget
+    if budget is None and package is not None:
+        budget = package.parameters.get("memory_budget")
+    is_zipmoe = bool(is_zipmoe_file(model))
+    use_planner = args.planner if args.planner is not None else planner_by_default(
+        model, budget=budget, hot_share=args.hot_share, sm_share=args.sm_share, is_zipmoe=is_zipmoe)
+    return runtime_environment(model, budget=budget, policy=args.policy, hot_share=args.hot_share,
+                               sm_share=args.sm_share, trace=args.trace, is_zipmoe=is_zipmoe, use_planner=use_planner)
+
+
+def _add_llama_options(p: argparse.ArgumentParser, *, ctx: str | None = "default: llama.cpp's") -> None:
+    p.add_argument("-t", "--threads", type=positive, metavar="N", help="CPU threads (default: llama.cpp's)")
+    if ctx:
+        p.add_argument("-c", "--ctx-size", type=positive, metavar="N", help=f"context size in tokens ({ctx})")
+    p.add_argument("--memory-budget", metavar="SIZE",
+                   help="everything the model may keep resident: e.g. 6GiB, 512MiB, 60%%, or auto (what the machine "
+                        "or container has free, less a margin). It holds the weights that are not experts, the "
+                        "experts of one expert tensor in flight, and the expert cache: decoded experts, unless "
+                        "--hot-share, --sm-share or --planner split it. Too small: an error says the minimum. "
+                        "Default: unbounded. Sets ZIPMOE_MEMORY_BUDGET")
+    p.add_argument("--policy", choices=("tlfu", "lru", "lfu", "fifo"),
+                   help="eviction under a budget: tlfu (default, the paper's token-weighted LFU), lru, lfu, fifo")
+    p.add_argument("--hot-share", type=fraction, metavar="F",
+                   help="share of the cache for decoded experts (default 1)")
+    p.add_argument("--sm-share", type=fraction, metavar="F",
+                   help="fixed share for sign+mantissa planes (their exponents are read from disk); the rest of "
+                        "the cache keeps whole compressed experts")
+    p.add_argument("--planner", action=argparse.BooleanOptionalAction, default=None,
+                   help="let the planner split the cache per layer (see zipmoe plan). Default: on under a budget "
+                        "without shares once `zipmoe calibrate MODEL` has measured this machine, else the cache "
+                        "keeps decoded experts. It re-plans from the order the run's tokens route in with -p "
+                        "(llama-cpp-python); llama-cli and llama-server keep the first plan (from --trace)")
+    p.add_argument("--trace", metavar="FILE",
+                   help="expert activation counts for the planner (.npz with counts[prompts, layers, experts]); "
+                        "default: every expert equally likely")
+    p.add_argument("--cache", choices=("unbounded", "none"),
+                   help="zipmoe expert cache: unbounded (default) keeps decoded experts, none decodes on every "
+                        "use (sets ZIPMOE_CACHE)")
+
+
+def register(sub: Any) -> None:
+    """Adds `run`, `serve` and `bench` (zipmoe's llama.cpp build, build/bin, on a zipmoe or plain GGUF) to the
+    `zipmoe` command's subparsers."""
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = sub.add_parser(
+        "run", formatter_class=fmt, usage="zipmoe run [options] MODEL [-- LLAMA_CLI_ARGS ...]",
+        help="chat with a model, or complete a prompt (-p)",
+        description=para("Without -p: an interactive chat with llama-cli from zipmoe's build of llama.cpp. With -p: "
+                          "a one-shot raw completion of PROMPT printed to stdout (through llama-cpp-python and the "
+                          "same libllama). MODEL may be a zipmoe GGUF or a plain one. Arguments after -- go to "
+                          "llama-cli."),
+        epilog="examples:\n"
+               "  zipmoe run model.zipmoe.gguf                                  chat (llama-cli)\n"
+               "  zipmoe run model.zipmoe.gguf -p 'Once upon a time' -n 64      raw completion\n"
+               "  zipmoe run model.zipmoe.gguf -p 'The capital of France is' --temp 0 --stats\n"
+               "  zipmoe run model.zipmoe.gguf -- -st -p 'Why is the sky blue?'  one chat turn (llama-cli)\n"
+               "  zipmoe run model.zipmoe.gguf -t 8 -- --jinja -sys 'Answer briefly.'")
+    p.add_argument("model", metavar="MODEL", help="a zipmoe GGUF (or a plain GGUF)")
+    p.add_argument("-p", "--prompt", metavar="PROMPT", help="complete PROMPT once and exit (raw completion)")
+    p.add_argument("-n", "--n-predict", type=positive, metavar="N", help="tokens to generate (default with -p: 128)")
+    p.add_argument("--temp", type=float, metavar="T", help="sampling temperature; 0 = greedy (default: 0.8)")
+    p.add_argument("--seed", type=nonnegative, metavar="S", help="sampling seed (default: random)")
+    p.add_argument("--stats", "-v", "--verbose", dest="stats", action="store_true",
+                   help="with -p: print speed and the expert cache's counters (hits per tier, bytes read and decoded, "
+                        "time stalled per token) to stderr")
+    _add_llama_options(p, ctx="default: llama.cpp's; with -p the model's, at most 4096")
+    p.set_defaults(run=cmd_run)
+
+    p = sub.add_parser(
+        "serve", formatter_class=fmt, usage="zipmoe serve [options] MODEL [-- LLAMA_SERVER_ARGS ...]",
+        help="serve a model over HTTP (llama-server)",
+        description=para("Run llama-server from zipmoe's build of llama.cpp on MODEL: an OpenAI-compatible HTTP API "
+                          "and a web UI. Arguments after -- go to llama-server."),
+        epilog="examples:\n"
+               "  zipmoe serve model.zipmoe.gguf                     http://127.0.0.1:8080\n"
+               "  zipmoe serve model.zipmoe.gguf --host 0.0.0.0 --port 9000 -t 8\n"
+               "  zipmoe serve model.zipmoe.gguf -- -np 4 --jinja\n"
+               "  curl http://127.0.0.1:8080/completion -d '{\"prompt\": \"Hello\", \"n_predict\": 16}'")
+    p.add_argument("model", metavar="MODEL", help="a zipmoe GGUF (or a plain GGUF)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=positive, default=8080, help="port (default: %(default)s)")
+    _add_llama_options(p)
+    p.set_defaults(run=cmd_serve)
+
+    p = sub.add_parser(
+        "bench", formatter_class=fmt, usage="zipmoe bench [options] MODEL [MODEL ...] [-- LLAMA_BENCH_ARGS ...]",
+        help="measure prompt and generation speed (llama-bench)",
+        description=para("Measure prompt processing (ppN) and generation (tgN) speed in tokens/s with llama-bench "
+                          "from zipmoe's build of llama.cpp. Give several models to compare them, e.g. a BF16 GGUF and "
+                          "its zipmoe GGUF. llama-bench's warmup run decodes most experts, so by default this measures "
+                          "a warm expert cache; --no-warmup measures the first run after loading. Arguments after -- "
+                          "go to llama-bench."),
+        epilog="examples:\n"
+               "  zipmoe bench model.zipmoe.gguf\n"
+               "  zipmoe bench model-bf16.gguf model.zipmoe.gguf -p 256 -n 64 -t 8\n"
+               "  zipmoe bench model.zipmoe.gguf --cache none --json\n"
+               "  zipmoe bench model.zipmoe.gguf -- -ub 1,512")
+    p.add_argument("models", nargs="+", metavar="MODEL", help="one or more GGUFs (zipmoe or plain)")
+    p.add_argument("-p", "--n-prompt", type=nonnegative, default=512, metavar="N",
+                   help="prompt tokens of the pp test, 0 for none (default: %(default)s)")
+    p.add_argument("-n", "--n-gen", type=nonnegative, default=128, metavar="N",
+                   help="generated tokens of the tg test, 0 for none (default: %(default)s)")
+    p.add_argument("-r", "--repetitions", type=positive, default=5, metavar="N",
+                   help="repetitions of each test (default: %(default)s)")
+    p.add_argument("--no-warmup", action="store_true", help="no warmup run: the first repetition is a cold start")
+    p.add_argument("--json", action="store_true", help="print the results (and llama-bench's records) as JSON")
+    _add_llama_options(p, ctx=None)
+    p.set_defaults(run=cmd_bench)

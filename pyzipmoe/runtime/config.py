@@ -1,0 +1,162 @@
+"""The one place where user options become the runtime's configuration.
+
+zipmoe's runtime in libllama reads its settings from ``ZIPMOE_*`` environment variables when a model loads
+(ggml_zipmoe/src/op/zipmoe-llama.cpp, the reader and the codec). ``RuntimeConfig`` holds the options a user gives
+(the CLI's flags, a Modelfile's parameters, ``pyzipmoe.Llama``'s arguments), checks them, and writes them as that
+environment (``to_env``): for bare llama.cpp programs, and for ``Llama`` while its model loads. Every variable the
+runtime reads is named here once (``RUNTIME_ENV``).
+
+The share rule also lives here once: a hot share that is not given is the runtime's default, which gives way to a
+given sm share (``split_shares``, ``hot_share_within``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+
+from ..errors import ZipmoeError
+from ..paths import llama_lib_dir
+from .budget import parse_budget
+
+BUDGET_ENV = "ZIPMOE_MEMORY_BUDGET"  # the model's budget in bytes (the runtime also reads 6GiB, 60%)
+HOT_SHARE_ENV = "ZIPMOE_HOT_SHARE"  # without a plan: the tiers' share for decoded experts
+SM_SHARE_ENV = "ZIPMOE_SM_SHARE"  # without a plan: the tiers' share for sign+mantissa planes
+PLAN_ENV = "ZIPMOE_PLAN"  # slots per layer and tier, as `zipmoe plan` prints them
+POLICY_ENV = "ZIPMOE_CACHE_POLICY"  # eviction: one of POLICIES
+CACHE_ENV = "ZIPMOE_CACHE"  # one of CACHE_MODES; "none": decode on every use
+PREFILL_ENV = "ZIPMOE_PREFILL"  # "0": leave the cache tiers empty at load
+DIRECT_IO_ENV = "ZIPMOE_DIRECT_IO"  # "0": read the model file through the page cache instead of O_DIRECT
+READ_BUFFER_ENV = "ZIPMOE_READ_BUFFER"  # what each of the reader's buffers keeps between uses (default 16MiB)
+PREDICT_ENV = "ZIPMOE_PREDICT"  # "1": read ahead the experts the next layer's router picks on this layer's input
+FUSED_ENV = "ZIPMOE_FUSED"  # "0": materialise routed experts and leave the matmul to ggml_mul_mat_id
+STREAM_ENV = "ZIPMOE_STREAM"  # "0": decode a warm expert into its place before its matmul
+ESC_SIMD_ENV = "ZIPMOE_ESC_SIMD"  # "0": the escape code's portable decoder even where its SIMD one runs
+INTEGRITY_ENV = "ZIPMOE_INTEGRITY"  # "skip": load a file without checking its integrity record
+# every variable that configures the runtime: what a benchmark or test clears to start from the defaults
+RUNTIME_ENV = (CACHE_ENV, BUDGET_ENV, HOT_SHARE_ENV, SM_SHARE_ENV, PLAN_ENV, POLICY_ENV, PREFILL_ENV, DIRECT_IO_ENV,
+               READ_BUFFER_ENV, PREDICT_ENV, FUSED_ENV, STREAM_ENV, ESC_SIMD_ENV, INTEGRITY_ENV)
+
+POLICIES = ("tlfu", "lru", "lfu", "fifo")  # eviction; tlfu: the paper's token-weighted LFU
+DEFAULT_POLICY = "tlfu"  # the runtime's unless ZIPMOE_CACHE_POLICY says otherwise (store.c)
+CACHE_MODES = ("unbounded", "none")  # "none": decode every expert on every use (measurements)
+
+OPENMP_SPIN = ("GOMP_SPINCOUNT", "2000")
+"""How long an OpenMP thread spins before it sleeps, for zipmoe's own process and the llama.cpp programs it starts.
+ggml's threads meet at a barrier after every operation of the graph, and libgomp lets a waiting thread spin about
+300000 rounds. With as many threads as cores (llama-cli's default), that spinning starved zipmoe's reader thread and
+the kernel's reads: on 2 cores, llama-completion -t 2 generated 7.4-8.4 tokens/s at a 75% budget and 13.1 at 93%;
+with 2000 rounds 13.1-13.7 and 23.3, and the same 62 tokens/s when everything fits. A value of the user's (or an
+OMP_WAIT_POLICY) is kept; `bare llama-cli` needs it in its environment (README)."""
+
+
+def openmp_environment(env: MutableMapping[str, str]) -> MutableMapping[str, str]:
+    """env (a dict, or os.environ) with OPENMP_SPIN added, unless it already says how OpenMP threads wait."""
+    name, value = OPENMP_SPIN
+    if name not in env and "OMP_WAIT_POLICY" not in env:
+        env[name] = value
+    return env
+
+
+def use_zipmoe_llama(env: MutableMapping[str, str] | None = None) -> None:
+    """Points llama-cpp-python at zipmoe's build of libllama: sets ``LLAMA_CPP_LIB_PATH`` (and OPENMP_SPIN, which
+    libgomp reads when libllama loads) in `env`, default ``os.environ``, so that ``llama_cpp.Llama`` runs zipmoe GGUFs.
+
+    llama-cpp-python reads the variable once, when ``llama_cpp`` is first imported: once it is imported, nothing is
+    changed. A value already set is kept, and nothing is set when zipmoe's libllama has not been built (a
+    llama-cpp-python that bundles its own library then keeps working for plain GGUFs). ``import pyzipmoe`` calls it.
+    """
+    import sys
+
+    env = os.environ if env is None else env
+    if "llama_cpp" in sys.modules:
+        return
+    openmp_environment(env)
+    if env.get("LLAMA_CPP_LIB_PATH"):
+        return
+    found = llama_lib_dir()
+    if found is not None:
+        env["LLAMA_CPP_LIB_PATH"] = str(found)
+
+
+def check_share(name: str, share: float | None) -> None:
+    if share is not None and not 0 <= share <= 1:
+        raise ZipmoeError(f"{name} {share} is not a fraction between 0 and 1")
+
+
+def split_shares(hot_share: float | None, sm_share: float | None) -> tuple[float | None, float | None, float]:
+    """(hot, warm, sm) shares of the cache tiers from the shares a user gave: the rest of hot and sm keeps
+    compressed experts. A hot share not given is None (the runtime's default, which hot_share_within bounds),
+    unless an sm share is: hot then gets what sm leaves."""
+    sm = sm_share or 0.0
+    hot = hot_share if hot_share is not None else (None if sm_share is None else 1.0 - sm)
+    return hot, (None if hot is None else max(0.0, 1.0 - hot - sm)), sm
+
+
+def hot_share_within(default_hot: float, sm_share: float) -> float:
+    """The runtime's default hot share where an sm share is set: the hot share gives way to the sm share."""
+    return min(default_hot, 1.0 - sm_share)
+
+
+def _flag(value: bool) -> str:
+    return "1" if value else "0"
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """What a user asks of the runtime for one model; None everywhere: the runtime's defaults (or what the
+    environment already says, which to_env leaves alone).
+
+    budget: the model's memory budget, bytes or as people write it ("6GiB", "60%"; "auto" is resolved by the
+        caller, which knows the model). policy: eviction, one of POLICIES. hot_share, sm_share: without a plan, the
+        tiers' shares for decoded experts and for sign+mantissa planes. plan: slots per layer and tier, as
+        `zipmoe plan` prints them. cache: one of CACHE_MODES. prefill, direct_io, predict, fused, stream: the
+        runtime's switches (README). read_buffer: bytes each of the reader's buffers keeps between uses.
+    """
+
+    budget: str | int | None = None
+    policy: str | None = None
+    hot_share: float | None = None
+    sm_share: float | None = None
+    plan: str | None = None
+    cache: str | None = None
+    prefill: bool | None = None
+    direct_io: bool | None = None
+    read_buffer: str | int | None = None
+    predict: bool | None = None
+    fused: bool | None = None
+    stream: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy is not None and self.policy not in POLICIES:
+            raise ZipmoeError(f"cache policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if self.cache is not None and self.cache not in CACHE_MODES:
+            raise ZipmoeError(f"cache mode must be one of {', '.join(CACHE_MODES)}, not {self.cache!r}")
+        check_share("hot share", self.hot_share)
+        check_share("sm share", self.sm_share)
+        if (self.hot_share or 0) + (self.sm_share or 0) > 1 + 1e-9:
+            raise ZipmoeError(f"hot share {self.hot_share} and sm share {self.sm_share} add up to more than 1")
+
+    def to_env(self) -> dict[str, str]:
+        """The ZIPMOE_* variables for what is set; empty for the defaults."""
+        env: dict[str, str] = {}
+        if self.budget is not None:
+            env[BUDGET_ENV] = str(parse_budget(self.budget))
+        if self.policy is not None:
+            env[POLICY_ENV] = self.policy
+        if self.hot_share is not None:
+            env[HOT_SHARE_ENV] = repr(float(self.hot_share))
+        if self.sm_share is not None:
+            env[SM_SHARE_ENV] = repr(float(self.sm_share))
+        if self.plan is not None:
+            env[PLAN_ENV] = self.plan
+        if self.cache is not None:
+            env[CACHE_ENV] = self.cache
+        if self.read_buffer is not None:
+            env[READ_BUFFER_ENV] = str(self.read_buffer)
+        for name, value in ((PREFILL_ENV, self.prefill), (DIRECT_IO_ENV, self.direct_io),
+                            (PREDICT_ENV, self.predict), (FUSED_ENV, self.fused), (STREAM_ENV, self.stream)):
+            if value is not None:
+                env[name] = _flag(value)
+        return env
