@@ -1,4 +1,5 @@
-"""The one cffi module: declarations of ggml_zipmoe/include/zipmoe.h and the loaded library.
+"""The one cffi module: declarations of the public headers in ggml_zipmoe/include (zipmoe.h, zipmoe-cache.h,
+zipmoe-integrity.h; tests/test_native_api.py holds them to the headers) and the loaded library.
 
 ABI mode (dlopen) keeps the Python package free of a compile step of its own: the shared library is
 built once by CMake (tools/setup.sh) and found here. cffi releases the GIL during every call, so
@@ -27,6 +28,7 @@ typedef enum { ZIPMOE_CODEC_ZSTD = 1, ZIPMOE_CODEC_HUFF = 2, ZIPMOE_CODEC_ESC = 
 const char * zipmoe_status_str(int64_t status);
 #define ZIPMOE_SIZE_MAX 1152921504606846976
 int64_t zipmoe_parse_size(const char * text, uint64_t * out);
+int64_t zipmoe_parse_budget(const char * text, uint64_t total, uint64_t * out);
 int zipmoe_simd_level(void);
 
 void zipmoe_split_bf16(const uint16_t * src, size_t n, uint8_t * exp, uint8_t * sm);
@@ -107,7 +109,13 @@ typedef struct { uint64_t hot, warm, sm; uint64_t in_flight; uint64_t reads; uin
 int64_t zipmoe_budget_split_tiers(const zipmoe_store_size * stores, size_t n_stores, uint64_t tiers, double hot_share,
                                   double sm_share, zipmoe_budget_split * out);
 double  zipmoe_budget_default_hot_share(const zipmoe_store_size * stores, size_t n_stores, uint64_t tiers,
-                                        int warm_fast);
+                                        int warm_fast, double sm_share);
+#define ZIPMOE_EMBD_BATCH_ROWS 2048
+uint64_t zipmoe_budget_embd_charge(uint64_t embd_bytes, uint64_t row_bytes, uint64_t page);
+typedef struct { uint64_t other; uint64_t embd_charged; uint64_t in_flight; uint64_t experts; uint64_t minimum; }
+    zipmoe_budget_need;
+int64_t zipmoe_budget_need_of(const zipmoe_store_size * stores, size_t n_stores, uint64_t other_bytes,
+                              uint64_t embd_bytes, uint64_t embd_row_bytes, uint64_t page, zipmoe_budget_need * out);
 int64_t zipmoe_cache_apply_split(const zipmoe_budget_split * split, zipmoe_policy policy);
 int64_t zipmoe_store_open(const char * name, const void * index, size_t index_size, uint64_t data_size,
                           zipmoe_store ** out);

@@ -40,6 +40,8 @@ def parse_size(text: str) -> int | None:
         ("0.5k", 512),
         ("0.1GiB", 107374182),  # rounded down: floor(0.1 * 2**30)
         ("1.9", 1),
+        ("6 GiB", 6 * GIB),  # white space between the number and its unit, as pyzipmoe always read it
+        ("1 k", KIB),
         ("1048576TiB", 1 << 60),  # ZIPMOE_SIZE_MAX, the largest
         (str(1 << 60), 1 << 60),
     ],
@@ -51,13 +53,45 @@ def test_parse_size_accepts(text, expected):
 @pytest.mark.parametrize(
     "text",
     [
-        "", " ", "-1", "+1", "1e3GiB", "1e3", "inf", "nan", "infGiB", "1.", ".5", "1..5", "1.5.2GiB", "6 GiB",
-        "60%", "auto", "GiB", "1PiB", "1EiB", "1KiBs", "1 k", "0x10", str((1 << 60) + 1), "1048577TiB",
+        "", " ", "-1", "+1", "1e3GiB", "1e3", "inf", "nan", "infGiB", "1.", ".5", "1..5", "1.5.2GiB", "6 Gi B",
+        "60%", "auto", "GiB", "1PiB", "1EiB", "1KiBs", "0x10", str((1 << 60) + 1), "1048577TiB",
         "18446744073709551616", "9" * 40, "1." + "0" * 65,
     ],
 )
 def test_parse_size_refuses(text):
     assert parse_size(text) is None
+
+
+def parse_budget(text: str, total: int) -> int | None:
+    out = ffi.new("uint64_t *")
+    rc = lib.zipmoe_parse_budget(text.encode(), total, out)
+    assert rc in (lib.ZIPMOE_OK, lib.ZIPMOE_ERR_ARG)
+    return out[0] if rc == lib.ZIPMOE_OK else None
+
+
+@pytest.mark.parametrize(
+    "text, total, expected",
+    [
+        ("60%", 1000, 600),
+        (" 12.5 % ", 1000, 125),
+        ("100%", 1 << 60, 1 << 60),
+        ("0%", 1 << 40, 0),
+        ("33.3333%", 3 * GIB, 3 * GIB * 333333 // 1000000),  # exact: no float rounding
+        ("0.0001%", 10**6, 1),
+        ("6GiB", 0, 6 * GIB),  # a size is a size, whatever the total
+    ],
+)
+def test_parse_budget_accepts(text, total, expected):
+    assert parse_budget(text, total) == expected
+
+
+@pytest.mark.parametrize("text", ["101%", "100.0001%", "1.00001%", "-5%", "%", "5%%", "5% GiB", "auto", "inf%"])
+def test_parse_budget_refuses(text):
+    assert parse_budget(text, GIB) is None
+
+
+def test_parse_budget_refuses_a_total_past_the_bound():
+    assert parse_budget("50%", (1 << 60) + 1) is None
 
 
 def test_parse_size_bound_and_arguments():

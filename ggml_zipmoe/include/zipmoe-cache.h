@@ -1,7 +1,7 @@
 /*
  * zipmoe-cache.h - the expert cache of the zipmoe native library: how an inference engine serves compressed
  * experts at run time under a memory budget (stores, tiers and their budgets, the materialise protocol,
- * statistics) and the runtime configuration bare programs take from the environment.
+ * statistics).
  *
  * The conventions of zipmoe.h hold here (int64_t results, explicit sizes, caller-owned buffers).
  */
@@ -13,51 +13,6 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/* ---------------------------------------------------------------- the runtime configuration */
-
-/* The ZIPMOE_* environment variables the native code reads (bare llama.cpp programs are configured through them;
- * pyzipmoe sets the same), read once by zipmoe_runtime_config_from_env. Text fields point into the environment:
- * the value, or NULL where the variable is unset or empty, valid until the variable changes; their users check
- * them and name them in their errors. Switches are 0 or 1. */
-typedef struct {
-    const char * memory_budget; /* ZIPMOE_MEMORY_BUDGET: bytes the model may keep resident (a size, or "60%" of
-                                 * physical memory): its weights that are not experts, the experts of one expert
-                                 * tensor in flight, a prompt's read buffers and the cache tiers, which get the rest
-                                 * (and, in generation, the room of the two before); unset: unbounded */
-    const char * hot_share;     /* ZIPMOE_HOT_SHARE: the tiers' fraction for decoded experts (default:
-                                 * zipmoe_budget_default_hot_share, 0 where nearly every expert fits compressed but
-                                 * not decoded and the escape code's SIMD decoder makes a warm hit cheap, else 1) */
-    const char * sm_share;      /* ZIPMOE_SM_SHARE: the fraction for sign+mantissa planes (default 0); whole
-                                 * compressed experts get the rest */
-    const char * plan;          /* ZIPMOE_PLAN: slots per tier per layer from `zipmoe plan`, instead of the shares:
-                                 * "<layer>:<hot>,<warm>,<sm>;..." */
-    const char * cache_policy;  /* ZIPMOE_CACHE_POLICY: tlfu (default, token-weighted LFU), lru, lfu or fifo */
-    const char * cache;         /* ZIPMOE_CACHE: "none": decode on every use (measurements, tests); "unbounded" */
-    const char * direct_io;     /* ZIPMOE_DIRECT_IO: "0": read the model file through the page cache (dropping what
-                                 * was read) instead of around it with O_DIRECT (default "1", where the file system
-                                 * has it) */
-    const char * read_buffer;   /* ZIPMOE_READ_BUFFER: what each read buffer keeps between uses (default 16MiB; a
-                                 * prompt's read-ahead above it waits for the other buffer instead of taking a second
-                                 * large one) */
-    const char * predict;       /* ZIPMOE_PREDICT: "1": in generation, the next layer's router runs on this layer's
-                                 * input and the experts it picks are read ahead (default "0": on the synthetic models
-                                 * it read 10% more and served under a tenth of the misses, with no speed difference
-                                 * to measure) */
-    int prefill;   /* ZIPMOE_PREFILL != "0": fill the tiers at load, as llama.cpp's read-ahead and warm-up fill the
-                    * page cache for a plain model, so that the first tokens do not wait */
-    int fused;     /* ZIPMOE_FUSED != "0": in generation and short batches (up to 64 routed slots, top-k x tokens) one
-                    * node computes the matmul's rows, those of decoded experts while the others are read; "0": a node
-                    * that materialises and then ggml_mul_mat_id, as a long batch does */
-    int stream;    /* ZIPMOE_STREAM != "0": the fused node decodes a routed warm expert into each thread's cache, a few
-                    * chunks at a time, computing their rows there; "0": into a place, as a long batch does */
-    int esc_simd;  /* ZIPMOE_ESC_SIMD != "0": the escape code's SIMD decoder where the CPU has it (measurements,
-                    * tests turn it off) */
-    int integrity; /* ZIPMOE_INTEGRITY != "skip": the loader checks a zipmoe GGUF's metadata and dense tensors
-                    * against its integrity record (skip: loads it unchecked, with a warning) */
-} zipmoe_runtime_config;
-
-ZIPMOE_API void zipmoe_runtime_config_from_env(zipmoe_runtime_config * cfg);
 
 /* ---------------------------------------------------------------- expert stores (run time) */
 
@@ -172,13 +127,41 @@ ZIPMOE_API int64_t zipmoe_budget_split_tiers(const zipmoe_store_size * stores, s
 
 /* The hot share where the user set none: 0 (every expert compressed, none decoded) where the tiers hold at least
  * ZIPMOE_WARM_FIRST_FIT of the experts' compressed bytes but less than ZIPMOE_WARM_FIRST_FIT of their BF16 bytes
- * and warm_fast (every store's warm hits decode with a SIMD escape-code decoder); else 1 (every expert decoded).
- * Measured (tiered-cache.md, "Choosing the split"): with the escape code, every expert compressed ran 1.3-1.7x
+ * and warm_fast (every store's warm hits decode with a SIMD escape-code decoder); else 1 (every expert decoded);
+ * at most 1 - sm_share: the default gives way to an sm share the user set (0: none). Measured
+ * (docs/cache-and-planner.md, "The default split"): with the escape code, every expert compressed ran 1.3-1.7x
  * decoded-only where nearly all fit compressed, 0.6-0.9x where a third did not; with Huffman, whose decoder is
  * 3.5x slower, the two were even even where all fit. */
 #define ZIPMOE_WARM_FIRST_FIT 0.9
 ZIPMOE_API double zipmoe_budget_default_hot_share(const zipmoe_store_size * stores, size_t n_stores, uint64_t tiers,
-                                                  int warm_fast);
+                                                  int warm_fast, double sm_share);
+
+/* What a budget charges for a token embedding that llama.cpp maps and reads a row per token (get_rows): the rows of
+ * one batch (ZIPMOE_EMBD_BATCH_ROWS, llama.cpp's default n_batch of distinct tokens), each spanning its pages of
+ * `page` bytes (an unaligned row touches one page more), at most the whole table. The rest of the mapped table is
+ * clean page cache that the kernel may take back at any time (a row read again is a page fault), not memory the
+ * model keeps: charging all of it would take 109 MiB more from the tiers of a 32000-token, 2048-wide model, 577 MiB
+ * more from Qwen3-30B-A3B's. row_bytes 0: the table is charged whole. */
+#define ZIPMOE_EMBD_BATCH_ROWS 2048
+ZIPMOE_API uint64_t zipmoe_budget_embd_charge(uint64_t embd_bytes, uint64_t row_bytes, uint64_t page);
+
+/* What a model keeps resident whatever its budget, in bytes: the smallest budget that works is `minimum`. */
+typedef struct {
+    uint64_t other;        /* weights that are not compressed experts, as charged (the token embedding's embd_charged) */
+    uint64_t embd_charged; /* what `other` counts of a token embedding read a row per token (zipmoe_budget_embd_charge) */
+    uint64_t in_flight;    /* the BF16 experts of the largest expert tensor: decoded at once when a batch routes to all
+                            * of them (a store's routed experts stay decoded until the next store plans) */
+    uint64_t experts;      /* every expert in BF16 */
+    uint64_t minimum;      /* other + in_flight */
+} zipmoe_budget_need;
+
+/* The accounting every budget check uses (the loader's, and pyzipmoe's before it loads a model): other_bytes is
+ * every weight that is not a compressed expert, embd_bytes of them a token embedding read a row per token of
+ * embd_row_bytes (0 and 0: none, or one charged whole). ZIPMOE_ERR_ARG where embd_bytes > other_bytes or a size is
+ * above ZIPMOE_SIZE_MAX. */
+ZIPMOE_API int64_t zipmoe_budget_need_of(const zipmoe_store_size * stores, size_t n_stores, uint64_t other_bytes,
+                                         uint64_t embd_bytes, uint64_t embd_row_bytes, uint64_t page,
+                                         zipmoe_budget_need * out);
 
 /* Applies a split at once, as zipmoe_cache_configure (hot, warm, sm), zipmoe_cache_set_reserve (in_flight) and
  * zipmoe_cache_set_token_hot (token_hot) would one after the other, and removes every slot rule: a running model's

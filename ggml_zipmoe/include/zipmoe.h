@@ -15,7 +15,7 @@
  * The file layout these functions read and write is specified in docs/FORMAT.md.
  *
  * The library's other public headers, one concern each, include this one: zipmoe-cache.h (the expert cache an
- * engine serves experts from at run time: stores, budgets, statistics, the runtime configuration) and
+ * engine serves experts from at run time: stores, budgets, statistics) and
  * zipmoe-integrity.h (a loader's whole-file check). This header does not include them.
  */
 #ifndef ZIPMOE_H
@@ -66,6 +66,56 @@ ZIPMOE_API const char * zipmoe_status_str(int64_t status);
  * ZIPMOE_ERR_ARG (*out untouched) for anything else, or more than ZIPMOE_SIZE_MAX. "60%" and "auto" are not
  * sizes: their callers resolve them. */
 ZIPMOE_API int64_t zipmoe_parse_size(const char * text, uint64_t * out);
+
+/* Bytes from a memory budget: a size (zipmoe_parse_size), or a percentage of total ("60%", "12.5 %": at most 100 and
+ * four fraction digits), rounded down. ZIPMOE_OK and *out set, or ZIPMOE_ERR_ARG (*out untouched). "auto" is not a
+ * budget here: it depends on the memory available, which its callers read. */
+ZIPMOE_API int64_t zipmoe_parse_budget(const char * text, uint64_t total, uint64_t * out);
+
+/* ---------------------------------------------------------------- the runtime configuration */
+
+/* The ZIPMOE_* environment variables the native code reads (bare llama.cpp programs are configured through them;
+ * pyzipmoe sets the same), read once by zipmoe_runtime_config_from_env. Text fields point into the environment:
+ * the value, or NULL where the variable is unset or empty, valid until the variable changes; their users check
+ * them and name them in their errors. Switches are 0 or 1. */
+typedef struct {
+    const char * memory_budget; /* ZIPMOE_MEMORY_BUDGET: bytes the model may keep resident (a size, or "60%" of
+                                 * physical memory): its weights that are not experts, the experts of one expert
+                                 * tensor in flight, a prompt's read buffers and the cache tiers, which get the rest
+                                 * (and, in generation, the room of the two before); unset: unbounded */
+    const char * hot_share;     /* ZIPMOE_HOT_SHARE: the tiers' fraction for decoded experts (default:
+                                 * zipmoe_budget_default_hot_share, 0 where nearly every expert fits compressed but
+                                 * not decoded and the escape code's SIMD decoder makes a warm hit cheap, else 1) */
+    const char * sm_share;      /* ZIPMOE_SM_SHARE: the fraction for sign+mantissa planes (default 0); whole
+                                 * compressed experts get the rest */
+    const char * plan;          /* ZIPMOE_PLAN: slots per tier per layer from `zipmoe plan`, instead of the shares:
+                                 * "<layer>:<hot>,<warm>,<sm>;..." */
+    const char * cache_policy;  /* ZIPMOE_CACHE_POLICY: tlfu (default, token-weighted LFU), lru, lfu or fifo */
+    const char * cache;         /* ZIPMOE_CACHE: "none": decode on every use (measurements, tests); "unbounded" */
+    const char * direct_io;     /* ZIPMOE_DIRECT_IO: "0": read the model file through the page cache (dropping what
+                                 * was read) instead of around it with O_DIRECT (default "1", where the file system
+                                 * has it) */
+    const char * read_buffer;   /* ZIPMOE_READ_BUFFER: what each read buffer keeps between uses (default 16MiB; a
+                                 * prompt's read-ahead above it waits for the other buffer instead of taking a second
+                                 * large one) */
+    const char * predict;       /* ZIPMOE_PREDICT: "1": in generation, the next layer's router runs on this layer's
+                                 * input and the experts it picks are read ahead (default "0": on the synthetic models
+                                 * it read 10% more and served under a tenth of the misses, with no speed difference
+                                 * to measure) */
+    int prefill;   /* ZIPMOE_PREFILL != "0": fill the tiers at load, as llama.cpp's read-ahead and warm-up fill the
+                    * page cache for a plain model, so that the first tokens do not wait */
+    int fused;     /* ZIPMOE_FUSED != "0": in generation and short batches (up to 64 routed slots, top-k x tokens) one
+                    * node computes the matmul's rows, those of decoded experts while the others are read; "0": a node
+                    * that materialises and then ggml_mul_mat_id, as a long batch does */
+    int stream;    /* ZIPMOE_STREAM != "0": the fused node decodes a routed warm expert into each thread's cache, a few
+                    * chunks at a time, computing their rows there; "0": into a place, as a long batch does */
+    int esc_simd;  /* ZIPMOE_ESC_SIMD != "0": the escape code's SIMD decoder where the CPU has it (measurements,
+                    * tests turn it off) */
+    int integrity; /* ZIPMOE_INTEGRITY != "skip": the loader checks a zipmoe GGUF's metadata and dense tensors
+                    * against its integrity record (skip: loads it unchecked, with a warning) */
+} zipmoe_runtime_config;
+
+ZIPMOE_API void zipmoe_runtime_config_from_env(zipmoe_runtime_config * cfg);
 
 /* ---------------------------------------------------------------- codecs */
 

@@ -107,7 +107,8 @@ int64_t zipmoe_budget_split_tiers(const zipmoe_store_size * stores, size_t n_sto
     return ZIPMOE_OK;
 }
 
-double zipmoe_budget_default_hot_share(const zipmoe_store_size * stores, size_t n_stores, uint64_t tiers, int warm_fast) {
+double zipmoe_budget_default_hot_share(const zipmoe_store_size * stores, size_t n_stores, uint64_t tiers, int warm_fast,
+                                       double sm_share) {
     uint64_t bf16 = 0, compressed = 0;
     for (size_t i = 0; stores && i < n_stores; i++) {
         bf16 += stores[i].bf16_bytes;
@@ -115,5 +116,40 @@ double zipmoe_budget_default_hot_share(const zipmoe_store_size * stores, size_t 
     }
     const int fits_compressed = (double) tiers >= ZIPMOE_WARM_FIRST_FIT * (double) compressed;
     const int fits_decoded    = (double) tiers >= ZIPMOE_WARM_FIRST_FIT * (double) bf16;
-    return warm_fast && compressed > 0 && fits_compressed && !fits_decoded ? 0.0 : 1.0;
+    const double hot          = warm_fast && compressed > 0 && fits_compressed && !fits_decoded ? 0.0 : 1.0;
+    return min_d(hot, sm_share > 0 ? (sm_share < 1 ? 1 - sm_share : 0) : 1); /* (gives way to an sm share) */
+}
+
+uint64_t zipmoe_budget_embd_charge(uint64_t embd_bytes, uint64_t row_bytes, uint64_t page) {
+    if (row_bytes == 0 || page == 0) {
+        return embd_bytes;
+    }
+    if (row_bytes > ZIPMOE_SIZE_MAX || page > ZIPMOE_SIZE_MAX) {
+        return embd_bytes; /* (no table has such rows: charge it whole rather than overflow) */
+    }
+    const uint64_t row = ((row_bytes + page - 1) / page + 1) * page; /* an unaligned row touches one page more */
+    return row > embd_bytes / ZIPMOE_EMBD_BATCH_ROWS ? embd_bytes : ZIPMOE_EMBD_BATCH_ROWS * row;
+}
+
+int64_t zipmoe_budget_need_of(const zipmoe_store_size * stores, size_t n_stores, uint64_t other_bytes,
+                              uint64_t embd_bytes, uint64_t embd_row_bytes, uint64_t page, zipmoe_budget_need * out) {
+    if (!out || (n_stores > 0 && !stores) || embd_bytes > other_bytes || other_bytes > ZIPMOE_SIZE_MAX) {
+        return ZIPMOE_ERR_ARG;
+    }
+    zipmoe_budget_need need = { 0 };
+    need.embd_charged       = zipmoe_budget_embd_charge(embd_bytes, embd_row_bytes, page);
+    need.other              = other_bytes - embd_bytes + need.embd_charged;
+    for (size_t i = 0; i < n_stores; i++) {
+        if (stores[i].bf16_bytes > ZIPMOE_SIZE_MAX) {
+            return ZIPMOE_ERR_ARG;
+        }
+        need.in_flight = max_u64(need.in_flight, stores[i].bf16_bytes);
+        need.experts += stores[i].bf16_bytes;
+        if (need.experts > ZIPMOE_SIZE_MAX) {
+            return ZIPMOE_ERR_ARG;
+        }
+    }
+    need.minimum = need.other + need.in_flight;
+    *out         = need;
+    return ZIPMOE_OK;
 }

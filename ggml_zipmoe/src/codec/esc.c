@@ -9,7 +9,6 @@
  * portable decoder that the SIMD one is tested against, and the dispatch. */
 #include "zipmoe-impl.h"
 #include "common/cpu.h"
-#include "zipmoe-cache.h"
 
 #include <stdlib.h>
 

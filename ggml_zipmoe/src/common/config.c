@@ -1,7 +1,7 @@
 /* config.c - the one place where the native code reads ZIPMOE_* environment variables (zipmoe.h,
  * zipmoe_runtime_config, lists them). Bare llama.cpp programs are configured through the environment; reading it
  * here, into a plain struct, leaves every other file to take its settings as parameters. */
-#include "zipmoe-cache.h"
+#include "zipmoe.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -11,26 +11,10 @@
 #include <cstring>
 #include <utility>
 
-// ZIPMOE_MEMORY_BUDGET: a size (zipmoe_parse_size: "6GiB", "512M", "1000000") or "60%" of physical memory, whose
-// number is written as a size's; false if malformed.
+// ZIPMOE_MEMORY_BUDGET: a size or a percentage of physical memory (zipmoe_parse_budget); false if malformed.
 static bool parse_budget(const char * text, uint64_t & out) {
-    std::string s(text);
-    s.erase(0, s.find_first_not_of(" \t\n\v\f\r"));
-    s.erase(s.find_last_not_of(" \t\n\v\f\r") + 1);
-    if (s.empty() || s.back() != '%') {
-        return zipmoe_parse_size(text, &out) == ZIPMOE_OK;
-    }
-    s.pop_back();
-    uint64_t whole = 0;
-    if (s.find_first_not_of("0123456789.") != std::string::npos || zipmoe_parse_size(s.c_str(), &whole) != ZIPMOE_OK) {
-        return false;
-    }
-    const double bytes = std::strtod(s.c_str(), nullptr) * (double) sysconf(_SC_PHYS_PAGES) * (double) sysconf(_SC_PAGESIZE) / 100;
-    if (!(bytes >= 0 && bytes <= (double) ZIPMOE_SIZE_MAX)) {
-        return false;
-    }
-    out = (uint64_t) bytes;
-    return true;
+    const uint64_t physical = (uint64_t) sysconf(_SC_PHYS_PAGES) * (uint64_t) sysconf(_SC_PAGESIZE);
+    return zipmoe_parse_budget(text, std::min<uint64_t>(physical, ZIPMOE_SIZE_MAX), &out) == ZIPMOE_OK;
 }
 
 static std::string mib(uint64_t bytes) {
@@ -72,38 +56,25 @@ static bool apply_plan(const char * plan, std::string & err) {
 }
 
 
-// A token embedding read a row per token (get_rows) is charged for the rows of one batch: llama.cpp's default
-// n_batch of distinct tokens, each spanning its pages. The rest of the mapped table is clean page cache that the
-// kernel may take back at any time (a row read again is a page fault), not memory the model keeps. Charging all of
-// it would take 109 MiB more from the tiers of a 32000-token, 2048-wide model, 577 MiB more from Qwen3-30B-A3B's.
-// pyzipmoe.budget.embd_charge says the same.
-static uint64_t embd_charge(uint64_t embd_bytes, uint64_t row_bytes) {
-    constexpr uint64_t batch_rows = 2048;
-    if (row_bytes == 0) {
-        return embd_bytes;
-    }
-    const uint64_t page = (uint64_t) sysconf(_SC_PAGESIZE);
-    const uint64_t row  = ((row_bytes + page - 1) / page + 1) * page; // an unaligned row touches one page more
-    return std::min(embd_bytes, batch_rows * row);
-}
-
 // The cache's configuration for a model being loaded, from the environment (env) and the model's stores: the
 // budget split between the tiers, or a planner's slots, and the cache's settings (zipmoe-config.h).
 bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::vector<zipmoe_store_size> & stores,
                                   bool warm_fast, uint64_t other_bytes, uint64_t embd_bytes, uint64_t embd_row_bytes,
                                   std::string & info, std::string & err) {
-    const uint64_t embd_charged = embd_charge(embd_bytes, embd_row_bytes);
-    other_bytes                 = other_bytes - embd_bytes + embd_charged;
+    zipmoe_budget_need need{};
+    if (zipmoe_budget_need_of(stores.data(), stores.size(), other_bytes, embd_bytes, embd_row_bytes,
+                              (uint64_t) sysconf(_SC_PAGESIZE), &need) != ZIPMOE_OK) {
+        err = "the model's sizes do not add up (its token embedding is larger than its weights that are not experts)";
+        return false;
+    }
+    other_bytes                 = need.other;
+    const uint64_t embd_charged = need.embd_charged;
     const std::string embd_note = embd_charged < embd_bytes ? " (token_embd: the rows of a batch, " + mib(embd_charged) +
                                                                   " of " + mib(embd_bytes) + ")"
                                                             : "";
     // a store's routed experts stay decoded until the next store plans (its matmul ran by then): the working set
     // beyond the tiers is the largest expert tensor's, all of whose experts a prompt may route to
-    uint64_t working_set = 0, experts = 0;
-    for (const auto & st : stores) {
-        working_set = std::max(working_set, st.bf16_bytes);
-        experts += st.bf16_bytes;
-    }
+    const uint64_t working_set = need.in_flight, experts = need.experts;
     uint64_t      hot = UINT64_MAX, warm = 0, sm = 0, in_flight = working_set, reads = UINT64_MAX, token_hot = 0;
     uint64_t      tiers = UINT64_MAX; // what a budget leaves beyond its minimum
     zipmoe_policy policy = ZIPMOE_POLICY_TOKEN_LFU;
@@ -113,7 +84,7 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
             err = std::string("ZIPMOE_MEMORY_BUDGET=") + v + " is not a size (e.g. 6GiB, 512MiB, 60%)";
             return false;
         }
-        const uint64_t minimum = other_bytes + working_set;
+        const uint64_t minimum = need.minimum;
         if (budget < minimum) {
             err = "memory budget " + mib(budget) + " is too small for this model: it needs at least " + mib(minimum) +
                   " (" + mib(other_bytes) + " of weights that are not experts" + embd_note + " + " + mib(working_set) +
@@ -122,14 +93,13 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
             return false;
         }
         tiers            = budget - minimum;
-        double hot_share = zipmoe_budget_default_hot_share(stores.data(), stores.size(), tiers, warm_fast);
-        double sm_share  = 0;
-        if (!parse_fraction("ZIPMOE_HOT_SHARE", env.hot_share, hot_share, err) ||
-            !parse_fraction("ZIPMOE_SM_SHARE", env.sm_share, sm_share, err)) {
+        double sm_share = 0;
+        if (!parse_fraction("ZIPMOE_SM_SHARE", env.sm_share, sm_share, err)) {
             return false;
         }
-        if (!env.hot_share) {
-            hot_share = std::min(hot_share, std::max(0.0, 1.0 - sm_share)); // (the default gives way to an sm share)
+        double hot_share = zipmoe_budget_default_hot_share(stores.data(), stores.size(), tiers, warm_fast, sm_share);
+        if (!parse_fraction("ZIPMOE_HOT_SHARE", env.hot_share, hot_share, err)) {
+            return false;
         }
         if (hot_share + sm_share > 1 + 1e-9) {
             err = "ZIPMOE_HOT_SHARE + ZIPMOE_SM_SHARE is more than 1";
@@ -206,7 +176,7 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
         // a plan leaves the whole allowance for the tensor in flight beside its slots (the planner credits none of
         // it): evicted experts' pages are kept within it. Without that, a budget whose shares credit the
         // allowance to the hot tier (all of it from the model's size up) had every decode fault in zeroed pages:
-        // 2x the time of a decode-bound plan (tiered-cache.md)
+        // 2x the time of a decode-bound plan (docs/cache-and-planner.md)
         in_flight = working_set;
     } else {
         zipmoe_cache_set_slots(nullptr, 0, 0, 0);
