@@ -64,8 +64,11 @@ def test_importing_pyzipmoe_sets_the_spinning_for_this_process(given, expect):
 
 
 def test_a_token_embedding_is_charged_for_the_pages_of_a_batch_of_rows():
-    """embd_charge: 2048 rows (llama.cpp's default batch), each on the pages it may span, at most the whole table."""
-    from pyzipmoe.runtime.budget import embd_charge
+    """zipmoe_budget_embd_charge: 2048 rows (llama.cpp's default batch), each on the pages it may span, at most the
+    whole table."""
+    from pyzipmoe._native import lib
+
+    embd_charge = lib.zipmoe_budget_embd_charge
 
     page = 4096
     assert embd_charge(1 << 30, 2048, page) == 2048 * 2 * page       # a row within a page may cross into the next

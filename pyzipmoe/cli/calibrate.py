@@ -96,7 +96,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _read_size(text: str) -> int:
-    from ..models.modelfile import parse_size
+    from ..runtime.budget import parse_size
 
     try:
         n = parse_size(text)

@@ -124,22 +124,12 @@ class Modelfile:
 # ------------------------------------------------------------------------------------------ values
 
 
-_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)(b?)", re.IGNORECASE)
-_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
-
-
 def parse_size(text: str) -> int:
-    """Bytes from `8GiB`, `8G` (binary, as in Docker and llama.cpp), `8GB` (decimal), `512MiB` or `1048576`."""
-    m = _SIZE.fullmatch(text.strip())
-    if m is None:
-        raise ValueError(f"{text!r} is not a size (examples: 8GiB, 512MiB, 1073741824)")
-    number, prefix, binary, b = m.groups()
-    power = _POWERS[prefix.lower()]
-    if binary and not prefix:
-        raise ValueError(f"{text!r} is not a size (examples: 8GiB, 512MiB, 1073741824)")
-    # KB/MB/GB are decimal; KiB/MiB/GiB and bare K/M/G are binary
-    base = 1000 if (b and not binary and prefix) else 1024
-    return round(float(number) * base**power)
+    """Bytes from `8GiB`, `8G`, `8GB`, `512MiB` or `1048576`: the one size parser (pyzipmoe.runtime.budget), units
+    binary as `--memory-budget` and llama.cpp read them."""
+    from ..runtime.budget import parse_size as parse
+
+    return parse(text)
 
 
 def format_size(n: int) -> str:

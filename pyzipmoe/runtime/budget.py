@@ -4,7 +4,7 @@ pyzipmoe.runtime.config carries a budget to the runtime (ZIPMOE_MEMORY_BUDGET); 
 gives before it gets there.
 
 A budget covers everything the model keeps resident: its weights that are not experts (read through llama.cpp's
-mmap; a token embedding read a row per token only for the rows of a batch, embd_charge), the experts of the
+mmap; a token embedding read a row per token only for the rows of a batch, zipmoe_budget_embd_charge), the experts of the
 expert tensor in flight (decoded whatever the budget, since its matmul needs them; a prompt may route to all of
 them) and the cache tiers, which get the rest. `model_memory` gives the first two, whose sum is the smallest
 budget that works.
@@ -16,12 +16,14 @@ import mmap
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import ZipmoeError
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z%]*)\s*$")
+if TYPE_CHECKING:
+    from ..file.reader import ZipmoeFile
+
+_NUMBER_AND_UNIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z%]*)\s*$")  # (to say what is wrong: not a parser)
 
 
 def total_memory() -> int:
@@ -34,9 +36,22 @@ AUTO = "auto"
 _WRITE = "write e.g. 6GiB, 512MiB, 60% or auto"
 
 
+def parse_size(text: str) -> int:
+    """Bytes from a size as people write it ("6GiB", "512M", "1.5g", "1000000"; units binary, k = 1024): the
+    native library's parser (zipmoe_parse_size), the one the runtime reads ZIPMOE_* sizes with. ValueError if it
+    is not one, or is more than ZIPMOE_SIZE_MAX (1 EiB)."""
+    from .._native import ffi, lib
+
+    out = ffi.new("uint64_t *")
+    if "\0" in text or lib.zipmoe_parse_size(text.encode(), out) != lib.ZIPMOE_OK:
+        raise ValueError(f"{text!r} is not a size (examples: 8GiB, 512MiB, 1073741824)")
+    return int(out[0])
+
+
 def parse_budget(text: str | int, *, total: int | None = None, model_bytes: int | None = None) -> int:
     """Bytes from "6GiB", "512MiB", "1000000", "60%" (of `total`, default the machine's memory) or "auto".
 
+    Sizes and percentages are read by the native library (zipmoe_parse_budget), as the runtime reads them.
     "auto" is what this process could allocate now less a safety margin, at most `model_bytes` if given
     (pyzipmoe.runtime.memory.auto_budget). "0" is a budget too: keep no expert, decode on every use.
     """
@@ -44,22 +59,38 @@ def parse_budget(text: str | int, *, total: int | None = None, model_bytes: int 
         if text < 0:
             raise ZipmoeError(f"memory budget {text} is negative: {_WRITE}")
         return text
-    if str(text).strip().lower() == AUTO:
+    text = str(text)
+    if text.strip().lower() == AUTO:
         from . import memory  # imported on use: psutil and /proc are read only for "auto"
 
         return memory.auto_budget(memory.read_memory(), model_bytes)
-    m = _SIZE.match(str(text))
+    from .._native import ffi, lib
+
+    if "%" in text and total is None:
+        total = total_memory()
+    out = ffi.new("uint64_t *")
+    if "\0" not in text and lib.zipmoe_parse_budget(text.encode(), min(total or 0, lib.ZIPMOE_SIZE_MAX), out) == 0:
+        return int(out[0])
+    raise ZipmoeError(_budget_problem(text))
+
+
+def _budget_problem(text: str) -> str:
+    """What is wrong with a budget the native parser refused, in the user's words."""
+    m = _NUMBER_AND_UNIT.match(text)
     if not m:
-        raise ZipmoeError(f"memory budget {text!r} is not a size{_why_not(str(text).strip())}: {_WRITE}")
-    value, unit = float(m.group(1)), m.group(2).lower()
+        return f"memory budget {text!r} is not a size{_why_not(text.strip())}: {_WRITE}"
+    unit = m.group(2).lower()
     if unit == "%":
-        if value > 100:
-            raise ZipmoeError(f"memory budget {text!r} is more than all of the memory: write at most 100%, or auto")
-        return int(value / 100 * (total if total is not None else total_memory()))
+        if float(m.group(1)) > 100:
+            return f"memory budget {text!r} is more than all of the memory: write at most 100%, or auto"
+        return f"memory budget {text!r} has too many digits after the point: write e.g. 60% or 12.5%"
     if unit not in _UNITS:
-        raise ZipmoeError(f"memory budget {text!r} has an unknown unit {m.group(2)!r}: use B, KiB, MiB, GiB, TiB "
-                          "or %, or write auto")
-    return int(value * _UNITS[unit])
+        return (f"memory budget {text!r} has an unknown unit {m.group(2)!r}: use B, KiB, MiB, GiB, TiB or %, "
+                "or write auto")
+    return f"memory budget {text!r} is more than zipmoe can address (at most 1 EiB): {_WRITE}"
+
+
+_UNITS = ("", "b", "k", "kb", "kib", "m", "mb", "mib", "g", "gb", "gib", "t", "tb", "tib")  # (zipmoe_parse_size's)
 
 
 def _why_not(text: str) -> str:
@@ -75,7 +106,7 @@ def _why_not(text: str) -> str:
 class ModelMemory:
     """What a zipmoe model keeps resident whatever its budget, in bytes."""
 
-    other_bytes: int      # weights that are not compressed experts, as charged (a token embedding: embd_charge)
+    other_bytes: int      # weights that are not compressed experts, as charged (a token embedding: embd_charged)
     in_flight_bytes: int  # the BF16 experts of the largest expert tensor: decoded at once when a batch routes to all
     expert_bytes: int     # every expert in BF16
     embd_bytes: int = 0   # a token embedding read a row per token, whole (0: none; it is charged in full)
@@ -105,37 +136,28 @@ def model_budget(budget: str | int, need: ModelMemory) -> int:
     return parse_budget(budget, model_bytes=need.whole) if str(budget) == AUTO else parse_budget(budget)
 
 
-EMBD_BATCH_ROWS = 2048  # llama.cpp's default n_batch: the most distinct rows one batch reads of the token embedding
-
-
-def embd_charge(embd_bytes: int, row_bytes: int, page: int = mmap.PAGESIZE) -> int:
-    """What the budget charges for a mapped token embedding read a row per token: the rows of one batch, each
-    spanning its pages (an unaligned row touches one page more), at most the table. The rest of the table is clean
-    page cache the kernel may take back at any time. The runtime's embd_charge (zipmoe-llama.cpp) says the same."""
-    if row_bytes <= 0:
-        return embd_bytes
-    return min(embd_bytes, EMBD_BATCH_ROWS * (-(-row_bytes // page) + 1) * page)
-
-
-def model_memory(path: str | os.PathLike[str], *, mapped: bool = True) -> ModelMemory:
-    """The runtime's own accounting (zipmoe_llama_configure) for a zipmoe GGUF, from its header and indexes.
-    mapped: llama.cpp maps the file without locking it (its default), so that a token embedding with an output
-    matrix of its own is read a row per token and charged by embd_charge; else it is charged whole."""
+def model_memory(model: ZipmoeFile | str | os.PathLike[str], *, mapped: bool = True) -> ModelMemory:
+    """The runtime's own accounting (zipmoe_budget_need_of, as the loader calls it) for a zipmoe GGUF, from its
+    header and indexes. mapped: llama.cpp maps the file without locking it (its default), so that a token embedding
+    with an output matrix of its own is read a row per token and charged for one batch's rows
+    (zipmoe_budget_embd_charge); else it is charged whole."""
+    from .._native import ffi, lib
     from ..file import gguf as format
     from ..file import reader
 
-    zf = reader.open_zipmoe(path)
+    zf = reader.as_zipmoe(model)
     compressed = {c.name for c in zf.compressed}
     other = sum(t.nbytes for t in zf.source.tensors if t.name not in compressed)
     by_name = {t.name: t for t in zf.source.tensors}
-    embd, embd_bytes, embd_charged = by_name.get("token_embd.weight"), 0, 0
+    embd, embd_bytes, embd_row = by_name.get("token_embd.weight"), 0, 0
     if mapped and embd is not None and "output.weight" in by_name:
-        embd_bytes = embd.nbytes
-        embd_charged = embd_charge(embd.nbytes, format.tensor_nbytes(embd.ggml_type, embd.dims[:1]))
-        other += embd_charged - embd_bytes
-    return ModelMemory(other_bytes=other, in_flight_bytes=max((c.source.nbytes for c in zf.compressed), default=0),
-                       expert_bytes=sum(c.source.nbytes for c in zf.compressed), embd_bytes=embd_bytes,
-                       embd_charged=embd_charged)
+        embd_bytes, embd_row = embd.nbytes, format.tensor_nbytes(embd.ggml_type, embd.dims[:1])
+    stores = ffi.new("zipmoe_store_size[]", [{"bf16_bytes": c.source.nbytes} for c in zf.compressed] or 1)
+    need = ffi.new("zipmoe_budget_need *")
+    if lib.zipmoe_budget_need_of(stores, len(zf.compressed), other, embd_bytes, embd_row, mmap.PAGESIZE, need) != 0:
+        raise ZipmoeError(f"{zf.path}: its tensor sizes are out of range for a memory budget")
+    return ModelMemory(other_bytes=need.other, in_flight_bytes=need.in_flight, expert_bytes=need.experts,
+                       embd_bytes=embd_bytes, embd_charged=need.embd_charged if embd_bytes else 0)
 
 
 def check_budget(budget: int, need: ModelMemory) -> None:

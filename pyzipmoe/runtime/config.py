@@ -6,8 +6,8 @@ zipmoe's runtime in libllama reads its settings from ``ZIPMOE_*`` environment va
 environment (``to_env``): for bare llama.cpp programs, and for ``Llama`` while its model loads. Every variable the
 runtime reads is named here once (``RUNTIME_ENV``).
 
-The share rule also lives here once: a hot share that is not given is the runtime's default, which gives way to a
-given sm share (``split_shares``, ``hot_share_within``).
+A hot share that is not given is the runtime's default, which gives way to a given sm share: that rule lives in the
+native library (zipmoe_budget_default_hot_share), which the loader and the memory monitor both call.
 """
 
 from __future__ import annotations
@@ -87,16 +87,10 @@ def check_share(name: str, share: float | None) -> None:
 
 def split_shares(hot_share: float | None, sm_share: float | None) -> tuple[float | None, float | None, float]:
     """(hot, warm, sm) shares of the cache tiers from the shares a user gave: the rest of hot and sm keeps
-    compressed experts. A hot share not given is None (the runtime's default, which hot_share_within bounds),
-    unless an sm share is: hot then gets what sm leaves."""
+    compressed experts. A hot share not given is None: the runtime's default for the tiers at hand, which gives
+    way to the sm share (zipmoe_budget_default_hot_share, the rule's one place)."""
     sm = sm_share or 0.0
-    hot = hot_share if hot_share is not None else (None if sm_share is None else 1.0 - sm)
-    return hot, (None if hot is None else max(0.0, 1.0 - hot - sm)), sm
-
-
-def hot_share_within(default_hot: float, sm_share: float) -> float:
-    """The runtime's default hot share where an sm share is set: the hot share gives way to the sm share."""
-    return min(default_hot, 1.0 - sm_share)
+    return hot_share, (None if hot_share is None else max(0.0, 1.0 - hot_share - sm)), sm
 
 
 def _flag(value: bool) -> str:

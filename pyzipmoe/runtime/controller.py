@@ -17,19 +17,29 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..plan import inputs
 from ..plan import solver as planner
 from .budget import AUTO, ModelMemory, check_budget, model_budget, model_memory
-from .config import DEFAULT_POLICY, POLICY_ENV, RuntimeConfig, hot_share_within
+from .config import DEFAULT_POLICY, POLICY_ENV, RuntimeConfig
 from ..errors import ZipmoeError
+
+if TYPE_CHECKING:
+    from ..file.reader import ZipmoeFile
 
 PENDING_STEPS = 20  # readings a shrink for the mapped weights waits for the tiers to come down to it, at most
 ROUTING_MIN_TOKENS = 64  # tokens a layer routes between two re-plans from the routing seen
 ROUTING_LOG_TOKENS = 512  # generated tokens whose routing the runtime remembers per store (store.c: ROUTE_LOG)
+
+
+def model_path_of(model: ZipmoeFile | str | os.PathLike[str]) -> Path:
+    """The file of a model given as a path or as its parsed structure."""
+    from ..file.reader import ZipmoeFile
+
+    return model.path if isinstance(model, ZipmoeFile) else Path(model)
 
 
 def machine_costs(model_path: str | os.PathLike[str], geometry: inputs.ModelGeometry) -> tuple[inputs.Costs, str]:
@@ -64,14 +74,14 @@ class Planned:
     costs_source: str
 
 
-def plan_model(model_path: str | os.PathLike[str], budget: int, *, trace: str | os.PathLike[str] | None = None,
-               need: ModelMemory | None = None) -> Planned:
+def plan_model(model: ZipmoeFile | str | os.PathLike[str], budget: int, *,
+               trace: str | os.PathLike[str] | None = None, need: ModelMemory | None = None) -> Planned:
     """The planner's best split of `budget` between tiers, per layer. Raises ZipmoeError if the budget cannot
     hold the weights that are not experts and one expert tensor's experts."""
-    need = need or model_memory(model_path)
+    need = need or model_memory(model)
     check_budget(budget, need)
-    geometry = inputs.geometry_from_gguf(model_path)
-    costs, source = machine_costs(model_path, geometry)
+    geometry = inputs.geometry_from_gguf(model)
+    costs, source = machine_costs(model_path_of(model), geometry)
     counts = inputs.counts_from_trace(trace, geometry.n_layer, geometry.n_expert) if trace else None
     model = planner.cost_model(geometry, costs, counts)
     return Planned(need, budget, model, planner.plan_tiers(model, budget - need.minimum), source)
@@ -94,7 +104,7 @@ def planner_by_default(model_path: str | os.PathLike[str], *, budget: str | int 
     return cal is not None and cal.tier_source == "engine"
 
 
-def runtime_environment(model_path: str | os.PathLike[str], *, budget: str | int | None = None,
+def runtime_environment(model: ZipmoeFile | str | os.PathLike[str], *, budget: str | int | None = None,
                         policy: str | None = None, hot_share: float | None = None, sm_share: float | None = None,
                         use_planner: bool = False, trace: str | os.PathLike[str] | None = None,
                         is_zipmoe: bool = True, plan: str | None = None, mapped: bool = True) -> dict[str, str]:
@@ -108,7 +118,10 @@ def runtime_environment(model_path: str | os.PathLike[str], *, budget: str | int
     runtime's routing log holds enough of them."""
     if budget is None or not is_zipmoe:
         return RuntimeConfig(budget if is_zipmoe else None, policy, hot_share, sm_share).to_env()
-    need = model_memory(model_path, mapped=mapped)
+    from ..file.reader import as_zipmoe
+
+    model = as_zipmoe(model)  # parsed once for everything below
+    need = model_memory(model, mapped=mapped)
     nbytes = model_budget(budget, need)
     check_budget(nbytes, need)
     if plan is not None:
@@ -116,8 +129,8 @@ def runtime_environment(model_path: str | os.PathLike[str], *, budget: str | int
     elif use_planner and hot_share is None and sm_share is None and trace is not None:
         # a routing profile to plan the first tokens by; else decoded experts until the run's own routing tells.
         # The policy stays the default (token-weighted LFU): on the model's own greedy text LRU measured 12-27%
-        # slower at 60-93% with the same slots (tiered-cache.md); the recency model predicts either's hits
-        plan = plan_model(model_path, nbytes, trace=trace, need=need).plan.encode()
+        # slower at 60-93% with the same slots (docs/cache-and-planner.md); the recency model predicts either's hits
+        plan = plan_model(model, nbytes, trace=trace, need=need).plan.encode()
     return RuntimeConfig(nbytes, policy, hot_share, sm_share, plan=plan).to_env()
 
 
@@ -153,21 +166,21 @@ def set_read_room(plan: planner.Plan, lib: Any) -> None:
 _UNBOUNDED = 2**64 - 1
 
 
-def store_sizes(model_path: str | os.PathLike[str]) -> list[tuple[int, int, int]]:
+def store_sizes(model: ZipmoeFile | str | os.PathLike[str]) -> list[tuple[int, int, int]]:
     """(BF16 bytes, experts, compressed bytes) of each expert tensor of a zipmoe GGUF, as the runtime's glue
     passes them to zipmoe_budget_split_tiers at load."""
-    from ..file.reader import open_zipmoe
+    from ..file.reader import as_zipmoe
 
-    return [(c.source.nbytes, c.source.dims[2], c.expert.info.data_size) for c in open_zipmoe(model_path).compressed]
+    return [(c.source.nbytes, c.source.dims[2], c.expert.info.data_size) for c in as_zipmoe(model).compressed]
 
 
-def warm_decodes_fast(model_path: str | os.PathLike[str]) -> bool:
+def warm_decodes_fast(model: ZipmoeFile | str | os.PathLike[str]) -> bool:
     """Whether every expert tensor of a zipmoe GGUF decodes its warm hits with the escape code's SIMD decoder on
     this CPU: the runtime's default split keeps every expert compressed only then (default_hot_share)."""
     from ..file import codec
-    from ..file.reader import open_zipmoe
+    from ..file.reader import as_zipmoe
 
-    compressed = open_zipmoe(model_path).compressed
+    compressed = as_zipmoe(model).compressed
     return bool(compressed) and codec.esc_simd_level() > 0 and all(c.expert.info.codec == "esc" for c in compressed)
 
 
@@ -177,12 +190,13 @@ def _store_sizes_struct(sizes: list[tuple[int, int, int]]) -> Any:
     return ffi.new("zipmoe_store_size[]", [{"bf16_bytes": b, "n_expert": n, "compressed_bytes": c} for b, n, c in sizes])
 
 
-def default_hot_share(tiers: int, sizes: list[tuple[int, int, int]], warm_fast: bool) -> float:
+def default_hot_share(tiers: int, sizes: list[tuple[int, int, int]], warm_fast: bool, sm_share: float = 0.0) -> float:
     """The runtime's hot share where none is set (zipmoe_budget_default_hot_share): 0, every expert compressed,
-    where nearly all fit so but not decoded and warm hits decode fast; else 1."""
+    where nearly all fit so but not decoded and warm hits decode fast; else 1; at most 1 - sm_share."""
     from .._native import lib as native
 
-    return float(native.zipmoe_budget_default_hot_share(_store_sizes_struct(sizes), len(sizes), tiers, int(warm_fast)))
+    return float(native.zipmoe_budget_default_hot_share(_store_sizes_struct(sizes), len(sizes), tiers,
+                                                         int(warm_fast), sm_share))
 
 
 _POLICY_IDS = {"tlfu": "ZIPMOE_POLICY_TOKEN_LFU", "lru": "ZIPMOE_POLICY_LRU", "lfu": "ZIPMOE_POLICY_LFU",
@@ -203,7 +217,7 @@ def apply_shares(tiers: int, split: tuple[float | None, float | None, float], si
     lib = lib or native
     hot_share, _, sm_share = split
     if hot_share is None:
-        hot_share = hot_share_within(default_hot_share(tiers, sizes, warm_fast), sm_share)
+        hot_share = default_hot_share(tiers, sizes, warm_fast, sm_share)
     stores = _store_sizes_struct(sizes)
     out = ffi.new("zipmoe_budget_split *")
     if native.zipmoe_budget_split_tiers(stores, len(sizes), tiers, hot_share, sm_share, out) < 0:
@@ -479,16 +493,19 @@ class MemoryMonitor:
             self._thread = None
 
 
-def monitor_for(model_path: str | os.PathLike[str], budget: str | int, *, trace: str | os.PathLike[str] | None = None,
-                mapped: bool = True, **kwargs: Any) -> MemoryMonitor:
+def monitor_for(model: ZipmoeFile | str | os.PathLike[str], budget: str | int, *,
+                trace: str | os.PathLike[str] | None = None, mapped: bool = True, **kwargs: Any) -> MemoryMonitor:
     """A monitor for a model loaded with `runtime_environment(model_path, budget=budget, ...)`: "auto" may grow
     up to the model's size, a fixed budget is also the ceiling. mapped: as model_memory."""
-    need = model_memory(model_path, mapped=mapped)
+    from ..file.reader import as_zipmoe
+
+    model = as_zipmoe(model)  # parsed once for everything below
+    need = model_memory(model, mapped=mapped)
     full = need.whole
     nbytes = model_budget(budget, need)
-    planned = plan_model(Path(model_path), nbytes, trace=trace, need=need)
+    planned = plan_model(model, nbytes, trace=trace, need=need)
     auto = str(budget) == AUTO
     if kwargs.get("split") is not None:
-        kwargs.setdefault("sizes", store_sizes(model_path))
-        kwargs.setdefault("warm_fast", warm_decodes_fast(model_path))
+        kwargs.setdefault("sizes", store_sizes(model))
+        kwargs.setdefault("warm_fast", warm_decodes_fast(model))
     return MemoryMonitor(planned, ceiling=full if auto else nbytes, fixed=not auto, **kwargs)
