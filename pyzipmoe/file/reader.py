@@ -116,6 +116,12 @@ def _open_compressed(fd: int, g: GGUFFile, meta: ZipmoeMeta, source: GGUFFile, n
     return CompressedTensor(name, expert, data, index, src)
 
 
+def as_zipmoe(model: ZipmoeFile | str | os.PathLike[str]) -> ZipmoeFile:
+    """`model` parsed: itself where the caller has opened it already (so that one command parses a file once, however
+    many parts of it need the structure), else open_zipmoe(model)."""
+    return model if isinstance(model, ZipmoeFile) else open_zipmoe(model)
+
+
 def open_zipmoe(path: str | os.PathLike[str]) -> ZipmoeFile:
     """Reads and validates a zipmoe file's structure: metadata, source header and every index."""
     path = Path(path)

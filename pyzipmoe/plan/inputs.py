@@ -12,11 +12,14 @@ import zipfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import FormatError, UnsupportedError, ZipmoeError
+
+if TYPE_CHECKING:
+    from ..file.reader import ZipmoeFile
 
 
 TIERS = ("hot", "warm", "sm", "cold")
@@ -132,18 +135,18 @@ def _llama_int(kv: Mapping[str, Any], key: str, label: str) -> int:
     return value
 
 
-def geometry_from_gguf(path: str | os.PathLike[str]) -> ModelGeometry:
+def geometry_from_gguf(path: ZipmoeFile | str | os.PathLike[str]) -> ModelGeometry:
     """The geometry of a zipmoe GGUF: llama.cpp's expert counts and block count, sizes from each expert's region.
 
     Loads the native library (the indexes are validated by it). Raises PlanInputError for a file that is no zipmoe
     GGUF or whose expert tensors disagree with its metadata.
     """
     from ..file.metadata import DATA_SUFFIX, INDEX_SUFFIX, SOURCE_HEADER
-    from ..file.reader import open_zipmoe
+    from ..file.reader import ZipmoeFile, as_zipmoe
 
-    label = str(path)
+    label = str(path.path if isinstance(path, ZipmoeFile) else path)
     try:
-        z = open_zipmoe(path)
+        z = as_zipmoe(path)
     except (FormatError, UnsupportedError) as e:
         raise PlanInputError(str(e)) from None
     except OSError as e:

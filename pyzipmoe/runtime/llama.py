@@ -278,7 +278,7 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
     planner: let the planner split the cache per layer (pyzipmoe/plan/), from this machine's calibration
         (`zipmoe calibrate`) and the routing (`trace`, then the order in which the run's tokens routed). None
         (default): on under a budget without shares or a plan, once the model has a calibration measured through
-        the engine; else the cache keeps decoded experts (docs/notes/tiered-cache.md).
+        the engine; else the cache keeps decoded experts (docs/cache-and-planner.md).
     trace: activation counts for the planner (.npz with "counts" [prompts, layers, experts]); default uniform.
     plan: slots per tier per layer, as `zipmoe plan` prints them ("0:12,4,0;1:..."), instead of planning.
     adapt: re-plan while running (pyzipmoe.runtime.controller.MemoryMonitor): when the memory available changes ("auto"
@@ -308,12 +308,18 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
                 f"at {bin_dir()} before llama_cpp is first imported (import pyzipmoe first)")
         from .controller import monitor_for, planner_by_default, runtime_environment
 
+        # the file's structure, parsed once for the budget, the planner and the monitor (the loader parses it again)
+        model: Any = model_path
+        if self.is_zipmoe and memory_budget is not None:
+            from ..file.reader import open_zipmoe
+
+            model = open_zipmoe(model_path)
         if planner is None:
             planner = planner_by_default(model_path, budget=memory_budget, hot_share=hot_share, sm_share=sm_share,
                                          plan=plan, is_zipmoe=self.is_zipmoe)
         # llama-cpp-python maps the file unless told otherwise (or given a LoRA): the runtime's accounting differs
         mapped = kwargs.get("use_mmap", True) and not kwargs.get("use_mlock", False) and not kwargs.get("lora_path")
-        cache_env = runtime_environment(model_path, budget=memory_budget, policy=cache_policy, hot_share=hot_share,
+        cache_env = runtime_environment(model, budget=memory_budget, policy=cache_policy, hot_share=hot_share,
                                         sm_share=sm_share, trace=trace, is_zipmoe=self.is_zipmoe, plan=plan,
                                         use_planner=planner, mapped=mapped)
         cache_env.update(RuntimeConfig(cache=zipmoe_cache, prefill=prefill).to_env())
@@ -334,7 +340,7 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
             use_planner = planner and hot_share is None and sm_share is None
             # no shares given: the runtime's default hot share, for whatever budget the monitor sets (apply_shares)
             split = None if use_planner else split_shares(hot_share, sm_share)
-            self.zipmoe_monitor = monitor_for(model_path, memory_budget, trace=trace, split=split,
+            self.zipmoe_monitor = monitor_for(model, memory_budget, trace=trace, split=split,
                                               policy=cache_policy, mapped=mapped)
             if PLAN_ENV in cache_env:  # the planner's first plan, from the trace
                 self.zipmoe_monitor.give_generation_room()
