@@ -1,11 +1,10 @@
-"""Smoke test of tools/bench_codec.py (--quick) and of the safetensors loader it uses (pyzipmoe.file.weights).
+"""Smoke test of tools/bench/bench_codec.py (--quick) and of the safetensors loader it uses (pyzipmoe.file.weights).
 
 Speeds are not asserted (machines are shared and noisy); sizes are, since they are deterministic.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import struct
 import subprocess
@@ -14,28 +13,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import REPO, TOOLS, load_tool
 
 from pyzipmoe.file import weights
 from pyzipmoe.file import metadata
 from pyzipmoe.errors import FormatError
 
-ROOT = Path(__file__).resolve().parent.parent
-BENCH = ROOT / "tools" / "bench_codec.py"
+BENCH = TOOLS / "bench" / "bench_codec.py"
 
 
 def run_bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=300, cwd=ROOT,
+    return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=300, cwd=REPO,
                           check=False)
 
 
 def load_bench_module():
-    if "bench_codec" in sys.modules:
-        return sys.modules["bench_codec"]
-    spec = importlib.util.spec_from_file_location("bench_codec", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_codec"] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("bench/bench_codec.py")
 
 
 # ------------------------------------------------------------------------------------------ the benchmark

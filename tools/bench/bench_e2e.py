@@ -21,10 +21,10 @@ pyzipmoe.synth and converted into --workdir, and reused by later runs until the 
 changes (a .stamp file next to each records it).
 
 Examples:
-  python3 tools/bench_e2e.py                          # 1g preset, all cores, 512-token prompt, 64 tokens
-  python3 tools/bench_e2e.py --threads 8 --reps 5
-  python3 tools/bench_e2e.py --preset small --prompt 128 --gen 16   # a quick smoke test (~64 MB model)
-  python3 tools/bench_e2e.py --json > e2e.json
+  python3 tools/bench/bench_e2e.py                          # 1g preset, all cores, 512-token prompt, 64 tokens
+  python3 tools/bench/bench_e2e.py --threads 8 --reps 5
+  python3 tools/bench/bench_e2e.py --preset small --prompt 128 --gen 16   # a quick smoke test (~64 MB model)
+  python3 tools/bench/bench_e2e.py --json > e2e.json
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 DEFAULT_WORKDIR = REPO / "build" / "bench-e2e"

@@ -44,7 +44,7 @@ zipmoe's alike, direct and buffered reads): an edge device's eMMC, UFS or SD car
 where a miss costs more than the cores' decode and compressed tiers pay (try --variant-env ZIPMOE_HOT_SHARE=0).
 The targets are set for the machine's own disk.
 
-The models are synthetic (random weights, made by tools/make_synth.py --preset PRESET [--routing skewed] and
+The models are synthetic (random weights, made by tools/dev/make_synth.py --preset PRESET [--routing skewed] and
 converted with `python -m pyzipmoe convert --codec CODEC`), kept in --workdir and reused while they exist. --codec
 defaults to esc where this CPU decodes it with SIMD (AVX-512 VBMI2: its warm hits cost a quarter of huff's, and the
 runtime's default split keeps every expert compressed where they nearly all fit), else huff, the converter's own
@@ -63,15 +63,15 @@ The issue's targets (tg, zipmoe / stock at the same limit): >= 5x at ~75 %, >= 4
 Each is checked at the measured budget nearest to it (within 7 points) and printed as met / NOT met.
 
 Examples:
-  sudo .venv/bin/python tools/bench_budget.py                        # 2.8g preset, both routings, about an hour
-  sudo .venv/bin/python tools/bench_budget.py --budgets 40,60,75,80,93,100,150 --json budget.json --plot budget.png
-  sudo .venv/bin/python tools/bench_budget.py --routings skewed --tests tg --zipmoe-env ZIPMOE_CACHE_POLICY=lru
-  sudo .venv/bin/python tools/bench_budget.py --budgets 75 --tests tg --repeat 3 --variant-env ZIPMOE_PREDICT=1
+  sudo .venv/bin/python tools/bench/bench_budget.py                        # 2.8g preset, both routings, about an hour
+  sudo .venv/bin/python tools/bench/bench_budget.py --budgets 40,60,75,80,93,100,150 --json budget.json --plot budget.png
+  sudo .venv/bin/python tools/bench/bench_budget.py --routings skewed --tests tg --zipmoe-env ZIPMOE_CACHE_POLICY=lru
+  sudo .venv/bin/python tools/bench/bench_budget.py --budgets 75 --tests tg --repeat 3 --variant-env ZIPMOE_PREDICT=1
       # an option against the default, in the same alternation
-  sudo .venv/bin/python tools/bench_budget.py --budgets 60,75 --tests tg --read-rate 400MiB \
+  sudo .venv/bin/python tools/bench/bench_budget.py --budgets 60,75 --tests tg --read-rate 400MiB \
       --variant-env ZIPMOE_HOT_SHARE=0                                 # slow storage: decoded-only against warm-only
-  sudo .venv/bin/python tools/bench_budget.py --preset small --overhead 16MiB --gen 16 --pp 64   # smoke, ~1 min
-  .venv/bin/python tools/bench_budget.py --report budget.json --plot budget.png   # the tables again, no runs
+  sudo .venv/bin/python tools/bench/bench_budget.py --preset small --overhead 16MiB --gen 16 --pp 64   # smoke, ~1 min
+  .venv/bin/python tools/bench/bench_budget.py --report budget.json --plot budget.png   # the tables again, no runs
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ from itertools import product
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 DEFAULT_WORKDIR = REPO / "build" / "bench-budget"
@@ -125,37 +125,27 @@ def parse_size(text: str) -> int:
 # --------------------------------------------------------------------------------------- cgroup v1 memory
 
 
-def controller_mount(controller: str) -> Path | None:
-    """Where a cgroup v1 controller is mounted, or None."""
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) >= 4 and fields[2] == "cgroup" and controller in fields[3].split(","):
-                    return Path(fields[1])
-    except OSError as e:
-        raise BenchError(f"cannot read /proc/mounts: {e}") from e
-    return None
-
-
 def memory_mount() -> Path:
-    """Where the cgroup v1 memory controller is mounted; BenchError if it is not."""
-    mount = controller_mount("memory")
+    """Where the cgroup v1 memory hierarchy is; BenchError if there is none."""
+    from pyzipmoe.runtime.memory import v1_mount
+
+    mount = v1_mount("memory")
     if mount is not None:
         return mount
-    raise BenchError("the cgroup v1 memory controller is not mounted (no `cgroup` mount with the memory option in "
-                     "/proc/mounts; on a cgroup v2-only system, boot with systemd.unified_cgroup_hierarchy=0 or "
-                     "mount it: mount -t cgroup -o memory none /sys/fs/cgroup/memory)")
+    raise BenchError("the cgroup v1 memory controller is not mounted (no /sys/fs/cgroup/memory; on a cgroup "
+                     "v2-only system, boot with systemd.unified_cgroup_hierarchy=0 or mount it: "
+                     "mount -t cgroup -o memory none /sys/fs/cgroup/memory)")
 
 
-def own_cgroup(controller: str = "memory") -> str:
-    """This process's cgroup in a v1 hierarchy ("/" when none is listed)."""
-    with open("/proc/self/cgroup") as f:
-        for line in f:
-            parts = line.rstrip("\n").split(":", 2)
-            if len(parts) == 3 and controller in parts[1].split(","):
-                return parts[2] or "/"
-    return "/"
+def own_cgroup_dir(controller: str) -> Path:
+    """This process's cgroup in the v1 hierarchy of `controller` (pyzipmoe.runtime.memory's); BenchError if none."""
+    from pyzipmoe.runtime.memory import own_cgroup_dir as own
+
+    parent = own(controller)
+    if parent is None:
+        raise BenchError(f"this process has no cgroup v1 {controller} hierarchy (/proc/self/cgroup names none under "
+                         "/sys/fs/cgroup)")
+    return parent
 
 
 class ReadThrottle:
@@ -164,11 +154,10 @@ class ReadThrottle:
     reads of a page fault or a pread are the reader's own, charged to its cgroup)."""
 
     def __init__(self, rate: int, model: Path) -> None:
-        mount = controller_mount("blkio")
-        if mount is None:
-            raise BenchError("--read-rate needs the cgroup v1 blkio controller (no `cgroup` mount with the blkio "
-                             "option in /proc/mounts)")
-        self.parent = mount / own_cgroup("blkio").lstrip("/")
+        try:
+            self.parent = own_cgroup_dir("blkio")
+        except BenchError as e:
+            raise BenchError(f"--read-rate needs the cgroup v1 blkio controller: {e}") from None
         if not (self.parent / "blkio.throttle.read_bps_device").exists():
             raise BenchError(f"{self.parent} has no blkio.throttle.read_bps_device: the kernel lacks block throttling")
         dev = os.stat(model).st_dev
@@ -196,10 +185,10 @@ def check_environment(parent_arg: str | None) -> Path:
     """The directory the benchmark's cgroups are made in; BenchError when it cannot work here."""
     if os.geteuid() != 0:
         raise BenchError("must run as root: it makes cgroups and drops the page cache "
-                         "(sudo .venv/bin/python tools/bench_budget.py ...)")
+                         "(sudo .venv/bin/python tools/bench/bench_budget.py ...)")
     mount = memory_mount()
     if parent_arg is None:
-        parent = mount / own_cgroup().lstrip("/")
+        parent = own_cgroup_dir("memory")
     else:
         p = Path(parent_arg)
         parent = p if str(p).startswith(str(mount)) else mount / str(p).lstrip("/")
@@ -406,8 +395,8 @@ def ensure_models(workdir: Path, preset: str, routing: str, threads: int, regene
         part = workdir / f"{preset}-{routing}.part.gguf"
         say(f"generating {bf16} (synthetic, preset {preset}, {routing} routing) ...")
         t = time.monotonic()
-        _tool([sys.executable, str(REPO / "tools" / "make_synth.py"), "--preset", preset, "--routing", routing,
-               "--quiet", str(part)])
+        _tool([sys.executable, str(REPO / "tools" / "dev" / "make_synth.py"), "--preset", preset,
+               "--routing", routing, "--quiet", str(part)])
         part.replace(bf16)
         say(f"  {bf16.stat().st_size / 2**30:.2f} GiB in {time.monotonic() - t:.0f} s")
     if regenerate or not packed.is_file() or packed.stat().st_mtime < bf16.stat().st_mtime:
