@@ -77,6 +77,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import re
@@ -90,6 +91,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # results.py, beside this script
+import results as result_files  # noqa: E402
 
 DEFAULT_WORKDIR = REPO / "build" / "bench-budget"
 DEFAULT_BUDGETS = "40,60,80,93,100,150"
@@ -896,6 +899,20 @@ def _env_pair(text: str) -> tuple[str, str]:
     return key, value
 
 
+def write_result_file(args: argparse.Namespace, res: dict[str, Any], json_path: Path | None,
+                      argv: list[str] | None) -> None:
+    """The dated result file of the run (or of the runs --report prints), under --results."""
+    synthetic = res.get("synthetic", True)
+    weights = (f"{result_files.SYNTHETIC} (tools/dev/make_synth.py, preset {res.get('preset')})" if synthetic
+               else "as in the JSON")
+    notes, day = None, None
+    if args.report:  # the numbers were taken when the JSON was last written
+        notes = [f"the tables of {json_path}, printed by --report"]
+        day = datetime.date.fromtimestamp(args.report.stat().st_mtime)
+    result_files.write(args, "budget", result_files.printed(print_report, res), weights=weights,
+                       json_path=json_path, notes=notes, day=day, argv=result_files.script_argv(__file__, argv))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="\n\n".join(__doc__.split("\n\n")[1:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -952,6 +969,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", type=Path, metavar="FILE.png", help="draw tokens/s against the limit (needs matplotlib)")
     p.add_argument("--report", type=Path, metavar="FILE",
                    help="run nothing: print the tables (and --plot) from a FILE written by --json")
+    result_files.add_arguments(p)
     args = p.parse_args(argv)
     if args.codec is None and not args.report:
         args.codec = default_bench_codec()
@@ -967,6 +985,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             plot(res, args.plot)
         print_report(res)
+        write_result_file(args, res, args.report, argv)
         return 0
     for name in ("gen", "pp", "pp_reps", "threads", "tg_threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -995,6 +1014,7 @@ def main(argv: list[str] | None = None) -> int:
         plot(res, args.plot)
     print()
     print_report(res)
+    write_result_file(args, res, args.json, argv)
     return 0
 
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
+import io
 import itertools
 import json
 import os
@@ -63,6 +64,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # results.py, beside this script
+import results as result_files  # noqa: E402
 
 from pyzipmoe.file import codec, weights
 from pyzipmoe._native import ffi, lib
@@ -597,6 +600,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-real", action="store_true", help="skip the trained-weights data set")
     ap.add_argument("--quick", action="store_true", help="small inputs and short timings, for smoke tests")
     ap.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
+    result_files.add_arguments(ap)
     args = ap.parse_args(argv)
     if args.threads < 1:
         ap.error("--threads must be at least 1")
@@ -658,6 +662,13 @@ def main(argv=None) -> int:
         print()
     else:
         print_report(results)
+    trained = [d["name"] for d in results["datasets"] if d["name"] != "synthetic"]
+    table = io.StringIO()
+    print_report(results, out=table)
+    result_files.write(args, "codec" + ("-quick" if args.quick else ""), table.getvalue(),
+                       weights=f"{result_files.SYNTHETIC} (Gaussian BF16 experts)"
+                               + (f"; trained weights: {', '.join(trained)}" if trained else ""),
+                       json_path="stdout" if args.json else None, argv=result_files.script_argv(__file__, argv))
     return 0
 
 

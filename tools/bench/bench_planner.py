@@ -35,6 +35,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # results.py, beside this script
+import results as result_files  # noqa: E402
 
 DEFAULT_MODEL = REPO / "build" / "bench-budget" / "2.8g-uniform.zipmoe.gguf"
 
@@ -85,8 +87,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--confirm-repeat", type=int, default=5)
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json", type=Path, help="write every run here")
+    result_files.add_arguments(p)
     args = p.parse_args(argv)
+    with result_files.Tee() as printed:
+        status = run(args)
+    if status == 0:
+        synthetic = result_files.synthetic_gguf(args.model)
+        weights = {True: f"{result_files.SYNTHETIC} (pyzipmoe.synth: general.name says so)",
+                   False: "trained weights (general.name is not pyzipmoe.synth's)",
+                   None: "unknown (the model's general.name could not be read)"}[synthetic]
+        result_files.write(args, "planner", printed.text, weights=weights, json_path=args.json,
+                           argv=result_files.script_argv(__file__, argv))
+    return status
 
+
+def run(args: argparse.Namespace) -> int:
+    """The grid: prints each budget's table as it is measured; 0 when the unconstrained run worked."""
     from pyzipmoe.plan import measure as calibrate
     from pyzipmoe.plan import inputs
     from pyzipmoe.plan import solver as planner
