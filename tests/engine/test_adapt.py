@@ -477,8 +477,8 @@ class _FakeStats:
 def test_a_fixed_budget_in_a_container_sized_to_it_keeps_its_tiers(zipmoe_model: Path) -> None:
     """A container whose limit leaves less room beside the budget than the safety margin (512 MiB) is how the
     issue's benchmark runs, and how one sizes a container for a model: the monitor must not take the difference
-    from the tiers (it did, on some runs and not others, until 2026-12-01: 1503 -> 1080-1224 MiB of decoded experts
-    at 75% of the 2.8g model, 20 -> 29-33 misses a token). Nor may the compute buffers, which the first decode
+    from the tiers (a monitor that did left 1080-1224 MiB of decoded experts instead of 1503 at 75% of the 2.8g
+    model on some runs, 29-33 misses a token instead of 20). Nor may the compute buffers, which the first decode
     touches, nor the kernel moving the mapped weights' pages between its active and inactive lists. Memory that
     another process takes still shrinks the tiers, by as much; "auto" keeps its margin."""
     from pyzipmoe.runtime import controller, memory

@@ -14,7 +14,7 @@ from helpers import REPO, load_tool
 
 results = load_tool("bench/results.py")
 
-DAY = datetime.date(2026, 11, 30)
+DAY = datetime.date(2000, 1, 31)
 
 
 def options(*argv: str) -> argparse.Namespace:
@@ -31,23 +31,23 @@ def test_defaults_are_bench_results():
 def test_a_file_per_run_named_by_day_benchmark_and_label(tmp_path: Path):
     args = options("--results", str(tmp_path), "--label", "read room/on")
     first = results.write(args, "budget", "a | table\n", weights=results.SYNTHETIC, day=DAY, argv=["x.py", "--y"])
-    assert first == tmp_path / "2026-11-30-budget-read-room-on.md"
+    assert first == tmp_path / "2000-01-31-budget-read-room-on.md"
     text = first.read_text()
-    assert text.startswith("# budget (read room/on), 2026-11-30\n")
+    assert text.startswith("# budget (read room/on), 2000-01-31\n")
     assert "- command: `" in text and "x.py --y`" in text
     assert f"- machine: {results.cpu_model()}, {os.cpu_count()} cores" in text
     assert "- weights: SYNTHETIC weights\n" in text
     assert "```text\na | table\n```\n" in text
     # a second run the same day never overwrites the first
     second = results.write(args, "budget", "another\n", weights="trained", day=DAY, argv=["x.py"])
-    assert second == tmp_path / "2026-11-30-budget-read-room-on-2.md"
+    assert second == tmp_path / "2000-01-31-budget-read-room-on-2.md"
     assert first.read_text() == text
 
 
 def test_no_label_and_json_and_notes(tmp_path: Path):
     args = options("--results", str(tmp_path / "new"))
     path = results.write(args, "e2e", "t", weights="w", json_path="stdout", notes=["one note"], day=DAY, argv=["e"])
-    assert path.name == "2026-11-30-e2e.md"
+    assert path.name == "2000-01-31-e2e.md"
     text = path.read_text()
     assert "- JSON: stdout\n- one note\n" in text
 
@@ -92,13 +92,13 @@ def test_budget_report_writes_a_file_dated_when_its_json_was_written(tmp_path: P
                                                                      capsys: pytest.CaptureFixture[str]):
     report = tmp_path / "budget.json"
     report.write_text(json.dumps(budget_report()))
-    taken = datetime.datetime(2026, 11, 30, 12).timestamp()
+    taken = datetime.datetime(2000, 1, 31, 12).timestamp()
     os.utime(report, (taken, taken))
     bench = load_tool("bench/bench_budget.py")
     assert bench.main(["--report", str(report), "--results", str(tmp_path / "out"), "--label", "smoke"]) == 0
     printed = capsys.readouterr().out
     (path,) = (tmp_path / "out").iterdir()
-    assert path.name == "2026-11-30-budget-smoke.md"
+    assert path.name == "2000-01-31-budget-smoke.md"
     text = path.read_text()
     assert "bench_budget.py --report" in text and f"- JSON: {report}" in text
     assert "- weights: SYNTHETIC weights (tools/dev/make_synth.py, preset small)" in text
