@@ -5,16 +5,15 @@ Models are session-scoped and read-only; a test that damages a file copies it fi
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Callable
-from importlib.util import find_spec
 from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 
+import helpers
 from pyzipmoe import synth
 
 ARCHS = ("qwen3moe", "olmoe")
@@ -58,6 +57,18 @@ def zipmoe_models(tiny_models: dict[str, Path], models_dir: Path) -> dict[tuple[
 @pytest.fixture(scope="session")
 def zipmoe_model(zipmoe_models: dict[tuple[str, str], Path]) -> Path:
     return zipmoe_models["qwen3moe", "huff"]
+
+
+@pytest.fixture(scope="session")
+def small_models(models_dir: Path) -> tuple[Path, Path]:
+    """The small preset (BF16, 61 MiB: 48 MiB of experts, 16 per layer) and its zipmoe GGUF, for runs in memory
+    limits; read-only."""
+    from pyzipmoe.file import convert
+
+    bf16, packed = models_dir / "small.gguf", models_dir / "small.zipmoe.gguf"
+    synth.write_config(bf16, synth.PRESETS["small"])
+    convert.convert(bf16, packed, threads=2)
+    return bf16, packed
 
 
 def _write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType | None]]) -> Path:
@@ -137,31 +148,15 @@ def flip_bit() -> Callable[[Path, int], None]:
     return flip
 
 
-def worker_env(lib_dir: Path) -> dict[str, str]:
-    """The environment of a child that runs llama-cpp-python on the libllama in lib_dir, with the runtime's
-    defaults (an unbounded cache): what configures it comes from the test, never from the outside environment."""
-    from pyzipmoe.runtime.config import RUNTIME_ENV
-
-    env = {k: v for k, v in os.environ.items() if k not in RUNTIME_ENV}
-    env["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
-    env["LD_LIBRARY_PATH"] = os.pathsep.join([str(lib_dir), env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
-    return env
-
-
 @pytest.fixture(scope="session")
 def llama_lib_dir() -> Path:
     """build/bin with zipmoe's libllama and llama-cpp-python's Python part: skip without them, except under CI,
     where a test that needs them must run."""
-    import pyzipmoe
+    return helpers.llama_bin_dir()
 
-    bin_dir = pyzipmoe.build_dir() / "bin"
-    reason = None
-    if not (bin_dir / "libllama.so").is_file():
-        reason = f"zipmoe's llama.cpp is not built ({bin_dir / 'libllama.so'} is missing)"
-    elif find_spec("llama_cpp") is None:
-        reason = "llama-cpp-python is not installed"
-    if reason:
-        if os.environ.get("CI"):
-            pytest.fail(f"{reason} (CI is set: this test must run there)")
-        pytest.skip(reason)
-    return bin_dir
+
+@pytest.fixture(scope="session")
+def cgroup_parent() -> Path:
+    """Where a test may make a memory cgroup (v1) and change its limit: skip when not root or without the
+    memory controller."""
+    return helpers.memory_cgroup_parent()

@@ -43,14 +43,14 @@ step "installing the Python package into .venv"
 
 # --- native library and llama.cpp with zipmoe: libraries and programs in build/bin
 step "building libggml-zipmoe and llama.cpp with zipmoe into build/bin (first time: ~20 min on 2 cores)"
-PYTHON=.venv/bin/python bash tools/fetch_llama.sh  # pip of the venv: fresh systems have none
+PYTHON=.venv/bin/python bash tools/dev/fetch_llama.sh  # pip of the venv: fresh systems have none
 gen=(); [ -f build/CMakeCache.txt ] || { command -v ninja >/dev/null && gen=(-G Ninja); }
 cmake -S . -B build "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DZIPMOE_LLAMA=ON >/dev/null
 cmake --build build -j "$(nproc)"
 
 # --- llama-cpp-python, its Python part only (pyzipmoe.Llama, `zipmoe run -p` and the tests use it): it runs
 # zipmoe's libllama from build/bin, where `import pyzipmoe` points it (LLAMA_CPP_LIB_PATH), so its own native
-# build is switched off. Installed from the sha256-pinned sdist that tools/fetch_llama.sh put in build/cache;
+# build is switched off. Installed from the sha256-pinned sdist that tools/dev/fetch_llama.sh put in build/cache;
 # skipped when that version is already installed.
 LLAMA_CPP_PYTHON=0.3.36
 if .venv/bin/python -c "import sys, importlib.metadata as m

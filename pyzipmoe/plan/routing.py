@@ -233,8 +233,8 @@ class RecencyDesign:
     warm when r < hot + warm, sm when r < hot + warm + sm, else cold. The runtime's tiers are that stack when a
     layer keeps hot and sm experts (an expert leaving the hot tier keeps its sign+mantissa plane, taken from its
     decoded values, and enters the sm tier if it outranks the sm tier's last), or warm and sm ones without a hot
-    tier (decoding on every use; a warm expert gives up its codes for the sm tier): tests/test_store.py checks the
-    runtime's hits against this model token by token, for both policies. With both hot and warm slots it is not:
+    tier (decoding on every use; a warm expert gives up its codes for the sm tier): tests/native/test_store.py checks
+    the runtime's hits against this model token by token, for both policies. With both hot and warm slots it is not:
     an expert leaving the hot tier has no exponent codes to become warm with. split_delays therefore offers only
     the splits it predicts. Unlike the frequency design it sees that a conversation keeps coming back to the
     experts it used last, which is what keeps a small hot tier useful. Delays and hit rates are the means over

@@ -183,7 +183,7 @@ def runtime_plan(model: CostModel, budget: int, *, margin: float = PLAN_MARGIN) 
     tokens wait for experts when the budget keeps decoded experts only (the same hot slots in every layer); a
     run then keeps those.
 
-    The cost model's predictions fall within about 25% of measured speed (tools/bench_planner.py), and decoded
+    The cost model's predictions fall within about 25% of measured speed (tools/bench/bench_planner.py), and decoded
     experts alone were the best or near-best fixed split at every budget measured from 60% up on the synthetic
     model: a plan the model rates only slightly better is as likely slower, and it moves memory between tiers
     and layers for nothing. Where routing is skewed, or the budget small, plans save far more than that."""

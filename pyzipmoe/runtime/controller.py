@@ -91,7 +91,7 @@ def planner_by_default(model_path: str | os.PathLike[str], *, budget: str | int 
                        sm_share: float | None, plan: str | None = None, is_zipmoe: bool = True) -> bool:
     """Whether a run plans its budget when the user did not say: under a budget without a fixed split or plan,
     once the model has a calibration measured through the engine (`zipmoe calibrate`). Its costs are what the
-    planner's predictions were checked with (tools/bench_planner.py); without them it would plan from guesses,
+    planner's predictions were checked with (tools/bench/bench_planner.py); without them it would plan from guesses,
     and the decoded-only split is the better bet."""
     if budget is None or not is_zipmoe or plan is not None or hot_share is not None or sm_share is not None:
         return False
@@ -343,7 +343,8 @@ class MemoryMonitor:
         self.sizes = sizes
         self.warm_fast = warm_fast  # (warm_decodes_fast: for a split whose hot share is the runtime's default)
         # whether the plans it applies hold generation's room beyond their slots (apply_plan's token_room): off to
-        # measure plans as planned (pyzipmoe.runtime.timing, which tools/bench_planner.py compares with predictions)
+        # measure plans as planned (pyzipmoe.runtime.timing, which tools/bench/bench_planner.py compares with
+        # predictions)
         self.generation_room = True
         # the run's eviction policy, whose hits the recency model predicts: the runtime read it at load (Llama sets
         # the environment only while it loads, so it passes what it asked for)

@@ -94,7 +94,7 @@ def cgroup_membership(proc_self: Path = PROC_SELF) -> dict[str, str]:
     return out
 
 
-def _v1_mount(controller: str, cgroup_root: Path) -> Path | None:
+def v1_mount(controller: str, cgroup_root: Path = CGROUP_ROOT) -> Path | None:
     """The v1 hierarchy of `controller`: /sys/fs/cgroup/memory, or a joint one such as cpu,cpuacct."""
     if (cgroup_root / controller).is_dir():
         return cgroup_root / controller
@@ -132,11 +132,21 @@ def cgroup_dirs(controller: str, *, cgroup_root: Path = CGROUP_ROOT,
     A v1 hierarchy of the controller wins over v2 (in hybrid mode the controllers live on v1); (0, []) when
     neither is there."""
     member = cgroup_membership(proc_self)
-    if controller in member and (mount := _v1_mount(controller, cgroup_root)) is not None:
+    if controller in member and (mount := v1_mount(controller, cgroup_root)) is not None:
         return 1, list(_inward_out(mount, member[controller]))
     if "" in member and (mount := _v2_mount(cgroup_root)) is not None:
         return 2, list(_inward_out(mount, member[""]))
     return 0, []
+
+
+def own_cgroup_dir(controller: str = "memory", *, cgroup_root: Path = CGROUP_ROOT,
+                   proc_self: Path = PROC_SELF) -> Path | None:
+    """This process's own cgroup directory in the v1 hierarchy of `controller` (memory, blkio, ...), where a
+    benchmark or a test makes child cgroups; None when the controller has no v1 hierarchy here.
+
+    In a container without a cgroup namespace it is the innermost directory that exists (see `_inward_out`)."""
+    version, dirs = cgroup_dirs(controller, cgroup_root=cgroup_root, proc_self=proc_self)
+    return dirs[0] if version == 1 and dirs else None
 
 
 def read_int(path: Path) -> int | None:

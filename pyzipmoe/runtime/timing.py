@@ -1,5 +1,5 @@
 """Timing generation through the engine: a zipmoe model generates greedily in a fresh process, and its speed and
-the runtime's counters over the timed tokens come back. What calibration's tier costs and tools/bench_planner.py
+the runtime's counters over the timed tokens come back. What calibration's tier costs and tools/bench/bench_planner.py
 measure with: the costs a planner needs are those the engine pays (threads, slots, reads, the matmuls' cache
 pressure), which microbenchmarks of the decoder do not show.
 

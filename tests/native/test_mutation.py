@@ -3,7 +3,7 @@
 Tiny zipmoe GGUFs (huff/qwen3moe and zstd/olmoe, several chunks per expert) get seeded random damage: bit
 flips anywhere in the file, flips and byte changes aimed at the metadata and at the hashed tensors (dense
 tensors, indexes), runs of zeroed bytes, and truncations. Each damaged file is loaded by zipmoe's llama.cpp
-(through llama-cpp-python, in a forked child: tests/mutation_worker.py), which evaluates a prompt with all
+(through llama-cpp-python, in a forked child: tests/native/mutation_worker.py), which evaluates a prompt with all
 logits and generates greedily. Every run must either
 
 * be refused (a load error or an llama_decode error), or

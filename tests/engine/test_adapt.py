@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -34,9 +33,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import worker_env
+from helpers import assert_bit_identical, kill_group, worker_env, write_atomic
 
-from pyzipmoe import synth
 
 PROMPT = ("the expert model said hello to the world of water and time, and then the people of the world "
           "said hello to the expert")
@@ -214,7 +212,7 @@ print(json.dumps(out))
 
 
 def start_worker(job: dict[str, Any], lib_dir: Path, prefix: tuple[str, ...] = ()) -> subprocess.Popen[str]:
-    """The worker on `job`, its argv after `prefix`, in a session of its own (so that _kill gets all of it)."""
+    """The worker on `job`, its argv after `prefix`, in a session of its own (so that kill_group gets all of it)."""
     return subprocess.Popen([*prefix, sys.executable, "-c", WORKER, json.dumps(job)], env=worker_env(lib_dir),
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -230,7 +228,7 @@ def finish(proc: subprocess.Popen[str], job: dict[str, Any],
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill(proc)
+        kill_group(proc)
         stdout, stderr = proc.communicate()
         raise AssertionError(f"the worker took more than {timeout} s:\n{stderr[-3000:]}") from None
     assert proc.returncode == 0, f"the worker failed (exit status {proc.returncode}):\n{stderr[-3000:]}"
@@ -238,24 +236,6 @@ def finish(proc: subprocess.Popen[str], job: dict[str, Any],
     with np.load(job["out"]) as z:
         arrays = {k: z[k] for k in z.files}
     return reports, arrays
-
-
-def _kill(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait(10)
-
-
-def assert_bit_identical(a: np.ndarray, b: np.ndarray, what: str) -> None:
-    assert a.shape == b.shape, f"{what}: shapes {a.shape} and {b.shape}"
-    same = a.view(np.uint32) == b.view(np.uint32)
-    if not same.all():
-        pos, tok = np.argwhere(~same)[0]
-        raise AssertionError(f"{what}: {np.count_nonzero(~same)} of {a.size} logits differ, the first at position "
-                             f"{pos}, token {tok}: {a[pos, tok]!r} vs {b[pos, tok]!r}")
 
 
 def allowed_bytes(model: Path, plan: str) -> tuple[int, int]:
@@ -497,8 +477,8 @@ class _FakeStats:
 def test_a_fixed_budget_in_a_container_sized_to_it_keeps_its_tiers(zipmoe_model: Path) -> None:
     """A container whose limit leaves less room beside the budget than the safety margin (512 MiB) is how the
     issue's benchmark runs, and how one sizes a container for a model: the monitor must not take the difference
-    from the tiers (it did, on some runs and not others, until 2026-12-01: 1503 -> 1080-1224 MiB of decoded experts
-    at 75% of the 2.8g model, 20 -> 29-33 misses a token). Nor may the compute buffers, which the first decode
+    from the tiers (a monitor that did left 1080-1224 MiB of decoded experts instead of 1503 at 75% of the 2.8g
+    model on some runs, 29-33 misses a token instead of 20). Nor may the compute buffers, which the first decode
     touches, nor the kernel moving the mapped weights' pages between its active and inactive lists. Memory that
     another process takes still shrinks the tiers, by as much; "auto" keeps its margin."""
     from pyzipmoe.runtime import controller, memory
@@ -656,46 +636,6 @@ def test_slots_changed_around_an_invocation_keep_the_store_working(scenario: str
 # -------------------------------------------------------------------------------------------- cgroup v1
 
 
-def _memory_mount() -> Path | None:
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) >= 4 and fields[2] == "cgroup" and "memory" in fields[3].split(","):
-                    return Path(fields[1])
-    except OSError:
-        pass
-    return None
-
-
-@pytest.fixture(scope="module")
-def cgroup_parent() -> Path:
-    """Where this test may make a memory cgroup (v1): skipped when not root or without the memory controller."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to make a memory cgroup and lower its limit")
-    mount = _memory_mount()
-    if mount is None:
-        pytest.skip("the cgroup v1 memory controller is not mounted")
-    from pyzipmoe.runtime.memory import cgroup_membership
-
-    parent = mount / cgroup_membership().get("memory", "/").lstrip("/")
-    if not (parent / "memory.limit_in_bytes").is_file() or not os.access(parent, os.W_OK):
-        pytest.skip(f"cannot make memory cgroups in {parent}")
-    return parent
-
-
-@pytest.fixture(scope="module")
-def small_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """The small preset (BF16, 61 MiB: 48 MiB of experts, 16 per layer) and its zipmoe GGUF."""
-    from pyzipmoe.file import convert
-
-    d = tmp_path_factory.mktemp("adapt")
-    bf16, packed = d / "small.gguf", d / "small.zipmoe.gguf"
-    synth.write_config(bf16, synth.PRESETS["small"])
-    convert.convert(bf16, packed, threads=2)
-    return bf16, packed
-
-
 def _read_int(path: Path) -> int:
     return int(path.read_text().strip())
 
@@ -755,14 +695,14 @@ def test_lowered_cgroup_limit_while_generating(llama_lib_dir: Path, cgroup_paren
         assert limit * 0.1 < MIN_MARGIN  # so the margin is MIN_MARGIN
         assert limit > usage + (64 << 20), (limit, usage, inactive)  # well above what is used: no reclaim, no OOM
         (cg / "memory.limit_in_bytes").write_text(str(limit))
-        Path(job["lowered"]).write_text(str(limit))
+        write_atomic(Path(job["lowered"]), str(limit))
 
         (got,), arrays = finish(proc, job, TIMEOUT)
         failcnt = _read_int(cg / "memory.failcnt")
         peak = _read_int(cg / "memory.max_usage_in_bytes")
     finally:
         if proc is not None:
-            _kill(proc)
+            kill_group(proc)
         for _ in range(50):
             try:
                 cg.rmdir()

@@ -1,12 +1,12 @@
-"""Smoke test of tools/bench_codec.py (--quick) and of the safetensors loader it uses (pyzipmoe.file.weights).
+"""Smoke test of tools/bench/bench_codec.py (--quick) and of the safetensors loader it uses (pyzipmoe.file.weights).
 
 Speeds are not asserted (machines are shared and noisy); sizes are, since they are deterministic.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -14,28 +14,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import REPO, TOOLS, load_tool
 
 from pyzipmoe.file import weights
 from pyzipmoe.file import metadata
 from pyzipmoe.errors import FormatError
 
-ROOT = Path(__file__).resolve().parent.parent
-BENCH = ROOT / "tools" / "bench_codec.py"
+BENCH = TOOLS / "bench" / "bench_codec.py"
 
 
 def run_bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          check=False)
+    """The benchmark on args; without --results it writes no result file (none in bench/results from a test)."""
+    extra = () if "--results" in args else ("--no-results",)
+    return subprocess.run([sys.executable, str(BENCH), *args, *extra], capture_output=True, text=True, timeout=300,
+                          cwd=REPO, check=False)
 
 
 def load_bench_module():
-    if "bench_codec" in sys.modules:
-        return sys.modules["bench_codec"]
-    spec = importlib.util.spec_from_file_location("bench_codec", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_codec"] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("bench/bench_codec.py")
 
 
 # ------------------------------------------------------------------------------------------ the benchmark
@@ -78,6 +74,22 @@ def test_table_output_and_options():
     assert "TARGET >= 3x faster per core than zstd level 1 on the exponent plane" in out
     assert "minilm: skipped (--no-real)" in out
     assert "zstd-3" not in out
+
+
+def test_a_finished_run_writes_a_dated_result_file(tmp_path: Path):
+    """--results DIR: DIR/YYYY-MM-DD-codec-quick-<label>.md with the command, the machine, the weights and the
+    table the run printed (tools/bench/results.py; bench/results/README.md)."""
+    proc = run_bench("--quick", "--no-real", "--threads", "1", "--zstd-levels", "1", "--experts", "1",
+                     "--results", str(tmp_path / "results"), "--label", "smoke test")
+    assert proc.returncode == 0, proc.stderr
+    (path,) = (tmp_path / "results").iterdir()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d-codec-quick-smoke-test\.md", path.name), path.name
+    assert f"wrote {path}" in proc.stderr
+    text = path.read_text()
+    assert "bench_codec.py --quick --no-real --threads 1 --zstd-levels 1 --experts 1 --results" in text
+    assert "- machine: " in text and " cores" in text
+    assert "- weights: SYNTHETIC weights (Gaussian BF16 experts)" in text and "trained" not in text
+    assert proc.stdout.strip() in text  # the table as printed
 
 
 def test_help_has_examples_and_bad_options_are_refused():

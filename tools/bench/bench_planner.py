@@ -1,23 +1,23 @@
 #!/usr/bin/env python3
 """The planner against every fixed split of the budget between tiers: measured and predicted generation speed.
 
-For each budget (a share of the model's BF16 size, as in tools/bench_budget.py), the zipmoe model generates with
+For each budget (a share of the model's BF16 size, as in tools/bench/bench_budget.py), the zipmoe model generates with
 (a) the planner, as pyzipmoe.Llama(planner=True) runs it: decoded experts first (no trace), then, after --warmup
 tokens, a plan from the order in which those tokens routed (the recency model), --warmup/2 tokens to settle (the
 monitor re-plans every 64 tokens; here once, and then it stops so that nothing changes while timing); (b) each fixed
 split of the cache between the hot, warm and sm tiers in steps of --step (the same slots in every layer, the
 default policy), after as many tokens as the planner's run (--warmup * 3/2). --gen tokens are timed in steady
-state (greedy, one token at a time, a fresh process per run, pyzipmoe.runtime.timing). The runtime enforces the budget itself; no cgroup is needed (tools/bench_budget.py measures
-under cgroup limits).
+state (greedy, one token at a time, a fresh process per run, pyzipmoe.runtime.timing). The runtime enforces the
+budget itself; no cgroup is needed (tools/bench/bench_budget.py measures under cgroup limits).
 
 Predictions come from this machine's calibration (`zipmoe calibrate`: tier costs and the base time per token
 measured through the engine; measured first if missing) and the routing of the warm-up's tokens, which is the
 same in every run (the outputs are bit-exact, so every run generates the same tokens).
 
-    .venv/bin/python tools/bench_planner.py                       # the 2.8g synthetic model of bench_budget
-    .venv/bin/python tools/bench_planner.py --budgets 60,75 --step 0.25 --json out.json
-    .venv/bin/python tools/bench_planner.py --model m.zipmoe.gguf --repeat 3
-    .venv/bin/python tools/bench_planner.py --step 0.1 --gen 24 --confirm 3   # the issue's grid, then a check
+    .venv/bin/python tools/bench/bench_planner.py                       # the 2.8g synthetic model of bench_budget
+    .venv/bin/python tools/bench/bench_planner.py --budgets 60,75 --step 0.25 --json out.json
+    .venv/bin/python tools/bench/bench_planner.py --model m.zipmoe.gguf --repeat 3
+    .venv/bin/python tools/bench/bench_planner.py --step 0.1 --gen 24 --confirm 3   # the issue's grid, then a check
 
 Acceptance (the planner's issue): measured tokens/s with the planner within 10% of the best fixed split at
 every budget, and predicted within 25% of measured.
@@ -33,8 +33,10 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # results.py, beside this script
+import results as result_files  # noqa: E402
 
 DEFAULT_MODEL = REPO / "build" / "bench-budget" / "2.8g-uniform.zipmoe.gguf"
 
@@ -85,8 +87,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--confirm-repeat", type=int, default=5)
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json", type=Path, help="write every run here")
+    result_files.add_arguments(p)
     args = p.parse_args(argv)
+    with result_files.Tee() as printed:
+        status = run(args)
+    if status == 0:
+        synthetic = result_files.synthetic_gguf(args.model)
+        weights = {True: f"{result_files.SYNTHETIC} (pyzipmoe.synth: general.name says so)",
+                   False: "trained weights (general.name is not pyzipmoe.synth's)",
+                   None: "unknown (the model's general.name could not be read)"}[synthetic]
+        result_files.write(args, "planner", printed.text, weights=weights, json_path=args.json,
+                           argv=result_files.script_argv(__file__, argv))
+    return status
 
+
+def run(args: argparse.Namespace) -> int:
+    """The grid: prints each budget's table as it is measured; 0 when the unconstrained run worked."""
     from pyzipmoe.plan import measure as calibrate
     from pyzipmoe.plan import inputs
     from pyzipmoe.plan import solver as planner
@@ -95,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = args.model
     bf16 = args.bf16_bytes or open_zipmoe(model).meta.source_size
-    print(f"model: {model} (synthetic when made by tools/make_synth.py), BF16 {bf16 / 2**20:.0f} MiB", flush=True)
+    print(f"model: {model} (synthetic when made by tools/dev/make_synth.py), BF16 {bf16 / 2**20:.0f} MiB", flush=True)
     cal = calibrate.calibrate(model)
     print(f"costs ({cal.tier_source}): {cal.as_costs_dict()}", flush=True)
     probe = measure(model, {}, args, routing=True)

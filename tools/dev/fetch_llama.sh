@@ -4,9 +4,9 @@
 # llama.cpp comes from the llama-cpp-python sdist (its vendor/llama.cpp), checked by sha256; no
 # third-party source is kept in this repository. Re-running is cheap: the tree is re-made only when
 # the sdist or a patch changed (a stamp records what was applied).
-#   bash tools/fetch_llama.sh [DEST]     default DEST: build/llama.cpp
+#   bash tools/dev/fetch_llama.sh [DEST]     default DEST: build/llama.cpp
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 VERSION=0.3.36
 SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e

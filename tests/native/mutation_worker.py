@@ -1,8 +1,9 @@
 """Loads mutated copies of a zipmoe GGUF with zipmoe's llama.cpp and classifies what each load + generate did.
 
-Used by tests/test_mutation.py; also runnable by hand for longer campaigns (see below for a sanitizer build):
+Used by tests/native/test_mutation.py and tests/native/test_hardening.py; also runnable by hand for longer
+campaigns (see below for a sanitizer build):
 
-    LLAMA_CPP_LIB_PATH=build/bin python tests/mutation_worker.py JOB.json
+    LLAMA_CPP_LIB_PATH=build/bin python tests/native/mutation_worker.py JOB.json
 
 With a sanitizer build of llama.cpp (-DZIPMOE_SANITIZE=ON -DZIPMOE_LLAMA=ON), point LLAMA_CPP_LIB_PATH at its bin
 and preload the runtime (LD_PRELOAD=$(cc -print-file-name=libasan.so), ASAN_OPTIONS=detect_leaks=0): a sanitizer

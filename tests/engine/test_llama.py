@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import worker_env
+from helpers import assert_bit_identical, llama_bin_dir, stderr_tail, unavailable, worker_env
 
 import pyzipmoe
 from pyzipmoe.file.reader import open_zipmoe
@@ -53,28 +53,16 @@ TIMEOUT = 600  # seconds for any one child process (a few on an idle machine; CI
 # ----------------------------------------------------------------------------------- what the tests need
 
 
-def _unavailable(reason: str) -> None:
-    if os.environ.get("CI"):
-        pytest.fail(f"{reason} (CI is set: these tests must run there)")
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="session")
 def ours() -> Path:
     """zipmoe's build: the directory with libllama.so and the llama.cpp programs."""
-    bin_dir = pyzipmoe.build_dir() / "bin"
-    if not (bin_dir / "libllama.so").is_file():
-        _unavailable(f"zipmoe's llama.cpp is not built ({bin_dir / 'libllama.so'} is missing; "
-                     "`bash tools/setup.sh` builds it)")
-    if find_spec("llama_cpp") is None:
-        _unavailable("llama-cpp-python is not installed (`bash tools/setup.sh` installs it)")
-    return bin_dir
+    return llama_bin_dir()
 
 
 def _program(bin_dir: Path, name: str) -> Path:
     path = bin_dir / name
     if not path.is_file():
-        _unavailable(f"{path} was not built")
+        unavailable(f"{path} was not built")
     return path
 
 
@@ -150,27 +138,12 @@ def run_worker(model: Path, lib_dir: Path, runs: list[dict[str, Any]], out: Path
     done = subprocess.run([sys.executable, "-c", WORKER, json.dumps(job)], env={**worker_env(lib_dir), **(env or {})},
                           capture_output=True,
                           text=True, timeout=TIMEOUT, check=False)
-    assert done.returncode == 0, f"the worker died (exit status {done.returncode}) on {model}:\n{_tail(done.stderr)}"
+    assert done.returncode == 0, \
+        f"the worker died (exit status {done.returncode}) on {model}:\n{stderr_tail(done.stderr)}"
     reports = json.loads(done.stdout.strip().splitlines()[-1])["runs"]
     with np.load(out) as z:
         arrays = {k: z[k] for k in z.files}
     return reports, arrays
-
-
-def _tail(stderr: str) -> str:
-    """What a failing llama.cpp program said that matters: its error lines and its last lines."""
-    lines = stderr.splitlines()
-    errors = [ln for ln in lines if " E " in ln or "error" in ln.lower() or "failed" in ln.lower()]
-    return "\n".join(errors[-15:] + ["..."] + lines[-10:])
-
-
-def assert_bit_identical(a: np.ndarray, b: np.ndarray, what: str) -> None:
-    assert a.shape == b.shape, f"{what}: shapes {a.shape} and {b.shape}"
-    same = a.view(np.uint32) == b.view(np.uint32)
-    if not same.all():
-        pos, tok = np.argwhere(~same)[0]
-        raise AssertionError(f"{what}: {np.count_nonzero(~same)} of {a.size} logits differ, the first at position "
-                             f"{pos}, token {tok}: {a[pos, tok]!r} vs {b[pos, tok]!r}")
 
 
 def _no_error(report: dict[str, Any]) -> None:
@@ -627,7 +600,7 @@ def test_compressed_tiers_give_back_what_they_evict(ours: Path, tmp_path: Path) 
     budget = need.minimum + need.expert_bytes // 3  # compressed, about half of the experts
     done = subprocess.run([sys.executable, "-c", RSS_CHILD, json.dumps({"model": str(packed), "budget": budget})],
                           env=worker_env(ours), capture_output=True, text=True, timeout=TIMEOUT, check=False)
-    assert done.returncode == 0, _tail(done.stderr)
+    assert done.returncode == 0, stderr_tail(done.stderr)
     got = json.loads(done.stdout.strip().splitlines()[-1])
     from pyzipmoe._native import ffi, lib
     from pyzipmoe.runtime.controller import store_sizes
@@ -742,17 +715,17 @@ def test_truncated_zipmoe_is_refused_at_load(ours: Path, arch: str, zipmoe_model
     assert str(truncated) in err["message"] and "truncated" in err["message"], err
     done = subprocess.run([str(_program(ours, "llama-simple")), "-m", str(truncated), "-n", "4", "hello"],
                           env=worker_env(ours), capture_output=True, text=True, timeout=TIMEOUT, check=False)
-    assert done.returncode == 1, (done.returncode, _tail(done.stderr))  # an error exit, not a signal
-    assert "unable to load model" in done.stderr, _tail(done.stderr)
+    assert done.returncode == 1, (done.returncode, stderr_tail(done.stderr))  # an error exit, not a signal
+    assert "unable to load model" in done.stderr, stderr_tail(done.stderr)
 
 
 def test_stock_build_refuses_zipmoe_gguf(stock: Path, zipmoe_model: Path, tmp_path: Path) -> None:
     done = subprocess.run([str(stock / "llama-simple"), "-m", str(zipmoe_model), "-n", "4", "hello"],
                           env=worker_env(stock), capture_output=True, text=True, timeout=TIMEOUT, check=False)
-    assert done.returncode == 1, (done.returncode, _tail(done.stderr))
+    assert done.returncode == 1, (done.returncode, stderr_tail(done.stderr))
     # this llama.cpp says "check_tensor_dims: tensor '...' not found"; older ones said "missing tensor '...'"
     assert "tensor 'blk.0.ffn_" in done.stderr and ("not found" in done.stderr or "missing tensor" in done.stderr), \
-        _tail(done.stderr)
+        stderr_tail(done.stderr)
     if find_spec("llama_cpp") is None:
         return
     reports, _ = run_worker(zipmoe_model, stock, [{"config": CONFIGS[0]}], tmp_path / "s.npz")
@@ -767,7 +740,7 @@ def _run(argv: list[str | Path], env: dict[str, str]) -> subprocess.CompletedPro
     done = subprocess.run([str(a) for a in argv], env=env, capture_output=True, text=True, timeout=TIMEOUT,
                           errors="surrogateescape",
                           stdin=subprocess.DEVNULL, check=False)
-    assert done.returncode == 0, f"{argv[0]} exited with {done.returncode}:\n{_tail(done.stderr)}"
+    assert done.returncode == 0, f"{argv[0]} exited with {done.returncode}:\n{stderr_tail(done.stderr)}"
     return done
 
 
@@ -781,9 +754,10 @@ def test_llama_simple_same_greedy_output(ours: Path, arch: str, tiny_models: dic
 
 
 def test_timing_times_the_models_greedy_text(ours: Path, zipmoe_model: Path, tmp_path: Path) -> None:
-    """pyzipmoe.runtime.timing (engine calibration, tools/bench_planner.py) generates the model's greedy text, the tokens
-    the logits_all worker generates. It once took argmax of llama-cpp-python's `scores`, which stay zero without
-    logits_all: token 0 forever, a text whose experts repeat, and costs and plans measured on it."""
+    """pyzipmoe.runtime.timing (engine calibration, tools/bench/bench_planner.py) generates the model's greedy
+    text, the tokens the logits_all worker generates. It once took argmax of llama-cpp-python's `scores`, which
+    stay zero without logits_all: token 0 forever, a text whose experts repeat, and costs and plans measured on
+    it."""
     from pyzipmoe.runtime.timing import PROMPT as TIMING_PROMPT
     from pyzipmoe.runtime.timing import time_generation
 
@@ -882,7 +856,7 @@ def server(ours: Path, tmp_path: Path) -> Iterator[Callable[[Path], str]]:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise AssertionError(f"llama-server exited with {proc.returncode}: "
-                                     f"{_tail(log.read_text(errors='replace'))}")
+                                     f"{stderr_tail(log.read_text(errors='replace'))}")
             try:
                 if _http(url + "/health", timeout=2)[0] == 200:
                     return url

@@ -9,7 +9,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "pyzipmoe"
+from helpers import REPO
+
+PACKAGE = REPO / "pyzipmoe"
 CLI_USERS = {"pyzipmoe.__main__"}  # `python -m pyzipmoe`
 
 

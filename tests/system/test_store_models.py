@@ -16,11 +16,11 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import llama_bin_dir
 
 import pyzipmoe
 from pyzipmoe.models import blobs as models_blobs
@@ -725,22 +725,8 @@ print(json.dumps(result))
 """
 
 
-def _llama_or_skip() -> Path:
-    lib = pyzipmoe.build_dir() / "bin" / "libllama.so"
-    reason = None
-    if not lib.is_file():
-        reason = f"zipmoe's llama.cpp is not built ({lib} is missing; `bash tools/setup.sh` builds it)"
-    elif find_spec("llama_cpp") is None:
-        reason = "llama-cpp-python is not installed (`bash tools/setup.sh` installs it)"
-    if reason:
-        if os.environ.get("CI"):
-            pytest.fail(f"{reason} (CI is set: this test must run there)")
-        pytest.skip(reason)
-    return lib.parent
-
-
 def test_run_store_model_greedy_tokens_match_bf16(store: Store, tiny_model: Path, tmp_path: Path) -> None:
-    lib_dir = _llama_or_skip()
+    lib_dir = llama_bin_dir()
     store.create("tiny-chat", f"FROM {tiny_model}\nPARAMETER temperature 0\nPARAMETER num_ctx 128\n"
                               "PARAMETER seed 1\nSYSTEM You are a test.\n"
                               'TEMPLATE """{% for m in messages %}{{ m.role }}: {{ m.content }}\n'

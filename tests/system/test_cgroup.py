@@ -10,24 +10,19 @@ peaks at about 92 MiB, and a runtime that ignored the budget was OOM-killed in t
 this test). The zipmoe file is evicted from the page cache before the run (fsync + POSIX_FADV_DONTNEED on that
 file only; nothing system-wide), so that what the run reads from it is charged to its cgroup.
 
-The cgroup code is tools/bench_budget.py's (run_limited), so this also exercises the benchmark's plumbing.
+The cgroup code is tools/bench/bench_budget.py's (run_limited), so this also exercises the benchmark's plumbing.
 Needs root, the cgroup v1 memory controller and zipmoe's llama.cpp build (llama-simple); skipped without them.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from helpers import load_tool
 
-from pyzipmoe import synth
-
-ROOT = Path(__file__).resolve().parent.parent
-BENCH = ROOT / "tools" / "bench_budget.py"
 PROMPT = "Once upon a time"
 N_GEN = 8
 LIMIT_SHARE = 0.85  # of the BF16 file
@@ -36,41 +31,7 @@ TIMEOUT = 50  # seconds; a run that thrashes this long has lost already
 
 
 def _bench_module() -> ModuleType:
-    if "bench_budget" in sys.modules:
-        return sys.modules["bench_budget"]
-    spec = importlib.util.spec_from_file_location("bench_budget", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_budget"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def cgroup_parent() -> Path:
-    """Where this test may make a memory cgroup: skip when not root or without the cgroup v1 memory controller."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to make a memory cgroup")
-    bench = _bench_module()
-    try:
-        mount = bench.memory_mount()
-    except bench.BenchError as e:
-        pytest.skip(str(e))
-    parent = mount / bench.own_cgroup().lstrip("/")
-    if not (parent / "memory.limit_in_bytes").is_file() or not os.access(parent, os.W_OK):
-        pytest.skip(f"cannot make memory cgroups in {parent}")
-    return parent
-
-
-@pytest.fixture(scope="module")
-def small_models(tmp_path_factory: pytest.TempPathFactory, cgroup_parent: Path) -> tuple[Path, Path]:
-    """The small preset (BF16) and its zipmoe GGUF."""
-    from pyzipmoe.file import convert
-
-    d = tmp_path_factory.mktemp("cgroup")
-    bf16, packed = d / "small.gguf", d / "small.zipmoe.gguf"
-    synth.write_config(bf16, synth.PRESETS["small"])
-    convert.convert(bf16, packed, threads=2)
-    return bf16, packed
+    return load_tool("bench/bench_budget.py")
 
 
 def _evict(path: Path) -> None:

@@ -19,11 +19,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import REPO
 
 import pyzipmoe
 
-ROOT = Path(__file__).resolve().parent.parent
-REGRESSIONS = Path(__file__).with_name("fuzz_regressions")
+REGRESSIONS = REPO / "tests" / "fuzz_regressions"
 TARGETS = ("chunk", "index")
 N_MUTANTS = int(os.environ.get("ZIPMOE_FUZZ_MUTANTS", "1500"))  # per target
 
@@ -48,7 +48,7 @@ def _replay(target: str, *inputs: Path) -> str:
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("corpus")
-    subprocess.run([sys.executable, str(ROOT / "ggml_zipmoe" / "fuzz" / "make_corpus.py"), str(out)], check=True,
+    subprocess.run([sys.executable, str(REPO / "ggml_zipmoe" / "fuzz" / "make_corpus.py"), str(out)], check=True,
                    capture_output=True, timeout=300)
     return out
 

@@ -44,7 +44,7 @@ zipmoe's alike, direct and buffered reads): an edge device's eMMC, UFS or SD car
 where a miss costs more than the cores' decode and compressed tiers pay (try --variant-env ZIPMOE_HOT_SHARE=0).
 The targets are set for the machine's own disk.
 
-The models are synthetic (random weights, made by tools/make_synth.py --preset PRESET [--routing skewed] and
+The models are synthetic (random weights, made by tools/dev/make_synth.py --preset PRESET [--routing skewed] and
 converted with `python -m pyzipmoe convert --codec CODEC`), kept in --workdir and reused while they exist. --codec
 defaults to esc where this CPU decodes it with SIMD (AVX-512 VBMI2: its warm hits cost a quarter of huff's, and the
 runtime's default split keeps every expert compressed where they nearly all fit), else huff, the converter's own
@@ -63,20 +63,21 @@ The issue's targets (tg, zipmoe / stock at the same limit): >= 5x at ~75 %, >= 4
 Each is checked at the measured budget nearest to it (within 7 points) and printed as met / NOT met.
 
 Examples:
-  sudo .venv/bin/python tools/bench_budget.py                        # 2.8g preset, both routings, about an hour
-  sudo .venv/bin/python tools/bench_budget.py --budgets 40,60,75,80,93,100,150 --json budget.json --plot budget.png
-  sudo .venv/bin/python tools/bench_budget.py --routings skewed --tests tg --zipmoe-env ZIPMOE_CACHE_POLICY=lru
-  sudo .venv/bin/python tools/bench_budget.py --budgets 75 --tests tg --repeat 3 --variant-env ZIPMOE_PREDICT=1
+  sudo .venv/bin/python tools/bench/bench_budget.py                        # 2.8g preset, both routings, about an hour
+  sudo .venv/bin/python tools/bench/bench_budget.py --budgets 40,60,75,80,93,100,150 --json budget.json --plot budget.png
+  sudo .venv/bin/python tools/bench/bench_budget.py --routings skewed --tests tg --zipmoe-env ZIPMOE_CACHE_POLICY=lru
+  sudo .venv/bin/python tools/bench/bench_budget.py --budgets 75 --tests tg --repeat 3 --variant-env ZIPMOE_PREDICT=1
       # an option against the default, in the same alternation
-  sudo .venv/bin/python tools/bench_budget.py --budgets 60,75 --tests tg --read-rate 400MiB \
+  sudo .venv/bin/python tools/bench/bench_budget.py --budgets 60,75 --tests tg --read-rate 400MiB \
       --variant-env ZIPMOE_HOT_SHARE=0                                 # slow storage: decoded-only against warm-only
-  sudo .venv/bin/python tools/bench_budget.py --preset small --overhead 16MiB --gen 16 --pp 64   # smoke, ~1 min
-  .venv/bin/python tools/bench_budget.py --report budget.json --plot budget.png   # the tables again, no runs
+  sudo .venv/bin/python tools/bench/bench_budget.py --preset small --overhead 16MiB --gen 16 --pp 64   # smoke, ~1 min
+  .venv/bin/python tools/bench/bench_budget.py --report budget.json --plot budget.png   # the tables again, no runs
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import re
@@ -88,8 +89,10 @@ from itertools import product
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # results.py, beside this script
+import results as result_files  # noqa: E402
 
 DEFAULT_WORKDIR = REPO / "build" / "bench-budget"
 DEFAULT_BUDGETS = "40,60,80,93,100,150"
@@ -125,37 +128,27 @@ def parse_size(text: str) -> int:
 # --------------------------------------------------------------------------------------- cgroup v1 memory
 
 
-def controller_mount(controller: str) -> Path | None:
-    """Where a cgroup v1 controller is mounted, or None."""
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) >= 4 and fields[2] == "cgroup" and controller in fields[3].split(","):
-                    return Path(fields[1])
-    except OSError as e:
-        raise BenchError(f"cannot read /proc/mounts: {e}") from e
-    return None
-
-
 def memory_mount() -> Path:
-    """Where the cgroup v1 memory controller is mounted; BenchError if it is not."""
-    mount = controller_mount("memory")
+    """Where the cgroup v1 memory hierarchy is; BenchError if there is none."""
+    from pyzipmoe.runtime.memory import v1_mount
+
+    mount = v1_mount("memory")
     if mount is not None:
         return mount
-    raise BenchError("the cgroup v1 memory controller is not mounted (no `cgroup` mount with the memory option in "
-                     "/proc/mounts; on a cgroup v2-only system, boot with systemd.unified_cgroup_hierarchy=0 or "
-                     "mount it: mount -t cgroup -o memory none /sys/fs/cgroup/memory)")
+    raise BenchError("the cgroup v1 memory controller is not mounted (no /sys/fs/cgroup/memory; on a cgroup "
+                     "v2-only system, boot with systemd.unified_cgroup_hierarchy=0 or mount it: "
+                     "mount -t cgroup -o memory none /sys/fs/cgroup/memory)")
 
 
-def own_cgroup(controller: str = "memory") -> str:
-    """This process's cgroup in a v1 hierarchy ("/" when none is listed)."""
-    with open("/proc/self/cgroup") as f:
-        for line in f:
-            parts = line.rstrip("\n").split(":", 2)
-            if len(parts) == 3 and controller in parts[1].split(","):
-                return parts[2] or "/"
-    return "/"
+def own_cgroup_dir(controller: str) -> Path:
+    """This process's cgroup in the v1 hierarchy of `controller` (pyzipmoe.runtime.memory's); BenchError if none."""
+    from pyzipmoe.runtime.memory import own_cgroup_dir as own
+
+    parent = own(controller)
+    if parent is None:
+        raise BenchError(f"this process has no cgroup v1 {controller} hierarchy (/proc/self/cgroup names none under "
+                         "/sys/fs/cgroup)")
+    return parent
 
 
 class ReadThrottle:
@@ -164,11 +157,10 @@ class ReadThrottle:
     reads of a page fault or a pread are the reader's own, charged to its cgroup)."""
 
     def __init__(self, rate: int, model: Path) -> None:
-        mount = controller_mount("blkio")
-        if mount is None:
-            raise BenchError("--read-rate needs the cgroup v1 blkio controller (no `cgroup` mount with the blkio "
-                             "option in /proc/mounts)")
-        self.parent = mount / own_cgroup("blkio").lstrip("/")
+        try:
+            self.parent = own_cgroup_dir("blkio")
+        except BenchError as e:
+            raise BenchError(f"--read-rate needs the cgroup v1 blkio controller: {e}") from None
         if not (self.parent / "blkio.throttle.read_bps_device").exists():
             raise BenchError(f"{self.parent} has no blkio.throttle.read_bps_device: the kernel lacks block throttling")
         dev = os.stat(model).st_dev
@@ -196,10 +188,10 @@ def check_environment(parent_arg: str | None) -> Path:
     """The directory the benchmark's cgroups are made in; BenchError when it cannot work here."""
     if os.geteuid() != 0:
         raise BenchError("must run as root: it makes cgroups and drops the page cache "
-                         "(sudo .venv/bin/python tools/bench_budget.py ...)")
+                         "(sudo .venv/bin/python tools/bench/bench_budget.py ...)")
     mount = memory_mount()
     if parent_arg is None:
-        parent = mount / own_cgroup().lstrip("/")
+        parent = own_cgroup_dir("memory")
     else:
         p = Path(parent_arg)
         parent = p if str(p).startswith(str(mount)) else mount / str(p).lstrip("/")
@@ -406,8 +398,8 @@ def ensure_models(workdir: Path, preset: str, routing: str, threads: int, regene
         part = workdir / f"{preset}-{routing}.part.gguf"
         say(f"generating {bf16} (synthetic, preset {preset}, {routing} routing) ...")
         t = time.monotonic()
-        _tool([sys.executable, str(REPO / "tools" / "make_synth.py"), "--preset", preset, "--routing", routing,
-               "--quiet", str(part)])
+        _tool([sys.executable, str(REPO / "tools" / "dev" / "make_synth.py"), "--preset", preset,
+               "--routing", routing, "--quiet", str(part)])
         part.replace(bf16)
         say(f"  {bf16.stat().st_size / 2**30:.2f} GiB in {time.monotonic() - t:.0f} s")
     if regenerate or not packed.is_file() or packed.stat().st_mtime < bf16.stat().st_mtime:
@@ -907,6 +899,20 @@ def _env_pair(text: str) -> tuple[str, str]:
     return key, value
 
 
+def write_result_file(args: argparse.Namespace, res: dict[str, Any], json_path: Path | None,
+                      argv: list[str] | None) -> None:
+    """The dated result file of the run (or of the runs --report prints), under --results."""
+    synthetic = res.get("synthetic", True)
+    weights = (f"{result_files.SYNTHETIC} (tools/dev/make_synth.py, preset {res.get('preset')})" if synthetic
+               else "as in the JSON")
+    notes, day = None, None
+    if args.report:  # the numbers were taken when the JSON was last written
+        notes = [f"the tables of {json_path}, printed by --report"]
+        day = datetime.date.fromtimestamp(args.report.stat().st_mtime)
+    result_files.write(args, "budget", result_files.printed(print_report, res), weights=weights,
+                       json_path=json_path, notes=notes, day=day, argv=result_files.script_argv(__file__, argv))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="\n\n".join(__doc__.split("\n\n")[1:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -963,6 +969,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", type=Path, metavar="FILE.png", help="draw tokens/s against the limit (needs matplotlib)")
     p.add_argument("--report", type=Path, metavar="FILE",
                    help="run nothing: print the tables (and --plot) from a FILE written by --json")
+    result_files.add_arguments(p)
     args = p.parse_args(argv)
     if args.codec is None and not args.report:
         args.codec = default_bench_codec()
@@ -978,6 +985,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             plot(res, args.plot)
         print_report(res)
+        write_result_file(args, res, args.report, argv)
         return 0
     for name in ("gen", "pp", "pp_reps", "threads", "tg_threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -1006,6 +1014,7 @@ def main(argv: list[str] | None = None) -> int:
         plot(res, args.plot)
     print()
     print_report(res)
+    write_result_file(args, res, args.json, argv)
     return 0
 
 

@@ -73,6 +73,38 @@ def test_v1_container_without_cgroup_namespace_reads_mount_root(fake):
     assert (got.limit, got.usage, got.reclaimable) == (2 * GiB, GiB, 0)  # no memory.stat: nothing reclaimable
 
 
+def test_own_cgroup_dir_v1(fake):
+    """Where benchmarks and tests make child cgroups: this process's own directory of the controller's hierarchy,
+    a joint hierarchy (cpu,cpuacct) included."""
+    cg, proc = fake
+    write_tree(proc, {"cgroup": "7:blkio:/b\n5:cpu,cpuacct:/c\n4:memory:/docker/abc\n0::/\n"})
+    write_tree(cg, {"memory/docker/abc/memory.limit_in_bytes": f"{GiB}\n", "blkio/b/blkio.weight": "100\n",
+                    "cpu,cpuacct/c/cpu.shares": "1024\n"})
+    own = lambda controller: memory.own_cgroup_dir(controller, cgroup_root=cg, proc_self=proc)  # noqa: E731
+    assert own("memory") == cg / "memory/docker/abc"
+    assert own("blkio") == cg / "blkio/b"
+    assert own("cpuacct") == cg / "cpu,cpuacct/c"
+    assert memory.v1_mount("memory", cg) == cg / "memory"
+
+
+def test_own_cgroup_dir_container_without_namespace_is_mount_root(fake):
+    cg, proc = fake
+    write_tree(proc, {"cgroup": "4:memory:/docker/0123abcd\n"})
+    write_tree(cg, {"memory/memory.limit_in_bytes": f"{2 * GiB}\n"})
+    assert memory.own_cgroup_dir("memory", cgroup_root=cg, proc_self=proc) == cg / "memory"
+
+
+def test_own_cgroup_dir_none_without_v1_hierarchy(fake):
+    """v2 only, a controller not mounted, or no /proc/self/cgroup: there is no v1 directory to make cgroups in."""
+    cg, proc = fake
+    assert memory.own_cgroup_dir("memory", cgroup_root=cg, proc_self=proc) is None  # no /proc/self/cgroup
+    write_tree(proc, {"cgroup": "0::/pod/app\n"})
+    write_tree(cg, {"cgroup.controllers": "cpu memory\n", "pod/app/memory.max": "max\n"})
+    assert memory.own_cgroup_dir("memory", cgroup_root=cg, proc_self=proc) is None
+    write_tree(proc, {"cgroup": "4:memory:/x\n"})
+    assert memory.own_cgroup_dir("blkio", cgroup_root=cg, proc_self=proc) is None
+
+
 def test_ancestor_with_less_room_binds(fake):
     cg, proc = fake
     write_tree(proc, {"cgroup": "0::/pod/app\n"})

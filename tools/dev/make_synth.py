@@ -9,17 +9,17 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pyzipmoe.synth import PRESETS, ProgressFn, SynthConfig, for_arch, tensor_data_bytes, write_config  # noqa: E402
 
 EPILOG = """\
 examples:
-  tools/make_synth.py tiny.gguf                               # the "tiny" preset (~0.3 MB), qwen3moe
-  tools/make_synth.py --preset 2.8g --routing skewed ref.gguf # the reference benchmark model, Zipf-like routing
-  tools/make_synth.py --preset small --arch olmoe olmoe.gguf  # olmoe instead of qwen3moe
-  tools/make_synth.py --preset 1g --seed 7 --n-layer 12 x.gguf
-  tools/make_synth.py --list-presets
+  tools/dev/make_synth.py tiny.gguf                               # the "tiny" preset (~0.3 MB), qwen3moe
+  tools/dev/make_synth.py --preset 2.8g --routing skewed ref.gguf # the reference benchmark model, Zipf-like routing
+  tools/dev/make_synth.py --preset small --arch olmoe olmoe.gguf  # olmoe instead of qwen3moe
+  tools/dev/make_synth.py --preset 1g --seed 7 --n-layer 12 x.gguf
+  tools/dev/make_synth.py --list-presets
 
 then, for instance:
   llama-simple -m tiny.gguf -n 8 "hello"

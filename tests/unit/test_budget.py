@@ -76,14 +76,3 @@ def test_a_token_embedding_is_charged_for_the_pages_of_a_batch_of_rows():
     assert embd_charge(1 << 30, 5000, page) == 2048 * 3 * page
     assert embd_charge(10 << 20, 2048, page) == 10 << 20             # a small table: all of it
     assert embd_charge(1 << 30, 0, page) == 1 << 30                  # no row size: charged whole
-
-
-def test_the_default_split_keeps_experts_compressed_only_where_nearly_all_fit_so():
-    """zipmoe_budget_default_hot_share: every expert compressed (0) where the tiers hold >= 90% of the compressed
-    bytes and < 90% of the BF16 bytes, and warm hits decode fast; decoded-only (1) everywhere else."""
-    from pyzipmoe.runtime.controller import default_hot_share
-
-    sizes = [(3000, 8, 2000), (3000, 8, 2000)]  # BF16 6000, compressed 4000
-    assert [default_hot_share(t, sizes, True) for t in (3500, 3600, 4000, 5399, 5400, 9000)] == [1, 0, 0, 0, 1, 1]
-    assert {default_hot_share(t, sizes, False) for t in (3500, 3600, 4000, 5399, 5400)} == {1.0}
-    assert default_hot_share(4000, [], True) == 1.0 and default_hot_share(0, sizes, True) == 1.0

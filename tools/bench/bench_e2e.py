@@ -21,10 +21,10 @@ pyzipmoe.synth and converted into --workdir, and reused by later runs until the 
 changes (a .stamp file next to each records it).
 
 Examples:
-  python3 tools/bench_e2e.py                          # 1g preset, all cores, 512-token prompt, 64 tokens
-  python3 tools/bench_e2e.py --threads 8 --reps 5
-  python3 tools/bench_e2e.py --preset small --prompt 128 --gen 16   # a quick smoke test (~64 MB model)
-  python3 tools/bench_e2e.py --json > e2e.json
+  python3 tools/bench/bench_e2e.py                          # 1g preset, all cores, 512-token prompt, 64 tokens
+  python3 tools/bench/bench_e2e.py --threads 8 --reps 5
+  python3 tools/bench/bench_e2e.py --preset small --prompt 128 --gen 16   # a quick smoke test (~64 MB model)
+  python3 tools/bench/bench_e2e.py --json > e2e.json
 """
 
 from __future__ import annotations
@@ -40,8 +40,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # results.py, beside this script
+import results as result_files  # noqa: E402
 
 DEFAULT_WORKDIR = REPO / "build" / "bench-e2e"
 WORKER_TIMEOUT = 3600
@@ -344,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    result_files.add_arguments(p)
     args = p.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
@@ -367,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print()
         print_report(res)
+    result_files.write(args, "e2e", result_files.printed(print_report, res),
+                       weights=f"{result_files.SYNTHETIC} (pyzipmoe.synth, preset {args.preset})",
+                       json_path="stdout" if args.json else None, argv=result_files.script_argv(__file__, argv))
     return 0
 
 

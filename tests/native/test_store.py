@@ -1117,3 +1117,15 @@ def test_prefill_leaves_a_damaged_expert_to_fail_when_routed(zipmoe_model, tmp_p
 def test_prefill_of_nothing(zipmoe_model):
     assert lib.zipmoe_cache_prefill(ffi.NULL, 0, 2, ffi.NULL) == 0
     assert lib.zipmoe_cache_prefill(ffi.NULL, 1, 2, ffi.NULL) == lib.ZIPMOE_ERR_ARG
+
+
+def test_the_default_split_keeps_experts_compressed_only_where_nearly_all_fit_so():
+    """zipmoe_budget_default_hot_share (in the library; pyzipmoe.runtime.controller asks it through cffi): every
+    expert compressed (0) where the tiers hold >= 90% of the compressed bytes and < 90% of the BF16 bytes, and warm
+    hits decode fast; decoded-only (1) everywhere else."""
+    from pyzipmoe.runtime.controller import default_hot_share
+
+    sizes = [(3000, 8, 2000), (3000, 8, 2000)]  # BF16 6000, compressed 4000
+    assert [default_hot_share(t, sizes, True) for t in (3500, 3600, 4000, 5399, 5400, 9000)] == [1, 0, 0, 0, 1, 1]
+    assert {default_hot_share(t, sizes, False) for t in (3500, 3600, 4000, 5399, 5400)} == {1.0}
+    assert default_hot_share(4000, [], True) == 1.0 and default_hot_share(0, sizes, True) == 1.0

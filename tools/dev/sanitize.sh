@@ -6,9 +6,9 @@
 # runtime has to be the first library of the process, so it is preloaded (LD_PRELOAD), and leak detection is
 # off for Python itself (the harness programs that replay fuzz inputs check leaks). ZIPMOE_BUILD_DIR points
 # pyzipmoe at build-asan. Any sanitizer report aborts the process, which fails the test run.
-#   bash tools/sanitize.sh [PYTEST ARGS...]
+#   bash tools/dev/sanitize.sh [PYTEST ARGS...]
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 BUILD=${ZIPMOE_ASAN_BUILD:-build-asan}
 CC_ASAN=${CC:-cc}
@@ -27,5 +27,5 @@ ZIPMOE_BUILD_DIR="$BUILD" LD_PRELOAD="$libasan" \
 ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:detect_stack_use_after_return=1 \
 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
     .venv/bin/python -m pytest -q -p no:cacheprovider -k "not llama" \
-    tests/test_codec.py tests/test_format.py tests/test_convert.py tests/test_store.py \
-    tests/test_hardening.py tests/test_fuzz_regressions.py "$@"
+    tests/native/test_codec.py tests/native/test_format.py tests/native/test_convert.py tests/native/test_store.py \
+    tests/native/test_hardening.py tests/native/test_fuzz_regressions.py "$@"

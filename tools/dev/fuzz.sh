@@ -4,16 +4,16 @@
 #   fuzz_index: the expert index parser and expert decoding, index and chunk checksums forged.
 # Seeds are generated from the test models (ggml_zipmoe/fuzz/make_corpus.py) into build-fuzz/corpus; the
 # corpus grows there between runs. Any crash is saved in build-fuzz/artifacts and fails the run: copy it into
-# tests/fuzz_regressions/<target>/ (tests/test_fuzz_regressions.py replays that directory in every build).
+# tests/fuzz_regressions/<target>/ (tests/native/test_fuzz_regressions.py replays that directory in every build).
 #
-#   bash tools/fuzz.sh [SECONDS_PER_TARGET]     default 30; CI runs 25 per target
-#   bash tools/fuzz.sh 3600                     a longer campaign (an hour per target)
-#   JOBS=2 bash tools/fuzz.sh 600               libFuzzer workers per target
+#   bash tools/dev/fuzz.sh [SECONDS_PER_TARGET]     default 30; CI runs 25 per target
+#   bash tools/dev/fuzz.sh 3600                     a longer campaign (an hour per target)
+#   JOBS=2 bash tools/dev/fuzz.sh 600               libFuzzer workers per target
 #
 # Needs clang and libFuzzer (Debian/Ubuntu: apt-get install clang libclang-rt-dev, or clang-14
 # libclang-rt-14-dev), cmake, ninja, and the Python package in .venv (for the seeds).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 SECONDS_PER_TARGET=${1:-30}
 JOBS=${JOBS:-1}
