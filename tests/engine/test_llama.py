@@ -624,7 +624,8 @@ def test_a_token_embedding_read_by_rows_is_charged_for_a_batch_of_rows(tied: boo
 
     from pyzipmoe.file import convert
     from pyzipmoe import synth
-    from pyzipmoe.runtime.budget import embd_charge, model_memory
+    from pyzipmoe._native import lib
+    from pyzipmoe.runtime.budget import model_memory
     from pyzipmoe.runtime.config import RUNTIME_ENV
 
     simple = _program(ours, "llama-simple")
@@ -636,7 +637,7 @@ def test_a_token_embedding_read_by_rows_is_charged_for_a_batch_of_rows(tied: boo
     if tied:
         assert (need.embd_bytes, need.embd_charged, need.embd_note) == (0, 0, "")
     else:
-        assert need.embd_bytes == table and need.embd_charged == embd_charge(table, 2048)
+        assert need.embd_bytes == table and need.embd_charged == lib.zipmoe_budget_embd_charge(table, 2048, mmap.PAGESIZE)
         assert ("token_embd: the rows of a batch, 16 MiB of 32 MiB" in need.embd_note) == by_rows
     assert model_memory(packed, mapped=False).other_bytes == need.other_bytes - need.embd_charged + need.embd_bytes
 
