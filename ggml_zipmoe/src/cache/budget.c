@@ -1,6 +1,6 @@
 /* budget.c - one memory budget's room for the experts split between the cache tiers (by shares), a prompt's read
  * buffers and the allowance for the expert tensor in flight, and generation's larger hot budget. The glue applies
- * it at load (zipmoe-llama.cpp), the memory monitor (pyzipmoe/controller.py) when it changes a budget split by
+ * it at load (zipmoe-config.cpp), the memory monitor (pyzipmoe/runtime/controller.py) when it changes a budget split by
  * shares, so that both keep the same accounting. A pure function: nothing here touches the stores. */
 #include "zipmoe-impl.h"
 #include "zipmoe-cache.h"

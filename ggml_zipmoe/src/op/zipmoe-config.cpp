@@ -36,7 +36,7 @@ static bool parse_fraction(const char * name, const char * v, double & out, std:
     return true;
 }
 
-// ZIPMOE_PLAN: a planner's slots per layer, "<layer>:<hot>,<warm>,<sm>;..." (pyzipmoe/planner.py writes it).
+// ZIPMOE_PLAN: a planner's slots per layer, "<layer>:<hot>,<warm>,<sm>;..." (pyzipmoe.plan.solver encodes it).
 static bool apply_plan(const char * plan, std::string & err) {
     zipmoe_cache_set_slots(nullptr, 0, 0, 0);
     for (const char * p = plan; *p;) {
