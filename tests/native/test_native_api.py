@@ -109,7 +109,7 @@ from pathlib import Path  # noqa: E402
 
 from pyzipmoe import _native  # noqa: E402
 
-INCLUDE = Path(__file__).resolve().parent.parent / "ggml_zipmoe" / "include"
+INCLUDE = Path(__file__).resolve().parents[2] / "ggml_zipmoe" / "include"
 TYPE_WORDS = {"const", "void", "char", "short", "int", "long", "unsigned", "signed", "float", "double", "struct"}
 
 
