@@ -26,6 +26,25 @@ def test_bad_sizes_say_what_is_wrong(text, says):
         parse_budget(text, total=1000)
 
 
+@pytest.mark.parametrize("text,says", [
+    ("inf", "not a size"), ("nan", "not a size"), ("1e30", "not a size"), ("infGiB", "not a size"),
+    ("9" * 400, "more than zipmoe can address"), ("1048577TiB", "more than zipmoe can address"),
+    ("12.34567%", "too many digits"),
+])
+def test_sizes_past_what_a_machine_has_are_refused_in_one_line(text, says):
+    """One bounded parser (the library's): no inf, nan, exponent or number past 1 EiB reaches a budget."""
+    with pytest.raises(ZipmoeError, match=says) as e:
+        parse_budget(text, total=1000)
+    assert "\n" not in str(e.value)
+
+
+def test_a_modelfile_size_past_the_bound_is_a_modelfile_error():
+    from pyzipmoe.models.modelfile import ModelfileError, parse
+
+    with pytest.raises(ModelfileError, match="line 2: .* is not a size"):
+        parse("FROM x.gguf\nPARAMETER memory_budget " + "9" * 400 + "\n", source="M")
+
+
 def test_environment_carries_bytes_policy_and_share():
     env = RuntimeConfig("1MiB", "lru", 0.25).to_env()
     assert env == {"ZIPMOE_MEMORY_BUDGET": str(1 << 20), "ZIPMOE_CACHE_POLICY": "lru", "ZIPMOE_HOT_SHARE": "0.25"}
