@@ -69,6 +69,14 @@ def para(text: str) -> str:
     return textwrap.fill(text, width=min(100, shutil.get_terminal_size().columns - 2))
 
 
+def command(sub: Any, name: str, run: Any, description: str, **kw: Any) -> argparse.ArgumentParser:
+    """Subcommand `name` of `zipmoe`, which `run(args)` carries out: its description wrapped by para, the line
+    breaks of its epilog (examples) kept; kw as for add_parser (help, epilog, usage...)."""
+    p = sub.add_parser(name, formatter_class=argparse.RawDescriptionHelpFormatter, description=para(description), **kw)
+    p.set_defaults(run=run)
+    return p
+
+
 def positive(text: str) -> int:
     return _whole_at_least(text, 1)
 
