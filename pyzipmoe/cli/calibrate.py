@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .formatting import human_size, para
+from .formatting import command, human_size
 
 from ..plan.calibration import Calibration, cache_file
 from ..plan.measure import DEFAULT_READ_BYTES, LATENCY_PROBES
@@ -109,10 +109,10 @@ def _read_size(text: str) -> int:
 
 def register(sub: Any) -> None:
     """Adds `calibrate` to the `zipmoe` command's subparsers."""
-    p = sub.add_parser(
-        "calibrate", formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = command(
+        sub, "calibrate", cmd_calibrate,
         help="measure what decoding and reading experts cost on this machine",
-        description=para(
+        description=(
             "Measure, for MODEL (a zipmoe GGUF) on this machine, what the memory-budget planner predicts with: "
             "the time a generated token takes with every expert decoded (base time/token) and what one expert of "
             "a layer adds when it comes from each tier: decoded from RAM (t_decode), its exponent codes read from "
@@ -136,4 +136,3 @@ def register(sub: Any) -> None:
                    help="time the tiers through the runtime's stores alone, without generating (seconds instead of "
                         "tens of seconds; no base time/token; on the machine measured it overstated some costs)")
     p.add_argument("--json", action="store_true", help="print the calibration as one JSON object")
-    p.set_defaults(run=cmd_calibrate)

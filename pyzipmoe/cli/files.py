@@ -18,8 +18,8 @@ from ..progress import Progress, for_terminal
 from .formatting import (
     EXIT_OK,
     TABLE_NOTE,
+    command,
     human_size,
-    para,
     positive,
     print_json,
     size_table,
@@ -157,12 +157,11 @@ def register(sub: Any) -> None:
     """Adds convert, verify, inspect, unpack and demo to the `zipmoe` command's subparsers."""
     from ..file import codec
 
-    fmt = argparse.RawDescriptionHelpFormatter
-    p = sub.add_parser(
-        "convert", formatter_class=fmt, help="compress the BF16 expert tensors of a GGUF",
-        description=para("Compress every BF16 expert tensor (blk.N.ffn_{up,gate,down,gate_up}_exps.weight) of SRC "
-                      "into DST, a GGUF that keeps every other tensor and key of SRC. SRC is read twice "
-                      "(statistics, then encoding); memory use does not grow with the model."),
+    p = command(
+        sub, "convert", cmd_convert, help="compress the BF16 expert tensors of a GGUF",
+        description="Compress every BF16 expert tensor (blk.N.ffn_{up,gate,down,gate_up}_exps.weight) of SRC "
+                    "into DST, a GGUF that keeps every other tensor and key of SRC. SRC is read twice "
+                    "(statistics, then encoding); memory use does not grow with the model.",
         epilog="examples:\n  zipmoe convert model-bf16.gguf model.zipmoe.gguf\n"
                "  zipmoe convert model-bf16.gguf model.zipmoe.gguf --codec zstd --level 3 --threads 8")
     p.add_argument("src", metavar="SRC", help="a BF16 MoE GGUF")
@@ -178,47 +177,43 @@ def register(sub: Any) -> None:
     add_threads(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bars, no size table")
-    p.set_defaults(run=cmd_convert)
 
-    p = sub.add_parser(
-        "verify", formatter_class=fmt, help="check that a zipmoe file restores its source exactly",
-        description=para("Decode every expert of FILE (each chunk's checksum is checked) and restore the source in "
-                      "memory, checking its sha256 against the one recorded at conversion. With --against, "
-                      "also compare with the source file and name the first differing value."),
+    p = command(
+        sub, "verify", cmd_verify, help="check that a zipmoe file restores its source exactly",
+        description="Decode every expert of FILE (each chunk's checksum is checked) and restore the source in "
+                    "memory, checking its sha256 against the one recorded at conversion. With --against, "
+                    "also compare with the source file and name the first differing value.",
         epilog="example:\n  zipmoe verify model.zipmoe.gguf --against model-bf16.gguf")
     p.add_argument("file", metavar="FILE", help="a zipmoe GGUF")
     p.add_argument("--against", metavar="SRC", help="the BF16 GGUF it was converted from")
     add_threads(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bars, no report (the exit status tells)")
-    p.set_defaults(run=cmd_verify)
 
-    p = sub.add_parser(
-        "inspect", formatter_class=fmt, help="sizes, exponent entropy and ratios of a GGUF",
-        description=para("For a zipmoe file: per expert tensor its BF16 and compressed sizes, the entropy of its "
-                      "exponents H(exp), the entropy floor (8 + H(exp)) / 16 and how far the achieved ratio is "
-                      "above it. For a plain GGUF: its expert tensors, their measured H(exp) and floor."),
+    p = command(
+        sub, "inspect", cmd_inspect, help="sizes, exponent entropy and ratios of a GGUF",
+        description="For a zipmoe file: per expert tensor its BF16 and compressed sizes, the entropy of its "
+                    "exponents H(exp), the entropy floor (8 + H(exp)) / 16 and how far the achieved ratio is "
+                    "above it. For a plain GGUF: its expert tensors, their measured H(exp) and floor.",
         epilog="examples:\n  zipmoe inspect model.zipmoe.gguf\n  zipmoe inspect model-bf16.gguf --json")
     p.add_argument("file", metavar="FILE", help="a zipmoe or plain GGUF")
     p.add_argument("--json", action="store_true", help="print everything as JSON on stdout")
-    p.set_defaults(run=cmd_inspect)
 
-    p = sub.add_parser(
-        "unpack", formatter_class=fmt, help="restore the original BF16 GGUF",
-        description=para("Write the source of FILE back, byte for byte, to OUT; its sha256 is checked before OUT "
-                      "appears."),
+    p = command(
+        sub, "unpack", cmd_unpack, help="restore the original BF16 GGUF",
+        description="Write the source of FILE back, byte for byte, to OUT; its sha256 is checked before OUT "
+                    "appears.",
         epilog="example:\n  zipmoe unpack model.zipmoe.gguf model-bf16.gguf")
     p.add_argument("file", metavar="FILE", help="a zipmoe GGUF")
     p.add_argument("out", metavar="OUT", help="where to write the restored GGUF")
     add_threads(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars, no report")
-    p.set_defaults(run=cmd_unpack)
 
-    p = sub.add_parser(
-        "demo", formatter_class=fmt, help="generate a synthetic MoE model, convert, verify and unpack it",
-        description=para("Run the whole cycle on a synthetic BF16 MoE model with random weights (whose exponents "
-                      "have the statistics of trained ones): generate, convert, verify against the source, "
-                      "unpack and compare sha256, then print the size table."),
+    p = command(
+        sub, "demo", cmd_demo, help="generate a synthetic MoE model, convert, verify and unpack it",
+        description="Run the whole cycle on a synthetic BF16 MoE model with random weights (whose exponents "
+                    "have the statistics of trained ones): generate, convert, verify against the source, "
+                    "unpack and compare sha256, then print the size table.",
         epilog="examples:\n  zipmoe demo\n  zipmoe demo --preset tiny --arch olmoe --workdir /tmp/z --keep")
     p.add_argument("--preset", choices=("tiny", "small"), default="small",
                    help="model size: tiny (~0.3 MB) or small (~64 MB, the default)")
@@ -227,7 +222,6 @@ def register(sub: Any) -> None:
     p.add_argument("--keep", action="store_true", help="keep the files afterwards")
     add_threads(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars, no output")
-    p.set_defaults(run=cmd_demo)
 
 def add_threads(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive, metavar="N", help="worker threads (default: all CPUs)")

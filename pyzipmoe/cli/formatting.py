@@ -69,15 +69,31 @@ def para(text: str) -> str:
     return textwrap.fill(text, width=min(100, shutil.get_terminal_size().columns - 2))
 
 
+def command(sub: Any, name: str, run: Any, description: str, **kw: Any) -> argparse.ArgumentParser:
+    """Subcommand `name` of `zipmoe`, which `run(args)` carries out: its description wrapped by para, the line
+    breaks of its epilog (examples) kept; kw as for add_parser (help, epilog, usage...)."""
+    p = sub.add_parser(name, formatter_class=argparse.RawDescriptionHelpFormatter, description=para(description), **kw)
+    p.set_defaults(run=run)
+    return p
+
+
 def positive(text: str) -> int:
+    return _whole_at_least(text, 1)
+
+
+def nonnegative(text: str) -> int:
+    return _whole_at_least(text, 0)
+
+
+def _whole_at_least(text: str, least: int) -> int:
+    """What positive and nonnegative check: a whole number of at least `least`."""
     try:
         n = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    if n < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {n}")
     return n
-
 
 
 def fraction(text: str) -> float:
@@ -88,13 +104,3 @@ def fraction(text: str) -> float:
     if not 0 <= f <= 1:
         raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {f}")
     return f
-
-
-def nonnegative(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {n}")
-    return n

@@ -17,7 +17,7 @@ from typing import Any
 from ..models.modelfile import PARAMETERS, ModelfileError, format_parameter
 from ..models.modelfile import parse as parse_modelfile
 from ..progress import for_terminal
-from .formatting import human_size, para, positive
+from .formatting import command, human_size, positive
 from ..models.name import NAME_HELP
 from ..models.package import ModelPackage
 from ..models.directory import ModelDirectory, resolve_model
@@ -235,13 +235,11 @@ def register(sub: Any) -> None:
     """Adds the model-store commands to the `zipmoe` command's subparsers."""
     from ..file import codec
 
-    fmt = argparse.RawDescriptionHelpFormatter
+    def add(name: str, run: Any, help_: str, description: str, examples: str, **kw: Any) -> argparse.ArgumentParser:
+        return command(sub, name, run, description, help=help_, epilog=f"examples:\n{examples}\n\n{EXIT_STATUS}",
+                       **kw)
 
-    def add(name: str, help_: str, description: str, examples: str, **kw: Any) -> argparse.ArgumentParser:
-        return sub.add_parser(name, formatter_class=fmt, help=help_, description=para(description),
-                              epilog=f"examples:\n{examples}\n\n{EXIT_STATUS}", **kw)
-
-    p = add("create", "create a model from a Modelfile",
+    p = add("create", cmd_create, "create a model from a Modelfile",
             "Create (or replace) model NAME from a Modelfile, as `ollama create` does. FROM is a BF16 MoE GGUF "
             "(converted to a zipmoe GGUF; a later create from the same file reuses the conversion), a zipmoe GGUF, "
             "or a stored model (whose template, system prompt and parameters the Modelfile can override). Also: "
@@ -270,18 +268,16 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bars, no report")
     _models_option(p)
-    p.set_defaults(run=cmd_create)
 
     for name, aliases in (("list", ["ls"]),):
-        p = add(name, "list the stored models",
+        p = add(name, cmd_list, "list the stored models",
                 "The stored models, most recently changed first: name, ID (the start of the manifest's sha256, "
                 "as in Ollama), size on disk and when it changed.",
                 "  zipmoe list\n  zipmoe list --json | jq -r '.models[].name'", aliases=aliases)
         p.add_argument("--json", action="store_true", help="print the list as JSON")
         _models_option(p)
-        p.set_defaults(run=cmd_list)
 
-    p = add("show", "show a model's details, parameters or Modelfile",
+    p = add("show", cmd_show, "show a model's details, parameters or Modelfile",
             "Architecture, size, codec, parameters, system prompt and license of a stored model; or one of them "
             "alone. Every blob is checked against its sha256 first (the model blob quickly: its sha256 is recomputed "
             "when the file changed since it was last hashed; --verify always recomputes it).",
@@ -297,32 +293,28 @@ def register(sub: Any) -> None:
     only.add_argument("--json", action="store_true", help="print everything as JSON")
     p.add_argument("--verify", action="store_true", help="recompute the sha256 of the model blob too")
     _models_option(p)
-    p.set_defaults(run=cmd_show)
 
-    p = add("cp", "copy a model under another name",
+    p = add("cp", cmd_cp, "copy a model under another name",
             "Give model SRC a second name DST (replacing DST if it exists). Only the manifest is copied: the blobs "
             "are shared.", "  zipmoe cp mymodel mymodel:backup\n  zipmoe cp mymodel me/mymodel:v1")
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
     _models_option(p)
-    p.set_defaults(run=cmd_cp)
 
-    p = add("rm", "remove models",
+    p = add("rm", cmd_rm, "remove models",
             "Remove each model NAME, and the blobs that no other model uses.",
             "  zipmoe rm mymodel\n  zipmoe rm mymodel:backup me/mymodel:v1")
     p.add_argument("names", nargs="+", metavar="NAME")
     _models_option(p)
-    p.set_defaults(run=cmd_rm)
 
-    p = add("prune", "remove unreferenced blobs and leftovers of interrupted creates",
+    p = add("prune", cmd_prune, "remove unreferenced blobs and leftovers of interrupted creates",
             "Remove the blobs that no model references and what interrupted creates or imports left behind.",
             "  zipmoe prune --dry-run\n  zipmoe prune")
     p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     _models_option(p)
-    p.set_defaults(run=cmd_prune)
 
-    p = add("export", "write a model to a tar file",
+    p = add("export", cmd_export, "write a model to a tar file",
             "Write model NAME to FILE, a tar with the store's layout (manifests/... and blobs/sha256-...). Each "
             "blob is checked against its sha256 as it is written; FILE appears only when complete.",
             "  zipmoe export mymodel mymodel.tar\n  zipmoe export me/mymodel:v1 /backup/mymodel-v1.tar")
@@ -330,9 +322,8 @@ def register(sub: Any) -> None:
     p.add_argument("file", metavar="FILE", help="the tar file to write (replaced if it exists)")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no report")
     _models_option(p)
-    p.set_defaults(run=cmd_export)
 
-    p = add("import", "add the model of a tar file written by export",
+    p = add("import", cmd_import, "add the model of a tar file written by export",
             "Add the model in FILE (written by `zipmoe export`), under NAME if given. Every blob is checked against "
             "its sha256; blobs the store already has are stored once.",
             "  zipmoe import mymodel.tar\n  zipmoe import mymodel.tar mymodel:restored")
@@ -341,4 +332,3 @@ def register(sub: Any) -> None:
                    help="the name to give it (default: the name it was exported with)")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no report")
     _models_option(p)
-    p.set_defaults(run=cmd_import)

@@ -17,7 +17,7 @@ from typing import Any
 from ..plan import inputs
 from ..plan import solver as planner
 from ..runtime.config import PLAN_ENV
-from .formatting import human_size, para
+from .formatting import command, human_size
 
 __all__ = ["register"]
 
@@ -174,9 +174,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     """Adds `plan` to the `zipmoe` command's subparsers."""
-    p = sub.add_parser("plan", formatter_class=argparse.RawDescriptionHelpFormatter,
-                       help="plan the expert tiers of each layer for a memory budget",
-                       description=para(DESCRIPTION), epilog=EPILOG)
+    p = command(sub, "plan", cmd_plan, DESCRIPTION, help="plan the expert tiers of each layer for a memory budget",
+                epilog=EPILOG)
     p.add_argument("model", metavar="MODEL", help="a zipmoe GGUF, or the name of a stored model")
     p.add_argument("--memory-budget", dest="plan_budget", required=True, metavar="SIZE",
                    help="the model's whole budget: 6GiB, 512MiB, 1000000, a percentage of the memory (60%%) or "
@@ -187,5 +186,4 @@ def register(sub: Any) -> None:
                    help="costs of this machine (JSON; see below); default: the model's calibration, else a "
                         "conservative estimate")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.set_defaults(run=cmd_plan)
 

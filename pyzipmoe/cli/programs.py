@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from ..errors import ZipmoeError
-from .formatting import EXIT_OK, fraction, human_size, nonnegative, para, positive, print_json, render_table
+from .formatting import EXIT_OK, command, fraction, human_size, nonnegative, positive, print_json, render_table
 
 LLAMA_COMMANDS = ("run", "serve", "bench")
 
@@ -162,14 +162,13 @@ def _add_llama_options(p: argparse.ArgumentParser, *, ctx: str | None = "default
 def register(sub: Any) -> None:
     """Adds `run`, `serve` and `bench` (zipmoe's llama.cpp build, build/bin, on a zipmoe or plain GGUF) to the
     `zipmoe` command's subparsers."""
-    fmt = argparse.RawDescriptionHelpFormatter
-    p = sub.add_parser(
-        "run", formatter_class=fmt, usage="zipmoe run [options] MODEL [-- LLAMA_CLI_ARGS ...]",
+    p = command(
+        sub, "run", cmd_run, usage="zipmoe run [options] MODEL [-- LLAMA_CLI_ARGS ...]",
         help="chat with a model, or complete a prompt (-p)",
-        description=para("Without -p: an interactive chat with llama-cli from zipmoe's build of llama.cpp. With -p: "
-                          "a one-shot raw completion of PROMPT printed to stdout (through llama-cpp-python and the "
-                          "same libllama). MODEL may be a zipmoe GGUF or a plain one. Arguments after -- go to "
-                          "llama-cli."),
+        description="Without -p: an interactive chat with llama-cli from zipmoe's build of llama.cpp. With -p: "
+                         "a one-shot raw completion of PROMPT printed to stdout (through llama-cpp-python and the "
+                         "same libllama). MODEL may be a zipmoe GGUF or a plain one. Arguments after -- go to "
+                         "llama-cli.",
         epilog="examples:\n"
                "  zipmoe run model.zipmoe.gguf                                  chat (llama-cli)\n"
                "  zipmoe run model.zipmoe.gguf -p 'Once upon a time' -n 64      raw completion\n"
@@ -185,13 +184,12 @@ def register(sub: Any) -> None:
                    help="with -p: print speed and the expert cache's counters (hits per tier, bytes read and decoded, "
                         "time stalled per token) to stderr")
     _add_llama_options(p, ctx="default: llama.cpp's; with -p the model's, at most 4096")
-    p.set_defaults(run=cmd_run)
 
-    p = sub.add_parser(
-        "serve", formatter_class=fmt, usage="zipmoe serve [options] MODEL [-- LLAMA_SERVER_ARGS ...]",
+    p = command(
+        sub, "serve", cmd_serve, usage="zipmoe serve [options] MODEL [-- LLAMA_SERVER_ARGS ...]",
         help="serve a model over HTTP (llama-server)",
-        description=para("Run llama-server from zipmoe's build of llama.cpp on MODEL: an OpenAI-compatible HTTP API "
-                          "and a web UI. Arguments after -- go to llama-server."),
+        description="Run llama-server from zipmoe's build of llama.cpp on MODEL: an OpenAI-compatible HTTP API "
+                         "and a web UI. Arguments after -- go to llama-server.",
         epilog="examples:\n"
                "  zipmoe serve model.zipmoe.gguf                     http://127.0.0.1:8080\n"
                "  zipmoe serve model.zipmoe.gguf --host 0.0.0.0 --port 9000 -t 8\n"
@@ -201,16 +199,15 @@ def register(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=positive, default=8080, help="port (default: %(default)s)")
     _add_llama_options(p)
-    p.set_defaults(run=cmd_serve)
 
-    p = sub.add_parser(
-        "bench", formatter_class=fmt, usage="zipmoe bench [options] MODEL [MODEL ...] [-- LLAMA_BENCH_ARGS ...]",
+    p = command(
+        sub, "bench", cmd_bench, usage="zipmoe bench [options] MODEL [MODEL ...] [-- LLAMA_BENCH_ARGS ...]",
         help="measure prompt and generation speed (llama-bench)",
-        description=para("Measure prompt processing (ppN) and generation (tgN) speed in tokens/s with llama-bench "
-                          "from zipmoe's build of llama.cpp. Give several models to compare them, e.g. a BF16 GGUF and "
-                          "its zipmoe GGUF. llama-bench's warmup run decodes most experts, so by default this measures "
-                          "a warm expert cache; --no-warmup measures the first run after loading. Arguments after -- "
-                          "go to llama-bench."),
+        description="Measure prompt processing (ppN) and generation (tgN) speed in tokens/s with llama-bench "
+                         "from zipmoe's build of llama.cpp. Give several models to compare them, e.g. a BF16 GGUF and "
+                         "its zipmoe GGUF. llama-bench's warmup run decodes most experts, so by default this measures "
+                         "a warm expert cache; --no-warmup measures the first run after loading. Arguments after -- "
+                         "go to llama-bench.",
         epilog="examples:\n"
                "  zipmoe bench model.zipmoe.gguf\n"
                "  zipmoe bench model-bf16.gguf model.zipmoe.gguf -p 256 -n 64 -t 8\n"
@@ -226,4 +223,3 @@ def register(sub: Any) -> None:
     p.add_argument("--no-warmup", action="store_true", help="no warmup run: the first repetition is a cold start")
     p.add_argument("--json", action="store_true", help="print the results (and llama-bench's records) as JSON")
     _add_llama_options(p, ctx=None)
-    p.set_defaults(run=cmd_bench)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -27,6 +26,7 @@ from typing import Any, BinaryIO, TypeVar
 import numpy as np
 
 from . import codec as zcodec
+from ..atomic import replacing
 from ..errors import FormatError, UnsupportedError, ZipmoeError
 from ..progress import Progress, Silent
 from .gguf import GGML_TYPE_BF16, GGUFFile, Tensor, align_up, pread_exact, read_gguf, type_name
@@ -187,18 +187,9 @@ def atomic_output(dst: Path) -> Iterator[BinaryIO]:
         raise IsADirectoryError(errno.EISDIR, "the output is a directory", str(dst))
     if not dst.parent.is_dir():
         raise FileNotFoundError(errno.ENOENT, "no such directory for the output", str(dst.parent))
-    tmp = dst.with_name(f".{dst.name}.{secrets.token_hex(4)}.tmp")
-    # O_EXCL: never clobber someone else's file; 0o666 lets the umask decide, as for any new file
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with open(fd, "w+b") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dst)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    # 0o666 lets the umask decide, as for any new file
+    with replacing(dst, 0o666, "w+b") as f:
+        yield f
 
 
 def refuse_same_file(a: Path, b: Path) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+from ..atomic import replacing
 from ..errors import ChecksumError
 from ..progress import Progress
 from .manifest import Layer
@@ -29,14 +30,6 @@ class BlobError(ChecksumError):
 
 
 # ------------------------------------------------------------------------------------------ file helpers
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def hash_file(path: Path, progress: Progress, label: str) -> tuple[str, int]:
@@ -58,18 +51,8 @@ def stat_key(path: Path) -> list[int]:
 @contextlib.contextmanager
 def _atomic_file(dst: Path) -> Iterator[BinaryIO]:
     """A new file that appears as dst (replacing it) only when the block completes."""
-    tmp = dst.with_name(f".{dst.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        with open(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dst)
-        fsync_dir(dst.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with replacing(dst, 0o644, "wb", sync_dir=True) as f:
+        yield f
 
 
 class _JobRoot(Protocol):

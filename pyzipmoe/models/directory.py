@@ -43,9 +43,10 @@ from pathlib import Path
 from typing import Any
 
 from . import modelfile as mfile
+from ..atomic import fsync_dir
 from ..errors import ZipmoeError
 from ..progress import Progress, Silent
-from .blobs import BlobError, SMALL_BLOB_MAX, Job, _atomic_file, fsync_dir, hash_file, stat_key
+from .blobs import BlobError, SMALL_BLOB_MAX, Job, _atomic_file, hash_file, stat_key
 from .create import Creating
 from .manifest import (
     Layer,

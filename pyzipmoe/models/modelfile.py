@@ -287,6 +287,15 @@ def parse(text: str, source: str = "Modelfile") -> Modelfile:
     def fail(i: int, message: str) -> Any:
         raise ModelfileError(message, source=source, line=i + 1)
 
+    def keyed(pattern: re.Pattern[str], rest: str, i: int, keys: Any, usage: str, unknown: Any) -> tuple[str, str]:
+        """PARAMETER's name or MESSAGE's role (lower case, one of `keys`) and the value's start after it."""
+        m = pattern.fullmatch(rest.lstrip(" \t"))
+        if m is None or not (m.group(2) or "").strip():
+            fail(i, usage)
+        if m.group(1).lower() not in keys:
+            fail(i, unknown(m.group(1)))
+        return m.group(1).lower(), m.group(2)
+
     from_: str | None = None
     params: dict[str, Any] = {}
     texts: dict[str, str] = {}
@@ -310,13 +319,10 @@ def parse(text: str, source: str = "Modelfile") -> Modelfile:
         rest = m.group(2) or ""
         start = i
         if directive == "PARAMETER":
-            pm = _PARAMETER.fullmatch(rest.lstrip(" \t"))
-            if pm is None or not (pm.group(2) or "").strip():
-                fail(i, "PARAMETER needs a name and a value, e.g. PARAMETER temperature 0.7")
-            name = pm.group(1).lower()
-            if name not in PARAMETERS:
-                fail(i, f"unknown parameter {pm.group(1)!r}; zipmoe knows {', '.join(PARAMETERS)}")
-            raw, i = _read_value(lines, i, pm.group(2), fail)
+            name, raw = keyed(_PARAMETER, rest, i, PARAMETERS,
+                              "PARAMETER needs a name and a value, e.g. PARAMETER temperature 0.7",
+                              lambda word: f"unknown parameter {word!r}; zipmoe knows {', '.join(PARAMETERS)}")
+            raw, i = _read_value(lines, i, raw, fail)
             try:
                 value = parse_parameter(name, raw)
             except ValueError as e:
@@ -330,13 +336,9 @@ def parse(text: str, source: str = "Modelfile") -> Modelfile:
             where.setdefault(name, start + 1)
             continue
         if directive == "MESSAGE":
-            mm = _MESSAGE.fullmatch(rest.lstrip(" \t"))
-            if mm is None or not (mm.group(2) or "").strip():
-                fail(i, "MESSAGE needs a role and a text, e.g. MESSAGE user Hello")
-            role = mm.group(1).lower()
-            if role not in ROLES:
-                fail(i, f"MESSAGE role {mm.group(1)!r} is not one of {', '.join(ROLES)}")
-            content, i = _read_value(lines, i, mm.group(2), fail)
+            role, said = keyed(_MESSAGE, rest, i, ROLES, "MESSAGE needs a role and a text, e.g. MESSAGE user Hello",
+                               lambda word: f"MESSAGE role {word!r} is not one of {', '.join(ROLES)}")
+            content, i = _read_value(lines, i, said, fail)
             messages.append(Message(role, content))
             continue
         if not rest.strip(" \t"):

@@ -91,8 +91,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # results.py, beside this script
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # results.py and failures.py, beside this script
 import results as result_files  # noqa: E402
+from failures import one_line_errors  # noqa: E402
 
 DEFAULT_WORKDIR = REPO / "build" / "bench-budget"
 DEFAULT_BUDGETS = "40,60,80,93,100,150"
@@ -994,18 +995,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--timeout must be positive")
     args.workdir = args.workdir.resolve()
     try:
-        res = run(args)
-    except BenchError as e:
-        print(f"bench_budget: error: {e}", file=sys.stderr)
-        return 1
+        with one_line_errors("bench_budget", BenchError):
+            res = run(args)
     except KeyboardInterrupt:
         print("bench_budget: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # ZipmoeError and friends: one line
-        if type(e).__module__.startswith("pyzipmoe"):
-            print(f"bench_budget: error: {e}", file=sys.stderr)
-            return 1
-        raise
     summarize(res)
     if args.json:
         args.json.write_text(json.dumps(res, indent=2) + "\n")

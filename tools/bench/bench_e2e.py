@@ -42,8 +42,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # results.py, beside this script
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # results.py and failures.py, beside this script
 import results as result_files  # noqa: E402
+from failures import one_line_errors  # noqa: E402
 
 DEFAULT_WORKDIR = REPO / "build" / "bench-e2e"
 WORKER_TIMEOUT = 3600
@@ -355,16 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
     say = (lambda s: print(s, file=sys.stderr)) if args.json else print
-    try:
+    with one_line_errors("bench_e2e", BenchError, subprocess.TimeoutExpired):
         res = run(args, say)
-    except (BenchError, subprocess.TimeoutExpired) as e:
-        print(f"bench_e2e: error: {e}", file=sys.stderr)
-        return 1
-    except Exception as e:  # ZipmoeError and friends: one line
-        if type(e).__module__.startswith("pyzipmoe"):
-            print(f"bench_e2e: error: {e}", file=sys.stderr)
-            return 1
-        raise
     if args.json:
         print(json.dumps(res, indent=2))
     else:

@@ -366,9 +366,13 @@ int64_t zipmoe_store_materialize_wait(zipmoe_store * s, const zipmoe_turn * turn
 }
 
 /* Decodes chunk c of streamed expert e's exponent plane into exp[ref->n], or the thread's scratch where exp is NULL
- * (*plane: where it went). Returns OK or the error, recorded. */
+ * (*plane: where it went). Returns OK or the error, recorded; ZIPMOE_ERR_ARG, not recorded, for no store or an e or
+ * c out of range (the check both public readers make). */
 static int64_t stream_exponents(zipmoe_store * s, int64_t e, int64_t c, uint8_t * exp, const uint8_t ** plane,
                                 zipmoe_chunk_ref * ref) {
+    if (!s || e < 0 || e >= s->info.n_expert || c < 0 || c >= s->info.n_chunks) {
+        return ZIPMOE_ERR_ARG;
+    }
     const expert_state * x = &s->experts[e]; /* (pinned: set under mu by the plan this thread's _begin saw) */
     int64_t              rc = ZIPMOE_ERR_ARG; /* (not streamed: the caller's rows of it are missing, to be dropped) */
     if (still_streamed(x)) {
@@ -393,12 +397,9 @@ static int64_t stream_exponents(zipmoe_store * s, int64_t e, int64_t c, uint8_t 
 }
 
 int64_t zipmoe_store_stream_chunk(zipmoe_store * s, int64_t e, int64_t c, uint16_t * out) {
-    if (!s || !out || e < 0 || e >= s->info.n_expert || c < 0 || c >= s->info.n_chunks) {
-        return ZIPMOE_ERR_ARG;
-    }
     zipmoe_chunk_ref ref;
     const uint8_t *  exp;
-    const int64_t    rc = stream_exponents(s, e, c, NULL, &exp, &ref);
+    const int64_t    rc = out ? stream_exponents(s, e, c, NULL, &exp, &ref) : ZIPMOE_ERR_ARG;
     if (rc < 0) {
         return rc;
     }
@@ -407,12 +408,9 @@ int64_t zipmoe_store_stream_chunk(zipmoe_store * s, int64_t e, int64_t c, uint16
 }
 
 int64_t zipmoe_store_stream_exponents(zipmoe_store * s, int64_t e, int64_t c, uint8_t * exp, const uint8_t ** sm) {
-    if (!s || !exp || !sm || e < 0 || e >= s->info.n_expert || c < 0 || c >= s->info.n_chunks) {
-        return ZIPMOE_ERR_ARG;
-    }
     zipmoe_chunk_ref ref;
     const uint8_t *  plane;
-    const int64_t    rc = stream_exponents(s, e, c, exp, &plane, &ref);
+    const int64_t    rc = (exp && sm) ? stream_exponents(s, e, c, exp, &plane, &ref) : ZIPMOE_ERR_ARG;
     if (rc < 0) {
         return rc;
     }
