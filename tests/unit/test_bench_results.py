@@ -106,3 +106,10 @@ def test_budget_report_writes_a_file_dated_when_its_json_was_written(tmp_path: P
     assert printed.strip() in text and "6.00x" in text
     bench.main(["--report", str(report), "--no-results"])
     assert len(list((tmp_path / "out").iterdir())) == 1
+
+
+def test_e2e_stamps_its_models_with_files_that_exist():
+    """bench_e2e remakes its cached models when the code that writes them changes: each file it hashes must exist."""
+    e2e = load_tool("bench/bench_e2e.py")
+    for name in e2e.SYNTH_SOURCES + e2e.CONVERT_SOURCES:
+        assert (REPO / "pyzipmoe" / name).is_file(), name

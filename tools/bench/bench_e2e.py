@@ -57,6 +57,11 @@ class BenchError(Exception):
 # ------------------------------------------------------------------------------------------ the models
 
 
+# the code that writes the cached models, under pyzipmoe/: a change to it makes them again
+SYNTH_SOURCES = ["synth.py"]
+CONVERT_SOURCES = ["file/convert.py", "file/writer.py", "file/metadata.py", "file/codec.py", "_native.py"]
+
+
 def _stamp(sources: list[str], extra: str) -> str:
     """What a cached file depends on: the code that wrote it and its settings."""
     h = hashlib.sha256(extra.encode())
@@ -85,8 +90,8 @@ def ensure_models(workdir: Path, preset: str, arch: str, threads: int, regenerat
     bf16 = workdir / f"{preset}-{arch}.gguf"
     packed = workdir / f"{preset}-{arch}.zipmoe.gguf"
     config = synth.for_arch(synth.PRESETS[preset], arch)
-    bf16_stamp = _stamp(["synth.py"], repr(config))
-    packed_stamp = _stamp(["convert.py", "format.py", "codec.py", "_native.py"], bf16_stamp)
+    bf16_stamp = _stamp(SYNTH_SOURCES, repr(config))
+    packed_stamp = _stamp(CONVERT_SOURCES, bf16_stamp)
     if regenerate or not _fresh(bf16, bf16_stamp):
         say(f"generating {bf16} (synthetic, preset {preset}) ...")
         t = time.perf_counter()
