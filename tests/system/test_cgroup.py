@@ -44,6 +44,23 @@ def _evict(path: Path) -> None:
         os.close(fd)
 
 
+def _run_tg(bench, argv: list[str], env: dict[str, str], cgroup_parent: Path, limit: int | None, stem: Path,
+            completion: bool) -> dict:
+    """bench_budget's tg run, parsed; once more where llama-completion exited 0 without its perf lines. Its log is
+    written by a thread of its own, which on a loaded machine sometimes loses the lines it had queued at exit (seen
+    for the BF16 model too, about 1 run in 20 beside two builds): that says nothing of the run, and the benchmark
+    reports such a run as failed rather than guessing its speed."""
+    for attempt in range(2):
+        res = bench.run_limited(argv, env, cgroup_parent, limit, TIMEOUT, stem.with_name(f"{stem.name}-{attempt}"),
+                                drop_cache=False)
+        if res["status"] != "ok":
+            return res
+        bench.parse_tg(res, completion=completion)
+        if res["status"] == "ok" or not completion:
+            return res
+    return res  # (parse_tg's "failed": the perf lines were lost twice)
+
+
 @pytest.mark.parametrize("program,threads", [("llama-simple", None), ("llama-completion", 2)])
 def test_zipmoe_completes_in_a_limit_below_the_bf16_model(llama_lib_dir: Path, cgroup_parent: Path,
                                                           small_models: tuple[Path, Path], tmp_path: Path,
@@ -63,24 +80,23 @@ def test_zipmoe_completes_in_a_limit_below_the_bf16_model(llama_lib_dir: Path, c
     base = runner.environment(base={k: v for k, v in os.environ.items() if k not in RUNTIME_ENV})
 
     # the reference: the BF16 model, no limit
-    ref = bench.run_limited(bench.tg_argv(tool, str(bf16), N_GEN, PROMPT, threads), base, cgroup_parent, None,
-                            TIMEOUT, tmp_path / "bf16", drop_cache=False)
+    completion = threads is not None
+    ref = _run_tg(bench, bench.tg_argv(tool, str(bf16), N_GEN, PROMPT, threads), base, cgroup_parent, None,
+                  tmp_path / "bf16", completion)
     assert ref["status"] == "ok", f"the BF16 run failed: {ref.get('message')}\n{ref['stderr_tail']}"
-    bench.parse_tg(ref, completion=threads is not None)
-    assert ref["tokens"] == N_GEN
+    assert ref.get("tokens") == N_GEN, ref["stderr_tail"]
 
     _evict(packed)
     env = {**base, "ZIPMOE_MEMORY_BUDGET": str(limit - MARGIN)}
-    got = bench.run_limited(bench.tg_argv(tool, str(packed), N_GEN, PROMPT, threads), env, cgroup_parent, limit,
-                            TIMEOUT, tmp_path / "zipmoe", drop_cache=False)
+    got = _run_tg(bench, bench.tg_argv(tool, str(packed), N_GEN, PROMPT, threads), env, cgroup_parent, limit,
+                  tmp_path / "zipmoe", completion)
     where = (f"limit {limit / 2**20:.1f} MiB, ZIPMOE_MEMORY_BUDGET {(limit - MARGIN) / 2**20:.1f} MiB, "
              f"peak {got.get('peak_bytes', 0) / 2**20:.1f} MiB, failcnt {got.get('failcnt')}")
     assert got["status"] != "oom", f"zipmoe was OOM-killed ({where})"
     assert got["status"] != "timeout", f"zipmoe took more than {TIMEOUT} s ({where}): thrashing?"
     assert got["status"] == "ok", f"zipmoe failed ({where}): {got.get('message')}\n{got['stderr_tail']}"
     assert got["limit_bytes"] == limit and got["peak_bytes"] <= limit
-    bench.parse_tg(got, completion=threads is not None)
-    assert got["tokens"] == N_GEN
+    assert got.get("tokens") == N_GEN, got["stderr_tail"]
     assert got["text"] == ref["text"], f"zipmoe generated other tokens than BF16 ({where})"
 
 
