@@ -84,6 +84,7 @@ typedef struct {
 } zipmoe_expert_span;
 
 int64_t zipmoe_tensor_open(const void * index, size_t index_size, uint64_t data_size, zipmoe_tensor ** out);
+int64_t zipmoe_tensor_index_size(const void * header, size_t header_size, uint64_t data_size, uint64_t * index_size);
 void    zipmoe_tensor_free(zipmoe_tensor * t);
 void    zipmoe_tensor_get_info(const zipmoe_tensor * t, zipmoe_tensor_info * info);
 int64_t zipmoe_tensor_expert_span(const zipmoe_tensor * t, int64_t expert, zipmoe_expert_span * span);

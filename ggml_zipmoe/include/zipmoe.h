@@ -251,6 +251,11 @@ typedef struct {
  * Every offset, size and count is checked before anything reads through it. */
 ZIPMOE_API int64_t zipmoe_tensor_open(const void * index, size_t index_size, uint64_t data_size,
                                       zipmoe_tensor ** out);
+/* The size in bytes an index must have, from its header alone (its first 384 bytes, validated as
+ * zipmoe_tensor_open validates them, for a data companion of data_size bytes): a loader reads the header, checks
+ * that the companion holds this many bytes, and only then reads the rest. */
+ZIPMOE_API int64_t zipmoe_tensor_index_size(const void * header, size_t header_size, uint64_t data_size,
+                                            uint64_t * index_size);
 ZIPMOE_API void    zipmoe_tensor_free(zipmoe_tensor * t);
 ZIPMOE_API void    zipmoe_tensor_get_info(const zipmoe_tensor * t, zipmoe_tensor_info * info);
 ZIPMOE_API int64_t zipmoe_tensor_expert_span(const zipmoe_tensor * t, int64_t expert, zipmoe_expert_span * span);

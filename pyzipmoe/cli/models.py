@@ -217,7 +217,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    report = _models(args).import_(args.file, args.name, progress=for_terminal(args.quiet))
+    def announce(plan: Any) -> None:
+        if not args.quiet:
+            print(f"adding {plan.name}{' (replacing it)' if plan.replaces else ''}: {plan.new_blobs} new "
+                  f"blob{'s' * (plan.new_blobs != 1)} ({human_size(plan.new_bytes)})", flush=True)
+
+    report = _models(args).import_(args.file, args.name, force=args.force, progress=for_terminal(args.quiet),
+                                   announce=announce)
     if not args.quiet:
         print(f"imported {', '.join(report.names)} from {report.path} ({report.new_blobs} new "
               f"blob{'s' * (report.new_blobs != 1)}) in {report.seconds:.1f} s")
@@ -325,10 +331,13 @@ def register(sub: Any) -> None:
 
     p = add("import", cmd_import, "add the model of a tar file written by export",
             "Add the model in FILE (written by `zipmoe export`), under NAME if given. Every blob is checked against "
-            "its sha256; blobs the store already has are stored once.",
+            "its sha256 and the archive's manifest; blobs the store already has are stored once. All or nothing: "
+            "a refused or interrupted import leaves the store as it was. A model of that name is not replaced "
+            "unless --force is given.",
             "  zipmoe import mymodel.tar\n  zipmoe import mymodel.tar mymodel:restored")
     p.add_argument("file", metavar="FILE")
     p.add_argument("name", nargs="?", metavar="NAME",
                    help="the name to give it (default: the name it was exported with)")
+    p.add_argument("--force", action="store_true", help="replace a model of that name")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no report")
     _models_option(p)

@@ -102,6 +102,8 @@ class Creating:
             path = base_dir / path
         if path.is_dir():
             raise mf.error(f"FROM {mf.from_}: {path} is a directory; FROM takes a GGUF file or a model name")
+        if path.exists() and not path.is_file():  # a FIFO or a device would block or never end
+            raise mf.error(f"FROM {mf.from_}: {path} is not a regular file; FROM takes a GGUF file or a model name")
         return path
 
     def _from_model(self, mf: Modelfile, looked_at: Path) -> ModelPackage:

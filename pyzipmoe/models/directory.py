@@ -263,7 +263,7 @@ class ModelDirectory(Creating, Transferring):
         def as_json(layer: Layer, what: str) -> Any:
             try:
                 return json.loads(read(layer, what))
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested deeper than the interpreter's stack
                 raise ModelsError(f"the {what} blob {layer.digest} is not JSON") from None
 
         config = as_json(manifest.config, "config")
@@ -299,12 +299,17 @@ class ModelDirectory(Creating, Transferring):
             out |= {x.hex for x in manifest.blobs}
         return out
 
-    def _commit(self, name: ModelName, manifest: Manifest, job: Job | None) -> tuple[str, int, int]:
-        """Moves the job's blobs into the store and writes the manifest last, all under the store lock.
-        Returns the manifest's digest and how many blobs (and bytes) were new."""
+    def _commit(self, name: ModelName, manifest: Manifest, job: Job | None, *,
+                replace: bool = True) -> tuple[str, int, int]:
+        """Moves the job's blobs into the store and writes the manifest last, all under the store lock (which
+        refuses a name that exists unless `replace`). Returns the manifest's digest and how many blobs (and bytes)
+        were new."""
         new = new_bytes = 0
         data = manifest.to_bytes()
         with self._locked():
+            if not replace and self.exists(name):
+                raise ModelsError(f"model {name.display} exists (it was added while this one was being checked); "
+                                 "give another name, or replace it")
             placed = []
             for layer in manifest.blobs:
                 target = self.blob_path(layer.digest)

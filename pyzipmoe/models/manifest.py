@@ -71,7 +71,7 @@ class Manifest:
                 raise ValueError(f"schemaVersion is {obj.get('schemaVersion')!r}, not 2")
             config = _layer(obj["config"])
             layers = tuple(_layer(x) for x in obj["layers"])
-        except (ValueError, KeyError, TypeError, AttributeError, ModelsError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, ModelsError) as e:
             raise ModelsError(f"{label}: not a valid manifest ({e})") from None
         for x in layers:
             if x.media_type.startswith(OLLAMA_MEDIA_PREFIX):

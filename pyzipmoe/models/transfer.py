@@ -1,22 +1,28 @@
 """`zipmoe export` and `zipmoe import`: a model package as a tar archive with the models directory's layout;
-importing verifies every blob's digest before anything is linked, and never replaces a name the user did not give.
+importing is all or nothing, checks every member against the archive's one manifest before writing it, and
+never replaces a name unless told to (--force).
 """
 
 from __future__ import annotations
 
+import bz2
+import contextlib
 import io
+import lzma
 import os
 import re
+import stat
 import tarfile
 import time
-from collections.abc import Iterator
+import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..progress import Progress, Silent
 from .blobs import BLOCK, BlobError, SMALL_BLOB_MAX, HashingReader, Job, _atomic_file, read_chunks
-from .manifest import Layer, Manifest, layer_kind
+from .manifest import MEDIA_MODEL, Layer, Manifest, layer_kind, sha256_digest
 from .name import InvalidNameError, ModelName, ModelsError, as_name
 
 
@@ -70,80 +76,84 @@ class Transferring:
             progress.close()
         return TransferReport((name.display,), str(dest), dest.stat().st_size, 0, time.monotonic() - t0)
 
-    def import_(self, src: str | os.PathLike[str], name: str | ModelName | None = None, *,
-                progress: Progress | None = None) -> TransferReport:
-        """Adds the model(s) of a tar file written by export (under `name` if given). Blobs are hashed as they are
-        read and must match their names; manifests are written last, after all their blobs are in place."""
+    def import_(self, src: str | os.PathLike[str], name: str | ModelName | None = None, *, force: bool = False,
+                progress: Progress | None = None,
+                announce: Callable[[ImportPlan], None] | None = None) -> TransferReport:
+        """Adds the one model of a tar file written by export, under `name` if given (else the name it was
+        exported with). All or nothing: blobs are staged in a private job directory, hashed as they arrive and
+        checked against the manifest (which export writes first) before a byte of them is written; the model
+        enters the store only when every blob is in place and the package decodes, so a refused or killed import
+        leaves the store as it was (`prune` removes a killed job's leftovers). A name that exists is refused unless
+        `force`; `announce` is told what will be added just before it is committed."""
         t0 = time.monotonic()
         src = Path(src)
         progress = progress or Silent()
         rename = as_name(name) if name is not None else None
-        manifests: dict[ModelName, Manifest] = {}
         self._ensure()
         try:
-            with Job(self) as job, open(src, "rb") as raw:
-                progress.start("import", os.fstat(raw.fileno()).st_size)
+            with Job(self) as job, _open_regular(src) as raw:
+                size = os.fstat(raw.fileno()).st_size
+                progress.start("import", size)
                 counted = HashingReader(raw, progress, hash_=False)
+                guard = _TarGuard(_decompressed(counted, src, size, self._free_bytes()), src)
                 try:
-                    tar = tarfile.open(fileobj=counted, mode="r|*")  # type: ignore[call-overload]  # noqa: SIM115
+                    tar = tarfile.open(fileobj=guard, mode="r|")  # type: ignore[call-overload]  # noqa: SIM115
                 except tarfile.TarError as e:
                     raise ModelsError(f"{src}: not a tar file ({e})") from None
-                with tar:
-                    for member in _members(tar, src):
-                        self._import_member(tar, member, src, job, manifests)
-                if not manifests:
-                    raise ModelsError(f"{src}: no model in it (no manifests/... entry); was it written by "
-                                     "`zipmoe export`?")
-                if rename is not None and len(manifests) > 1:
-                    raise ModelsError(f"{src} holds {len(manifests)} models; import it without a name")
-                new = 0
-                for model_name, manifest in manifests.items():
-                    target = rename or model_name
-                    self._check_import(manifest, job, src, target)
-                    new += self._commit(target, manifest, job)[1]
+                found = _Import(self, job, src, rename, force, guard)
+                try:
+                    with tar:
+                        for member in _members(tar, src, guard):
+                            found.member(tar, member)
+                except (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError) as e:
+                    raise ModelsError(f"{src}: not a valid archive ({e})") from None
+                except OSError as e:
+                    if e.errno is not None:
+                        raise  # an I/O error of this machine (a full disk...), not of the archive
+                    raise ModelsError(f"{src}: not a valid archive ({e})") from None  # bz2's bad data
+                target, manifest = found.finish()
+                self._check_import(manifest, job, src, target)
+                new_blobs = [x for x in {x.hex: x for x in manifest.blobs}.values() if x.hex in job.staged]
+                plan = ImportPlan(target.display, self.exists(target), len(new_blobs),
+                                  sum(x.size for x in new_blobs))
+                if announce is not None:
+                    announce(plan)
+                new = self._commit(target, manifest, job, replace=force)[1]
         finally:
             progress.close()
-        return TransferReport(tuple((rename or n).display for n in manifests), str(src), src.stat().st_size, new,
-                              time.monotonic() - t0)
+        return TransferReport((target.display,), str(src), size, new, time.monotonic() - t0)
 
-    def _import_member(self, tar: tarfile.TarFile, member: tarfile.TarInfo, src: Path, job: Job,
-                       manifests: dict[ModelName, Manifest]) -> None:
-        parts = member.name.split("/")
-        f = tar.extractfile(member)
-        assert f is not None
-        if parts[0] == "blobs" and len(parts) == 2 and re.fullmatch(r"sha256-[0-9a-f]{64}", parts[1]):
-            staged = job.stage_chunks(read_chunks(f, member.size))
-            if staged.hex != parts[1].removeprefix("sha256-"):
-                raise BlobError(f"{src}: {member.name} does not match its sha256 (got {staged.hex[:16]}...): the "
-                                "archive is damaged")
-        elif parts[0] == "manifests" and len(parts) == 5:
-            if member.size > SMALL_BLOB_MAX:
-                raise ModelsError(f"{src}: {member.name} is too large for a manifest")
-            try:
-                model_name = ModelName.of(*parts[1:])
-            except InvalidNameError as e:
-                raise ModelsError(f"{src}: {member.name}: {e}") from None
-            manifests[model_name] = Manifest.from_bytes(f.read(), f"{src}: {member.name}")
-        else:
-            raise ModelsError(f"{src}: unexpected entry {member.name!r}; a zipmoe export holds manifests/HOST/"
-                             "NAMESPACE/MODEL/TAG and blobs/sha256-HEX only")
+    def _free_bytes(self) -> int:
+        st = os.statvfs(self.tmp_dir)
+        return st.f_bavail * st.f_frsize
 
     def _check_import(self, manifest: Manifest, job: Job, src: Path, name: ModelName) -> None:
-        """Every blob is in the archive or the store, with the manifest's size; the package decodes; the model is
-        a zipmoe GGUF."""
+        """Every blob is in the archive or the store, with the manifest's size; the small ones are read through
+        the capped reader; the package decodes; the model is a zipmoe GGUF."""
         def path_of(layer: Layer) -> Path:
             staged = job.staged.get(layer.hex)
             if staged is not None:
-                if staged.stat().st_size != layer.size:
-                    raise ModelsError(f"{src}: blob {layer.digest} has {staged.stat().st_size} bytes, the manifest says "
-                                     f"{layer.size}")
-                return staged
+                return staged  # its size and sha256 were checked as it was staged
             if self._intact(layer.hex, layer.size):
                 return self.blob_path(layer.hex)
-            raise ModelsError(f"{src}: the {layer_kind(layer)} blob {layer.digest} of {name.display} is neither in the "
-                             "archive nor in the store")
+            raise ModelsError(f"{src}: the {layer_kind(layer)} blob {layer.digest} of {name.display} is neither in "
+                             "the archive nor in the store")
 
-        self._parts(manifest, lambda layer, what: path_of(layer).read_bytes())
+        def small(layer: Layer, what: str) -> bytes:
+            if layer.size > SMALL_BLOB_MAX:
+                raise ModelsError(f"{src}: the {what} blob {layer.digest} is {layer.size} bytes, too large for a "
+                                 f"{what}")
+            staged = job.staged.get(layer.hex)
+            if staged is None:
+                path_of(layer)  # in the store, or a clear error
+                return self._read_small(layer, name.display, what)
+            with open(staged, "rb") as f:
+                data = f.read(SMALL_BLOB_MAX + 1)
+            if len(data) != layer.size or sha256_digest(data) != layer.hex:
+                raise ModelsError(f"{src}: the {what} blob {layer.digest} changed while it was being imported")
+            return data
+
+        self._parts(manifest, small)
         from ..file.reader import open_zipmoe
 
         open_zipmoe(path_of(manifest.model))
@@ -155,12 +165,217 @@ def _tarinfo(name: str, size: int, mtime: float) -> tarfile.TarInfo:
     return info
 
 
-def _members(tar: tarfile.TarFile, src: Path) -> Iterator[tarfile.TarInfo]:
-    """Regular files with safe relative names; directory entries are skipped; anything else is refused."""
-    for member in tar:
+MANIFEST_MAX = 1 << 20  # bytes of a manifest member (export writes a few hundred)
+MAX_MEMBERS = 4096  # entries of an archive (export writes one manifest and a blob per layer)
+HEADER_MAX = 1 << 20  # bytes of tar headers (pax, long names) between two members
+DISK_RESERVE = 64 << 20  # free bytes a staged blob must leave on the store's file system
+RATIO_MAX = 16  # a compressed archive may inflate to RATIO_MAX times its bytes read so far, plus RATIO_SLACK
+RATIO_SLACK = 64 << 20
+DECOMPRESSED_MAX = 1 << 40  # and never to more than this in all
+_IN_BLOCK = 1 << 16
+
+
+@dataclass(frozen=True)
+class ImportPlan:
+    """What an import is about to add, told before it is committed."""
+
+    name: str
+    replaces: bool
+    new_blobs: int
+    new_bytes: int
+
+
+@contextlib.contextmanager
+def _open_regular(src: Path) -> Iterator[BinaryIO]:
+    """The archive, opened without blocking on a FIFO or a device, and refused unless it is a regular file."""
+    fd = os.open(src, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ModelsError(f"{src}: not a regular file")
+        os.set_blocking(fd, True)
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
+        yield f
+
+
+class _Plain:
+    """The archive's bytes as they are, after the few already read to recognise a compression."""
+
+    def __init__(self, head: bytes, raw: Any):
+        self.head, self.raw = head, raw
+
+    def read(self, n: int = -1) -> bytes:
+        if self.head:
+            data, self.head = self.head[:n], self.head[n:]
+            return data
+        return self.raw.read(n)
+
+
+class _Inflating:
+    """A compressed archive, decompressed on the way with bounds on what it may inflate to: RATIO_MAX times its
+    compressed bytes read so far (plus RATIO_SLACK), and DECOMPRESSED_MAX in all."""
+
+    def __init__(self, head: bytes, raw: Any, kind: str, src: Path):
+        self.raw, self.kind, self.src = _Plain(head, raw), kind, src
+        self.d: Any = {"gzip": lambda: zlib.decompressobj(16 + zlib.MAX_WBITS), "bzip2": bz2.BZ2Decompressor,
+                       "xz": lzma.LZMADecompressor}[kind]()
+        self.pending, self.inp, self.out = b"", 0, 0
+
+    def _input(self) -> bytes:
+        data = self.raw.read(_IN_BLOCK)
+        if not data:
+            raise ModelsError(f"{self.src}: the {self.kind} stream ends early (truncated?)")
+        self.inp += len(data)
+        return data
+
+    def read(self, n: int = -1) -> bytes:
+        n = _IN_BLOCK if n is None or n < 0 else n
+        out = bytearray()
+        while len(out) < n and not self.d.eof:
+            if self.kind == "gzip":
+                data = self.pending or self._input()
+                chunk = self.d.decompress(data, n - len(out))
+                self.pending = self.d.unconsumed_tail
+            else:
+                chunk = self.d.decompress(self._input() if self.d.needs_input else b"", n - len(out))
+            out += chunk
+            self.out += len(chunk)
+            if self.out > min(DECOMPRESSED_MAX, RATIO_MAX * self.inp + RATIO_SLACK):
+                raise ModelsError(f"{self.src}: the {self.kind} stream inflates to more than "
+                                 f"{'its limit' if self.out > DECOMPRESSED_MAX else f'{RATIO_MAX} times its size'}; "
+                                 "refused (not an export of a model)")
+        return bytes(out)
+
+
+def _decompressed(raw: Any, src: Path, size: int, free: int) -> Any:
+    head = raw.read(6)
+    for magic, kind in ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz")):
+        if head.startswith(magic):
+            return _Inflating(head, raw, kind, src)
+    return _Plain(head, raw)
+
+
+class _TarGuard:
+    """Between the (decompressed) archive and tarfile: counts the bytes tarfile reads, and refuses more than the
+    data of the member it was last given plus HEADER_MAX (tarfile reads pax headers and long names whole)."""
+
+    def __init__(self, f: Any, src: Path):
+        self.f, self.src = f, src
+        self.consumed = 0
+        self.limit = HEADER_MAX
+
+    def allow(self, data_bytes: int) -> None:
+        self.limit = self.consumed + data_bytes + HEADER_MAX
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        self.consumed += len(data)
+        if self.consumed > self.limit:
+            raise ModelsError(f"{self.src}: a tar header larger than {HEADER_MAX} bytes; refused (not an export of "
+                             "a model)")
+        return data
+
+
+class _Import:
+    """The members of one archive, checked against its one manifest as they arrive."""
+
+    def __init__(self, directory: Any, job: Job, src: Path, rename: ModelName | None, force: bool,
+                 guard: _TarGuard):
+        self.directory, self.job, self.src, self.rename, self.force = directory, job, src, rename, force
+        self.manifest: Manifest | None = None
+        self.manifest_member = ""
+        self.target: ModelName | None = None
+        self.expected: dict[str, tuple[int, bool]] = {}  # hex -> (size, a small blob)
+        self.seen: set[str] = set()
+
+    def member(self, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
+        src = self.src
+        parts = member.name.split("/")
+        if parts[0] == "blobs" and len(parts) == 2 and re.fullmatch(r"sha256-[0-9a-f]{64}", parts[1]):
+            self._blob(tar, member, parts[1].removeprefix("sha256-"))
+        elif parts[0] == "manifests" and len(parts) == 5:
+            self._manifest(tar, member, parts)
+        else:
+            raise ModelsError(f"{src}: unexpected entry {member.name!r}; a zipmoe export holds manifests/HOST/"
+                             "NAMESPACE/MODEL/TAG and blobs/sha256-HEX only")
+
+    def _manifest(self, tar: tarfile.TarFile, member: tarfile.TarInfo, parts: list[str]) -> None:
+        src = self.src
+        if self.manifest is not None:
+            raise ModelsError(f"{src} holds more than one manifest ({self.manifest_member}, {member.name}); "
+                             "`zipmoe export` writes one: refused")
+        if member.size > MANIFEST_MAX:
+            raise ModelsError(f"{src}: {member.name} is too large for a manifest ({member.size} bytes)")
+        try:
+            model_name = ModelName.of(*parts[1:])
+        except InvalidNameError as e:
+            raise ModelsError(f"{src}: {member.name}: {e}") from None
+        f = tar.extractfile(member)
+        assert f is not None
+        manifest = Manifest.from_bytes(f.read(member.size), f"{src}: {member.name}")
+        target = self.rename or model_name
+        if not self.force and self.directory.exists(target):
+            raise ModelsError(f"model {target.display} exists; `zipmoe import {src} NAME` adds it under another "
+                             "name, --force replaces it")
+        for layer in manifest.blobs:
+            small = layer.media_type != MEDIA_MODEL
+            size, was_small = self.expected.get(layer.hex, (layer.size, small))
+            if size != layer.size:
+                raise ModelsError(f"{src}: {member.name} gives blob {layer.digest} two sizes")
+            if small and layer.size > SMALL_BLOB_MAX:
+                raise ModelsError(f"{src}: {member.name}: its {layer_kind(layer)} blob {layer.digest} is "
+                                 f"{layer.size} bytes, too large for a {layer_kind(layer)}")
+            self.expected[layer.hex] = (size, small or was_small)
+        self.manifest, self.manifest_member, self.target = manifest, member.name, target
+
+    def _blob(self, tar: tarfile.TarFile, member: tarfile.TarInfo, hex_: str) -> None:
+        src = self.src
+        if self.manifest is None:
+            raise ModelsError(f"{src}: {member.name} comes before the manifest; not an archive written by "
+                             "`zipmoe export`")
+        if hex_ not in self.expected:
+            raise ModelsError(f"{src}: {member.name} is not a blob of {self.manifest_member}; refused")
+        if hex_ in self.seen:
+            raise ModelsError(f"{src}: {member.name} appears twice")
+        self.seen.add(hex_)
+        size, _ = self.expected[hex_]
+        if member.size != size:
+            raise ModelsError(f"{src}: blob {member.name} has {member.size} bytes, the manifest says {size}")
+        if self.directory._intact(hex_, size):
+            return  # stored once; tarfile skips its bytes
+        free = self.directory._free_bytes()
+        if size + DISK_RESERVE > free:
+            raise ModelsError(f"{src}: blob {member.name} needs {size} bytes, and {free} are free in "
+                             f"{self.directory.root} (with {DISK_RESERVE} to spare); refused")
+        f = tar.extractfile(member)
+        assert f is not None
+        staged = self.job.stage_chunks(read_chunks(f, size))
+        if staged.hex != hex_ or staged.size != size:
+            raise BlobError(f"{src}: {member.name} does not match its sha256 (got {staged.hex[:16]}...): the "
+                            "archive is damaged")
+
+    def finish(self) -> tuple[ModelName, Manifest]:
+        if self.manifest is None or self.target is None:
+            raise ModelsError(f"{self.src}: no model in it (no manifests/... entry); was it written by "
+                             "`zipmoe export`?")
+        return self.target, self.manifest
+
+
+def _members(tar: tarfile.TarFile, src: Path, guard: _TarGuard) -> Iterator[tarfile.TarInfo]:
+    """Regular files with safe relative names; directory entries are skipped; anything else (links, devices,
+    FIFOs, sparse files) is refused, and so are more than MAX_MEMBERS entries."""
+    for count, member in enumerate(tar):
+        guard.allow(member.size if member.isfile() else 0)
+        if count >= MAX_MEMBERS:
+            raise ModelsError(f"{src}: more than {MAX_MEMBERS} entries; refused (not an export of a model)")
+        tar.members.clear()  # tarfile remembers every member; nothing here needs them
         if member.isdir():
             continue
         parts = member.name.split("/")
-        if not member.isfile() or member.name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        if not member.isfile() or member.issparse() or member.name.startswith("/") \
+                or any(p in ("", ".", "..") for p in parts):
             raise ModelsError(f"{src}: unexpected entry {member.name!r} (not a plain file with a relative name)")
         yield member

@@ -193,3 +193,13 @@ def test_python_m_bad_input(not_gguf: Path, tmp_path: Path) -> None:
     assert done.returncode == 2 and done.stdout == ""
     assert_one_line_error(done.stderr, "not a GGUF file")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("budget,says", [("inf", "not a size"), ("nan", "not a size"), ("1e30", "not a size"),
+                                         ("9" * 400, "more than zipmoe can address")])
+def test_run_refuses_a_budget_past_any_machine_in_one_line(zipmoe_model: Path, budget: str, says: str) -> None:
+    """`zipmoe run MODEL --memory-budget inf` once ran with an undefined budget; now exit 2 and one line, before
+    llama.cpp starts."""
+    done = python_m("run", zipmoe_model, "--memory-budget", budget, "-p", "hi", "-n", "1")
+    assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr)
+    assert_one_line_error(done.stderr, says)

@@ -310,6 +310,24 @@ def test_create_errors_are_one_line(zipmoe: Callable[..., tuple[int, str, str]],
     assert store.list_models() == [] and not list(store.tmp_dir.glob("job-*"))
 
 
+def test_create_from_a_fifo_is_refused_without_blocking(zipmoe: Callable[..., tuple[int, str, str]], store: Store,
+                                                        tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "pipe.gguf")
+    result: list[tuple[int, str, str]] = []
+    t = threading.Thread(target=lambda: result.append(zipmoe("create", "m", "-f",
+                                                             modelfile(tmp_path, "FROM pipe.gguf\n"))), daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():  # let the old code's open() return, so that the thread ends
+        os.close(os.open(tmp_path / "pipe.gguf", os.O_WRONLY | os.O_NONBLOCK))
+        t.join(10)
+        pytest.fail("create blocked on a FIFO named by FROM")
+    code, _, err = result[0]
+    assert code == 2
+    one_line_error(err, "FROM pipe.gguf", "is not a regular file")
+    assert store.list_models() == [] and not list(store.tmp_dir.glob("job-*"))
+
+
 def test_create_from_stdin(zipmoe: Callable[..., tuple[int, str, str]], store: Store, tiny_model: Path,
                            monkeypatch: pytest.MonkeyPatch) -> None:
     import io

@@ -25,28 +25,14 @@ static int mul_overflows(uint64_t a, uint64_t b, uint64_t * out) {
     return __builtin_mul_overflow(a, b, out);
 }
 
-int64_t zipmoe_tensor_open(const void * index, size_t index_size, uint64_t data_size, zipmoe_tensor ** out) {
-    if (!index || !out) {
-        return ZIPMOE_ERR_ARG;
-    }
-    *out = NULL;
-    if (index_size % 8 != 0 || index_size / 8 < INDEX_HEADER + 1) {
-        return ZIPMOE_ERR_CORRUPT;
-    }
-    const uint64_t   len = index_size / 8;
-    const uint8_t *  raw = (const uint8_t *) index;
-    /* copy the header out: the index may be unaligned (it is a view into a file) */
-    uint64_t h[INDEX_HEADER];
-    memcpy(h, raw, sizeof h);
-
+/* The header's fields (h: its INDEX_HEADER words), validated for a data companion of data_size bytes; *len_out:
+ * the length in words the whole index must have. */
+static int64_t check_header(const uint64_t * h, uint64_t data_size, uint64_t * len_out) {
     if (h[0] != INDEX_MAGIC) {
         return ZIPMOE_ERR_CORRUPT;
     }
     if (h[1] != INDEX_VERSION) {
         return ZIPMOE_ERR_UNSUPPORTED;
-    }
-    if (zipmoe_checksum(raw, (len - 1) * 8, 0) != zipmoe_load64le(raw + (len - 1) * 8)) {
-        return ZIPMOE_ERR_CHECKSUM;
     }
     const uint64_t codec = h[2], level = h[3], type = h[4];
     const uint64_t ne0 = h[5], ne1 = h[6], ne2 = h[7], ne3 = h[8];
@@ -83,14 +69,67 @@ int64_t zipmoe_tensor_open(const void * index, size_t index_size, uint64_t data_
         return ZIPMOE_ERR_CORRUPT;
     }
     /* index_len = 48 + 2E + 2EC + 1, computed without overflow (E <= 2^20, C <= 2^48) */
-    uint64_t ec, expect;
+    uint64_t ec;
     if (mul_overflows(n_expert, n_chunks, &ec) || mul_overflows(ec, 2, &ec) || ec > ((uint64_t) 1 << 40)) {
         return ZIPMOE_ERR_CORRUPT;
     }
-    expect = INDEX_HEADER + 2 * n_expert + ec + 1;
+    *len_out = INDEX_HEADER + 2 * n_expert + ec + 1;
+    return ZIPMOE_OK;
+}
+
+int64_t zipmoe_tensor_index_size(const void * header, size_t header_size, uint64_t data_size, uint64_t * index_size) {
+    if (!header || !index_size) {
+        return ZIPMOE_ERR_ARG;
+    }
+    if (header_size < INDEX_HEADER * 8) {
+        return ZIPMOE_ERR_CORRUPT;
+    }
+    uint64_t h[INDEX_HEADER], len;
+    memcpy(h, header, sizeof h);
+    const int64_t rc = check_header(h, data_size, &len);
+    if (rc < 0) {
+        return rc;
+    }
+    *index_size = len * 8;
+    return ZIPMOE_OK;
+}
+
+int64_t zipmoe_tensor_open(const void * index, size_t index_size, uint64_t data_size, zipmoe_tensor ** out) {
+    if (!index || !out) {
+        return ZIPMOE_ERR_ARG;
+    }
+    *out = NULL;
+    if (index_size % 8 != 0 || index_size / 8 < INDEX_HEADER + 1) {
+        return ZIPMOE_ERR_CORRUPT;
+    }
+    const uint64_t   len = index_size / 8;
+    const uint8_t *  raw = (const uint8_t *) index;
+    /* copy the header out: the index may be unaligned (it is a view into a file) */
+    uint64_t h[INDEX_HEADER];
+    memcpy(h, raw, sizeof h);
+
+    if (h[0] != INDEX_MAGIC) {
+        return ZIPMOE_ERR_CORRUPT;
+    }
+    if (h[1] != INDEX_VERSION) {
+        return ZIPMOE_ERR_UNSUPPORTED;
+    }
+    if (zipmoe_checksum(raw, (len - 1) * 8, 0) != zipmoe_load64le(raw + (len - 1) * 8)) {
+        return ZIPMOE_ERR_CHECKSUM;
+    }
+    uint64_t expect;
+    const int64_t hrc = check_header(h, data_size, &expect);
+    if (hrc < 0) {
+        return hrc;
+    }
     if (len != expect) {
         return ZIPMOE_ERR_CORRUPT;
     }
+    const uint64_t codec = h[2], level = h[3], type = h[4];
+    const uint64_t ne0 = h[5], ne1 = h[6], ne2 = h[7], ne3 = h[8];
+    const uint64_t n_expert = h[9], n_per = h[10], chunk_n = h[11], n_chunks = h[12];
+    const uint64_t align = h[14];
+    const uint64_t ec    = 2 * n_expert * n_chunks;
 
     zipmoe_tensor * t = calloc(1, sizeof *t);
     if (!t) {

@@ -9,7 +9,9 @@
 #include "zipmoe.h"
 #include "zipmoe-cache.h"
 
+#include <fcntl.h>
 #include <sched.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -18,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -42,10 +45,15 @@ static std::mutex                                                      g_registr
 static std::unordered_map<const ggml_tensor *, zipmoe_llama_tensor *> g_registry;
 static std::atomic<size_t>                                             g_registry_size{0};
 
-// The stores opened since the last zipmoe_llama_configure: the model being loaded.
+// The stores opened since the last zipmoe_llama_configure: the model being loaded. A store whose load fails
+// before configure is removed by its deleter, so the next model's budget never counts it.
+struct zipmoe_pending {
+    zipmoe_store *    store;
+    zipmoe_store_size size;
+    bool              slow_warm; // its warm hits decode slowly
+};
 static std::mutex                         g_pending_mu;
-static std::vector<zipmoe_store_size>     g_pending;
-static bool                               g_pending_slow_warm = false; // a pending store's warm hits decode slowly
+static std::vector<zipmoe_pending>        g_pending;
 static std::vector<zipmoe_store *>        g_opened; // the same stores
 // The model configured last, until all of its stores are bound: then its tiers are filled (zipmoe_cache_prefill).
 static std::vector<zipmoe_store *> g_loading;
@@ -66,6 +74,9 @@ void zipmoe_llama_tensor_deleter::operator()(zipmoe_llama_tensor * zt) const {
     {
         std::lock_guard<std::mutex> lock(g_pending_mu); // a model whose load failed leaves no dangling store
         g_opened.erase(std::remove(g_opened.begin(), g_opened.end(), zt->store), g_opened.end());
+        g_pending.erase(std::remove_if(g_pending.begin(), g_pending.end(),
+                                       [zt](const zipmoe_pending & p) { return p.store == zt->store; }),
+                        g_pending.end());
         g_loading.erase(std::remove(g_loading.begin(), g_loading.end(), zt->store), g_loading.end());
     }
     zipmoe_store_free(zt->store); // unmaps the BF16 memory after the buffer that wrapped it is gone
@@ -93,9 +104,12 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
     bool                           warm_fast = false;
     {
         std::lock_guard<std::mutex> lock(g_pending_mu);
-        stores.swap(g_pending);
-        warm_fast           = !stores.empty() && !g_pending_slow_warm;
-        g_pending_slow_warm = false;
+        warm_fast = !g_pending.empty();
+        for (const zipmoe_pending & p : g_pending) {
+            stores.push_back(p.size);
+            warm_fast = warm_fast && !p.slow_warm;
+        }
+        g_pending.clear();
         g_loading.swap(g_opened);
         g_opened.clear();
         g_loading_bound = 0;
@@ -126,9 +140,10 @@ zipmoe_llama_tensor_ptr zipmoe_llama_open(const char * name, const void * index,
     zipmoe_tensor_get_info(zipmoe_store_tensor(store), &info);
     {
         std::lock_guard<std::mutex> lock(g_pending_mu);
-        g_pending.push_back({ (uint64_t) info.n_expert * (uint64_t) info.n_per_expert * 2, (uint64_t) info.n_expert,
-                              info.data_size });
-        g_pending_slow_warm = g_pending_slow_warm || info.codec != ZIPMOE_CODEC_ESC || zipmoe_esc_simd_level() == 0;
+        g_pending.push_back({ store,
+                              { (uint64_t) info.n_expert * (uint64_t) info.n_per_expert * 2, (uint64_t) info.n_expert,
+                                info.data_size },
+                              info.codec != ZIPMOE_CODEC_ESC || zipmoe_esc_simd_level() == 0 });
         g_opened.push_back(store);
     }
     zipmoe_llama_tensor_ptr zt(new zipmoe_llama_tensor);
@@ -139,6 +154,64 @@ zipmoe_llama_tensor_ptr zipmoe_llama_open(const char * name, const void * index,
     }
     zt->layer = layer_of(name);
     return zt;
+}
+
+bool zipmoe_llama_expert_name(const std::string & name) {
+    // blk.N. with N as the converter writes it: 1 to 9 digits, no sign, no leading zero
+    if (name.compare(0, 4, "blk.") != 0) {
+        return false;
+    }
+    size_t i = 4;
+    while (i < name.size() && i < 4 + 10 && name[i] >= '0' && name[i] <= '9') {
+        i++;
+    }
+    if (i == 4 || i > 4 + 9 || (name[4] == '0' && i > 5) || i >= name.size() || name[i] != '.') {
+        return false;
+    }
+    const std::string rest = name.substr(i + 1);
+    return rest == "ffn_up_exps.weight" || rest == "ffn_gate_exps.weight" || rest == "ffn_down_exps.weight" ||
+           rest == "ffn_gate_up_exps.weight";
+}
+
+size_t zipmoe_llama_index_header_size() {
+    return 48 * 8; // docs/FORMAT.md "Index": 48 int64 words
+}
+
+bool zipmoe_llama_check_index_size(const void * header, size_t header_size, uint64_t index_size, uint64_t data_size,
+                                   std::string & err) {
+    uint64_t      expect = 0;
+    const int64_t rc     = zipmoe_tensor_index_size(header, header_size, data_size, &expect);
+    if (rc < 0) {
+        err = std::string("index: ") + zipmoe_status_str(rc);
+        return false;
+    }
+    if (expect != index_size) {
+        err = "index: its header says " + std::to_string(expect) + " bytes, the tensor has " +
+              std::to_string(index_size);
+        return false;
+    }
+    return true;
+}
+
+bool zipmoe_llama_check_meta(const zipmoe_llama_tensor * zt, const char * codec, uint32_t chunk_size,
+                             std::string & err) {
+    zipmoe_tensor_info info;
+    zipmoe_tensor_get_info(zipmoe_store_tensor(zt->store), &info);
+    const int want = std::strcmp(codec, "zstd") == 0 ? ZIPMOE_CODEC_ZSTD
+                     : std::strcmp(codec, "huff") == 0 ? ZIPMOE_CODEC_HUFF
+                     : std::strcmp(codec, "esc") == 0 ? ZIPMOE_CODEC_ESC : -1;
+    if (want < 0) {
+        err = std::string("unknown zipmoe.codec '") + codec + "'";
+        return false;
+    }
+    if (info.codec != want || info.chunk_n != (int64_t) chunk_size) {
+        static const char * names[] = { "?", "zstd", "huff", "esc" };
+        err = std::string("the index disagrees with the metadata (codec ") +
+              names[info.codec >= 1 && info.codec <= 3 ? info.codec : 0] + " vs " + codec +
+              ", chunk size " + std::to_string(info.chunk_n) + " vs " + std::to_string(chunk_size) + ")";
+        return false;
+    }
+    return true;
 }
 
 void zipmoe_llama_shape(const zipmoe_llama_tensor * zt, int64_t ne[4]) {
@@ -185,8 +258,20 @@ static void prefill_when_bound(zipmoe_store * store) {
                    st.failed ? " (some failed: they are decoded, and report their error, when routed to)" : "");
 }
 
-bool zipmoe_llama_bind(zipmoe_llama_tensor * zt, ggml_tensor * t, bool no_alloc, int fd, uint64_t data_offs,
-                       std::string & err) {
+// A descriptor of the model file of our own (plain), which is the file llama.cpp opened (fd); -1 if not.
+static int open_own(const char * path, int fd) {
+    struct stat mine, theirs;
+    const int   own = path && *path ? open(path, O_RDONLY | O_CLOEXEC) : -1;
+    if (own >= 0 && (fstat(own, &mine) != 0 || fstat(fd, &theirs) != 0 || mine.st_dev != theirs.st_dev ||
+                     mine.st_ino != theirs.st_ino)) {
+        close(own);
+        return -1;
+    }
+    return own;
+}
+
+bool zipmoe_llama_bind(zipmoe_llama_tensor * zt, ggml_tensor * t, bool no_alloc, const char * path, int fd,
+                       uint64_t data_offs, std::string & err) {
     if (t->type != GGML_TYPE_BF16) {
         err = "the model asks for a " + std::string(ggml_type_name(t->type)) + " tensor; zipmoe stores BF16";
         return false;
@@ -199,7 +284,13 @@ bool zipmoe_llama_bind(zipmoe_llama_tensor * zt, ggml_tensor * t, bool no_alloc,
     }
     void *        dst      = nullptr;
     size_t        dst_size = 0;
-    const int64_t rc       = zipmoe_store_bind(zt->store, fd, data_offs, &dst, &dst_size);
+    const int     own      = open_own(path, fd);
+    if (own < 0) {
+        err = std::string("cannot open the model file ") + (path ? path : "") + " again for reading";
+        return false;
+    }
+    const int64_t rc = zipmoe_store_bind(zt->store, own, data_offs, &dst, &dst_size); // keeps a copy of own
+    close(own);
     if (rc < 0) {
         err = std::string("cannot set up the compressed experts: ") + zipmoe_status_str(rc);
         return false;

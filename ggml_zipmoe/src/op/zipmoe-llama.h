@@ -20,6 +20,20 @@ using zipmoe_llama_tensor_ptr = std::unique_ptr<zipmoe_llama_tensor, zipmoe_llam
 zipmoe_llama_tensor_ptr zipmoe_llama_open(const char * name, const void * index, size_t index_size,
                                           uint64_t data_size, std::string & err);
 
+// Whether name is an expert tensor's (blk.N.ffn_{up,gate,down,gate_up}_exps.weight): the only names whose
+// companions the loader takes.
+bool zipmoe_llama_expert_name(const std::string & name);
+
+// How many bytes of an index the loader reads first (its header), and the check of that header: the whole index
+// (index_size bytes in the file) must be exactly as long as the header says, for a data companion of data_size.
+size_t zipmoe_llama_index_header_size();
+bool   zipmoe_llama_check_index_size(const void * header, size_t header_size, uint64_t index_size, uint64_t data_size,
+                                     std::string & err);
+
+// The index agrees with the file's metadata: zipmoe.codec (huff, esc, zstd) and zipmoe.chunk_size.
+bool zipmoe_llama_check_meta(const zipmoe_llama_tensor * zt, const char * codec, uint32_t chunk_size,
+                             std::string & err);
+
 // After the model's compressed tensors are opened: configures the cache from the environment
 // (ZIPMOE_MEMORY_BUDGET, ZIPMOE_HOT_SHARE, ZIPMOE_SM_SHARE, ZIPMOE_PLAN, ZIPMOE_CACHE_POLICY, ZIPMOE_CACHE;
 // zipmoe_runtime_config in zipmoe-cache.h lists them; zipmoe-config.cpp). other_bytes: the model's weights that
@@ -34,10 +48,12 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
 void zipmoe_llama_shape(const zipmoe_llama_tensor * zt, int64_t ne[4]);
 
 // Gives t (BF16, the original shape) its memory: a reservation that holds only materialised experts,
-// wrapped in a CPU buffer; the data companion at data_offs of fd is read from when experts are decoded. With no_alloc
-// (llama.cpp's memory-fit pass) t gets a zero-size buffer and nothing is reserved.
-bool zipmoe_llama_bind(zipmoe_llama_tensor * zt, ggml_tensor * t, bool no_alloc, int fd, uint64_t data_offs,
-                       std::string & err);
+// wrapped in a CPU buffer; the data companion at data_offs of the model file is read from when experts are decoded.
+// The store reads through a descriptor of its own, opened from path (plain; O_DIRECT by its own choice), never
+// llama.cpp's, whose flags depend on the load mode; fd (llama.cpp's) only proves that path is the same file. With
+// no_alloc (llama.cpp's memory-fit pass) t gets a zero-size buffer and nothing is reserved.
+bool zipmoe_llama_bind(zipmoe_llama_tensor * zt, ggml_tensor * t, bool no_alloc, const char * path, int fd,
+                       uint64_t data_offs, std::string & err);
 
 // The zipmoe tensor behind weight w, or nullptr (every tensor of a plain GGUF).
 zipmoe_llama_tensor * zipmoe_llama_find(const ggml_tensor * w);
