@@ -12,7 +12,7 @@ from pyzipmoe.runtime.config import RuntimeConfig
 from pyzipmoe.errors import ZipmoeError
 from pyzipmoe.runtime.memory import MIN_MARGIN, MemoryReading, auto_budget, cgroup_memory, read_memory, safety_margin
 
-GiB, MiB = 1 << 30, 1 << 20
+GiB, MiB, MB = 1 << 30, 1 << 20, 1000 * 1000
 V1_UNLIMITED = 9223372036854771712  # what cgroup v1 writes for "no limit" with 4 KiB pages
 
 
@@ -197,37 +197,118 @@ def reading(**kw) -> MemoryReading:
 
 def test_auto_budget_without_cgroup_is_available_less_margin():
     r = reading()
-    assert safety_margin(r) == int(1.6 * GiB)  # 10% of 16 GiB
-    assert auto_budget(r) == 10 * GiB - int(1.6 * GiB)
+    assert safety_margin(r) == int(0.03 * 16 * GiB)  # 3% of 16 GiB
+    assert auto_budget(r) == 10 * GiB - int(0.03 * 16 * GiB)
 
 
-def test_margin_is_at_least_512_mib():
+def test_margin_is_a_few_percent_with_a_small_floor():
     r = reading(total=2 * GiB, available=GiB)
-    assert safety_margin(r) == MIN_MARGIN
+    assert safety_margin(r) == MIN_MARGIN == 64 * MiB  # 3% of 2 GiB is less
     assert auto_budget(r) == GiB - MIN_MARGIN
+    assert safety_margin(reading(total=64 * GiB)) == int(0.03 * 64 * GiB)
 
 
 def test_cgroup_with_less_room_than_machine_binds():
     r = reading(cgroup_limit=4 * GiB, cgroup_usage=3 * GiB, cgroup_reclaimable=GiB)
-    # room in the cgroup: 4 - (3 - 1) = 2 GiB; margin 10% of the 4 GiB limit, at least 512 MiB
-    assert auto_budget(r) == 2 * GiB - MIN_MARGIN
+    # room in the cgroup: 4 - (3 - 1) = 2 GiB (no active file cache read: the inactive is all of it); margin 3% of
+    # the 4 GiB limit, at least 64 MiB: 122.88 MiB
+    assert auto_budget(r) == 2 * GiB - int(0.03 * 4 * GiB)
 
 
 def test_machine_with_less_room_than_cgroup_binds():
     r = reading(available=3 * GiB, cgroup_limit=12 * GiB, cgroup_usage=0)
-    assert auto_budget(r) == 3 * GiB - int(1.2 * GiB)  # margin: 10% of the 12 GiB limit, not of the 16 GiB RAM
+    assert auto_budget(r) == 3 * GiB - int(0.03 * 12 * GiB)  # margin: of the 12 GiB limit, not of the 16 GiB RAM
 
 
 def test_auto_budget_never_negative_and_capped_by_model():
-    assert auto_budget(reading(available=100 * MiB)) == 0
+    assert auto_budget(reading(available=50 * MiB)) == 0
     assert auto_budget(reading(cgroup_limit=GiB, cgroup_usage=2 * GiB)) == 0  # over its limit already
     assert auto_budget(reading(), model_bytes=3 * GiB) == 3 * GiB
     assert auto_budget(reading(), model_bytes=100 * GiB) == auto_budget(reading())
 
 
+def test_auto_budget_counts_what_the_runtime_holds_as_the_model_s():
+    """A reading after the load: the tiers the runtime filled are charged as used, and come back as `held`. The
+    same memory gives the same budget before and after the load (it once shrank to what was left besides the
+    model's own cache, and the monitor refused to start: 'memory budget 56 MiB is too small')."""
+    before = reading(cgroup_limit=600 * MB, cgroup_usage=90 * MB, cgroup_reclaimable=0, cgroup_file_cache=0)
+    # the load: 60 MB of weights that are not experts mapped (file cache), 400 MB of tiers decoded (memfd: used)
+    after = reading(cgroup_limit=600 * MB, cgroup_usage=550 * MB, cgroup_reclaimable=20 * MB,
+                    cgroup_file_cache=60 * MB)
+    assert auto_budget(after, held=400 * MB) == auto_budget(before) == 510 * MB - MIN_MARGIN
+    assert auto_budget(after) == 110 * MB - MIN_MARGIN  # without held: the old mistake
+
+
+# Readings in the files' own layouts (a 600 MB container, cgroup v1, before and after the load; a 2400 MB systemd
+# service, cgroup v2), with the budget the formula must give for them:
+# min(whole, limit - (usage - file cache) + held - max(3%, 64 MiB)).
+V1_600MB_AT_LOAD = {  # python + llama-cpp-python imported, nothing loaded yet
+    "memory/memory.limit_in_bytes": f"{V1_UNLIMITED}\n",
+    "memory/zipmoe/memory.limit_in_bytes": "600000000\n",
+    "memory/zipmoe/memory.usage_in_bytes": "97234944\n",
+    "memory/zipmoe/memory.stat": ("cache 35205120\nrss 61202432\nshmem 0\nmapped_file 24330240\n"
+                                  "inactive_anon 0\nactive_anon 61149184\ninactive_file 30277632\n"
+                                  "active_file 4927488\nhierarchical_memory_limit 600000000\n"
+                                  "total_cache 35205120\ntotal_rss 61202432\ntotal_inactive_file 30277632\n"
+                                  "total_active_file 4927488\n"),
+}
+V1_600MB_AFTER_LOAD = {  # the same process after the load: 330 MiB of tiers in memfd slots (shmem), weights mapped
+    "memory/memory.limit_in_bytes": f"{V1_UNLIMITED}\n",
+    "memory/zipmoe/memory.limit_in_bytes": "600000000\n",
+    "memory/zipmoe/memory.usage_in_bytes": "521379840\n",
+    "memory/zipmoe/memory.stat": ("cache 446873600\nrss 74506240\nshmem 346030080\nmapped_file 96247808\n"
+                                  "inactive_file 61440000\nactive_file 39403520\n"
+                                  "total_cache 446873600\ntotal_rss 74506240\ntotal_inactive_file 61440000\n"
+                                  "total_active_file 39403520\n"),
+}
+V2_2400MB = {  # a systemd service with MemoryMax=2400M, the model loaded, 1.5 GiB of tiers
+    "cgroup.controllers": "cpu io memory pids\n",
+    "system.slice/memory.max": "max\n",
+    "system.slice/zipmoe.service/memory.max": "2400000000\n",
+    "system.slice/zipmoe.service/memory.current": "2170011648\n",
+    "system.slice/zipmoe.service/memory.stat": ("anon 81920000\nfile 2088091648\nshmem 1610612736\n"
+                                                "file_mapped 313458688\ninactive_anon 0\nactive_anon 81920000\n"
+                                                "inactive_file 230686720\nactive_file 246792192\n"),
+}
+
+
+def recorded(fake, files: dict[str, str], cgroup_line: str) -> MemoryReading:
+    cg, proc = fake
+    write_tree(proc, {"cgroup": cgroup_line})
+    write_tree(cg, files)
+    c = cgroup_memory(cgroup_root=cg, proc_self=proc)
+    return MemoryReading(total=16 * GiB, available=12 * GiB, rss=0, cgroup_limit=c.limit, cgroup_usage=c.usage,
+                         cgroup_reclaimable=c.reclaimable, cgroup_file_cache=c.file_cache)
+
+
+def test_recorded_v1_container_of_600_mb_at_load_and_after(tmp_path):
+    whole = 700 * MiB  # the model's whole budget: more than the container
+    at_load = recorded((tmp_path / "a" / "cg", tmp_path / "a" / "proc"), V1_600MB_AT_LOAD, "4:memory:/zipmoe\n")
+    after = recorded((tmp_path / "b" / "cg", tmp_path / "b" / "proc"), V1_600MB_AFTER_LOAD, "4:memory:/zipmoe\n")
+    margin = MIN_MARGIN  # 3% of 600 MB is 18 MB: the floor binds
+    free = 600000000 - (97234944 - (30277632 + 4927488))
+    assert safety_margin(at_load) == margin
+    assert auto_budget(at_load, whole) == free - margin == 470861312  # 449 MiB, of a 600 MB container
+    held = 346030080  # the runtime's resident bytes then (zipmoe_stats)
+    assert auto_budget(after, whole, held) == 600000000 - (521379840 - 61440000 - 39403520) + held - margin
+    # the same memory for the model, give or take what the process itself grew by (40 MB of llama.cpp's buffers)
+    assert abs(auto_budget(after, whole, held) - auto_budget(at_load, whole)) < 45 * MB
+
+
+def test_recorded_v2_service_of_2400_mb(tmp_path):
+    r = recorded((tmp_path / "cg", tmp_path / "proc"), V2_2400MB, "0::/system.slice/zipmoe.service\n")
+    assert (r.cgroup_limit, r.cgroup_file_cache) == (2400000000, 230686720 + 246792192)
+    held = 1610612736
+    margin = int(0.03 * 2400000000)  # 72 MB: above the floor
+    assert safety_margin(r) == margin
+    expect = 2400000000 - (2170011648 - 230686720 - 246792192) + held - margin
+    assert auto_budget(r, None, held) == expect
+    assert auto_budget(r, 1000 * MiB, held) == 1000 * MiB
+
+
 def test_parse_budget_auto(monkeypatch):
     monkeypatch.setattr(memory, "read_memory", lambda **kw: reading())
-    expect = 10 * GiB - int(1.6 * GiB)
+    expect = 10 * GiB - int(0.03 * 16 * GiB)
     assert parse_budget("auto") == expect
     assert parse_budget(" AUTO ") == expect
     assert parse_budget("auto", model_bytes=GiB) == GiB
