@@ -21,7 +21,7 @@ UNLIMITED_FROM = 1 << 60
 """Limits at or above this are "no limit": cgroup v1 writes an unlimited memory.limit_in_bytes as its largest page
 count in bytes (9223372036854771712 with 4 KiB pages), not as a word."""
 
-MIN_MARGIN = 64 << 20
+MIN_MARGIN = 32 << 20
 MARGIN_SHARE = 0.03
 """`auto`'s margin: MARGIN_SHARE of the memory limit (the machine's or the container's), at least MIN_MARGIN. It is
 room for what the budget does not count and that grows after a reading: llama.cpp's KV cache and compute buffers,
@@ -231,7 +231,7 @@ def read_memory(*, cgroup_root: Path = CGROUP_ROOT, proc_self: Path = PROC_SELF)
 
 
 def safety_margin(reading: MemoryReading) -> int:
-    """What `auto_budget` leaves free: MARGIN_SHARE (3%) of the memory limit, at least MIN_MARGIN (64 MiB)."""
+    """What `auto_budget` leaves free: MARGIN_SHARE (3%) of the memory limit, at least MIN_MARGIN (32 MiB)."""
     return max(int(reading.limit * MARGIN_SHARE), MIN_MARGIN)
 
 
@@ -249,7 +249,7 @@ def auto_budget(reading: MemoryReading, model_bytes: int | None = None, held: in
 
         auto = min(model_bytes, available + held - margin)
         available = min(psutil's available, cgroup limit - (cgroup usage - its file cache))   (tightest ancestor)
-        margin = max(3% of the limit, 64 MiB)          limit: the machine's RAM, or the cgroup's limit if smaller
+        margin = max(3% of the limit, 32 MiB)          limit: the machine's RAM, or the cgroup's limit if smaller
 
     computed the same way at load (held: what the runtime holds already, 0 for a process's first model) and at
     every reading of the memory monitor (held: the runtime's resident bytes then), so that a reading after the

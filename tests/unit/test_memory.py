@@ -202,16 +202,16 @@ def test_auto_budget_without_cgroup_is_available_less_margin():
 
 
 def test_margin_is_a_few_percent_with_a_small_floor():
-    r = reading(total=2 * GiB, available=GiB)
-    assert safety_margin(r) == MIN_MARGIN == 64 * MiB  # 3% of 2 GiB is less
-    assert auto_budget(r) == GiB - MIN_MARGIN
+    r = reading(total=GiB, available=GiB // 2)
+    assert safety_margin(r) == MIN_MARGIN == 32 * MiB  # 3% of 1 GiB is less
+    assert auto_budget(r) == GiB // 2 - MIN_MARGIN
     assert safety_margin(reading(total=64 * GiB)) == int(0.03 * 64 * GiB)
 
 
 def test_cgroup_with_less_room_than_machine_binds():
     r = reading(cgroup_limit=4 * GiB, cgroup_usage=3 * GiB, cgroup_reclaimable=GiB)
     # room in the cgroup: 4 - (3 - 1) = 2 GiB (no active file cache read: the inactive is all of it); margin 3% of
-    # the 4 GiB limit, at least 64 MiB: 122.88 MiB
+    # the 4 GiB limit, at least 32 MiB: 122.88 MiB
     assert auto_budget(r) == 2 * GiB - int(0.03 * 4 * GiB)
 
 
@@ -241,7 +241,7 @@ def test_auto_budget_counts_what_the_runtime_holds_as_the_model_s():
 
 # Readings in the files' own layouts (a 600 MB container, cgroup v1, before and after the load; a 2400 MB systemd
 # service, cgroup v2), with the budget the formula must give for them:
-# min(whole, limit - (usage - file cache) + held - max(3%, 64 MiB)).
+# min(whole, limit - (usage - file cache) + held - max(3%, 32 MiB)).
 V1_600MB_AT_LOAD = {  # python + llama-cpp-python imported, nothing loaded yet
     "memory/memory.limit_in_bytes": f"{V1_UNLIMITED}\n",
     "memory/zipmoe/memory.limit_in_bytes": "600000000\n",
@@ -285,10 +285,10 @@ def test_recorded_v1_container_of_600_mb_at_load_and_after(tmp_path):
     whole = 700 * MiB  # the model's whole budget: more than the container
     at_load = recorded((tmp_path / "a" / "cg", tmp_path / "a" / "proc"), V1_600MB_AT_LOAD, "4:memory:/zipmoe\n")
     after = recorded((tmp_path / "b" / "cg", tmp_path / "b" / "proc"), V1_600MB_AFTER_LOAD, "4:memory:/zipmoe\n")
-    margin = MIN_MARGIN  # 3% of 600 MB is 18 MB: the floor binds
+    margin = MIN_MARGIN  # 3% of 600 MB is 18 MB: the floor (32 MiB) binds
     free = 600000000 - (97234944 - (30277632 + 4927488))
     assert safety_margin(at_load) == margin
-    assert auto_budget(at_load, whole) == free - margin == 470861312  # 449 MiB, of a 600 MB container
+    assert auto_budget(at_load, whole) == free - margin == 504415744  # 481 MiB, of a 600 MB container
     held = 346030080  # the runtime's resident bytes then (zipmoe_stats)
     assert auto_budget(after, whole, held) == 600000000 - (521379840 - 61440000 - 39403520) + held - margin
     # the same memory for the model, give or take what the process itself grew by (40 MB of llama.cpp's buffers)
