@@ -346,3 +346,173 @@ def test_a_growing_neighbour_shrinks_the_cache_and_it_grows_back(llama_lib_dir: 
     assert got["generated"] == ref, where
     assert low < before * 0.75, f"the cache did not shrink: {where}"
     assert after > low + (before - low) // 2, f"the cache did not grow back: {where}"
+
+
+# ------------------------------------------------------------------------------------------ zipmoe serve
+
+
+def _http(url: str, body: dict[str, Any] | None = None, timeout: float = TIMEOUT) -> tuple[int, Any]:
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, None
+
+
+class Server:
+    """`zipmoe serve MODEL` on loopback (in `cg` if given), its stderr in a file; killed on exit."""
+
+    def __init__(self, lib_dir: Path, model: Path, log: Path, cg: Cgroup | None = None, budget: str | None = None):
+        import socket
+
+        if not (lib_dir / "llama-server").is_file():
+            pytest.skip(f"{lib_dir / 'llama-server'} was not built")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.log = log
+        argv = [sys.executable, "-m", "pyzipmoe", "serve", str(model), "--port", str(port), "-t", "2"]
+        if budget:
+            argv += ["--memory-budget", budget]
+        argv += ["--", "-c", "1024", "-np", "1"]
+        with open(log, "wb") as err:
+            self.proc = subprocess.Popen([*(cg.prefix() if cg else ()), *argv], env=worker_env(lib_dir),
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                         start_new_session=True)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"zipmoe serve exited with {self.proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if _http(self.url + "/health", timeout=2)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError("llama-server was not ready in time")
+
+    def complete(self, n: int) -> dict[str, Any]:
+        status, body = _http(self.url + "/completion", {"prompt": PROMPT, "n_predict": n, "temperature": 0,
+                                                        "seed": 0, "cache_prompt": False})
+        assert status == 200, (status, body)
+        return {"content": body["content"], "tokens": body.get("tokens")}
+
+    def budgets(self) -> list[tuple[float, float]]:
+        """(budget MiB, cache MiB) of each 'memory budget now' line the supervisor printed."""
+        import re
+
+        return [(float(m.group(1)), float(m.group(2))) for m in
+                re.finditer(r"memory budget now (\d+) MiB .*?cache holds (\d+) MiB", self.log.read_text())]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                pass
+        kill_group(self.proc)
+
+
+def test_serve_gives_way_to_a_growing_neighbour_with_a_request_in_flight(llama_lib_dir: Path, cgroup_parent: Path,
+                                                                          small_models: tuple[Path, Path],
+                                                                          tmp_path: Path) -> None:
+    """`zipmoe serve --memory-budget auto`: the supervisor shrinks llama-server's cache while a neighbour grows to a
+    third of the container during a request, and grows it back after the neighbour left; llama-server is never
+    OOM-killed and both requests return the BF16 model's text."""
+    import threading
+
+    from pyzipmoe.runtime.budget import model_memory
+
+    bf16, packed = small_models
+    whole = model_memory(packed).whole / 2**20
+    n = 300
+    ref = Server(llama_lib_dir, bf16, tmp_path / "bf16.log")
+    try:
+        expected = ref.complete(n)
+    finally:
+        ref.close()
+    with Cgroup(cgroup_parent, "serve") as cg:
+        cg.set_limit(1 << 30)  # generous while it loads: auto starts with the whole model
+        srv = Server(llama_lib_dir, packed, tmp_path / "zipmoe.log", cg, "auto")
+        neighbour = None
+        try:
+            assert "follows the memory available" in srv.log.read_text(), srv.log.read_text()[-3000:]
+            srv.complete(8)  # the cache in use, its pages charged
+            time.sleep(1.0)  # (the supervisor's first readings)
+            limit = cg.in_use() + (32 << 20) + (24 << 20)
+            cg.set_limit(limit)
+            target = limit // 3
+            got: dict[str, Any] = {}
+            first = threading.Thread(target=lambda: got.update(first=srv.complete(n)))
+            first.start()
+            nb = {"target": target, "step": max(1 << 20, target // 6), "every": 0.5,
+                  "peak": str(tmp_path / "peak"), "release": str(tmp_path / "release"), "hold_s": 30}
+            neighbour = start([sys.executable, "-c", NEIGHBOUR, json.dumps(nb)], dict(os.environ), cg)
+            wait_file(Path(nb["peak"]), neighbour, "the neighbour")
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not srv.budgets():  # (the first re-plan is a shrink)
+                time.sleep(0.1)
+            first.join(TIMEOUT)
+            write_atomic(Path(nb["release"]), "1")
+            finish(neighbour, "the neighbour")
+            neighbour = None
+            time.sleep(1.5)  # (a reading or two: the room is back)
+            got["second"] = srv.complete(n)
+            assert srv.proc.poll() is None, srv.log.read_text()[-3000:]
+            budgets = srv.budgets()
+        finally:
+            if neighbour is not None:
+                kill_group(neighbour)
+            srv.close()
+        oom = cg.oom_kills()
+    where = f"limit {limit / 2**20:.1f} MiB, neighbour {target / 2**20:.1f} MiB; budgets (MiB, cache MiB) {budgets}"
+    print(where)
+    assert oom == 0, where
+    assert got["first"]["content"] == expected["content"], where
+    assert got["second"]["content"] == expected["content"], where
+    assert budgets, f"the supervisor never re-planned: {where}"
+    low = min(range(len(budgets)), key=lambda i: budgets[i][0])
+    assert budgets[low][0] < whole * 0.75, f"no shrink: {where}"
+    assert any(b > budgets[low][0] * 1.5 for b, _ in budgets[low + 1:]), f"no regrowth: {where}"
+
+
+FLOOR = r"""
+import json, sys
+from pyzipmoe.errors import OutOfMemoryError
+from pyzipmoe.runtime import memory
+from pyzipmoe.runtime.llama import Llama
+llm = Llama(sys.argv[1], n_ctx=256, n_threads=1, memory_budget="auto", verbose=False)
+mon = llm.zipmoe_monitor
+mon.stop()  # stepped by hand below
+llm.eval(llm.tokenize(b"hello"))
+# the machine now has nothing left: what the model could hold is what it holds. It shrinks to its minimum first
+# (its tiers could make room), and once the stores have evicted, what it holds is below its minimum
+mon._read = lambda: memory.MemoryReading(total=1 << 30, available=0, rss=0)
+assert mon.step() and mon.budget == mon.planned.need.minimum and mon.floor is None
+llm.eval([1])
+mon.step()
+first = mon.floor
+mon.step()
+try:
+    llm.eval([1])
+    print(json.dumps({"raised": None, "first": first, "floor": mon.floor}))
+except OutOfMemoryError as e:
+    print(json.dumps({"raised": str(e), "first": first, "floor": mon.floor, "exit_code": e.exit_code}))
+"""
+
+
+def test_the_floor_stops_the_next_decode_with_one_line(llama_lib_dir: Path, small_models: tuple[Path, Path]) -> None:
+    """When even the minimum no longer fits at two readings in a row, pyzipmoe.Llama's next decode raises
+    OutOfMemoryError with one line (the CLI's exit status 3), rather than running on into the OOM killer."""
+    _, packed = small_models
+    got = finish(start([sys.executable, "-c", FLOOR, str(packed)], worker_env(llama_lib_dir)), "the floor worker")
+    assert got["first"] is None, got  # one reading is not enough
+    assert got["raised"] and got["raised"] == got["floor"] and "\n" not in got["raised"], got
+    assert "out of memory" in got["raised"] and got["exit_code"] == 3, got
