@@ -290,14 +290,15 @@ def _runtime_bytes(lib: Any = None) -> tuple[int, int, int]:
 class MemoryMonitor:
     """Re-plans a running model's tiers when the memory available to the process changes.
 
-    Every `interval` seconds it reads the memory (pyzipmoe.runtime.memory.read_memory: psutil and the cgroup limit) and
-    computes the budget the model could have now: what it holds (its weights that are not experts and the tiers'
-    resident bytes, which include the experts in flight) plus what could still be allocated, less
-    the safety margin of `--memory-budget auto` (so less than it holds when others ate into the margin), never
-    less than the model's minimum nor more than `ceiling` (the user's budget, if one was given). A budget the user
-    fixed (`fixed`) keeps at most the room beside it that the process had once the model ran (`spare`): in a
-    container sized to the budget, the margin would otherwise take up to 512 MiB from the tiers for good, though
-    nothing else wanted the memory; the tiers shrink when that room shrinks, and, whatever the hysteresis, when the
+    Every `interval` seconds, and at once when the kernel signals memory running short (pressure.MemoryEvents), it
+    reads the memory (pyzipmoe.runtime.memory.read_memory: psutil and the cgroup limit) and computes the budget the
+    model could have now. For "auto" that is memory.auto_budget with what the runtime holds now, the formula of
+    the load: what could still be allocated, file cache included, plus the runtime's resident bytes, less the
+    margin (so less than it holds when others ate into the margin), never less than the model's minimum nor more
+    than `ceiling` (the whole model); when even the minimum no longer fits, `floor` says so (_check_floor). A
+    budget the user fixed (`fixed`) keeps at most the room beside it that the process had once the model ran
+    (`spare`): in a container sized to the budget, the margin would otherwise take it from the tiers for good,
+    though nothing else wanted the memory; the tiers shrink when that room shrinks, and, whatever the hysteresis, when the
     page cache lacks some of the model's mapped weights (`weights_short`: the process no longer fits, as after a
     long prompt's batch), by twice the lack, once until the stores are down to it. As with "auto"
     at load, the budget's reserve for one expert tensor in flight comes out of that memory, not out of the margin: it is
