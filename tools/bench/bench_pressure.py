@@ -57,6 +57,7 @@ kw = {"memory_budget": job["budget"]} if job.get("budget") else {}
 llm = Llama(job["model"], n_ctx=job["n_ctx"], n_threads=job["threads"], n_threads_batch=job["threads"], seed=0,
             verbose=False, **kw)
 mon = llm.zipmoe_monitor
+loaded = mon.budget if mon else None  # what auto chose at load, before any re-plan
 def resident():
     s = zipmoe_stats()
     return int(s["hot_bytes"] + s["warm_bytes"] + s["sm_bytes"])
@@ -75,7 +76,7 @@ for i in range(job["n_gen"]):
         time.sleep(job["pace"])
     if job.get("stop") and os.path.exists(job["stop"]):
         break
-out = {"generated": gen, "series": series, "loaded_budget": series[0][1] if series else None,
+out = {"generated": gen, "series": series, "loaded_budget": loaded,
        "replans": [b for b, _ in mon.replans] if mon else [], "signals": list(mon.signals) if mon else [],
        "wakeups": mon.wakeups if mon else 0, "floor": mon.floor if mon else None}
 llm.close()
