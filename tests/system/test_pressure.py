@@ -443,7 +443,6 @@ def test_serve_gives_way_to_a_growing_neighbour_with_a_request_in_flight(llama_l
         srv = Server(llama_lib_dir, packed, tmp_path / "zipmoe.log", cg, "auto")
         neighbour = None
         try:
-            assert "follows the memory available" in srv.log.read_text(), srv.log.read_text()[-3000:]
             srv.complete(8)  # the cache in use, its pages charged
             time.sleep(1.0)  # (the supervisor's first readings)
             limit = cg.in_use() + (32 << 20) + (24 << 20)
