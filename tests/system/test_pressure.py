@@ -515,3 +515,28 @@ def test_the_floor_stops_the_next_decode_with_one_line(llama_lib_dir: Path, smal
     assert got["first"] is None, got  # one reading is not enough
     assert got["raised"] and got["raised"] == got["floor"] and "\n" not in got["raised"], got
     assert "out of memory" in got["raised"] and got["exit_code"] == 3, got
+
+
+def test_a_bare_program_says_its_budget_does_not_adapt(llama_lib_dir: Path, small_models: tuple[Path, Path]) -> None:
+    """llama-simple with ZIPMOE_MEMORY_BUDGET and no supervisor says in its load message that the budget is fixed;
+    with a supervisor's control file, that it follows the memory available."""
+    from pyzipmoe.runtime import runner, supervise
+
+    tool = llama_lib_dir / "llama-simple"
+    if not tool.is_file():
+        pytest.skip(f"{tool} was not built")
+    _, packed = small_models
+    env = runner.environment(base=worker_env(llama_lib_dir), memory_budget=str(40 << 20))
+    argv = [str(tool), "-m", str(packed), "-n", "2", "hello"]
+    bare = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert bare.returncode == 0, bare.stderr[-3000:]
+    assert "the budget is fixed for this run: it does not adapt to the memory available" in bare.stderr
+    ctl = supervise.ControlFile.create()
+    try:
+        led = subprocess.run(argv, env={**env, "ZIPMOE_CONTROL": str(ctl.path)}, capture_output=True, text=True,
+                             timeout=TIMEOUT)
+        assert led.returncode == 0, led.stderr[-3000:]
+        assert "the budget follows the memory available" in led.stderr, led.stderr[-3000:]
+        assert ctl.reporting and ctl.value(supervise.W_RESIDENT) > 0  # it told the supervisor what it held
+    finally:
+        ctl.close()
