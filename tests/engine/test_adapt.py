@@ -694,7 +694,8 @@ def test_lowered_cgroup_limit_while_generating(llama_lib_dir: Path, cgroup_paren
         in_use = usage - min(file_cache, usage)
         limit = in_use + MIN_MARGIN + need.minimum + CGROUP_TIERS - before["resident"] - before["pool_bytes"]
         assert limit * MARGIN_SHARE < MIN_MARGIN  # so the margin is MIN_MARGIN
-        assert limit > usage + (32 << 20), (limit, usage, file_cache)  # well above what is used: no reclaim, no OOM
+        # above what is used: no reclaim, no OOM (by the margin, less what the tiers give back: 13 MiB here)
+        assert limit > usage + (8 << 20), (limit, usage, file_cache)
         (cg / "memory.limit_in_bytes").write_text(str(limit))
         write_atomic(Path(job["lowered"]), str(limit))
 

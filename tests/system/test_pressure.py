@@ -166,6 +166,8 @@ for i in range(job["n_gen"]):
         phase = "neighbour"
     if phase == "neighbour":
         time.sleep(job.get("pace", 0))
+        if resident() < res["before"]["resident"] // 2 and not os.path.exists(job["shrunk"]):
+            put(job["shrunk"], {"resident": resident()})
         if os.path.exists(job["gone"]):
             phase = "after"
     elif phase == "after":
@@ -287,7 +289,8 @@ def _neighbour_run(llama_lib_dir: Path, cgroup_parent: Path, small_models: tuple
     with Cgroup(cgroup_parent, "neighbour") as cg:
         job = {"model": str(packed), "prompt": PROMPT, "n_ctx": N_CTX, "n_gen": n_gen, "budget": "auto",
                "baseline": str(tmp_path / "baseline.json"), "limited": str(tmp_path / "limited"),
-               "ready": str(tmp_path / "ready.json"), "gone": str(tmp_path / "gone"), "before": 8, "pace": 0.03,
+               "ready": str(tmp_path / "ready.json"), "gone": str(tmp_path / "gone"),
+               "shrunk": str(tmp_path / "shrunk.json"), "before": 8, "pace": 0.03,
                "regrow_s": 60}
         proc = worker(job, llama_lib_dir, cg)
         neighbour = None
@@ -303,13 +306,11 @@ def _neighbour_run(llama_lib_dir: Path, cgroup_parent: Path, small_models: tuple
                   "peak": str(tmp_path / "peak"), "release": str(tmp_path / "release"), "hold_s": 30}
             neighbour = start([sys.executable, "-c", NEIGHBOUR, json.dumps(nb)], dict(os.environ), cg)
             wait_file(Path(nb["peak"]), neighbour, "the neighbour")
-            # it holds its third until the worker's cache has shrunk (or 30 s), then leaves
+            # it holds its third until the worker's cache has shrunk to half (or 30 s), then leaves
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and proc.poll() is None:
+            while time.monotonic() < deadline and proc.poll() is None and not Path(job["shrunk"]).exists():
                 time.sleep(0.1)
-                if cg.in_use() < limit - target:  # (a cheap look; the assertions use the worker's own series)
-                    break
-            time.sleep(1.0)
+            time.sleep(0.5)
             write_atomic(Path(nb["release"]), "1")
             held = finish(neighbour, "the neighbour")
             neighbour = None
