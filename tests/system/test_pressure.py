@@ -425,8 +425,10 @@ def test_serve_gives_way_to_a_growing_neighbour_with_a_request_in_flight(llama_l
                                                                           small_models: tuple[Path, Path],
                                                                           tmp_path: Path) -> None:
     """`zipmoe serve --memory-budget auto`: the supervisor shrinks llama-server's cache while a neighbour grows to a
-    third of the container during a request, and grows it back after the neighbour left; llama-server is never
-    OOM-killed and both requests return the BF16 model's text."""
+    third of the container with requests in flight (back to back), and grows it back after the neighbour left;
+    llama-server is never OOM-killed and every request returns the BF16 model's text. (An idle server gives way
+    only at its next request, docs/cache-and-planner.md "Known limits": with one short request, done before the
+    neighbour grew, llama-server was OOM-killed in a full-suite run.)"""
     import threading
 
     from pyzipmoe.runtime.budget import model_memory
@@ -449,8 +451,14 @@ def test_serve_gives_way_to_a_growing_neighbour_with_a_request_in_flight(llama_l
             limit = cg.in_use() + (32 << 20) + (24 << 20)
             cg.set_limit(limit)
             target = limit // 3
-            got: dict[str, Any] = {}
-            first = threading.Thread(target=lambda: got.update(first=srv.complete(n)))
+            got: dict[str, Any] = {"during": []}
+            stop = threading.Event()
+
+            def requests() -> None:  # requests back to back: one is in flight whenever the neighbour moves
+                while not stop.is_set():
+                    got["during"].append(srv.complete(n))
+
+            first = threading.Thread(target=requests)
             first.start()
             nb = {"target": target, "step": max(1 << 20, target // 6), "every": 0.5,
                   "peak": str(tmp_path / "peak"), "release": str(tmp_path / "release"), "hold_s": 30}
@@ -459,11 +467,12 @@ def test_serve_gives_way_to_a_growing_neighbour_with_a_request_in_flight(llama_l
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and not srv.budgets():  # (the first re-plan is a shrink)
                 time.sleep(0.1)
-            first.join(TIMEOUT)
             write_atomic(Path(nb["release"]), "1")
             finish(neighbour, "the neighbour")
             neighbour = None
             time.sleep(1.5)  # (a reading or two: the room is back)
+            stop.set()
+            first.join(TIMEOUT)
             got["second"] = srv.complete(n)
             assert srv.proc.poll() is None, srv.log.read_text()[-3000:]
             budgets = srv.budgets()
@@ -475,7 +484,7 @@ def test_serve_gives_way_to_a_growing_neighbour_with_a_request_in_flight(llama_l
     where = f"limit {limit / 2**20:.1f} MiB, neighbour {target / 2**20:.1f} MiB; budgets (MiB, cache MiB) {budgets}"
     print(where)
     assert oom == 0, where
-    assert got["first"]["content"] == expected["content"], where
+    assert got["during"] and all(r["content"] == expected["content"] for r in got["during"]), where
     assert got["second"]["content"] == expected["content"], where
     assert budgets, f"the supervisor never re-planned: {where}"
     low = min(range(len(budgets)), key=lambda i: budgets[i][0])
