@@ -23,3 +23,10 @@ class UnsupportedError(ZipmoeError):
 
 class NativeLibraryError(ZipmoeError):
     """The native library could not be found or loaded."""
+
+
+class OutOfMemoryError(ZipmoeError):
+    """The memory available fell below the model's minimum while it ran: the run stops cleanly, with this one line
+    and exit status 3, instead of being killed by the kernel's OOM killer (pyzipmoe.runtime.controller)."""
+
+    exit_code = 3

@@ -36,7 +36,7 @@ def _resolve(args: argparse.Namespace, program: str) -> tuple[str, list[str], An
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from ..runtime import runner
+    from ..runtime import runner, supervise
 
     model, package_flags, package = _resolve(args, "llama-cli")
     params = package.parameters if package else {}
@@ -51,7 +51,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             argv += ["--temp", str(args.temp)]
         if args.seed is not None:
             argv += ["--seed", str(args.seed)]
-        return runner.run_foreground([*argv, *extra], runner.environment(cache))
+        return supervise.run_program([*argv, *extra], runner.environment(cache), **_supervision(args, model, package))
     if extra:
         raise ZipmoeError("llama.cpp arguments after -- go to the interactive llama-cli, not to a -p completion; "
                           "for a single chat turn with llama-cli use: zipmoe run MODEL -- -st -p PROMPT")
@@ -73,14 +73,23 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ..runtime import runner
+    from ..runtime import runner, supervise
 
     model, package_flags, package = _resolve(args, "llama-server")
     cache = args.cache or (package.cache_mode if package else None)
     os.environ.update(_cache_settings(args, model, package))
     argv = [str(runner.program("llama-server")), "-m", model, "--host", args.host, "--port", str(args.port),
             *package_flags, *_common_llama_flags(args)]
-    return runner.run_foreground([*argv, *_llama_args(args)], runner.environment(cache))
+    return supervise.run_program([*argv, *_llama_args(args)], runner.environment(cache),
+                                 **_supervision(args, model, package))
+
+
+def _supervision(args: argparse.Namespace, model: str, package: Any) -> dict[str, Any]:
+    """What the memory supervisor of llama-cli / llama-server needs (pyzipmoe.runtime.supervise.run_program)."""
+    budget = args.memory_budget if args.memory_budget is not None else (
+        package.parameters.get("memory_budget") if package is not None else None)
+    return {"model": model, "budget": budget, "policy": args.policy, "hot_share": args.hot_share,
+            "sm_share": args.sm_share}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

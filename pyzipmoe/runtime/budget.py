@@ -48,12 +48,13 @@ def parse_size(text: str) -> int:
     return int(out[0])
 
 
-def parse_budget(text: str | int, *, total: int | None = None, model_bytes: int | None = None) -> int:
+def parse_budget(text: str | int, *, total: int | None = None, model_bytes: int | None = None,
+                 held: int = 0) -> int:
     """Bytes from "6GiB", "512MiB", "1000000", "60%" (of `total`, default the machine's memory) or "auto".
 
     Sizes and percentages are read by the native library (zipmoe_parse_budget), as the runtime reads them.
-    "auto" is what this process could allocate now less a safety margin, at most `model_bytes` if given
-    (pyzipmoe.runtime.memory.auto_budget). "0" is a budget too: keep no expert, decode on every use.
+    "auto" is what this process could allocate now plus what the runtime already holds (`held`), less a safety
+    margin, at most `model_bytes` if given (pyzipmoe.runtime.memory.auto_budget). "0" is a budget too: keep no expert, decode on every use.
     """
     if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
@@ -63,7 +64,7 @@ def parse_budget(text: str | int, *, total: int | None = None, model_bytes: int 
     if text.strip().lower() == AUTO:
         from . import memory  # imported on use: psutil and /proc are read only for "auto"
 
-        return memory.auto_budget(memory.read_memory(), model_bytes)
+        return memory.auto_budget(memory.read_memory(), model_bytes, held)
     from .._native import ffi, lib
 
     if "%" in text and total is None:
@@ -132,8 +133,16 @@ class ModelMemory:
 
 
 def model_budget(budget: str | int, need: ModelMemory) -> int:
-    """Bytes of a model's budget as a user wrote it: "auto" takes what is free, at most the whole model."""
-    return parse_budget(budget, model_bytes=need.whole) if str(budget) == AUTO else parse_budget(budget)
+    """Bytes of a model's budget as a user wrote it: "auto" takes what is free plus what the runtime holds already
+    (the same formula as the memory monitor's readings: memory.auto_budget), at most the whole model."""
+    if str(budget) != AUTO:
+        return parse_budget(budget)
+    from .._native import ffi, lib
+
+    s = ffi.new("zipmoe_stats *")  # what the runtime holds already, as controller.resident_bytes counts it
+    lib.zipmoe_stats_get(s)
+    held = s.hot_bytes + s.warm_bytes + s.sm_bytes + s.decoding_bytes + s.pool_bytes + s.staging_transient_bytes
+    return parse_budget(budget, model_bytes=need.whole, held=int(held))
 
 
 def model_memory(model: ZipmoeFile | str | os.PathLike[str], *, mapped: bool = True) -> ModelMemory:

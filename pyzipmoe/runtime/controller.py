@@ -25,13 +25,14 @@ from ..plan import inputs
 from ..plan import solver as planner
 from .budget import AUTO, ModelMemory, check_budget, model_budget, model_memory
 from .config import DEFAULT_POLICY, POLICY_ENV, RuntimeConfig
-from ..errors import ZipmoeError
+from ..errors import OutOfMemoryError, ZipmoeError
 
 if TYPE_CHECKING:
     from ..file.reader import ZipmoeFile
 
 PENDING_STEPS = 20  # readings a shrink for the mapped weights waits for the tiers to come down to it, at most
 ROUTING_MIN_TOKENS = 64  # tokens a layer routes between two re-plans from the routing seen
+FLOOR_READINGS = 2  # readings in a row below the model's minimum before "auto" stops the run (the floor)
 ROUTING_LOG_TOKENS = 512  # generated tokens whose routing the runtime remembers per store (store.c: ROUTE_LOG)
 
 
@@ -289,14 +290,15 @@ def _runtime_bytes(lib: Any = None) -> tuple[int, int, int]:
 class MemoryMonitor:
     """Re-plans a running model's tiers when the memory available to the process changes.
 
-    Every `interval` seconds it reads the memory (pyzipmoe.runtime.memory.read_memory: psutil and the cgroup limit) and
-    computes the budget the model could have now: what it holds (its weights that are not experts and the tiers'
-    resident bytes, which include the experts in flight) plus what could still be allocated, less
-    the safety margin of `--memory-budget auto` (so less than it holds when others ate into the margin), never
-    less than the model's minimum nor more than `ceiling` (the user's budget, if one was given). A budget the user
-    fixed (`fixed`) keeps at most the room beside it that the process had once the model ran (`spare`): in a
-    container sized to the budget, the margin would otherwise take up to 512 MiB from the tiers for good, though
-    nothing else wanted the memory; the tiers shrink when that room shrinks, and, whatever the hysteresis, when the
+    Every `interval` seconds, and at once when the kernel signals memory running short (pressure.MemoryEvents), it
+    reads the memory (pyzipmoe.runtime.memory.read_memory: psutil and the cgroup limit) and computes the budget the
+    model could have now. For "auto" that is memory.auto_budget with what the runtime holds now, the formula of
+    the load: what could still be allocated, file cache included, plus the runtime's resident bytes, less the
+    margin (so less than it holds when others ate into the margin), never less than the model's minimum nor more
+    than `ceiling` (the whole model); when even the minimum no longer fits, `floor` says so (_check_floor). A
+    budget the user fixed (`fixed`) keeps at most the room beside it that the process had once the model ran
+    (`spare`): in a container sized to the budget, the margin would otherwise take it from the tiers for good,
+    though nothing else wanted the memory; the tiers shrink when that room shrinks, and, whatever the hysteresis, when the
     page cache lacks some of the model's mapped weights (`weights_short`: the process no longer fits, as after a
     long prompt's batch), by twice the lack, once until the stores are down to it. As with "auto"
     at load, the budget's reserve for one expert tensor in flight comes out of that memory, not out of the margin: it is
@@ -311,7 +313,8 @@ class MemoryMonitor:
                  threshold: float = 0.05, read: Callable[[], Any] | None = None,
                  on_change: Callable[[planner.Plan | None], None] | None = None, lib: Any = None,
                  split: tuple[float | None, float | None, float] | None = None, policy: str | None = None,
-                 fixed: bool = False, sizes: list[tuple[int, int, int]] | None = None, warm_fast: bool = False) -> None:
+                 fixed: bool = False, sizes: list[tuple[int, int, int]] | None = None, warm_fast: bool = False,
+                 on_floor: Callable[[str], None] | None = None, events: bool = True) -> None:
         from . import memory
 
         self.planned = planned
@@ -351,6 +354,20 @@ class MemoryMonitor:
         self.policy = policy or os.environ.get(POLICY_ENV) or DEFAULT_POLICY
         # (budget, plan) of every re-plan, for reports and tests; plan None: split by the runtime's shares
         self.replans: list[tuple[int, planner.Plan | None]] = []
+        # auto: the last reading, what the model could hold then (memory.model_room) and what the runtime held;
+        # the floor's message once even the minimum no longer fits (_check_floor), and whom to tell
+        self.last_reading: Any = None
+        self.room: int | None = None
+        self.resident = 0
+        self.floor: str | None = None
+        self._below = 0
+        self._on_floor = on_floor
+        # wake on the kernel's memory signals (pressure.MemoryEvents) as well as every `interval` seconds; which
+        # signals it got (empty: polling only), and how many readings they started
+        self.events = events
+        self.signals: tuple[str, ...] = ()
+        self.wakeups = 0
+        self._events: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._routed_at_plan = 0.0  # tokens every layer had routed when the routing last shaped the plan
@@ -360,9 +377,18 @@ class MemoryMonitor:
         from . import memory
 
         reading = self._read()
+        self.last_reading = reading
         kept, transient, self._calls = _runtime_bytes(self._lib)
         self._kept = self.planned.need.other_bytes + kept
         held = self._kept + transient
+        if not self.fixed:
+            # auto: the formula of the load (memory.auto_budget), with what the runtime holds now; the weights
+            # that are not experts are in the file cache it counts as room
+            room = memory.model_room(reading, kept + transient)
+            self.room = room
+            self.resident = kept + transient
+            target = memory.auto_budget(reading, self.ceiling, kept + transient)
+            return target
         room = held + reading.headroom  # what the model could hold now
         keep = memory.safety_margin(reading)  # what stays free
         if self.fixed:
@@ -432,7 +458,9 @@ class MemoryMonitor:
 
     def step(self) -> bool:
         """One reading and, past the hysteresis, a re-plan. Whether it re-planned."""
-        target = max(self.target_budget(), self.planned.need.minimum)
+        target = self.target_budget()
+        self._check_floor()
+        target = max(target, self.planned.need.minimum)
         shrink = target < self.budget * (1 - self.threshold)
         grow = target > self.budget * (1 + 2 * self.threshold)
         weights_rule = self.weights_short > 0
@@ -474,13 +502,66 @@ class MemoryMonitor:
             self._on_change(plan)
         return True
 
+    def _check_floor(self) -> None:
+        """The floor, for "auto": when even the model's minimum no longer fits in what it could hold now (its
+        room, margin not deducted) at FLOOR_READINGS readings in a row, the run cannot go on without the kernel
+        killing it; `floor` says so in one line and `on_floor` is called (pyzipmoe.Llama then refuses its next
+        decode with OutOfMemoryError, the supervisor of a llama.cpp program stops it)."""
+        if self.fixed or self.floor is not None or self.room is None:
+            return
+        minimum = self.planned.need.minimum
+        self._below = self._below + 1 if self.room < minimum else 0
+        if self._below >= FLOOR_READINGS:
+            mib = 1 << 20
+            self.floor = (f"out of memory: the model needs at least {minimum / mib:.0f} MiB and only "
+                          f"{self.room / mib:.0f} MiB is left for it (others took the rest); stopped before the "
+                          "kernel's OOM killer would")
+            if self._on_floor:
+                self._on_floor(self.floor)
+
+    def check_floor(self) -> None:
+        """Raises OutOfMemoryError once the floor was reached (pyzipmoe.Llama calls it before each decode)."""
+        if self.floor is not None:
+            raise OutOfMemoryError(self.floor)
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.step() or self.refresh_routing()
-            except Exception as e:  # noqa: BLE001 - a monitor must not take the model down; say why it stopped
-                print(f"zipmoe: memory monitor stopped: {e}", file=sys.stderr)
-                return
+        from .pressure import MemoryEvents
+
+        events = MemoryEvents.open(self._events_margin()) if self.events else None
+        self._events = events
+        self.signals = events.kinds if events is not None else ()
+        try:
+            while True:
+                if events is not None:
+                    woke = events.wait(self.interval)  # a kernel's signal, or the interval's end
+                    if self._stop.is_set():
+                        return
+                elif self._stop.wait(self.interval):
+                    return
+                else:
+                    woke = False
+                try:
+                    replanned = self.step()
+                    if events is not None:
+                        events.rearm(self._events_margin())
+                    if woke:
+                        self.wakeups += 1
+                    replanned or woke or self.refresh_routing()
+                except Exception as e:  # noqa: BLE001 - a monitor must not take the model down; say why it stopped
+                    print(f"zipmoe: memory monitor stopped: {e}", file=sys.stderr)
+                    return
+                if self.floor is not None:
+                    return
+        finally:
+            if events is not None:
+                events.close()
+
+    def _events_margin(self) -> int:
+        """Where the kernel should wake the monitor: usage within the margin of the cgroup's limit."""
+        from . import memory
+
+        reading = self.last_reading
+        return memory.safety_margin(reading) if reading is not None else memory.MIN_MARGIN
 
     def start(self) -> MemoryMonitor:
         self._thread = threading.Thread(target=self._run, name="zipmoe-memory-monitor", daemon=True)
@@ -489,21 +570,26 @@ class MemoryMonitor:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._events is not None:
+            self._events.interrupt()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
 
 
 def monitor_for(model: ZipmoeFile | str | os.PathLike[str], budget: str | int, *,
-                trace: str | os.PathLike[str] | None = None, mapped: bool = True, **kwargs: Any) -> MemoryMonitor:
+                trace: str | os.PathLike[str] | None = None, mapped: bool = True, loaded: int | None = None,
+                **kwargs: Any) -> MemoryMonitor:
     """A monitor for a model loaded with `runtime_environment(model_path, budget=budget, ...)`: "auto" may grow
-    up to the model's size, a fixed budget is also the ceiling. mapped: as model_memory."""
+    up to the model's size, a fixed budget is also the ceiling. mapped: as model_memory. loaded: the bytes the
+    model was loaded with (runtime_environment's ZIPMOE_MEMORY_BUDGET); without it "auto" is read again, by the
+    same formula (what the runtime holds now counts as the model's)."""
     from ..file.reader import as_zipmoe
 
     model = as_zipmoe(model)  # parsed once for everything below
     need = model_memory(model, mapped=mapped)
     full = need.whole
-    nbytes = model_budget(budget, need)
+    nbytes = loaded if loaded is not None else model_budget(budget, need)
     planned = plan_model(model, nbytes, trace=trace, need=need)
     auto = str(budget) == AUTO
     if kwargs.get("split") is not None:

@@ -33,7 +33,7 @@ from typing import Any
 
 from ..errors import NativeLibraryError, UnsupportedError, ZipmoeError
 from ..paths import ZIPMOE_LIB_NAME, bin_dir, llama_lib_dir
-from .config import CACHE_MODES, PLAN_ENV, RuntimeConfig, split_shares, use_zipmoe_llama
+from .config import BUDGET_ENV, CACHE_MODES, PLAN_ENV, RuntimeConfig, split_shares, use_zipmoe_llama
 
 
 class ZipmoeLoadError(ZipmoeError, ValueError):
@@ -333,20 +333,23 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
             if "does not exist" in str(e):
                 raise
             raise self._load_error(model_path, e, _error_log.since(mark)) from e
-        after_decode = self._wrap_decode(model_path)
+        before_decode, after_decode = self._wrap_decode(model_path)
         if adapt is None:
             adapt = memory_budget is not None
         if adapt and self.is_zipmoe and memory_budget is not None and plan is None:
             use_planner = planner and hot_share is None and sm_share is None
             # no shares given: the runtime's default hot share, for whatever budget the monitor sets (apply_shares)
             split = None if use_planner else split_shares(hot_share, sm_share)
+            loaded = int(cache_env[BUDGET_ENV]) if BUDGET_ENV in cache_env else None
             self.zipmoe_monitor = monitor_for(model, memory_budget, trace=trace, split=split,
-                                              policy=cache_policy, mapped=mapped)
+                                              policy=cache_policy, mapped=mapped, loaded=loaded)
             if PLAN_ENV in cache_env:  # the planner's first plan, from the trace
                 self.zipmoe_monitor.give_generation_room()
             self.zipmoe_monitor.start()
             self._stack.callback(self.zipmoe_monitor.stop)
             after_decode.append(self.zipmoe_monitor.note_decode)
+            # the floor: once even the minimum no longer fits, the next decode stops the run with one line
+            before_decode.append(self.zipmoe_monitor.check_floor)
 
     def _load_error(self, path: str, e: Exception, logged: str) -> ZipmoeLoadError:
         what = f"{path}: llama.cpp could not load the model"
@@ -359,18 +362,22 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
             what += "; check the file with `zipmoe verify`"
         return ZipmoeLoadError(what)
 
-    def _wrap_decode(self, path: str) -> list[Callable[[], None]]:
+    def _wrap_decode(self, path: str) -> tuple[list[Callable[[], None]], list[Callable[[], None]]]:
         """Turn llama-cpp-python's bare "llama_decode returned N" into a message that says what failed.
 
         Wraps the context's decode (used by eval, generation and embeddings) on this instance only; the
-        closure holds no reference to self, so no reference cycle keeps the model alive. Returns the list of
-        what to call after each decode that succeeded (the memory monitor's note_decode), empty until filled.
+        closure holds no reference to self, so no reference cycle keeps the model alive. Returns the lists of
+        what to call before each decode (the memory monitor's check_floor, which may raise) and after each decode
+        that succeeded (its note_decode), empty until filled.
         """
         ctx = self._ctx
         decode = ctx.decode
+        before: list[Callable[[], None]] = []
         after: list[Callable[[], None]] = []
 
         def checked_decode(batch: Any) -> None:
+            for call in before:
+                call()
             mark = _error_log.mark()
             try:
                 decode(batch)
@@ -383,7 +390,7 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
                 call()
 
         ctx.decode = checked_decode
-        return after
+        return before, after
 
     def zipmoe_stats(self, reset: bool = False) -> dict[str, float]:
         """The runtime's counters (process-wide); see pyzipmoe.runtime.llama.zipmoe_stats."""

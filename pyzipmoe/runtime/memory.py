@@ -21,8 +21,13 @@ UNLIMITED_FROM = 1 << 60
 """Limits at or above this are "no limit": cgroup v1 writes an unlimited memory.limit_in_bytes as its largest page
 count in bytes (9223372036854771712 with 4 KiB pages), not as a word."""
 
-MIN_MARGIN = 512 << 20
-MARGIN_SHARE = 0.10
+MIN_MARGIN = 32 << 20
+MARGIN_SHARE = 0.03
+"""`auto`'s margin: MARGIN_SHARE of the memory limit (the machine's or the container's), at least MIN_MARGIN. It is
+room for what the budget does not count and that grows after a reading: llama.cpp's KV cache and compute buffers,
+the reader's buffers, allocator slack, and a neighbour's growth until the next reading (or the kernel's signal,
+pressure.py) makes the tiers give way. (It was max(10%, 512 MiB): a 600 MB container lost 512 MiB before anything
+started.)"""
 
 
 @dataclass(frozen=True)
@@ -226,31 +231,39 @@ def read_memory(*, cgroup_root: Path = CGROUP_ROOT, proc_self: Path = PROC_SELF)
 
 
 def safety_margin(reading: MemoryReading) -> int:
-    """What `auto_budget` leaves free: 10% of the memory limit, at least 512 MiB."""
+    """What `auto_budget` leaves free: MARGIN_SHARE (3%) of the memory limit, at least MIN_MARGIN (32 MiB)."""
     return max(int(reading.limit * MARGIN_SHARE), MIN_MARGIN)
 
 
-def auto_budget(reading: MemoryReading, model_bytes: int | None = None) -> int:
-    """The budget of `--memory-budget auto`: what could be allocated now, less a safety margin; never negative.
+def model_room(reading: MemoryReading, held: int = 0) -> int:
+    """What this model could hold now: what could be allocated if the kernel dropped the file cache
+    (`headroom_with_file_cache`) plus what the runtime already holds (`held`: pyzipmoe.runtime.controller's
+    resident_bytes, its tiers, experts in flight, kept pages and read buffers, all anonymous or memfd memory,
+    charged as used). The model's weights that are not experts are mapped file pages: counted in the file cache,
+    so not added again."""
+    return max(0, held) + reading.headroom_with_file_cache
 
-    What could be allocated now is `reading.headroom`: psutil's available memory (free memory plus page cache the
-    kernel can drop), or, inside a memory-limited cgroup, limit - (usage - inactive file cache) if that is less.
-    The cgroup's usage counts page cache too; its inactive part is dropped before the cgroup OOM-kills, so it is
-    room (the "working set" docker and kubelet report is usage - inactive_file).
 
-    This process's own RSS is not added back: it is Python, the non-expert weights and whatever else is loaded,
-    none of which the budget replaces.
+def auto_budget(reading: MemoryReading, model_bytes: int | None = None, held: int = 0) -> int:
+    """The budget of `--memory-budget auto`, what this model may use: never negative,
 
-    The margin, max(10% of the limit, 512 MiB), is for what the budget does not count and that grows after this
-    reading: llama.cpp's compute buffers and KV cache, the page cache that cold expert reads pass through,
-    other processes, allocator slack. Running out of it means swapping or an OOM kill, while a smaller budget
-    only means more decoding, so it errs on the side of room. A caller that knows of other memory it will need
-    (say the KV cache of a long context) subtracts it itself.
+        auto = min(model_bytes, available + held - margin)
+        available = min(psutil's available, cgroup limit - (cgroup usage - its file cache))   (tightest ancestor)
+        margin = max(3% of the limit, 32 MiB)          limit: the machine's RAM, or the cgroup's limit if smaller
 
-    model_bytes: the BF16 size of all the model's experts; the budget never exceeds it (a budget that holds every
-    expert decoded has nothing more to gain).
+    computed the same way at load (held: what the runtime holds already, 0 for a process's first model) and at
+    every reading of the memory monitor (held: the runtime's resident bytes then), so that a reading after the
+    load does not count the model's own cache as memory others took. The cgroup's usage counts page cache; its
+    file cache, active and inactive, is dropped before the cgroup OOM-kills (the model's mapped weights among it,
+    which the budget holds), so it is room; it does not move when the kernel moves pages between its lists.
+    Memory of the process that is not the runtime's (Python, llama.cpp's buffers) stays counted as used.
+
+    The margin (safety_margin) is for what the budget does not count and that grows after this reading. A caller
+    that knows of other memory it will need (say the KV cache of a long context) subtracts it itself.
+
+    model_bytes: the model's whole budget (every expert decoded); the budget never exceeds it.
     """
-    budget = max(0, reading.headroom - safety_margin(reading))
+    budget = max(0, model_room(reading, held) - safety_margin(reading))
     if model_bytes is not None:
         budget = min(budget, max(0, model_bytes))
     return budget

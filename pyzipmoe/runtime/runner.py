@@ -61,17 +61,21 @@ def check_model(path: str | os.PathLike[str]) -> Path:
     return p
 
 
-def run_foreground(argv: Sequence[str], env: Mapping[str, str]) -> int:
+def run_foreground(argv: Sequence[str], env: Mapping[str, str],
+                   on_start: Callable[[subprocess.Popen[Any]], None] | None = None) -> int:
     """Runs a program attached to this terminal and returns its exit status (128 + N if killed by signal N).
 
     Ctrl+C reaches the program through the terminal (it is in our process group), so the program decides
     what it means (llama-cli: stop generating, then exit); here it is only waited for. SIGTERM and SIGHUP
-    sent to zipmoe are passed on.
+    sent to zipmoe are passed on. on_start: called with the program once it runs (the memory supervisor,
+    pyzipmoe.runtime.supervise).
     """
     try:
         proc = subprocess.Popen(list(argv), env=dict(env))
     except OSError as e:
         raise ZipmoeError(f"cannot start {argv[0]}: {e.strerror or e}") from None
+    if on_start is not None:
+        on_start(proc)
     forwarded = (signal.SIGTERM, signal.SIGHUP)
     previous = {s: signal.signal(s, lambda signum, _frame: proc.send_signal(signum)) for s in forwarded}
     previous_int = signal.signal(signal.SIGINT, lambda signum, _frame: None)

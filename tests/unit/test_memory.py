@@ -12,7 +12,7 @@ from pyzipmoe.runtime.config import RuntimeConfig
 from pyzipmoe.errors import ZipmoeError
 from pyzipmoe.runtime.memory import MIN_MARGIN, MemoryReading, auto_budget, cgroup_memory, read_memory, safety_margin
 
-GiB, MiB = 1 << 30, 1 << 20
+GiB, MiB, MB = 1 << 30, 1 << 20, 1000 * 1000
 V1_UNLIMITED = 9223372036854771712  # what cgroup v1 writes for "no limit" with 4 KiB pages
 
 
@@ -197,37 +197,116 @@ def reading(**kw) -> MemoryReading:
 
 def test_auto_budget_without_cgroup_is_available_less_margin():
     r = reading()
-    assert safety_margin(r) == int(1.6 * GiB)  # 10% of 16 GiB
-    assert auto_budget(r) == 10 * GiB - int(1.6 * GiB)
+    assert safety_margin(r) == int(0.03 * 16 * GiB)  # 3% of 16 GiB
+    assert auto_budget(r) == 10 * GiB - int(0.03 * 16 * GiB)
 
 
-def test_margin_is_at_least_512_mib():
-    r = reading(total=2 * GiB, available=GiB)
-    assert safety_margin(r) == MIN_MARGIN
-    assert auto_budget(r) == GiB - MIN_MARGIN
+def test_margin_is_a_few_percent_with_a_small_floor():
+    r = reading(total=GiB, available=GiB // 2)
+    assert safety_margin(r) == MIN_MARGIN == 32 * MiB  # 3% of 1 GiB is less
+    assert auto_budget(r) == GiB // 2 - MIN_MARGIN
+    assert safety_margin(reading(total=64 * GiB)) == int(0.03 * 64 * GiB)
 
 
 def test_cgroup_with_less_room_than_machine_binds():
     r = reading(cgroup_limit=4 * GiB, cgroup_usage=3 * GiB, cgroup_reclaimable=GiB)
-    # room in the cgroup: 4 - (3 - 1) = 2 GiB; margin 10% of the 4 GiB limit, at least 512 MiB
-    assert auto_budget(r) == 2 * GiB - MIN_MARGIN
+    # room in the cgroup: 4 - (3 - 1) = 2 GiB (no active file cache read: the inactive is all of it); margin 3% of
+    # the 4 GiB limit, at least 32 MiB: 122.88 MiB
+    assert auto_budget(r) == 2 * GiB - int(0.03 * 4 * GiB)
 
 
 def test_machine_with_less_room_than_cgroup_binds():
     r = reading(available=3 * GiB, cgroup_limit=12 * GiB, cgroup_usage=0)
-    assert auto_budget(r) == 3 * GiB - int(1.2 * GiB)  # margin: 10% of the 12 GiB limit, not of the 16 GiB RAM
+    assert auto_budget(r) == 3 * GiB - int(0.03 * 12 * GiB)  # margin: of the 12 GiB limit, not of the 16 GiB RAM
 
 
 def test_auto_budget_never_negative_and_capped_by_model():
-    assert auto_budget(reading(available=100 * MiB)) == 0
+    assert auto_budget(reading(available=50 * MiB)) == 0
     assert auto_budget(reading(cgroup_limit=GiB, cgroup_usage=2 * GiB)) == 0  # over its limit already
     assert auto_budget(reading(), model_bytes=3 * GiB) == 3 * GiB
     assert auto_budget(reading(), model_bytes=100 * GiB) == auto_budget(reading())
 
 
+def test_auto_budget_counts_what_the_runtime_holds_as_the_model_s():
+    """A reading after the load: the tiers the runtime filled are charged as used, and come back as `held`. The
+    same memory gives the same budget before and after the load (it once shrank to what was left besides the
+    model's own cache, and the monitor refused to start: 'memory budget 56 MiB is too small')."""
+    before = reading(cgroup_limit=600 * MB, cgroup_usage=90 * MB, cgroup_reclaimable=0, cgroup_file_cache=0)
+    # the load: 60 MB of weights that are not experts mapped (file cache), 400 MB of tiers decoded (memfd: used)
+    after = reading(cgroup_limit=600 * MB, cgroup_usage=550 * MB, cgroup_reclaimable=20 * MB,
+                    cgroup_file_cache=60 * MB)
+    assert auto_budget(after, held=400 * MB) == auto_budget(before) == 510 * MB - MIN_MARGIN
+    assert auto_budget(after) == 110 * MB - MIN_MARGIN  # without held: the old mistake
+
+
+# Recorded in a 600,000,000-byte cgroup v1 container (this machine, 2026-12-03), memory.stat trimmed to the lines
+# that matter: pyzipmoe.Llama(memory_budget="auto") on a 702 MB BF16 synthetic model (502 MB zipmoe, whole budget
+# 719379456), just before the load and after it with its first tokens, when the runtime held 424673280 bytes (its
+# tiers, memfd slots: shmem). auto chose 532680704 at load and reads 497090560 after it: the same memory less
+# what llama.cpp's own buffers took (KV cache, compute buffers). Without `held` it would read 72417280.
+V1_600MB_AT_LOAD = {
+    "memory/memory.limit_in_bytes": f"{V1_UNLIMITED}\n",
+    "memory/zipmoe/memory.limit_in_bytes": "599998464\n",
+    "memory/zipmoe/memory.usage_in_bytes": "33775616\n",
+    "memory/zipmoe/memory.stat": ("cache 12288\nrss 33202176\nshmem 0\nmapped_file 0\ninactive_file 4096\n"
+                                  "active_file 8192\ntotal_cache 12288\ntotal_rss 33202176\ntotal_shmem 0\n"
+                                  "total_inactive_file 4096\ntotal_active_file 8192\n"),
+}
+V1_600MB_AFTER_LOAD = {
+    "memory/memory.limit_in_bytes": f"{V1_UNLIMITED}\n",
+    "memory/zipmoe/memory.limit_in_bytes": "599998464\n",
+    "memory/zipmoe/memory.usage_in_bytes": "494080000\n",
+    "memory/zipmoe/memory.stat": ("cache 424726528\nrss 66568192\nshmem 424673280\nmapped_file 424689664\n"
+                                  "inactive_file 4096\nactive_file 49152\ntotal_cache 424726528\n"
+                                  "total_rss 66568192\ntotal_shmem 424673280\ntotal_inactive_file 4096\n"
+                                  "total_active_file 49152\n"),
+}
+# Not recorded (this machine has cgroup v1): a reading in v2's layout, a systemd service with MemoryMax=2400M.
+V2_2400MB = {  # a systemd service with MemoryMax=2400M, the model loaded, 1.5 GiB of tiers
+    "cgroup.controllers": "cpu io memory pids\n",
+    "system.slice/memory.max": "max\n",
+    "system.slice/zipmoe.service/memory.max": "2400000000\n",
+    "system.slice/zipmoe.service/memory.current": "2170011648\n",
+    "system.slice/zipmoe.service/memory.stat": ("anon 81920000\nfile 2088091648\nshmem 1610612736\n"
+                                                "file_mapped 313458688\ninactive_anon 0\nactive_anon 81920000\n"
+                                                "inactive_file 230686720\nactive_file 246792192\n"),
+}
+
+
+def recorded(fake, files: dict[str, str], cgroup_line: str) -> MemoryReading:
+    cg, proc = fake
+    write_tree(proc, {"cgroup": cgroup_line})
+    write_tree(cg, files)
+    c = cgroup_memory(cgroup_root=cg, proc_self=proc)
+    return MemoryReading(total=16 * GiB, available=12 * GiB, rss=0, cgroup_limit=c.limit, cgroup_usage=c.usage,
+                         cgroup_reclaimable=c.reclaimable, cgroup_file_cache=c.file_cache)
+
+
+def test_recorded_v1_container_of_600_mb_at_load_and_after(tmp_path):
+    whole = 719379456  # the model's whole budget: more than the container
+    at_load = recorded((tmp_path / "a" / "cg", tmp_path / "a" / "proc"), V1_600MB_AT_LOAD, "4:memory:/zipmoe\n")
+    after = recorded((tmp_path / "b" / "cg", tmp_path / "b" / "proc"), V1_600MB_AFTER_LOAD, "4:memory:/zipmoe\n")
+    assert safety_margin(at_load) == MIN_MARGIN  # 3% of 600 MB is 18 MB: the floor (32 MiB) binds
+    assert auto_budget(at_load, whole) == 599998464 - (33775616 - 12288) - MIN_MARGIN == 532680704
+    held = 424673280
+    assert auto_budget(after, whole, held) == 497090560
+    assert auto_budget(after, whole) == 72417280  # the old mistake: the model's cache counted as others' memory
+
+
+def test_v2_service_of_2400_mb(tmp_path):
+    r = recorded((tmp_path / "cg", tmp_path / "proc"), V2_2400MB, "0::/system.slice/zipmoe.service\n")
+    assert (r.cgroup_limit, r.cgroup_file_cache) == (2400000000, 230686720 + 246792192)
+    held = 1610612736
+    margin = int(0.03 * 2400000000)  # 72 MB: above the floor
+    assert safety_margin(r) == margin
+    expect = 2400000000 - (2170011648 - 230686720 - 246792192) + held - margin
+    assert auto_budget(r, None, held) == expect
+    assert auto_budget(r, 1000 * MiB, held) == 1000 * MiB
+
+
 def test_parse_budget_auto(monkeypatch):
     monkeypatch.setattr(memory, "read_memory", lambda **kw: reading())
-    expect = 10 * GiB - int(1.6 * GiB)
+    expect = 10 * GiB - int(0.03 * 16 * GiB)
     assert parse_budget("auto") == expect
     assert parse_budget(" AUTO ") == expect
     assert parse_budget("auto", model_bytes=GiB) == GiB

@@ -2,6 +2,7 @@
 // environment, checked against the model's minimum and split between the cache tiers (or a planner's slots), and
 // the cache's other settings. Called by zipmoe_llama_configure once the model's compressed tensors are opened.
 #include "zipmoe-config.h"
+#include "zipmoe-control.h"
 
 #include <unistd.h>
 
@@ -120,7 +121,7 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
                embd_note + ", " + mib(in_flight) + " for one expert tensor in flight beyond its decoded experts, " +
                (split.reads ? mib(split.reads) + " for a prompt's reads, " : std::string()) +
                "cache tiers " + mib(hot) + " decoded, " + mib(warm) + " compressed, " + mib(sm) +
-               " sign+mantissa (experts " + mib(experts) + " in BF16)";
+               " sign+mantissa (experts " + mib(experts) + " in BF16)" + zipmoe_control_load_note();
     } else {
         info = "zipmoe: no memory budget: decoded experts are kept (set ZIPMOE_MEMORY_BUDGET or --memory-budget)";
     }

@@ -2,6 +2,7 @@
 // graph builder which weights are compressed, and the custom op that materialises routed experts.
 #include "zipmoe-llama.h"
 #include "zipmoe-config.h"
+#include "zipmoe-control.h"
 
 #include "ggml-backend.h"
 #include "llama-impl.h"
@@ -764,6 +765,7 @@ std::unique_lock<std::mutex> zipmoe_llama_compute_turn(const ggml_cgraph * gf) {
         return {};
     }
     std::unique_lock<std::mutex> lock(turn);
+    zipmoe_control_poll(); // a supervisor's new budget, before the graph's budget is chosen (zipmoe-control.cpp)
     zipmoe_cache_begin_graph(routed);
     return lock;
 }
