@@ -9,6 +9,7 @@ no __init__.py) on sys.path.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import sys
 from importlib.util import find_spec
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import pytest
@@ -127,3 +129,30 @@ def memory_cgroup_parent() -> Path:
     if not (parent / "memory.limit_in_bytes").is_file() or not os.access(parent, os.W_OK):
         pytest.skip(f"cannot make memory cgroups in {parent}")
     return parent
+
+
+def finish_worker(proc: subprocess.Popen[str], what: str, timeout: float) -> dict[str, Any]:
+    """The JSON a worker printed as its last line, once it exited 0 within `timeout` seconds; else an
+    AssertionError with the end of its stderr (its process group killed on a timeout)."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, err = proc.communicate()
+        raise AssertionError(f"{what} took more than {timeout} s:\n{err[-3000:]}") from None
+    assert proc.returncode == 0, f"{what} failed (exit status {proc.returncode}; -9: killed):\n{err[-3000:]}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 60) -> tuple[int, Any]:
+    """POST `body` as JSON (GET without one) on loopback; (HTTP status, the decoded answer or None)."""
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, None

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import assert_bit_identical, kill_group, worker_env, write_atomic
+from helpers import assert_bit_identical, finish_worker, kill_group, worker_env, write_atomic
 
 
 PROMPT = ("the expert model said hello to the world of water and time, and then the people of the world "
@@ -225,14 +225,7 @@ def run_worker(job: dict[str, Any], lib_dir: Path) -> tuple[list[dict[str, Any]]
 
 def finish(proc: subprocess.Popen[str], job: dict[str, Any],
            timeout: float = TIMEOUT) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"the worker took more than {timeout} s:\n{stderr[-3000:]}") from None
-    assert proc.returncode == 0, f"the worker failed (exit status {proc.returncode}):\n{stderr[-3000:]}"
-    reports = json.loads(stdout.strip().splitlines()[-1])["runs"]
+    reports = finish_worker(proc, "the worker", timeout)["runs"]
     with np.load(job["out"]) as z:
         arrays = {k: z[k] for k in z.files}
     return reports, arrays

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import assert_bit_identical, llama_bin_dir, stderr_tail, unavailable, worker_env
+from helpers import assert_bit_identical, http_json, llama_bin_dir, stderr_tail, unavailable, worker_env
 
 import pyzipmoe
 from pyzipmoe.file.reader import open_zipmoe
@@ -829,14 +829,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _http(url: str, body: dict[str, Any] | None = None, timeout: float = TIMEOUT) -> tuple[int, Any]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read() or b"null")
-    except urllib.error.HTTPError as e:
-        return e.code, None
 
 
 @pytest.fixture
@@ -859,7 +851,7 @@ def server(ours: Path, tmp_path: Path) -> Iterator[Callable[[Path], str]]:
                 raise AssertionError(f"llama-server exited with {proc.returncode}: "
                                      f"{stderr_tail(log.read_text(errors='replace'))}")
             try:
-                if _http(url + "/health", timeout=2)[0] == 200:
+                if http_json(url + "/health", timeout=2)[0] == 200:
                     return url
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
@@ -887,8 +879,8 @@ def test_llama_server_same_greedy_output(server: Callable[[Path], str], arch: st
     results = {}
     for v, m in _models(arch, tiny_models, zipmoe_models).items():
         url = server(m)
-        status, body = _http(url + "/completion", {"prompt": PROMPT, "n_predict": 16, "temperature": 0, "seed": 0,
-                                                   "n_probs": 4, "cache_prompt": False})
+        status, body = http_json(url + "/completion", {"prompt": PROMPT, "n_predict": 16, "temperature": 0, "seed": 0,
+                                                       "n_probs": 4, "cache_prompt": False}, TIMEOUT)
         assert status == 200, (v, status, body)
         results[v] = (body["content"], body.get("tokens"), body["completion_probabilities"])
     assert results["bf16"][0], results["bf16"]
@@ -972,9 +964,9 @@ def test_stored_model_runs_and_serves_chat_like_its_bf16_source(server: Callable
     replies = {}
     for model in ("tinymoe", tiny_models["qwen3moe"]):
         url = server(model)
-        status, body = _http(url + "/v1/chat/completions",
-                             {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 12, "temperature": 0,
-                              "seed": 0})
+        status, body = http_json(url + "/v1/chat/completions",
+                                 {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 12, "temperature": 0,
+                                  "seed": 0}, TIMEOUT)
         assert status == 200, (model, status, body)
         replies[str(model)] = body["choices"][0]["message"]["content"]
     assert replies["tinymoe"] == replies[str(tiny_models["qwen3moe"])], replies

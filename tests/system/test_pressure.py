@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import kill_group, worker_env, write_atomic
+from helpers import finish_worker, http_json, kill_group, worker_env, write_atomic
 
 TIMEOUT = 90  # seconds for a worker; a run that takes longer has lost already
 PROMPT = "the expert model said hello to the world of water and time, and then the people"
@@ -83,15 +83,6 @@ def start(argv: list[str], env: dict[str, str], cg: Cgroup | None = None) -> sub
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def finish(proc: subprocess.Popen[str], what: str, timeout: float = TIMEOUT) -> dict[str, Any]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        out, err = proc.communicate()
-        raise AssertionError(f"{what} took more than {timeout} s:\n{err[-3000:]}") from None
-    assert proc.returncode == 0, f"{what} failed (exit status {proc.returncode}; -9: killed):\n{err[-3000:]}"
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def wait_file(path: Path, proc: subprocess.Popen[str], what: str, seconds: float = TIMEOUT) -> str:
@@ -233,8 +224,8 @@ def test_the_kernel_signals_a_cgroup_near_its_limit(cgroup_parent: Path, tmp_pat
 
 
 def _reference(lib_dir: Path, bf16: Path, n_gen: int, tmp_path: Path) -> list[int]:
-    got = finish(worker({"model": str(bf16), "prompt": PROMPT, "n_ctx": N_CTX, "n_gen": n_gen}, lib_dir),
-                 "the BF16 reference")
+    got = finish_worker(worker({"model": str(bf16), "prompt": PROMPT, "n_ctx": N_CTX, "n_gen": n_gen}, lib_dir),
+                        "the BF16 reference", TIMEOUT)
     return got["generated"]
 
 
@@ -265,7 +256,7 @@ def test_auto_loads_in_a_container_smaller_than_the_bf16_model(llama_lib_dir: Pa
             room = int(bf16.stat().st_size * 0.95)
             cg.set_limit(base + room)
             write_atomic(Path(job["limited"]), str(base + room))
-            got = finish(proc, "zipmoe with auto")
+            got = finish_worker(proc, "zipmoe with auto", TIMEOUT)
         finally:
             kill_group(proc)
         oom = cg.oom_kills()
@@ -312,10 +303,10 @@ def _neighbour_run(llama_lib_dir: Path, cgroup_parent: Path, small_models: tuple
                 time.sleep(0.1)
             time.sleep(0.5)
             write_atomic(Path(nb["release"]), "1")
-            held = finish(neighbour, "the neighbour")
+            held = finish_worker(neighbour, "the neighbour", TIMEOUT)
             neighbour = None
             write_atomic(Path(job["gone"]), "1")
-            got = finish(proc, "zipmoe with auto and a neighbour")
+            got = finish_worker(proc, "zipmoe with auto and a neighbour", TIMEOUT)
         finally:
             if neighbour is not None:
                 kill_group(neighbour)
@@ -352,17 +343,6 @@ def test_a_growing_neighbour_shrinks_the_cache_and_it_grows_back(llama_lib_dir: 
 # ------------------------------------------------------------------------------------------ zipmoe serve
 
 
-def _http(url: str, body: dict[str, Any] | None = None, timeout: float = TIMEOUT) -> tuple[int, Any]:
-    import urllib.error
-    import urllib.request
-
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read() or b"null")
-    except urllib.error.HTTPError as e:
-        return e.code, None
 
 
 class Server:
@@ -391,7 +371,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise AssertionError(f"zipmoe serve exited with {self.proc.returncode}:\n{log.read_text()[-3000:]}")
             try:
-                if _http(self.url + "/health", timeout=2)[0] == 200:
+                if http_json(self.url + "/health", timeout=2)[0] == 200:
                     return
             except OSError:
                 pass
@@ -399,8 +379,8 @@ class Server:
         raise AssertionError("llama-server was not ready in time")
 
     def complete(self, n: int) -> dict[str, Any]:
-        status, body = _http(self.url + "/completion", {"prompt": PROMPT, "n_predict": n, "temperature": 0,
-                                                        "seed": 0, "cache_prompt": False})
+        status, body = http_json(self.url + "/completion", {"prompt": PROMPT, "n_predict": n, "temperature": 0,
+                                                            "seed": 0, "cache_prompt": False}, TIMEOUT)
         assert status == 200, (status, body)
         return {"content": body["content"], "tokens": body.get("tokens")}
 
@@ -468,7 +448,7 @@ def test_serve_gives_way_to_a_growing_neighbour_with_a_request_in_flight(llama_l
             while time.monotonic() < deadline and not srv.budgets():  # (the first re-plan is a shrink)
                 time.sleep(0.1)
             write_atomic(Path(nb["release"]), "1")
-            finish(neighbour, "the neighbour")
+            finish_worker(neighbour, "the neighbour", TIMEOUT)
             neighbour = None
             time.sleep(1.5)  # (a reading or two: the room is back)
             stop.set()
@@ -521,7 +501,8 @@ def test_the_floor_stops_the_next_decode_with_one_line(llama_lib_dir: Path, smal
     """When even the minimum no longer fits at two readings in a row, pyzipmoe.Llama's next decode raises
     OutOfMemoryError with one line (the CLI's exit status 3), rather than running on into the OOM killer."""
     _, packed = small_models
-    got = finish(start([sys.executable, "-c", FLOOR, str(packed)], worker_env(llama_lib_dir)), "the floor worker")
+    got = finish_worker(start([sys.executable, "-c", FLOOR, str(packed)], worker_env(llama_lib_dir)), "the floor worker",
+                        TIMEOUT)
     assert got["first"] is None, got  # one reading is not enough
     assert got["raised"] and got["raised"] == got["floor"] and "\n" not in got["raised"], got
     assert "out of memory" in got["raised"] and got["exit_code"] == 3, got
