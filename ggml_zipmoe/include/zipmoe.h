@@ -113,6 +113,8 @@ typedef struct {
                     * tests turn it off) */
     int integrity; /* ZIPMOE_INTEGRITY != "skip": the loader checks a zipmoe GGUF's metadata and dense tensors
                     * against its integrity record (skip: loads it unchecked, with a warning) */
+    const char * control; /* ZIPMOE_CONTROL: the control file of a supervisor (`zipmoe run` / `zipmoe serve`, which
+                           * alone set it) through which the budget follows the memory available; unset: fixed */
 } zipmoe_runtime_config;
 
 ZIPMOE_API void zipmoe_runtime_config_from_env(zipmoe_runtime_config * cfg);

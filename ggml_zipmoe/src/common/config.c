@@ -29,6 +29,7 @@ void zipmoe_runtime_config_from_env(zipmoe_runtime_config * cfg) {
     cfg->direct_io     = text("ZIPMOE_DIRECT_IO");
     cfg->read_buffer   = text("ZIPMOE_READ_BUFFER");
     cfg->predict       = text("ZIPMOE_PREDICT");
+    cfg->control       = text("ZIPMOE_CONTROL");
     cfg->prefill       = !off("ZIPMOE_PREFILL");
     cfg->fused         = !off("ZIPMOE_FUSED");
     cfg->stream        = !off("ZIPMOE_STREAM");

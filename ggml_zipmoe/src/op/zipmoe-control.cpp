@@ -12,7 +12,6 @@
 //   evicted experts' pages)   11 transient: the read buffers' bytes beyond what they keep   12 invocations served
 //   13 pid   14 polls
 // The split is applied with zipmoe_cache_apply_split, all at once, as the in-process monitor applies its splits.
-// Read here from the environment (once) rather than in zipmoe_runtime_config: only the supervisor sets it.
 #include "zipmoe-control.h"
 
 #include "zipmoe-cache.h"
@@ -88,8 +87,10 @@ void poll_once() {
 }
 
 void open_channel() {
-    const char * path = std::getenv("ZIPMOE_CONTROL");
-    if (!path || !*path) {
+    zipmoe_runtime_config env;
+    zipmoe_runtime_config_from_env(&env); // (once: open_channel runs under call_once)
+    const char * path = env.control;
+    if (!path) {
         return;
     }
     const int fd = open(path, O_RDWR | O_CLOEXEC);
