@@ -163,9 +163,24 @@ ZIPMOE_API int64_t zipmoe_budget_need_of(const zipmoe_store_size * stores, size_
                                          uint64_t embd_bytes, uint64_t embd_row_bytes, uint64_t page,
                                          zipmoe_budget_need * out);
 
-/* Applies a split at once, as zipmoe_cache_configure (hot, warm, sm), zipmoe_cache_set_reserve (in_flight) and
- * zipmoe_cache_set_token_hot (token_hot) would one after the other, and removes every slot rule: a running model's
- * new budget (the memory monitor's), without a moment at a batch's hot budget in between. */
+/* Everything a budget sets in the cache, applied at once by zipmoe_cache_apply: what the loader derives from a
+ * model's budget (op/zipmoe-config.cpp) and the memory monitor from a new one (zipmoe_cache_apply_split). */
+typedef struct {
+    uint64_t      hot, warm, sm; /* the tier budgets, as zipmoe_cache_configure's */
+    uint64_t      token_hot;     /* generation's hot tier (zipmoe_cache_set_token_hot's); at most hot: hot */
+    uint64_t      reserve;       /* evicted experts' pages kept for the next decodes (zipmoe_cache_set_reserve's) */
+    uint64_t      read_room;     /* a prompt's read buffers' bound (zipmoe_cache_set_read_room's; UINT64_MAX: none) */
+    zipmoe_policy policy;
+    int           keep_slots;    /* non-zero: the slot rules set by zipmoe_cache_set_slots stay; zero: removed */
+} zipmoe_cache_params;
+
+/* Applies params at once, as zipmoe_cache_configure, zipmoe_cache_set_token_hot, zipmoe_cache_set_reserve and
+ * zipmoe_cache_set_read_room would one after the other, without a moment at a mix of old and new settings.
+ * ZIPMOE_ERR_ARG for an unknown policy. */
+ZIPMOE_API int64_t zipmoe_cache_apply(const zipmoe_cache_params * params);
+
+/* Applies a split (zipmoe_cache_apply with its hot, warm, sm, token_hot, in_flight as the reserve, reads as the
+ * read room, 0 reads: none) and removes every slot rule: a running model's new budget (the memory monitor's). */
 ZIPMOE_API int64_t zipmoe_cache_apply_split(const zipmoe_budget_split * split, zipmoe_policy policy);
 
 /* Opens a store from an index (validated as zipmoe_tensor_open does). */

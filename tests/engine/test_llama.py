@@ -365,7 +365,9 @@ def test_read_ahead_gives_the_same_logits(logits: Callable, ours: Path, env: dic
         assert_bit_identical(got[f"run{k}"], ref[f"run{i}"], what)
         assert reports[k]["generated"] == ref_reports[i]["generated"], what
         stats = reports[k]["stats"]
-        assert 0 < stats["bytes_read_ahead"] < stats["bytes_read"], (what, stats)
+        assert stats["bytes_read_ahead"] < stats["bytes_read"], (what, stats)
+    # (a read-ahead the next store overtakes is read by the store itself: on a loaded machine one run's may all be)
+    assert sum(report["stats"]["bytes_read_ahead"] for report in reports) > 0, [r["stats"] for r in reports]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -260,25 +260,38 @@ uint64_t zipmoe_cache_rules_bytes(void) {
     return bytes;
 }
 
-int64_t zipmoe_cache_apply_split(const zipmoe_budget_split * split, zipmoe_policy policy) {
-    if (!split || policy < ZIPMOE_POLICY_TOKEN_LFU || policy > ZIPMOE_POLICY_FIFO) {
+int64_t zipmoe_cache_apply(const zipmoe_cache_params * p) {
+    if (!p || p->policy < ZIPMOE_POLICY_TOKEN_LFU || p->policy > ZIPMOE_POLICY_FIFO) {
         return ZIPMOE_ERR_ARG;
     }
     pthread_mutex_lock(&g_open.mu);
     pthread_mutex_lock(&g_cfg.mu);
-    g_cfg.n_rules   = 0;
-    g_cfg.rule_room = 0;
-    set_budgets(split->hot, split->token_hot, split->warm, split->sm, policy);
-    g_cfg.reserve = split->in_flight;
-    /* (a split that leaves no read room reads nothing beyond its fill, every expert decoded, or keeps no hot tier:
-     * its buffers are not bounded, as before there was a room) */
-    atomic_store(&g_cfg.read_room, split->reads ? split->reads : UINT64_MAX);
+    if (!p->keep_slots) {
+        g_cfg.n_rules   = 0;
+        g_cfg.rule_room = 0; /* (the room was the rules') */
+    }
+    set_budgets(p->hot, p->token_hot, p->warm, p->sm, p->policy);
+    g_cfg.reserve = p->reserve;
+    atomic_store(&g_cfg.read_room, p->read_room);
     keep_reserve();
     cache_share_hot_slots();
     pthread_mutex_unlock(&g_cfg.mu);
     pthread_mutex_unlock(&g_open.mu);
     cache_trim_idle_read_buffers(); /* (it takes g_cfg.mu) */
     return ZIPMOE_OK;
+}
+
+int64_t zipmoe_cache_apply_split(const zipmoe_budget_split * split, zipmoe_policy policy) {
+    if (!split) {
+        return ZIPMOE_ERR_ARG;
+    }
+    /* (a split that leaves no read room reads nothing beyond its fill, every expert decoded, or keeps no hot tier:
+     * its buffers are not bounded) */
+    const zipmoe_cache_params params = {
+        .hot = split->hot, .warm = split->warm, .sm = split->sm, .token_hot = split->token_hot,
+        .reserve = split->in_flight, .read_room = split->reads ? split->reads : UINT64_MAX, .policy = policy,
+    };
+    return zipmoe_cache_apply(&params);
 }
 
 void zipmoe_cache_set_direct_io(int enabled) { atomic_store(&g_cfg.direct_io, enabled != 0); }

@@ -179,19 +179,27 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
         // allowance to the hot tier (all of it from the model's size up) had every decode fault in zeroed pages:
         // 2x the time of a decode-bound plan (docs/cache-and-planner.md)
         in_flight = working_set;
-    } else {
-        zipmoe_cache_set_slots(nullptr, 0, 0, 0);
     }
-    zipmoe_cache_configure(hot, warm, sm, policy);
-    // a prompt's read buffers stay within the room the split left them (beyond it they are rings)
-    zipmoe_cache_set_read_room(reads);
-    // evicted experts' memory is kept, within the allowance for the tensor in flight, for the next decodes
-    zipmoe_cache_set_reserve(hot == 0 ? working_set : in_flight);
     // generation's hot tier also holds the allowance and the read room (a prompt's first store evicts them again:
     // zipmoe_cache_begin_graph); not decoding on every use, nor with a plan, whose slots run as planned (the
     // calibration and the benchmarks measure them; pyzipmoe's memory monitor gives a run's plans that room)
-    if (token_hot > 0 && hot > 0 && !plan) {
-        zipmoe_cache_set_token_hot(token_hot);
+    const bool token_tier = token_hot > 0 && hot > 0 && !plan;
+    zipmoe_cache_params params{};
+    params.hot        = hot;
+    params.warm       = warm;
+    params.sm         = sm;
+    params.token_hot  = token_tier ? token_hot : 0;
+    // evicted experts' memory is kept, within the allowance for the tensor in flight, for the next decodes
+    params.reserve    = hot == 0 ? working_set : in_flight;
+    // a prompt's read buffers stay within the room the split left them (beyond it they are rings)
+    params.read_room  = reads;
+    params.policy     = policy;
+    params.keep_slots = plan != nullptr;
+    if (zipmoe_cache_apply(&params) != ZIPMOE_OK) {
+        err = "the cache refused its configuration";
+        return false;
+    }
+    if (token_tier) {
         info += "; while generating, " + mib(token_hot) + " decoded";
     } else if (hot == 0 && warm > 0 && sm == 0 && !plan) { // (cache/config.c: warm_tokens_possible)
         info += "; while generating, the compressed tier also holds the allowance beyond a token's decodes";
