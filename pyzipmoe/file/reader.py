@@ -12,7 +12,6 @@ from pathlib import Path
 from . import codec
 from ..errors import FormatError
 from .gguf import (
-    GGML_TYPE_BF16,
     GGML_TYPE_I64,
     GGML_TYPE_I8,
     GGUFFile,
@@ -23,7 +22,7 @@ from .gguf import (
     type_name,
 )
 from .integrity import IntegrityRecord
-from .metadata import SOURCE_HEADER, ZipmoeMeta, companion_names, is_expert_tensor
+from .metadata import SOURCE_HEADER, ZipmoeMeta, companion_names, expert_layout, expert_shape, is_expert_tensor
 
 
 # ------------------------------------------------------------------------------ reading zipmoe files
@@ -70,9 +69,9 @@ def _companion(g: GGUFFile, name: str, ggml_type: int) -> Tensor:
 def _check_source_tensors(g: GGUFFile, meta: ZipmoeMeta, source: GGUFFile) -> None:
     """The zipmoe file must hold every non-expert tensor of its source, with the same type and shape."""
     compressed = set(meta.tensors)
-    expected = {t.name for t in source.tensors if is_expert_tensor(t) and t.ggml_type == GGML_TYPE_BF16}
+    expected = {t.name for t in source.tensors if is_expert_tensor(t) and expert_layout(t) is not None}
     if compressed != expected:
-        raise FormatError(f"{g.label}: zipmoe.tensors does not list the source's BF16 expert tensors")
+        raise FormatError(f"{g.label}: zipmoe.tensors does not list the source's expert tensors")
     for t in source.tensors:
         if t.name in compressed:
             continue
@@ -100,19 +99,24 @@ def _check_restore_size(g: GGUFFile, meta: ZipmoeMeta, source: GGUFFile) -> None
 
 def _open_compressed(fd: int, g: GGUFFile, meta: ZipmoeMeta, source: GGUFFile, name: str) -> CompressedTensor:
     src = source.by_name.get(name)
-    if src is None or not is_expert_tensor(src) or src.ggml_type != GGML_TYPE_BF16:
-        raise FormatError(f"{g.label}: {name} is listed in zipmoe.tensors but is no BF16 expert tensor "
-                          "of the source")
+    if src is None or not is_expert_tensor(src) or expert_layout(src) is None:
+        raise FormatError(f"{g.label}: {name} is listed in zipmoe.tensors but is no expert tensor zipmoe stores "
+                          "in the source")
     data_name, index_name = companion_names(name)
     data = _companion(g, data_name, GGML_TYPE_I8)
     index = _companion(g, index_name, GGML_TYPE_I64)
     raw = pread_exact(fd, index.nbytes, index.file_offset, g.label)
     expert = codec.ExpertTensor(raw, data.nbytes, name=name)
     info = expert.info
-    if (info.ne[:3], info.codec, info.level, info.chunk_n) != (src.dims, meta.codec, meta.level, meta.chunk_size):
+    # split experts use the file's codec and chunk size; the others are raw in whole rows (expert_shape)
+    want = expert_shape(src, meta.chunk_size, meta.codec)
+    level = meta.level if want.layout.split else 0
+    if (info.ne[:3], info.ggml_type, info.codec, info.level, info.chunk_n) != (
+            src.dims, src.ggml_type, want.codec_name, level, want.chunk_n):
         raise FormatError(f"{g.label}: {name}: the index disagrees with the metadata (shape {list(info.ne[:3])} "
-                          f"vs {list(src.dims)}, codec {info.codec} level {info.level} vs {meta.codec} level "
-                          f"{meta.level}, chunk size {info.chunk_n} vs {meta.chunk_size})")
+                          f"vs {list(src.dims)}, type {type_name(info.ggml_type)} vs {type_name(src.ggml_type)}, "
+                          f"codec {info.codec} level {info.level} vs {want.codec_name} level {level}, chunk size "
+                          f"{info.chunk_n} vs {want.chunk_n})")
     return CompressedTensor(name, expert, data, index, src)
 
 

@@ -235,14 +235,14 @@ def test_index_follows_the_format(zipmoe_model: Path) -> None:
     n_per = ne0 * ne1
     chunks = -(-n_per // SMALL_CHUNK)
     assert list(idx[:16]) == [metadata.INDEX_MAGIC, 1, 2, 0, 30, ne0, ne1, n_expert, 1, n_expert, n_per, SMALL_CHUNK,
-                              chunks, data.nbytes, metadata.region_alignment(n_per), 0]
+                              chunks, data.nbytes, metadata.region_alignment(2 * n_per), 0]
     assert idx.size == 48 + 2 * n_expert + 2 * n_expert * chunks + 1
     assert idx[-1].astype(np.uint64) == np.uint64(codec.checksum(raw[:-8]))
     lengths = idx[16:48].view(np.uint8)
     assert 0 < lengths.max() <= 11
     assert sum(2.0 ** -int(n) for n in lengths if n) == 1.0  # a complete prefix code
     regions = idx[48:48 + 2 * n_expert].reshape(n_expert, 2)
-    assert (regions[:, 0] % metadata.region_alignment(n_per) == 0).all() and (np.diff(regions[:, 0]) > 0).all()
+    assert (regions[:, 0] % metadata.region_alignment(2 * n_per) == 0).all() and (np.diff(regions[:, 0]) > 0).all()
 
 
 def test_open_zipmoe_refuses_a_plain_gguf(tiny_model: Path) -> None:
