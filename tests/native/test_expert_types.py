@@ -259,8 +259,13 @@ def test_convert_verify_unpack_every_type(model: str, codec_name: str, typed_mod
                                           tmp_path: Path) -> None:
     src = typed_models[model]
     packed, restored = tmp_path / "m.zipmoe.gguf", tmp_path / "restored.gguf"
-    report = convert.convert(src, packed, codec=codec_name, chunk_n=SMALL_CHUNK, threads=2)
     types = MODELS[model]
+    if codec_name == "esc" and "F16" in types.values():
+        with pytest.raises(UnsupportedError, match="esc codec does not fit F16 experts"):
+            convert.convert(src, packed, codec=codec_name, chunk_n=SMALL_CHUNK, threads=2)
+        assert not packed.exists()
+        return
+    report = convert.convert(src, packed, codec=codec_name, chunk_n=SMALL_CHUNK, threads=2)
     any_split = any(t in ("BF16", "F16") for t in types.values())
     assert report.codec == (codec_name if any_split else "raw")
     zf = reader.open_zipmoe(packed)
@@ -333,3 +338,18 @@ def test_inspect_plain_quantized_reports_raw_storage(typed_models: dict[str, Pat
     assert [t["type"] for t in info["tensors"]] == ["Q4_K", "Q4_K", "Q6_K"]
     for t in info["tensors"]:  # random blocks: their bytes are incompressible, floor ~ 1
         assert t["floor"] == pytest.approx(t["exponent_entropy"] / 8) and t["floor"] > 0.95
+
+
+def test_cli_converts_verifies_and_inspects_a_quantized_model(typed_models: dict[str, Path], tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from pyzipmoe.cli import main
+
+    src, packed = typed_models["Q4_K_M"], tmp_path / "m.zipmoe.gguf"
+    assert main(["convert", str(src), str(packed), "--quiet"]) == 0
+    assert main(["verify", str(packed), "--against", str(src), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(packed)]) == 0
+    out = capsys.readouterr().out
+    assert "raw codec" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("blk.0.")}
+    assert rows["blk.0.ffn_up_exps.weight"][2] == "Q4_K" and rows["blk.0.ffn_down_exps.weight"][2] == "Q6_K"
