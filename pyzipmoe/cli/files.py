@@ -171,7 +171,8 @@ def register(sub: Any) -> None:
     p.add_argument("--codec", choices=("auto", "huff", "esc", "zstd"), default="auto",
                    help="codec of BF16/F16 experts: huff (the smallest of the fast ones), esc (BF16 only; 2-3%% "
                         "larger, decoded several times faster on CPUs with AVX-512 VBMI2, slower than huff "
-                        f"elsewhere) or zstd; auto = {codec.DEFAULT_CODEC}")
+                        f"elsewhere) or zstd; auto = {codec.DEFAULT_CODEC}, or zstd level 1 for a model whose "
+                        "BF16/F16 experts are all F16 (as small, decoded faster)")
     p.add_argument("--level", type=int, metavar="N",
                    help=f"zstd compression level (default: {codec.DEFAULT_ZSTD_LEVEL}; zstd only)")
     p.add_argument("--chunk-size", type=positive, default=codec.DEFAULT_CHUNK_N, metavar="N",

@@ -218,11 +218,18 @@ def refuse_same_file(a: Path, b: Path) -> None:
 
 
 def _codec_name(name: str) -> str:
-    if name == "auto":
-        return zcodec.DEFAULT_CODEC
-    if name not in zcodec.CODECS:
+    if name != "auto" and name not in zcodec.SPLIT_CODECS:
         raise UnsupportedError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_CHOICES)}")
     return name
+
+
+def auto_codec(experts: list[Tensor]) -> str:
+    """The codec "auto" means for these experts: huff, unless every split expert is F16, whose code bytes zstd-1
+    codes as small and decodes faster (zcodec.DEFAULT_F16_CODEC)."""
+    split = [t for t in experts if (layout := expert_layout(t)) is not None and layout.split]
+    if split and all(t.ggml_type == GGML_TYPE_F16 for t in split):
+        return zcodec.DEFAULT_F16_CODEC
+    return zcodec.DEFAULT_CODEC
 
 
 # ----------------------------------------------------------------------------------------- the source
@@ -253,7 +260,7 @@ def _code_histogram(t: Tensor, view: memoryview, hist: np.ndarray) -> None:
 
 def _check_codec_fits(g: GGUFFile, experts: list[Tensor], codec_name: str) -> None:
     """esc gives short codes to 10 code bytes; F16's code bytes (exponent and 3 mantissa bits) spread over ~8 times
-    as many, so esc made F16 experts larger than they are (+8% on all-MiniLM-L6-v2: bench_codec.py)."""
+    as many, so esc made F16 experts larger than they are (+9% on all-MiniLM-L6-v2: bench_codec.py)."""
     f16 = [t for t in experts if t.ggml_type == GGML_TYPE_F16]
     if codec_name == "esc" and f16:
         raise UnsupportedError(f"{g.label}: the esc codec does not fit F16 experts (e.g. {f16[0].name}): it would "
@@ -448,8 +455,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, codec: 
             threads: int | None = None, progress: Progress | None = None) -> ConvertReport:
     """Compresses the expert tensors of the GGUF `src` into the zipmoe GGUF `dst`.
 
-    codec: "auto" (= huff), "huff", "esc" or "zstd" (at `level`), the codec of BF16/F16 experts (others are stored
-    raw); chunk_n: values per independently decodable chunk (for raw experts: whole rows of about as many bytes as
+    codec: "auto" (huff; zstd-1 where the split experts are all F16: auto_codec), "huff", "esc" or "zstd" (at
+    `level`), the codec of BF16/F16 experts (others are stored raw); chunk_n: values per independently decodable chunk (for raw experts: whole rows of about as many bytes as
     chunk_n BF16 values); threads: encoding threads (default: all CPUs).
     """
     t0 = time.monotonic()
@@ -464,6 +471,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, codec: 
     if g.is_zipmoe:
         raise UnsupportedError(f"{src}: already a zipmoe file; `zipmoe unpack` restores its source")
     experts = expert_tensors(g)
+    if codec_name == "auto":
+        codec_name = auto_codec(experts)
     _check_codec_fits(g, experts, codec_name)
     _check_zero_gaps(g, experts)
     settings = _Settings(codec_name, level if codec_name == "zstd" else 0, chunk_n, threads + 2)

@@ -268,6 +268,7 @@ def test_convert_verify_unpack_every_type(model: str, codec_name: str, typed_mod
     report = convert.convert(src, packed, codec=codec_name, chunk_n=SMALL_CHUNK, threads=2)
     any_split = any(t in ("BF16", "F16") for t in types.values())
     assert report.codec == (codec_name if any_split else "raw")
+    assert report.level == (1 if codec_name == "zstd" and any_split else 0)
     zf = reader.open_zipmoe(packed)
     for c in zf.compressed:
         want = types[c.name.split("_")[1]]
@@ -353,3 +354,14 @@ def test_cli_converts_verifies_and_inspects_a_quantized_model(typed_models: dict
     assert "raw codec" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("blk.0.")}
     assert rows["blk.0.ffn_up_exps.weight"][2] == "Q4_K" and rows["blk.0.ffn_down_exps.weight"][2] == "Q6_K"
+
+
+@pytest.mark.parametrize("model, expected", [
+    ("F16", "zstd"),        # F16 code bytes: zstd-1 as small as huff and faster to decode (DEFAULT_F16_CODEC)
+    ("BF16+Q4_0", "huff"),  # any BF16 expert: huff
+    ("Q4_K_M", "raw"),      # nothing to entropy code
+])
+def test_auto_codec_follows_the_expert_types(model: str, expected: str, typed_models: dict[str, Path],
+                                             tmp_path: Path) -> None:
+    report = convert.convert(typed_models[model], tmp_path / "m.zipmoe.gguf", chunk_n=SMALL_CHUNK, threads=2)
+    assert report.codec == expected and reader.open_zipmoe(tmp_path / "m.zipmoe.gguf").meta.codec == expected
