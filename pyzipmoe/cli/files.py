@@ -45,7 +45,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         total = report.rows()[-1]
         print(f"{report.src} -> {report.dst}: {human_size(report.source_size)} -> "
               f"{human_size(report.output_size)} ({total.ratio:.1%}) in {report.seconds:.1f} s "
-              f"[{report.codec}, {report.chunk_n} values per chunk, {report.threads} threads]")
+              f"[{report.codec}, {'whole rows' if report.codec == 'raw' else report.chunk_n} "
+              f"{'' if report.codec == 'raw' else 'values '}per chunk, {report.threads} threads]")
         print()
         print(size_table([r.to_dict() for r in report.rows()]))
         print(TABLE_NOTE)
