@@ -38,7 +38,7 @@ extern "C" {
 
 #define ZIPMOE_VERSION_MAJOR 0
 #define ZIPMOE_VERSION_MINOR 1
-#define ZIPMOE_FORMAT_VERSION 1
+#define ZIPMOE_FORMAT_VERSION 2 /* zipmoe.version: 1 for files of BF16 experts only, 2 with other types */
 
 /* ---------------------------------------------------------------- status codes */
 

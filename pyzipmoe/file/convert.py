@@ -33,6 +33,8 @@ from ..errors import FormatError, UnsupportedError, ZipmoeError
 from ..progress import Progress, Silent
 from .gguf import GGML_TYPE_BF16, GGML_TYPE_F16, GGUFFile, Tensor, align_up, pread_exact, read_gguf, type_name
 from .metadata import (
+    FORMAT_VERSION,
+    TYPED_FORMAT_VERSION,
     ExpertShape,
     ZipmoeMeta,
     build_index,
@@ -221,6 +223,12 @@ def _codec_name(name: str) -> str:
     if name != "auto" and name not in zcodec.SPLIT_CODECS:
         raise UnsupportedError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_CHOICES)}")
     return name
+
+
+def format_version(experts: list[Tensor]) -> int:
+    """1 for all-BF16 experts (what every zipmoe reader reads), else 2: a reader that knows only BF16 experts
+    refuses the file by its version instead of taking other bits for BF16."""
+    return FORMAT_VERSION if all(t.ggml_type == GGML_TYPE_BF16 for t in experts) else TYPED_FORMAT_VERSION
 
 
 def auto_codec(experts: list[Tensor]) -> str:
@@ -482,7 +490,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, codec: 
             entropies = {t.name: zcodec.entropy_bits(scan.histograms[t.name]) for t in experts}
             # the file's codec is that of its split experts; a file with none is all raw
             any_split = any(expert_layout(t).split for t in experts)  # type: ignore[union-attr]
-            meta = ZipmoeMeta(codec=codec_name if any_split else zcodec.RAW_CODEC,
+            meta = ZipmoeMeta(version=format_version(experts), codec=codec_name if any_split else zcodec.RAW_CODEC,
                               level=settings.level if any_split else 0, chunk_size=chunk_n,
                               tensors=tuple(t.name for t in experts), source_size=g.file_size,
                               source_sha256=scan.sha256, source_data_start=g.data_start,

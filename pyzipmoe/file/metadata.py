@@ -34,7 +34,9 @@ from .gguf import (
 PAGE = 4096  # data companions and expert regions start on multiples of this
 CHUNK_MAX = 1 << 24  # ZIPMOE_CHUNK_MAX of zipmoe.h: units per chunk
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # files whose experts are all BF16
+TYPED_FORMAT_VERSION = 2  # files with experts of other types: readers that know BF16 only refuse them by version
+FORMAT_VERSIONS = (FORMAT_VERSION, TYPED_FORMAT_VERSION)
 INDEX_MAGIC = 0x3158444945504D5A  # the bytes "ZMPEIDX1"
 INDEX_VERSION = 1
 INDEX_HEADER = 48
@@ -194,9 +196,9 @@ class ZipmoeMeta:
             return entry.value
 
         version = get("zipmoe.version", T.UINT32)
-        if version != FORMAT_VERSION:
+        if version not in FORMAT_VERSIONS:
             raise UnsupportedError(f"{g.label}: zipmoe format version {version} is not supported "
-                                   f"(this zipmoe reads version {FORMAT_VERSION})")
+                                   f"(this zipmoe reads versions {' and '.join(map(str, FORMAT_VERSIONS))})")
         meta = cls(
             codec=get("zipmoe.codec", T.STRING),
             level=int(get("zipmoe.codec_level", T.INT32)),

@@ -12,6 +12,7 @@ from pathlib import Path
 from . import codec
 from ..errors import FormatError
 from .gguf import (
+    GGML_TYPE_BF16,
     GGML_TYPE_I64,
     GGML_TYPE_I8,
     GGUFFile,
@@ -22,7 +23,7 @@ from .gguf import (
     type_name,
 )
 from .integrity import IntegrityRecord
-from .metadata import SOURCE_HEADER, ZipmoeMeta, companion_names, expert_layout, expert_shape, is_expert_tensor
+from .metadata import FORMAT_VERSION, SOURCE_HEADER, ZipmoeMeta, companion_names, expert_layout, expert_shape, is_expert_tensor
 
 
 # ------------------------------------------------------------------------------ reading zipmoe files
@@ -80,6 +81,15 @@ def _check_source_tensors(g: GGUFFile, meta: ZipmoeMeta, source: GGUFFile) -> No
             raise FormatError(f"{g.label}: tensor {t.name} of the source is missing")
         if (mine.ggml_type, mine.dims) != (t.ggml_type, t.dims):
             raise FormatError(f"{g.label}: tensor {t.name} differs in type or shape from the source's")
+
+
+def _check_version(g: GGUFFile, meta: ZipmoeMeta, source: GGUFFile) -> None:
+    """Version 1 promises BF16 experts only (its readers take every expert for BF16); other types need version 2."""
+    if meta.version == FORMAT_VERSION:
+        other = [n for n in meta.tensors if source.by_name[n].ggml_type != GGML_TYPE_BF16]
+        if other:
+            raise FormatError(f"{g.label}: zipmoe.version 1 with a {type_name(source.by_name[other[0]].ggml_type)} "
+                              f"expert tensor ({other[0]}): such files are version 2; the metadata is damaged")
 
 
 def restore_zeros(source: GGUFFile, source_size: int) -> int:
@@ -144,6 +154,7 @@ def open_zipmoe(path: str | os.PathLike[str]) -> ZipmoeFile:
             raise FormatError(f"{path}: the source header's data section starts at {source.data_start}, "
                               f"not at zipmoe.source.data_start {meta.source_data_start}")
         _check_source_tensors(g, meta, source)
+        _check_version(g, meta, source)
         _check_restore_size(g, meta, source)
         compressed = tuple(_open_compressed(fd, g, meta, source, name) for name in meta.tensors)
     finally:

@@ -300,8 +300,8 @@ def test_truncated_zipmoe_file_is_refused(cut: float, zipmoe_model: Path, tmp_pa
 @pytest.mark.parametrize("old, new, error, message", [
     (b"\x04\x00\x00\x00\x00\x00\x00\x00huff", b"\x04\x00\x00\x00\x00\x00\x00\x00hufg", UnsupportedError,
      "unknown zipmoe codec 'hufg'"),
-    (b"zipmoe.version\x04\x00\x00\x00\x01", b"zipmoe.version\x04\x00\x00\x00\x02", UnsupportedError,
-     "zipmoe format version 2"),
+    (b"zipmoe.version\x04\x00\x00\x00\x01", b"zipmoe.version\x04\x00\x00\x00\x03", UnsupportedError,
+     "zipmoe format version 3 is not supported"),
     (b"zipmoe.chunk_size\x04\x00\x00\x00", b"zipmoe.chunk_size\x05\x00\x00\x00", FormatError,
      "zipmoe.chunk_size has the wrong type"),
     (b"zipmoe.tensors", b"zipmoe.tensorz", FormatError, "zipmoe.tensors is missing"),

@@ -392,13 +392,10 @@ def f16_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-@pytest.mark.xfail(strict=True, reason="patch 0001 makes a zipmoe companion's tensor BF16 whatever the index's "
-                   "type, and the op glue checks the model's type against BF16 only: an F16 zipmoe loads and "
-                   "computes wrong logits. Fixed by the #34 runtime work (type-generic loader); then this passes "
-                   "and the marker goes.")
 def test_llama_runs_an_f16_zipmoe_exactly_or_refuses(tiny_model: Path, tmp_path: Path) -> None:
     """The integrity promise for F16: zipmoe's llama.cpp either gives the F16 source's logits bit for bit or
-    refuses the file; never a silently different answer."""
+    refuses the file; never a silently different answer. (A loader that knows only BF16 experts refuses it by its
+    zipmoe.version, 2: it once took the F16 bits for BF16 and computed wrong logits.)"""
     import json
     import os
     import subprocess
@@ -423,3 +420,27 @@ def test_llama_runs_an_f16_zipmoe_exactly_or_refuses(tiny_model: Path, tmp_path:
     assert reply["reference"]["outcome"] == "loaded"  # stock-typed F16 runs
     (result,) = reply["results"]
     assert result["class"] in ("ok", "refused"), result
+
+
+def test_format_version_says_whether_every_expert_is_bf16(tiny_model: Path, typed_models: dict[str, Path],
+                                                          tmp_path: Path) -> None:
+    convert.convert(tiny_model, tmp_path / "bf16.zipmoe.gguf", threads=2)
+    assert reader.open_zipmoe(tmp_path / "bf16.zipmoe.gguf").meta.version == 1
+    for model in ("F16", "Q8_0", "BF16+Q4_0"):
+        packed = tmp_path / f"{model}.zipmoe.gguf"
+        convert.convert(typed_models[model], packed, threads=2)
+        assert reader.open_zipmoe(packed).meta.version == 2
+
+
+def test_version_1_with_other_types_is_refused(typed_models: dict[str, Path], tmp_path: Path) -> None:
+    """Version 1 readers take every expert for BF16: a file claiming version 1 must hold nothing else."""
+    packed = tmp_path / "m.zipmoe.gguf"
+    convert.convert(typed_models["F16"], packed, threads=2)
+    data = bytearray(packed.read_bytes())
+    key = b"zipmoe.version"
+    at = data.index(struct.pack("<Q", len(key)) + key) + 8 + len(key)
+    assert struct.unpack_from("<II", data, at) == (4, 2)  # GGUF u32, value 2
+    struct.pack_into("<I", data, at + 4, 1)
+    packed.write_bytes(bytes(data))
+    with pytest.raises(FormatError, match="zipmoe.version 1 with a F16 expert tensor"):
+        reader.open_zipmoe(packed)
