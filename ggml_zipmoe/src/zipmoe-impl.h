@@ -116,7 +116,8 @@ uint64_t zipmoe_chunk_checksum(const void * code, size_t code_size, const uint8_
 int64_t zipmoe_encode_exp(const zipmoe_codec_ctx * c, zipmoe_workspace * ws, const uint8_t * exp, size_t n, void * dst, size_t cap);
 
 /* tensor.c: where chunk c of expert e lies: its code from the start of the expert's region, its size,
- * its checksum, its first value and its number of values. e and c must be in range. */
+ * its checksum, its first unit and its number of units (values of split types, bytes of byte-layout ones). e and
+ * c must be in range. */
 typedef struct {
     uint64_t code_offset;
     uint64_t code_size;

@@ -14,10 +14,11 @@ import numpy as np
 from .._native import ffi, lib
 from ..errors import ChecksumError, FormatError, UnsupportedError, ZipmoeError
 
-CODECS: dict[str, int] = {"zstd": 1, "huff": 2, "esc": 3, "raw": 4}
-CODEC_NAMES: dict[int, str] = {v: k for k, v in CODECS.items()}
-SPLIT_CODECS = ("huff", "esc", "zstd")  # entropy coders of the code plane of BF16/F16 values
-RAW_CODEC = "raw"  # the one codec of byte-layout types (F32, quantized blocks)
+CODECS: dict[str, int] = {"zstd": 1, "huff": 2, "esc": 3}  # the entropy coders of BF16/F16 values' code bytes
+SPLIT_CODECS = tuple(CODECS)
+RAW_CODEC = "raw"  # the one codec of byte-layout types (F32, quantized blocks): their bytes as they are
+CODEC_NUMBERS: dict[str, int] = {**CODECS, RAW_CODEC: 4}  # every codec an index may name
+CODEC_NAMES: dict[int, str] = {v: k for k, v in CODEC_NUMBERS.items()}
 DEFAULT_CODEC = "huff"
 # F16's code bytes (exponent and 3 mantissa bits, ~5.5 bits of entropy) give Huffman's multi-symbol table few
 # symbols per lookup: zstd-1 coded all-MiniLM-L6-v2's F16 weights as small (+0.15% from the floor, huff +0.40%) and
@@ -212,8 +213,8 @@ class Codec:
 
     def __init__(self, name: str, *, level: int = 0, lengths: np.ndarray | None = None,
                  ggml_type: int = GGML_TYPE_BF16):
-        if name not in CODECS:
-            raise UnsupportedError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}")
+        if name not in CODEC_NUMBERS:
+            raise UnsupportedError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_NUMBERS)}")
         self.name = name
         self.level = level if name == "zstd" else 0
         self.lengths = None if lengths is None else np.ascontiguousarray(lengths, np.uint8)
@@ -223,7 +224,7 @@ class Codec:
             raise ValueError("the esc codec needs its classes (see esc_classes)")
         out = ffi.new("zipmoe_codec_ctx **")
         lengths_ptr = ffi.NULL if self.lengths is None else _ptr(self.lengths, "uint8_t *")
-        _check(lib.zipmoe_codec_create_typed(CODECS[name], self.level, lengths_ptr, ggml_type, out),
+        _check(lib.zipmoe_codec_create_typed(CODEC_NUMBERS[name], self.level, lengths_ptr, ggml_type, out),
                f"{name} codec")
         self._handle = ffi.gc(out[0], lib.zipmoe_codec_free)
         self.ggml_type = ggml_type

@@ -137,7 +137,7 @@ def build_index(*, codec_name: str, level: int, dims: Sequence[int], chunk_n: in
         raise ValueError("region and chunk tables do not match the tensor's shape")
     idx = np.zeros(index_len(n_expert, c), "<u8")
     expert_size = 2 * n_per if layout.split else units
-    idx[:16] = [INDEX_MAGIC, INDEX_VERSION, codec.CODECS[codec_name], level & (2**64 - 1), ggml_type,
+    idx[:16] = [INDEX_MAGIC, INDEX_VERSION, codec.CODEC_NUMBERS[codec_name], level & (2**64 - 1), ggml_type,
                 ne0, ne1, n_expert, 1, n_expert, n_per, chunk_n, c, data_size, region_alignment(expert_size), 0]
     if lengths is not None:
         idx[16:48] = np.ascontiguousarray(lengths, np.uint8).view("<u8")
@@ -210,7 +210,7 @@ class ZipmoeMeta:
             exponent_entropy=tuple(float(x) for x in get("zipmoe.exponent_entropy", T.ARRAY, T.FLOAT32)),
             version=version,
         )
-        if meta.codec not in codec.CODECS:
+        if meta.codec not in codec.CODEC_NUMBERS:
             raise UnsupportedError(f"{g.label}: unknown zipmoe codec {meta.codec!r}")
         if len(set(meta.tensors)) != len(meta.tensors):
             raise FormatError(f"{g.label}: zipmoe.tensors lists a tensor twice")
