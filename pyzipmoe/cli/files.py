@@ -78,7 +78,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"{info['file']}: {human_size(info['file_size'])}, {info['status']}")
     if info["compressed"]:
         src = info["source"]
-        print(f"codec {info['codec']} (level {info['codec_level']}), {info['chunk_size']} values per chunk; "
+        chunks = ("whole rows per chunk" if info["codec"] == "raw" else f"{info['chunk_size']} values per chunk")
+        print(f"codec {info['codec']} (level {info['codec_level']}), {chunks}; "
               f"source {human_size(src['size'])}, sha256 {src['sha256']}")
     for t in info["unsupported_experts"]:
         print(f"  {t['name']}: {t['type']}")

@@ -40,7 +40,7 @@ def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def size_table(groups: Sequence[dict[str, Any]]) -> str:
     """The tensor-group size table of convert and inspect (dicts of SizeRow.to_dict())."""
-    header = ("tensor group", "tensors", "BF16 size", "zipmoe size", "ratio", "floor", "vs floor")
+    header = ("tensor group", "tensors", "size", "zipmoe size", "ratio", "floor", "vs floor")
     rows = [(g["label"], str(g["n_tensors"] or ""), human_size(g["bf16_bytes"]),
              "-" if g["zipmoe_bytes"] is None else human_size(g["zipmoe_bytes"]),
              pct(g["ratio"]), pct(g["floor"]), pct(g["floor_gap_pct"], signed=True)) for g in groups]
