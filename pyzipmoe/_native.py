@@ -23,7 +23,14 @@ typedef enum {
     ZIPMOE_ERR_NOMEM = -4, ZIPMOE_ERR_UNSUPPORTED = -5, ZIPMOE_ERR_DST_TOO_SMALL = -6,
     ZIPMOE_ERR_CODEC = -7, ZIPMOE_ERR_IO = -8
 } zipmoe_status;
-typedef enum { ZIPMOE_CODEC_ZSTD = 1, ZIPMOE_CODEC_HUFF = 2, ZIPMOE_CODEC_ESC = 3 } zipmoe_codec;
+typedef enum { ZIPMOE_CODEC_ZSTD = 1, ZIPMOE_CODEC_HUFF = 2, ZIPMOE_CODEC_ESC = 3, ZIPMOE_CODEC_RAW = 4 } zipmoe_codec;
+typedef enum { ZIPMOE_LAYOUT_SPLIT16 = 1, ZIPMOE_LAYOUT_BYTES = 2 } zipmoe_layout;
+typedef struct {
+    int32_t layout;
+    int32_t blck_size;
+    int32_t type_size;
+} zipmoe_type_info;
+int64_t zipmoe_type_layout(int32_t ggml_type, zipmoe_type_info * out);
 
 const char * zipmoe_status_str(int64_t status);
 #define ZIPMOE_SIZE_MAX 1152921504606846976
@@ -48,6 +55,8 @@ int     zipmoe_esc_simd_level(void);
 
 typedef struct zipmoe_codec_ctx zipmoe_codec_ctx;
 int64_t zipmoe_codec_create(zipmoe_codec codec, int level, const uint8_t lengths[256], zipmoe_codec_ctx ** out);
+int64_t zipmoe_codec_create_typed(zipmoe_codec codec, int level, const uint8_t lengths[256], int32_t ggml_type,
+                                  zipmoe_codec_ctx ** out);
 void    zipmoe_codec_free(zipmoe_codec_ctx * c);
 
 typedef struct zipmoe_workspace zipmoe_workspace;
@@ -56,10 +65,10 @@ void               zipmoe_workspace_free(zipmoe_workspace * ws);
 
 size_t  zipmoe_chunk_bound(const zipmoe_codec_ctx * c, size_t n);
 int64_t zipmoe_chunk_encode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
-                            const uint16_t * src, size_t n, void * dst, size_t cap);
+                            const void * src, size_t n, void * dst, size_t cap);
 int64_t zipmoe_chunk_decode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
                             const void * code, size_t code_size, const uint8_t * sm, size_t n,
-                            int checksum_check, uint64_t checksum, uint16_t * dst);
+                            int checksum_check, uint64_t checksum, void * dst);
 int64_t zipmoe_chunk_decode_exponents(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
                                       const void * code, size_t code_size, uint8_t * exp, size_t n);
 int64_t zipmoe_esc_decode_chunk_at(const zipmoe_codec_ctx * c, int level, const void * code, size_t code_size,
@@ -76,6 +85,9 @@ typedef struct {
     int64_t  chunk_n;
     int64_t  n_chunks;
     uint64_t data_size;
+    int32_t  layout;
+    int64_t  n_units;
+    int64_t  expert_size;
 } zipmoe_tensor_info;
 typedef struct {
     uint64_t offset;
@@ -90,7 +102,7 @@ void    zipmoe_tensor_get_info(const zipmoe_tensor * t, zipmoe_tensor_info * inf
 int64_t zipmoe_tensor_expert_span(const zipmoe_tensor * t, int64_t expert, zipmoe_expert_span * span);
 const zipmoe_codec_ctx * zipmoe_tensor_codec(const zipmoe_tensor * t);
 int64_t zipmoe_tensor_decode_expert(const zipmoe_tensor * t, zipmoe_workspace * ws, int64_t expert,
-                                    const void * region, size_t region_size, uint16_t * dst, int ith, int nth);
+                                    const void * region, size_t region_size, void * dst, int ith, int nth);
 
 typedef struct zipmoe_store zipmoe_store;
 typedef enum {
@@ -189,9 +201,9 @@ int64_t zipmoe_cache_prefill(zipmoe_store * const * stores, int64_t n_stores, in
 void zipmoe_stats_get(zipmoe_stats * out);
 void zipmoe_stats_reset(void);
 
-size_t  zipmoe_expert_region_bound(const zipmoe_codec_ctx * c, int64_t n_per_expert, int64_t chunk_n);
+size_t  zipmoe_expert_region_bound(const zipmoe_codec_ctx * c, int64_t n_units, int64_t chunk_n);
 int64_t zipmoe_expert_encode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
-                             const uint16_t * src, int64_t n_per_expert, int64_t chunk_n,
+                             const void * src, int64_t n_units, int64_t chunk_n,
                              void * region, size_t cap, uint64_t * chunk_ends, uint64_t * checksums);
 """
 

@@ -68,8 +68,10 @@ int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
                 uint8_t *      pair  = (uint8_t *) chunk_table + ((size_t) (e * info.n_chunks + c)) * 16;
                 const uint64_t end   = load64(pair);
                 const int64_t  first = c * info.chunk_n;
-                const int64_t  n     = info.n_per_expert - first < info.chunk_n ? info.n_per_expert - first : info.chunk_n;
-                store64(pair + 8, zipmoe_checksum(region + first, (size_t) n,
+                const int64_t  n     = info.n_units - first < info.chunk_n ? info.n_units - first : info.chunk_n;
+                /* a bytes-layout chunk has no raw plane: the outer hash runs over no bytes */
+                const size_t   plane = info.layout == ZIPMOE_LAYOUT_SPLIT16 ? (size_t) n : 0;
+                store64(pair + 8, zipmoe_checksum(region + first, plane,
                                                   zipmoe_checksum(region + span.exp_offset + begin, end - begin, 0)));
                 begin = end;
             }
@@ -82,7 +84,7 @@ int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
         }
     }
     zipmoe_workspace * ws = zipmoe_workspace_create((size_t) info.chunk_n);
-    uint16_t *         dst = malloc((size_t) info.n_per_expert * 2);
+    uint8_t *          dst = malloc((size_t) info.expert_size);
     for (int64_t e = 0; ws && dst && e < info.n_expert; e++) {
         zipmoe_expert_span span;
         zipmoe_tensor_expert_span(t, e, &span);

@@ -4,7 +4,8 @@
 
 writes OUT_DIR/chunk/* (inputs of fuzz_chunk.c: real huff and zstd chunks with their code lengths and sm bytes)
 and OUT_DIR/index/* (inputs of fuzz_index.c: real index + data companion pairs of small tensors), made from tiny
-synthetic MoEs (pyzipmoe.synth) converted with both codecs and small chunks.
+synthetic MoEs (pyzipmoe.synth) converted with both codecs and small chunks, and from small MoEs of other expert
+types (F16 split like BF16; Q8_0 and Q4_K stored raw) for the index target.
 """
 
 from __future__ import annotations
@@ -57,6 +58,33 @@ def index_seeds(zf, raw: bytes) -> list[bytes]:
     return seeds
 
 
+def typed_moe(path: Path, types: dict[str, str]) -> Path:
+    """A one-layer MoE (4 experts of 256 x 4) whose up/gate/down expert tensors have the given types."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFWriter
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(5)
+    w = GGUFWriter(path, "qwen3moe")
+    w.add_tensor("token_embd.weight", rng.standard_normal((8, 256)).astype(np.float32))
+    for role, type_name in types.items():
+        weights = rng.normal(0, 0.02, (4, 4, 256)).astype(np.float32)
+        if type_name == "F16":
+            w.add_tensor(f"blk.0.ffn_{role}_exps.weight", weights.astype(np.float16))
+        elif type_name == "Q8_0":
+            w.add_tensor(f"blk.0.ffn_{role}_exps.weight", quantize(weights, Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:  # raw storage does not look into the blocks
+            blck, size = GGML_QUANT_SIZES[Q[type_name]]
+            blocks = rng.integers(0, 256, (4, 4, 256 // blck * size), dtype=np.uint8)
+            w.add_tensor(f"blk.0.ffn_{role}_exps.weight", blocks, raw_dtype=Q[type_name])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def main(out: Path) -> None:
     (out / "chunk").mkdir(parents=True, exist_ok=True)
     (out / "index").mkdir(parents=True, exist_ok=True)
@@ -74,6 +102,14 @@ def main(out: Path) -> None:
                     for i, seed in enumerate(seeds):
                         (out / kind / f"{arch}-{codec}-{chunk_n}-{i:03d}").write_bytes(seed)
                         n += 1
+        for name, types in (("f16", {"up": "F16", "gate": "F16", "down": "F16"}),
+                            ("quant", {"up": "Q8_0", "gate": "Q4_K", "down": "Q8_0"})):
+            src = typed_moe(Path(tmp) / f"{name}.gguf", types)
+            dst = Path(tmp) / f"{name}.zipmoe.gguf"
+            convert.convert(src, dst, chunk_n=300, threads=1)
+            for i, seed in enumerate(index_seeds(open_zipmoe(dst), dst.read_bytes())):
+                (out / "index" / f"{name}-{i:03d}").write_bytes(seed)
+                n += 1
     print(f"{n} seeds in {out}")
 
 

@@ -3,7 +3,9 @@
  *
  * Lossless compression of BF16 Mixture-of-Experts weights. A BF16 value is split into its
  * exponent byte (low entropy, entropy coded in independently decodable chunks) and its
- * sign+mantissa byte (stored raw). Decoding gives back the original bits, always.
+ * sign+mantissa byte (stored raw). Decoding gives back the original bits, always. F16 experts split the same
+ * bits the same way (measured best, docs/FORMAT.md); experts of other types (F32, quantized blocks) are stored
+ * raw, chunked and checksummed like the others.
  *
  * Conventions (as in zstd and ggml):
  *  - every function that can fail returns an int64_t: >= 0 is a size or success, < 0 is a
@@ -36,7 +38,7 @@ extern "C" {
 
 #define ZIPMOE_VERSION_MAJOR 0
 #define ZIPMOE_VERSION_MINOR 1
-#define ZIPMOE_FORMAT_VERSION 1
+#define ZIPMOE_FORMAT_VERSION 2 /* zipmoe.version: 1 for files of BF16 experts only, 2 with other types */
 
 /* ---------------------------------------------------------------- status codes */
 
@@ -128,7 +130,29 @@ typedef enum {
     ZIPMOE_CODEC_ESC  = 3, /* escape code, per-tensor classes: 2 bits for the 3 commonest exponents, 3 more
                               for the next 7, a raw byte for the rest, each level in its own plane; ~0.3 bits
                               more than Huffman, decoded 64 exponents a SIMD step (AVX-512 VBMI2) */
+    ZIPMOE_CODEC_RAW  = 4, /* the bytes themselves: the codec of byte-layout types (F32, quantized blocks), whose
+                              bytes an order-0 coder shrinks too little to pay for decoding them */
 } zipmoe_codec;
+
+/* ---------------------------------------------------------------- expert types */
+
+/* How an expert of a ggml type is stored. SPLIT16 (BF16, F16): n values, each split into a code byte (entropy
+ * coded) and a raw byte; an expert's "units" are its values. BYTES (F32 and every block-quantized type): the
+ * expert's bytes, in chunks of whole bytes, codec RAW; its units are bytes. */
+typedef enum {
+    ZIPMOE_LAYOUT_SPLIT16 = 1,
+    ZIPMOE_LAYOUT_BYTES   = 2,
+} zipmoe_layout;
+
+typedef struct {
+    int32_t layout;    /* zipmoe_layout */
+    int32_t blck_size; /* values per block (1 for F32, F16, BF16) */
+    int32_t type_size; /* bytes per block */
+} zipmoe_type_info;
+
+/* The layout of ggml type `ggml_type` (GGML_TYPE_* numbers): OK, or ZIPMOE_ERR_UNSUPPORTED for a type zipmoe does
+ * not store (integers, F64, llama.cpp's intermediate Q8_1/Q8_K, unknown numbers). */
+ZIPMOE_API int64_t zipmoe_type_layout(int32_t ggml_type, zipmoe_type_info * out);
 
 #define ZIPMOE_ESC_PRIMARY   3 /* exponents with a 2-bit code */
 #define ZIPMOE_ESC_SECONDARY 7 /* exponents with an escape and a 3-bit code */
@@ -141,7 +165,9 @@ ZIPMOE_API int zipmoe_simd_level(void);
 
 /* ---------------------------------------------------------------- split / merge */
 
-/* bf16 -> exponent plane (bits 14..7) and sign+mantissa plane (bit 15 -> bit 7, bits 6..0). */
+/* bf16 -> exponent plane (bits 14..7) and sign+mantissa plane (bit 15 -> bit 7, bits 6..0). The same functions
+ * split and merge F16 (code byte: its 5 exponent bits and 3 top mantissa bits; raw byte: sign and 7 mantissa bits),
+ * the split measured closest to F16's order-0 entropy (docs/FORMAT.md). */
 ZIPMOE_API void zipmoe_split_bf16(const uint16_t * src, size_t n, uint8_t * exp, uint8_t * sm);
 /* Large outputs (64 KiB and more) are written around the caches: a decoded expert lands in memory no cache holds. */
 ZIPMOE_API void zipmoe_merge_bf16(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst);
@@ -185,13 +211,18 @@ ZIPMOE_API int     zipmoe_esc_simd_level(void);
 
 /* ---------------------------------------------------------------- chunk codec */
 
-/* A codec instance: the codec, its level, and for HUFF the code table (encode and decode forms).
- * Immutable after creation, so one instance can be shared by any number of threads. */
+/* A codec instance: the codec, its level, for HUFF the code table (encode and decode forms), and the type whose
+ * chunks it codes. Immutable after creation, so one instance can be shared by any number of threads. */
 typedef struct zipmoe_codec_ctx zipmoe_codec_ctx;
 
-/* lengths: the code lengths for HUFF, the classes for ESC (zipmoe_esc_classes); ignored for ZSTD. */
+/* lengths: the code lengths for HUFF, the classes for ESC (zipmoe_esc_classes); ignored for ZSTD and RAW.
+ * A codec for BF16 chunks. */
 ZIPMOE_API int64_t zipmoe_codec_create(zipmoe_codec codec, int level, const uint8_t lengths[256],
                                        zipmoe_codec_ctx ** out);
+/* The same for chunks of ggml type `ggml_type`: ZSTD, HUFF and ESC for SPLIT16 types, RAW for BYTES types;
+ * ZIPMOE_ERR_UNSUPPORTED for another pairing or type. */
+ZIPMOE_API int64_t zipmoe_codec_create_typed(zipmoe_codec codec, int level, const uint8_t lengths[256],
+                                             int32_t ggml_type, zipmoe_codec_ctx ** out);
 ZIPMOE_API void    zipmoe_codec_free(zipmoe_codec_ctx * c);
 
 /* Per-thread scratch: the exponent plane of one chunk and zstd contexts. One per thread. */
@@ -200,20 +231,22 @@ typedef struct zipmoe_workspace zipmoe_workspace;
 ZIPMOE_API zipmoe_workspace * zipmoe_workspace_create(size_t chunk_n);
 ZIPMOE_API void               zipmoe_workspace_free(zipmoe_workspace * ws);
 
-/* Largest encoded size of a chunk of n values. */
+/* Largest encoded size of a chunk of n units (values of SPLIT16 types, bytes of BYTES types). */
 ZIPMOE_API size_t  zipmoe_chunk_bound(const zipmoe_codec_ctx * c, size_t n);
 
-/* Encodes the exponent plane of n BF16 values (src) into dst[cap]. Returns the size written. */
+/* Encodes the code plane of n units (src: n BF16/F16 values, or n bytes of a BYTES type) into dst[cap]. Returns
+ * the size written. */
 ZIPMOE_API int64_t zipmoe_chunk_encode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
-                                       const uint16_t * src, size_t n, void * dst, size_t cap);
+                                       const void * src, size_t n, void * dst, size_t cap);
 
-/* Decodes one chunk: code[code_size] holds the exponents of n values whose sign+mantissa bytes
- * are sm[n]; writes exactly n BF16 values to dst and nothing else. If checksum_check is non-zero
- * the chunk's checksum is compared first (ZIPMOE_ERR_CHECKSUM on mismatch). */
+/* Decodes one chunk: code[code_size] holds the code bytes of n units whose raw (sign+mantissa) bytes are sm[n]
+ * (SPLIT16; BYTES types have none: sm is ignored); writes exactly n values (n bytes for BYTES types) to dst and
+ * nothing else. If checksum_check is non-zero the chunk's checksum is compared first (ZIPMOE_ERR_CHECKSUM on
+ * mismatch). */
 ZIPMOE_API int64_t zipmoe_chunk_decode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
                                        const void * code, size_t code_size,
                                        const uint8_t * sm, size_t n,
-                                       int checksum_check, uint64_t checksum, uint16_t * dst);
+                                       int checksum_check, uint64_t checksum, void * dst);
 
 /* Decodes only the exponent plane of a chunk into exp[n] (no checksum, no merge): for benchmarks
  * that compare the entropy coders alone, and for callers that merge themselves. */
@@ -234,19 +267,22 @@ typedef struct zipmoe_tensor zipmoe_tensor;
 typedef struct {
     int32_t  codec;          /* zipmoe_codec */
     int32_t  level;
-    int32_t  ggml_type;      /* type of the original tensor; 30 = GGML_TYPE_BF16 */
+    int32_t  ggml_type;      /* type of the original tensor; 30 = GGML_TYPE_BF16, 1 = F16, ... */
     int64_t  ne[4];          /* original shape, ne[2] = number of experts */
     int64_t  n_expert;
     int64_t  n_per_expert;   /* values in one expert = ne[0] * ne[1] */
-    int64_t  chunk_n;        /* values per chunk (the last chunk of an expert may be shorter) */
+    int64_t  chunk_n;        /* units per chunk (the last chunk of an expert may be shorter) */
     int64_t  n_chunks;       /* chunks per expert */
     uint64_t data_size;      /* size of the data companion */
+    int32_t  layout;         /* zipmoe_layout of ggml_type */
+    int64_t  n_units;        /* units in one expert: n_per_expert (SPLIT16), expert_size (BYTES) */
+    int64_t  expert_size;    /* bytes of one decoded expert: 2 * n_per_expert, or ggml's row size * ne[1] */
 } zipmoe_tensor_info;
 
 typedef struct {
     uint64_t offset;         /* of the expert's region, from the start of the data companion */
     uint64_t size;           /* of the region: sm plane, padding, exponent chunks */
-    uint64_t exp_offset;     /* of the first exponent chunk, from the start of the region */
+    uint64_t exp_offset;     /* of the first code chunk, from the start of the region (0 for BYTES types) */
 } zipmoe_expert_span;
 
 /* Parses and validates an index (index_size bytes) for a data companion of data_size bytes.
@@ -264,19 +300,21 @@ ZIPMOE_API int64_t zipmoe_tensor_expert_span(const zipmoe_tensor * t, int64_t ex
 ZIPMOE_API const zipmoe_codec_ctx * zipmoe_tensor_codec(const zipmoe_tensor * t);
 
 /* Decodes expert `expert` from its region (region_size bytes, as read from the data companion at
- * span.offset) into dst (n_per_expert BF16 values). Chunks are shared out among nth callers:
+ * span.offset) into dst (info.expert_size bytes: the expert's original bytes). Chunks are shared out among nth
+ * callers:
  * the caller with index ith (0 <= ith < nth) decodes chunks ith, ith + nth, ...; so nth threads
  * calling with ith = 0..nth-1 decode the whole expert, each with its own workspace. Checksums are
  * always verified. Returns the number of chunks this call decoded, or an error. */
 ZIPMOE_API int64_t zipmoe_tensor_decode_expert(const zipmoe_tensor * t, zipmoe_workspace * ws,
                                                int64_t expert, const void * region, size_t region_size,
-                                               uint16_t * dst, int ith, int nth);
+                                               void * dst, int ith, int nth);
 
-/* Encoding one expert (used by the converter): the region is laid out as docs/FORMAT.md says.
- * chunk_ends[n_chunks] and checksums[n_chunks] receive the chunk table. Returns the region size. */
-ZIPMOE_API size_t  zipmoe_expert_region_bound(const zipmoe_codec_ctx * c, int64_t n_per_expert, int64_t chunk_n);
+/* Encoding one expert (used by the converter): the region is laid out as docs/FORMAT.md says. n_units and chunk_n
+ * count units of the codec's type (values, or bytes for BYTES types). chunk_ends[n_chunks] and checksums[n_chunks]
+ * receive the chunk table. Returns the region size. */
+ZIPMOE_API size_t  zipmoe_expert_region_bound(const zipmoe_codec_ctx * c, int64_t n_units, int64_t chunk_n);
 ZIPMOE_API int64_t zipmoe_expert_encode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
-                                        const uint16_t * src, int64_t n_per_expert, int64_t chunk_n,
+                                        const void * src, int64_t n_units, int64_t chunk_n,
                                         void * region, size_t cap,
                                         uint64_t * chunk_ends, uint64_t * checksums);
 

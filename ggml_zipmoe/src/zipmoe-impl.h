@@ -40,6 +40,8 @@ typedef struct {
 struct zipmoe_codec_ctx {
     zipmoe_codec codec;
     int          level;
+    int32_t      ggml_type; /* of the chunks it codes */
+    int32_t      layout;    /* zipmoe_layout of ggml_type */
     zipmoe_huff  huff; /* HUFF only */
     zipmoe_esc   esc;  /* ESC only */
 };
@@ -91,6 +93,11 @@ void *  zipmoe_zstd_dctx_create(void);
 void    zipmoe_zstd_dctx_free(void * dctx);
 void    zipmoe_zstd_cctx_free(void * cctx);
 
+/* raw.c: the RAW codec, the bytes themselves (a chunk of n units is n bytes) */
+size_t  zipmoe_raw_bound(size_t n);
+int64_t zipmoe_raw_encode(const uint8_t * src, size_t n, uint8_t * dst, size_t cap);
+int64_t zipmoe_raw_decode(const uint8_t * code, size_t code_size, uint8_t * dst, size_t n);
+
 /* checksum_avx2.c: only called when the CPU has AVX2 */
 uint64_t zipmoe_checksum_avx2(const void * data, size_t size, uint64_t seed);
 
@@ -109,7 +116,8 @@ uint64_t zipmoe_chunk_checksum(const void * code, size_t code_size, const uint8_
 int64_t zipmoe_encode_exp(const zipmoe_codec_ctx * c, zipmoe_workspace * ws, const uint8_t * exp, size_t n, void * dst, size_t cap);
 
 /* tensor.c: where chunk c of expert e lies: its code from the start of the expert's region, its size,
- * its checksum, its first value and its number of values. e and c must be in range. */
+ * its checksum, its first unit and its number of units (values of split types, bytes of byte-layout ones). e and
+ * c must be in range. */
 typedef struct {
     uint64_t code_offset;
     uint64_t code_size;

@@ -45,7 +45,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         total = report.rows()[-1]
         print(f"{report.src} -> {report.dst}: {human_size(report.source_size)} -> "
               f"{human_size(report.output_size)} ({total.ratio:.1%}) in {report.seconds:.1f} s "
-              f"[{report.codec}, {report.chunk_n} values per chunk, {report.threads} threads]")
+              f"[{report.codec}, {'whole rows' if report.codec == 'raw' else report.chunk_n} "
+              f"{'' if report.codec == 'raw' else 'values '}per chunk, {report.threads} threads]")
         print()
         print(size_table([r.to_dict() for r in report.rows()]))
         print(TABLE_NOTE)
@@ -77,7 +78,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"{info['file']}: {human_size(info['file_size'])}, {info['status']}")
     if info["compressed"]:
         src = info["source"]
-        print(f"codec {info['codec']} (level {info['codec_level']}), {info['chunk_size']} values per chunk; "
+        chunks = ("whole rows per chunk" if info["codec"] == "raw" else f"{info['chunk_size']} values per chunk")
+        print(f"codec {info['codec']} (level {info['codec_level']}), {chunks}; "
               f"source {human_size(src['size'])}, sha256 {src['sha256']}")
     for t in info["unsupported_experts"]:
         print(f"  {t['name']}: {t['type']}")
@@ -158,22 +160,26 @@ def register(sub: Any) -> None:
     from ..file import codec
 
     p = command(
-        sub, "convert", cmd_convert, help="compress the BF16 expert tensors of a GGUF",
-        description="Compress every BF16 expert tensor (blk.N.ffn_{up,gate,down,gate_up}_exps.weight) of SRC "
-                    "into DST, a GGUF that keeps every other tensor and key of SRC. SRC is read twice "
-                    "(statistics, then encoding); memory use does not grow with the model.",
+        sub, "convert", cmd_convert, help="compress the expert tensors of a GGUF",
+        description="Compress every expert tensor (blk.N.ffn_{up,gate,down,gate_up}_exps.weight) of SRC "
+                    "into DST, a GGUF that keeps every other tensor and key of SRC: BF16 and F16 experts entropy "
+                    "coded, F32 and quantized ones (Q8_0, Q4_K, IQ4_XS, ...) stored raw, all in checksummed "
+                    "chunks. SRC is read twice (statistics, then encoding); memory use does not grow with the "
+                    "model.",
         epilog="examples:\n  zipmoe convert model-bf16.gguf model.zipmoe.gguf\n"
                "  zipmoe convert model-bf16.gguf model.zipmoe.gguf --codec zstd --level 3 --threads 8")
-    p.add_argument("src", metavar="SRC", help="a BF16 MoE GGUF")
+    p.add_argument("src", metavar="SRC", help="a MoE GGUF")
     p.add_argument("dst", metavar="DST", help="the zipmoe GGUF to write (replaced if it exists)")
     p.add_argument("--codec", choices=("auto", "huff", "esc", "zstd"), default="auto",
-                   help="exponent codec: huff (the smallest of the fast ones), esc (2-3%% larger, decoded several "
-                        "times faster on CPUs with AVX-512 VBMI2, slower than huff elsewhere) or zstd; "
-                        f"auto = {codec.DEFAULT_CODEC}")
+                   help="codec of BF16/F16 experts: huff (the smallest of the fast ones), esc (BF16 only; 2-3%% "
+                        "larger, decoded several times faster on CPUs with AVX-512 VBMI2, slower than huff "
+                        f"elsewhere) or zstd; auto = {codec.DEFAULT_CODEC}, or zstd level 1 for a model whose "
+                        "BF16/F16 experts are all F16 (as small, decoded faster)")
     p.add_argument("--level", type=int, metavar="N",
                    help=f"zstd compression level (default: {codec.DEFAULT_ZSTD_LEVEL}; zstd only)")
     p.add_argument("--chunk-size", type=positive, default=codec.DEFAULT_CHUNK_N, metavar="N",
-                   help="BF16 values per independently decodable chunk (default: %(default)s)")
+                   help="values per independently decodable chunk (default: %(default)s; raw experts: whole "
+                        "rows of about the bytes as many BF16 values take)")
     add_threads(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bars, no size table")
@@ -185,22 +191,23 @@ def register(sub: Any) -> None:
                     "also compare with the source file and name the first differing value.",
         epilog="example:\n  zipmoe verify model.zipmoe.gguf --against model-bf16.gguf")
     p.add_argument("file", metavar="FILE", help="a zipmoe GGUF")
-    p.add_argument("--against", metavar="SRC", help="the BF16 GGUF it was converted from")
+    p.add_argument("--against", metavar="SRC", help="the GGUF it was converted from")
     add_threads(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bars, no report (the exit status tells)")
 
     p = command(
         sub, "inspect", cmd_inspect, help="sizes, exponent entropy and ratios of a GGUF",
-        description="For a zipmoe file: per expert tensor its BF16 and compressed sizes, the entropy of its "
-                    "exponents H(exp), the entropy floor (8 + H(exp)) / 16 and how far the achieved ratio is "
-                    "above it. For a plain GGUF: its expert tensors, their measured H(exp) and floor.",
+        description="For a zipmoe file: per expert tensor its type, source and compressed sizes, the entropy "
+                    "of its exponents H(exp) (of its bytes for quantized types), the entropy floor and how far "
+                    "the achieved ratio is above it. For a plain GGUF: its expert tensors, their measured H(exp) "
+                    "and floor.",
         epilog="examples:\n  zipmoe inspect model.zipmoe.gguf\n  zipmoe inspect model-bf16.gguf --json")
     p.add_argument("file", metavar="FILE", help="a zipmoe or plain GGUF")
     p.add_argument("--json", action="store_true", help="print everything as JSON on stdout")
 
     p = command(
-        sub, "unpack", cmd_unpack, help="restore the original BF16 GGUF",
+        sub, "unpack", cmd_unpack, help="restore the original GGUF",
         description="Write the source of FILE back, byte for byte, to OUT; its sha256 is checked before OUT "
                     "appears.",
         epilog="example:\n  zipmoe unpack model.zipmoe.gguf model-bf16.gguf")

@@ -40,7 +40,7 @@ def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def size_table(groups: Sequence[dict[str, Any]]) -> str:
     """The tensor-group size table of convert and inspect (dicts of SizeRow.to_dict())."""
-    header = ("tensor group", "tensors", "BF16 size", "zipmoe size", "ratio", "floor", "vs floor")
+    header = ("tensor group", "tensors", "size", "zipmoe size", "ratio", "floor", "vs floor")
     rows = [(g["label"], str(g["n_tensors"] or ""), human_size(g["bf16_bytes"]),
              "-" if g["zipmoe_bytes"] is None else human_size(g["zipmoe_bytes"]),
              pct(g["ratio"]), pct(g["floor"]), pct(g["floor_gap_pct"], signed=True)) for g in groups]
@@ -48,16 +48,18 @@ def size_table(groups: Sequence[dict[str, Any]]) -> str:
 
 
 def tensor_table(tensors: Sequence[dict[str, Any]]) -> str:
-    header = ("tensor", "shape", "BF16 size", "zipmoe size", "H(exp)", "ratio", "floor", "vs floor")
-    rows = [(t["name"], "x".join(map(str, t["dims"])), human_size(t["bf16_bytes"]),
+    header = ("tensor", "shape", "type", "size", "zipmoe size", "H(exp)", "ratio", "floor", "vs floor")
+    rows = [(t["name"], "x".join(map(str, t["dims"])), t["type"], human_size(t["bf16_bytes"]),
              "-" if t["zipmoe_bytes"] is None else human_size(t["zipmoe_bytes"]),
              f"{t['exponent_entropy']:.3f}", pct(t["ratio"]), pct(t["floor"]),
              pct(t["floor_gap_pct"], signed=True)) for t in tensors]
     return render_table(header, rows)
 
 
-TABLE_NOTE = ("ratio = zipmoe size / BF16 size; floor = (8 + H(exp)) / 16, the best a code that stores "
-              "sign+mantissa raw can do; vs floor = ratio / floor - 1")
+TABLE_NOTE = ("ratio = zipmoe size / source size; floor = (8 + H(exp)) / 16, the best a code that stores "
+              "sign+mantissa raw can do (for F16, H of its code byte: exponent and 3 mantissa bits); quantized and "
+              "F32 experts are stored raw, H(exp) is the entropy of their bytes and floor = H / 8, what coding them "
+              "could reach; vs floor = ratio / floor - 1")
 
 
 def print_json(data: dict[str, Any]) -> None:

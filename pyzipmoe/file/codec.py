@@ -14,12 +14,45 @@ import numpy as np
 from .._native import ffi, lib
 from ..errors import ChecksumError, FormatError, UnsupportedError, ZipmoeError
 
-CODECS: dict[str, int] = {"zstd": 1, "huff": 2, "esc": 3}
-CODEC_NAMES: dict[int, str] = {v: k for k, v in CODECS.items()}
+CODECS: dict[str, int] = {"zstd": 1, "huff": 2, "esc": 3}  # the entropy coders of BF16/F16 values' code bytes
+SPLIT_CODECS = tuple(CODECS)
+RAW_CODEC = "raw"  # the one codec of byte-layout types (F32, quantized blocks): their bytes as they are
+CODEC_NUMBERS: dict[str, int] = {**CODECS, RAW_CODEC: 4}  # every codec an index may name
+CODEC_NAMES: dict[int, str] = {v: k for k, v in CODEC_NUMBERS.items()}
 DEFAULT_CODEC = "huff"
+# F16's code bytes (exponent and 3 mantissa bits, ~5.5 bits of entropy) give Huffman's multi-symbol table few
+# symbols per lookup: zstd-1 coded all-MiniLM-L6-v2's F16 weights as small (+0.15% from the floor, huff +0.40%) and
+# decoded them 1.16x faster (bench/results/2026-12-03-codec-f16-quant.md)
+DEFAULT_F16_CODEC = "zstd"
 DEFAULT_ZSTD_LEVEL = 1
 DEFAULT_CHUNK_N = 64 * 1024  # values per chunk: 64 KiB of exponents, decoded inside L2
 GGML_TYPE_BF16 = 30
+LAYOUT_SPLIT16 = 1  # zipmoe_layout: 2-byte values split into a code byte and a raw byte (BF16, F16)
+LAYOUT_BYTES = 2  # the expert's bytes, stored raw (F32, every block-quantized type)
+
+
+@dataclass(frozen=True)
+class TypeLayout:
+    """How zipmoe stores experts of a ggml type (zipmoe_type_layout)."""
+
+    layout: int
+    blck_size: int  # values per block
+    type_size: int  # bytes per block
+
+    @property
+    def split(self) -> bool:
+        return self.layout == LAYOUT_SPLIT16
+
+    def row_size(self, ne0: int) -> int:
+        return ne0 // self.blck_size * self.type_size
+
+
+def type_layout(ggml_type: int) -> TypeLayout | None:
+    """The layout of a ggml type, or None for one zipmoe does not store (integers, F64, unknown numbers)."""
+    out = ffi.new("zipmoe_type_info *")
+    if not 0 <= ggml_type < 2**31 or lib.zipmoe_type_layout(ggml_type, out) != lib.ZIPMOE_OK:
+        return None
+    return TypeLayout(out.layout, out.blck_size, out.type_size)
 
 
 def _check(status: int, what: str) -> int:
@@ -89,6 +122,14 @@ def exponent_histogram(values: np.ndarray, hist: np.ndarray | None = None) -> np
     if hist is None:
         hist = np.zeros(256, np.uint64)
     lib.zipmoe_exponent_histogram(_ptr(src, "uint16_t *"), src.size, _ptr(hist, "uint64_t *"))
+    return hist
+
+
+def byte_histogram(data: np.ndarray, hist: np.ndarray | None = None) -> np.ndarray:
+    """Adds the histogram of bytes (of a byte-layout expert tensor) to `hist` (a new uint64[256] if None)."""
+    if hist is None:
+        hist = np.zeros(256, np.uint64)
+    hist += np.bincount(np.ascontiguousarray(data).reshape(-1).view(np.uint8), minlength=256).astype(np.uint64)
     return hist
 
 
@@ -165,13 +206,15 @@ class EncodedExpert:
 
 
 class Codec:
-    """A codec instance (zstd at a level, huff with one tensor's code lengths, esc with its classes). Thread-safe.
+    """A codec instance (zstd at a level, huff with one tensor's code lengths, esc with its classes, raw) for chunks
+    of one ggml type (BF16 unless told). Thread-safe.
 
     `lengths` is the table the index stores (FORMAT.md): Huffman code lengths, or escape-code classes."""
 
-    def __init__(self, name: str, *, level: int = 0, lengths: np.ndarray | None = None):
-        if name not in CODECS:
-            raise UnsupportedError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}")
+    def __init__(self, name: str, *, level: int = 0, lengths: np.ndarray | None = None,
+                 ggml_type: int = GGML_TYPE_BF16):
+        if name not in CODEC_NUMBERS:
+            raise UnsupportedError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_NUMBERS)}")
         self.name = name
         self.level = level if name == "zstd" else 0
         self.lengths = None if lengths is None else np.ascontiguousarray(lengths, np.uint8)
@@ -181,11 +224,18 @@ class Codec:
             raise ValueError("the esc codec needs its classes (see esc_classes)")
         out = ffi.new("zipmoe_codec_ctx **")
         lengths_ptr = ffi.NULL if self.lengths is None else _ptr(self.lengths, "uint8_t *")
-        _check(lib.zipmoe_codec_create(CODECS[name], self.level, lengths_ptr, out), f"{name} codec")
+        _check(lib.zipmoe_codec_create_typed(CODEC_NUMBERS[name], self.level, lengths_ptr, ggml_type, out),
+               f"{name} codec")
         self._handle = ffi.gc(out[0], lib.zipmoe_codec_free)
+        self.ggml_type = ggml_type
+        layout = type_layout(ggml_type)
+        assert layout is not None  # the native constructor refused the others
+        self.layout = layout
 
     def encode_expert(self, values: np.ndarray, chunk_n: int) -> EncodedExpert:
-        src = _u16(values)
+        """An expert's region: `values` are BF16/F16 bits (uint16) for split types, the expert's bytes (uint8)
+        otherwise; chunk_n counts values, or bytes."""
+        src = _u16(values) if self.layout.split else np.ascontiguousarray(values.reshape(-1)).view(np.uint8)
         n_chunks = -(-src.size // chunk_n)
         cap = lib.zipmoe_expert_region_bound(self._handle, src.size, chunk_n)
         region = np.empty(cap, np.uint8)
@@ -194,7 +244,7 @@ class Codec:
         ws = _workspaces.get(chunk_n)
         size = _check(
             lib.zipmoe_expert_encode(
-                self._handle, ws.handle, _ptr(src, "uint16_t *"), src.size, chunk_n,
+                self._handle, ws.handle, _ptr(src, "void *"), src.size, chunk_n,
                 _ptr(region, "void *"), cap, _ptr(ends, "uint64_t *"), _ptr(sums, "uint64_t *"),
             ),
             "encode expert",
@@ -210,9 +260,16 @@ class TensorInfo:
     ne: tuple[int, int, int, int]
     n_expert: int
     n_per_expert: int
-    chunk_n: int
+    chunk_n: int  # units: values of split types, bytes of byte-layout types
     n_chunks: int
     data_size: int
+    layout: int
+    n_units: int
+    expert_size: int  # bytes of one decoded expert
+
+    @property
+    def split(self) -> bool:
+        return self.layout == LAYOUT_SPLIT16
 
 
 @dataclass(frozen=True)
@@ -238,6 +295,7 @@ class ExpertTensor:
             codec=CODEC_NAMES[raw.codec], level=raw.level, ggml_type=raw.ggml_type,
             ne=tuple(raw.ne), n_expert=raw.n_expert, n_per_expert=raw.n_per_expert,
             chunk_n=raw.chunk_n, n_chunks=raw.n_chunks, data_size=raw.data_size,
+            layout=raw.layout, n_units=raw.n_units, expert_size=raw.expert_size,
         )
 
     def span(self, expert: int) -> ExpertSpan:
@@ -245,20 +303,26 @@ class ExpertTensor:
         _check(lib.zipmoe_tensor_expert_span(self._handle, expert, raw), f"{self.name}: expert {expert}")
         return ExpertSpan(raw.offset, raw.size, raw.exp_offset)
 
+    def _new_output(self) -> np.ndarray:
+        """An expert's decoded form: uint16 bits of split types, bytes otherwise."""
+        info = self.info
+        return np.empty(info.n_per_expert, np.uint16) if info.split else np.empty(info.expert_size, np.uint8)
+
     def decode_expert(self, expert: int, region, out: np.ndarray | None = None, *, ith: int = 0, nth: int = 1) -> np.ndarray:
-        """Decodes expert `expert` from its region bytes into `out` (uint16[n_per_expert]).
+        """Decodes expert `expert` from its region bytes into `out` (uint16[n_per_expert] for BF16/F16,
+        uint8[expert_size] for other types: any contiguous array of expert_size bytes).
 
         With nth > 1 only the chunks ith, ith+nth, ... are decoded: nth threads with ith = 0..nth-1
         share one expert (see decode_expert_parallel).
         """
         if out is None:
-            out = np.empty(self.info.n_per_expert, np.uint16)
-        if out.dtype != np.uint16 or out.size != self.info.n_per_expert or not out.flags.c_contiguous:
-            raise ValueError(f"out must be a contiguous uint16 array of {self.info.n_per_expert} values")
+            out = self._new_output()
+        if out.nbytes != self.info.expert_size or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a contiguous array of {self.info.expert_size} bytes")
         buf = ffi.from_buffer(region)
         ws = _workspaces.get(self.info.chunk_n)
         _check(
-            lib.zipmoe_tensor_decode_expert(self._handle, ws.handle, expert, buf, len(buf), _ptr(out, "uint16_t *"), ith, nth),
+            lib.zipmoe_tensor_decode_expert(self._handle, ws.handle, expert, buf, len(buf), _ptr(out, "void *"), ith, nth),
             f"{self.name}: expert {expert}",
         )
         return out
@@ -268,7 +332,7 @@ class ExpertTensor:
         from concurrent.futures import ThreadPoolExecutor
 
         if out is None:
-            out = np.empty(self.info.n_per_expert, np.uint16)
+            out = self._new_output()
         with ThreadPoolExecutor(threads) as pool:
             for f in [pool.submit(self.decode_expert, expert, region, out, ith=i, nth=threads) for i in range(threads)]:
                 f.result()

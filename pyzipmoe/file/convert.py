@@ -1,5 +1,7 @@
-"""BF16 MoE GGUF -> zipmoe GGUF (convert), and what compression would gain (inspect); pyzipmoe.file.verify goes
-back.
+"""MoE GGUF -> zipmoe GGUF (convert), and what compression would gain (inspect); pyzipmoe.file.verify goes back.
+
+BF16 and F16 experts are split and entropy coded; experts of other types (F32, quantized blocks) are stored raw,
+chunked and checksummed (docs/FORMAT.md).
 
 Everything streams: expert tensors are read expert by expert with pread (not through mmap, whose pages
 would count against the process), at most `threads + 2` experts are in flight, and the output is
@@ -29,8 +31,19 @@ from . import codec as zcodec
 from ..atomic import replacing
 from ..errors import FormatError, UnsupportedError, ZipmoeError
 from ..progress import Progress, Silent
-from .gguf import GGML_TYPE_BF16, GGUFFile, Tensor, align_up, pread_exact, read_gguf, type_name
-from .metadata import ZipmoeMeta, build_index, is_expert_tensor, n_chunks, region_alignment, zipmoe_slots
+from .gguf import GGML_TYPE_BF16, GGML_TYPE_F16, GGUFFile, Tensor, align_up, pread_exact, read_gguf, type_name
+from .metadata import (
+    FORMAT_VERSION,
+    TYPED_FORMAT_VERSION,
+    ExpertShape,
+    ZipmoeMeta,
+    build_index,
+    expert_layout,
+    expert_shape,
+    is_expert_tensor,
+    region_alignment,
+    zipmoe_slots,
+)
 from .reader import ZipmoeFile, open_zipmoe, restore_zeros
 from .writer import ZipmoeWriter
 
@@ -48,26 +61,35 @@ R = TypeVar("R")
 
 @dataclass(frozen=True)
 class TensorStats:
-    """Sizes of one expert tensor; zipmoe_bytes is None while it is not compressed."""
+    """Sizes of one expert tensor; zipmoe_bytes is None while it is not compressed. bf16_bytes is the source
+    tensor's size, whatever its type; exponent_entropy the entropy of its code bytes (exponents of BF16, code bytes
+    of F16), or of all its bytes for byte-layout types."""
 
     name: str
     dims: tuple[int, ...]
     bf16_bytes: int
     zipmoe_bytes: int | None
     exponent_entropy: float
+    ggml_type: int = GGML_TYPE_BF16
+
+    @property
+    def split(self) -> bool:
+        layout = zcodec.type_layout(self.ggml_type)
+        return layout is not None and layout.split
 
     @property
     def floor(self) -> float:
-        """Smallest size fraction a split code can reach: 8 raw sign+mantissa bits plus H(exp) bits."""
-        return (8 + self.exponent_entropy) / 16
+        """Smallest size fraction an order-0 code can reach: for a split type 8 raw bits plus H(code byte) bits of 16;
+        for a byte-layout type H(byte) bits of 8 (what entropy coding its bytes could reach; they are stored raw)."""
+        return (8 + self.exponent_entropy) / 16 if self.split else self.exponent_entropy / 8
 
     @property
     def ratio(self) -> float | None:
         return None if self.zipmoe_bytes is None else self.zipmoe_bytes / self.bf16_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "dims": list(self.dims), "floor": self.floor, "ratio": self.ratio,
-                "floor_gap_pct": _gap_pct(self.ratio, self.floor)}
+        return {**asdict(self), "dims": list(self.dims), "type": type_name(self.ggml_type), "floor": self.floor,
+                "ratio": self.ratio, "floor_gap_pct": _gap_pct(self.ratio, self.floor)}
 
 
 @dataclass(frozen=True)
@@ -198,28 +220,59 @@ def refuse_same_file(a: Path, b: Path) -> None:
 
 
 def _codec_name(name: str) -> str:
-    if name == "auto":
-        return zcodec.DEFAULT_CODEC
-    if name not in zcodec.CODECS:
+    if name != "auto" and name not in zcodec.SPLIT_CODECS:
         raise UnsupportedError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_CHOICES)}")
     return name
+
+
+def format_version(experts: list[Tensor]) -> int:
+    """1 for all-BF16 experts (what every zipmoe reader reads), else 2: a reader that knows only BF16 experts
+    refuses the file by its version instead of taking other bits for BF16."""
+    return FORMAT_VERSION if all(t.ggml_type == GGML_TYPE_BF16 for t in experts) else TYPED_FORMAT_VERSION
+
+
+def auto_codec(experts: list[Tensor]) -> str:
+    """The codec "auto" means for these experts: huff, unless every split expert is F16, whose code bytes zstd-1
+    codes as small and decodes faster (zcodec.DEFAULT_F16_CODEC)."""
+    split = [t for t in experts if (layout := expert_layout(t)) is not None and layout.split]
+    if split and all(t.ggml_type == GGML_TYPE_F16 for t in split):
+        return zcodec.DEFAULT_F16_CODEC
+    return zcodec.DEFAULT_CODEC
 
 
 # ----------------------------------------------------------------------------------------- the source
 
 
 def expert_tensors(g: GGUFFile) -> list[Tensor]:
-    """The tensors zipmoe compresses; refuses a file that has none or whose experts are not BF16."""
+    """The tensors zipmoe stores; refuses a file that has none or an expert tensor of a type it cannot store."""
     experts = [t for t in g.tensors if is_expert_tensor(t)]
     if not experts:
         raise UnsupportedError(f"{g.label}: not a MoE model: no tensor is named "
                                "blk.N.ffn_{up,gate,down,gate_up}_exps.weight, so there is nothing to compress")
-    other = [t for t in experts if t.ggml_type != GGML_TYPE_BF16]
+    other = [t for t in experts if expert_layout(t) is None]
     if other:
         types = sorted({type_name(t.ggml_type) for t in other})
-        raise UnsupportedError(f"{g.label}: expert tensors are {'/'.join(types)} (e.g. {other[0].name}); "
-                               "zipmoe compresses BF16 experts only (F16/F32 could be supported later)")
+        raise UnsupportedError(f"{g.label}: expert tensors are {'/'.join(types)} (e.g. {other[0].name}); zipmoe "
+                               "stores BF16, F16, F32 and block-quantized experts, not these")
     return experts
+
+
+def _code_histogram(t: Tensor, view: memoryview, hist: np.ndarray) -> None:
+    """Adds a run of tensor t's bytes to its histogram: code bytes of BF16/F16 values, all bytes otherwise."""
+    layout = expert_layout(t)
+    if layout is not None and layout.split:
+        zcodec.exponent_histogram(np.frombuffer(view, np.uint16), hist)
+    else:
+        zcodec.byte_histogram(np.frombuffer(view, np.uint8), hist)
+
+
+def _check_codec_fits(g: GGUFFile, experts: list[Tensor], codec_name: str) -> None:
+    """esc gives short codes to 10 code bytes; F16's code bytes (exponent and 3 mantissa bits) spread over ~8 times
+    as many, so esc made F16 experts larger than they are (+9% on all-MiniLM-L6-v2: bench_codec.py)."""
+    f16 = [t for t in experts if t.ggml_type == GGML_TYPE_F16]
+    if codec_name == "esc" and f16:
+        raise UnsupportedError(f"{g.label}: the esc codec does not fit F16 experts (e.g. {f16[0].name}): it would "
+                               "store them larger than they are; use huff (the default) or zstd")
 
 
 def _check_zero_gaps(g: GGUFFile, experts: list[Tensor]) -> None:
@@ -237,7 +290,7 @@ def _check_zero_gaps(g: GGUFFile, experts: list[Tensor]) -> None:
 @dataclass(frozen=True)
 class SourceScan:
     sha256: str
-    histograms: dict[str, np.ndarray]  # exponent histogram of each expert tensor
+    histograms: dict[str, np.ndarray]  # code-byte histogram of each expert tensor (_code_histogram)
 
 
 def tensors_by_offset(g: GGUFFile) -> list[Tensor]:
@@ -250,7 +303,7 @@ def tensors_by_offset(g: GGUFFile) -> list[Tensor]:
 
 
 def scan_source(f: BinaryIO, g: GGUFFile, experts: Iterable[Tensor], progress: Progress) -> SourceScan:
-    """Pass 1: one sequential read of the whole file for its sha256 and the experts' exponent histograms,
+    """Pass 1: one sequential read of the whole file for its sha256 and the experts' code-byte histograms,
     checking that the bytes between tensors are zero (unpack restores them as zeros)."""
     expert_names = {t.name for t in experts}
     histograms = {name: np.zeros(256, np.uint64) for name in expert_names}
@@ -279,8 +332,7 @@ def scan_source(f: BinaryIO, g: GGUFFile, experts: Iterable[Tensor], progress: P
     for t in tensors_by_offset(g):
         read(t.file_offset - pos, "gap", zeros(f"before tensor {t.name}"))
         if t.name in expert_names:
-            read(t.nbytes, t.name, lambda v, h=histograms[t.name]: zcodec.exponent_histogram(
-                np.frombuffer(v, np.uint16), h))
+            read(t.nbytes, t.name, lambda v, t=t, h=histograms[t.name]: _code_histogram(t, v, h))
         else:
             read(t.nbytes, t.name)
         pos = t.file_offset + t.nbytes
@@ -332,34 +384,36 @@ class _ChunkTable:
         self.checksums = np.zeros((n_expert, chunks), np.uint64)
 
 
-def _tensor_codec(settings: _Settings, hist: np.ndarray) -> zcodec.Codec:
-    if settings.codec == "huff":
-        return zcodec.Codec("huff", lengths=zcodec.huff_lengths(hist))
-    if settings.codec == "esc":
-        return zcodec.Codec("esc", lengths=zcodec.esc_classes(hist))
-    return zcodec.Codec("zstd", level=settings.level)
+def _tensor_codec(settings: _Settings, shape: ExpertShape, ggml_type: int, hist: np.ndarray) -> zcodec.Codec:
+    if shape.codec_name == "huff":
+        return zcodec.Codec("huff", lengths=zcodec.huff_lengths(hist), ggml_type=ggml_type)
+    if shape.codec_name == "esc":
+        return zcodec.Codec("esc", lengths=zcodec.esc_classes(hist), ggml_type=ggml_type)
+    if shape.codec_name == "zstd":
+        return zcodec.Codec("zstd", level=settings.level, ggml_type=ggml_type)
+    return zcodec.Codec(zcodec.RAW_CODEC, ggml_type=ggml_type)
 
 
-def _expert_regions(pool: ThreadPoolExecutor, fd: int, t: Tensor, coder: zcodec.Codec, settings: _Settings,
-                    table: _ChunkTable, progress: Progress, label: str) -> Iterator[Any]:
+def _expert_regions(pool: ThreadPoolExecutor, fd: int, t: Tensor, coder: zcodec.Codec, shape: ExpertShape,
+                    settings: _Settings, table: _ChunkTable, progress: Progress, label: str) -> Iterator[Any]:
     """The data companion's bytes: expert regions in order, each starting on a 4096-byte boundary."""
-    ne0, ne1, n_expert = t.dims
-    n_per = ne0 * ne1
+    size = shape.expert_size
+    dtype = np.uint16 if shape.layout.split else np.uint8
 
     def encode(e: int) -> zcodec.EncodedExpert:
-        values = pread_into(fd, np.empty(n_per, np.uint16), t.file_offset + e * n_per * 2, label)
-        return coder.encode_expert(values, settings.chunk_n)
+        values = pread_into(fd, np.empty(size // np.dtype(dtype).itemsize, dtype), t.file_offset + e * size, label)
+        return coder.encode_expert(values, shape.chunk_n)
 
     pos = 0
-    for e, enc in enumerate(_ordered(pool, encode, range(n_expert), settings.depth)):
-        start = align_up(pos, region_alignment(n_per))
+    for e, enc in enumerate(_ordered(pool, encode, range(shape.n_expert), settings.depth)):
+        start = align_up(pos, region_alignment(size))
         yield bytes(start - pos)
         table.regions[e] = (start, enc.region.size)
         table.chunk_ends[e] = enc.chunk_ends
         table.checksums[e] = enc.checksums
         yield enc.region
         pos = start + enc.region.size
-        progress.advance(n_per * 2)
+        progress.advance(size)
 
 
 def _copy(fd: int, offset: int, size: int, label: str, progress: Progress | None = None) -> Iterator[bytes]:
@@ -370,16 +424,15 @@ def _copy(fd: int, offset: int, size: int, label: str, progress: Progress | None
         yield data
 
 
-def _write_experts(w: ZipmoeWriter, pool: ThreadPoolExecutor, fd: int, t: Tensor, hist: np.ndarray,
-                   settings: _Settings, progress: Progress, label: str) -> int:
+def _write_experts(w: ZipmoeWriter, pool: ThreadPoolExecutor, fd: int, t: Tensor, shape: ExpertShape,
+                   hist: np.ndarray, settings: _Settings, progress: Progress, label: str) -> int:
     """Writes one expert tensor's data and index companions; returns their total size."""
-    ne0, ne1, n_expert = t.dims
-    coder = _tensor_codec(settings, hist)
-    table = _ChunkTable(n_expert, n_chunks(ne0 * ne1, settings.chunk_n))
-    data_size = w.write_tensor(_expert_regions(pool, fd, t, coder, settings, table, progress, label))
-    index = build_index(codec_name=settings.codec, level=coder.level, dims=t.dims, chunk_n=settings.chunk_n,
+    coder = _tensor_codec(settings, shape, t.ggml_type, hist)
+    table = _ChunkTable(shape.n_expert, shape.n_chunks)
+    data_size = w.write_tensor(_expert_regions(pool, fd, t, coder, shape, settings, table, progress, label))
+    index = build_index(codec_name=shape.codec_name, level=coder.level, dims=t.dims, chunk_n=shape.chunk_n,
                         data_size=data_size, lengths=coder.lengths, regions=table.regions,
-                        chunk_ends=table.chunk_ends, checksums=table.checksums)
+                        chunk_ends=table.chunk_ends, checksums=table.checksums, ggml_type=t.ggml_type)
     return data_size + w.write_tensor([index.view(np.uint8)])
 
 
@@ -388,16 +441,16 @@ def _write_zipmoe(out: BinaryIO, fd: int, g: GGUFFile, meta: ZipmoeMeta, scan: S
     """Pass 2: the zipmoe file, tensors in the source's tensor-info order. Returns the compressed
     size of each expert tensor."""
     kv, n_kv = meta.encode()
-    w = ZipmoeWriter(out, kv_raw=g.kv_raw + kv, n_kv=g.n_kv + n_kv,
-                     slots=zipmoe_slots(g, set(meta.tensors), settings.chunk_n), alignment=g.alignment,
-                     integrity=True)
+    shapes = {t.name: expert_shape(t, settings.chunk_n, settings.codec) for t in g.tensors if t.name in meta.tensors}
+    w = ZipmoeWriter(out, kv_raw=g.kv_raw + kv, n_kv=g.n_kv + n_kv, slots=zipmoe_slots(g, shapes),
+                     alignment=g.alignment, integrity=True)
     sizes = {}
     progress.start(f"encode ({settings.codec})", sum(t.nbytes for t in g.tensors))
     with ThreadPoolExecutor(threads, thread_name_prefix="zipmoe-encode") as pool:
         for t in g.tensors:
             if t.name in scan.histograms:
-                sizes[t.name] = _write_experts(w, pool, fd, t, scan.histograms[t.name], settings, progress,
-                                               g.label)
+                sizes[t.name] = _write_experts(w, pool, fd, t, shapes[t.name], scan.histograms[t.name], settings,
+                                               progress, g.label)
             else:
                 w.write_tensor(_copy(fd, t.file_offset, t.nbytes, g.label, progress))
     w.write_tensor(_copy(fd, 0, g.data_start, g.label))
@@ -408,10 +461,11 @@ def _write_zipmoe(out: BinaryIO, fd: int, g: GGUFFile, meta: ZipmoeMeta, scan: S
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, codec: str = "auto",
             level: int = zcodec.DEFAULT_ZSTD_LEVEL, chunk_n: int = zcodec.DEFAULT_CHUNK_N,
             threads: int | None = None, progress: Progress | None = None) -> ConvertReport:
-    """Compresses the BF16 expert tensors of the GGUF `src` into the zipmoe GGUF `dst`.
+    """Compresses the expert tensors of the GGUF `src` into the zipmoe GGUF `dst`.
 
-    codec: "auto" (= huff), "huff", "esc" or "zstd" (at `level`); chunk_n: values per independently decodable
-    chunk; threads: encoding threads (default: all CPUs).
+    codec: "auto" (huff; zstd-1 where the split experts are all F16: auto_codec), "huff", "esc" or "zstd" (at
+    `level`), the codec of BF16/F16 experts (others are stored raw); chunk_n: values per independently decodable chunk (for raw experts: whole rows of about as many bytes as
+    chunk_n BF16 values); threads: encoding threads (default: all CPUs).
     """
     t0 = time.monotonic()
     src, dst = Path(src), Path(dst)
@@ -425,13 +479,19 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, codec: 
     if g.is_zipmoe:
         raise UnsupportedError(f"{src}: already a zipmoe file; `zipmoe unpack` restores its source")
     experts = expert_tensors(g)
+    if codec_name == "auto":
+        codec_name = auto_codec(experts)
+    _check_codec_fits(g, experts, codec_name)
     _check_zero_gaps(g, experts)
     settings = _Settings(codec_name, level if codec_name == "zstd" else 0, chunk_n, threads + 2)
     try:
         with open(src, "rb", buffering=0) as f:
             scan = scan_source(f, g, experts, progress)
             entropies = {t.name: zcodec.entropy_bits(scan.histograms[t.name]) for t in experts}
-            meta = ZipmoeMeta(codec=codec_name, level=settings.level, chunk_size=chunk_n,
+            # the file's codec is that of its split experts; a file with none is all raw
+            any_split = any(expert_layout(t).split for t in experts)  # type: ignore[union-attr]
+            meta = ZipmoeMeta(version=format_version(experts), codec=codec_name if any_split else zcodec.RAW_CODEC,
+                              level=settings.level if any_split else 0, chunk_size=chunk_n,
                               tensors=tuple(t.name for t in experts), source_size=g.file_size,
                               source_sha256=scan.sha256, source_data_start=g.data_start,
                               exponent_entropy=tuple(entropies[t.name] for t in experts))
@@ -439,8 +499,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, codec: 
                 sizes = _write_zipmoe(out, f.fileno(), g, meta, scan, settings, threads, progress)
     finally:
         progress.close()
-    stats = tuple(TensorStats(t.name, t.dims, t.nbytes, sizes[t.name], entropies[t.name]) for t in experts)
-    return ConvertReport(str(src), str(dst), codec_name, settings.level, chunk_n, threads, g.file_size,
+    stats = tuple(TensorStats(t.name, t.dims, t.nbytes, sizes[t.name], entropies[t.name], t.ggml_type)
+                  for t in experts)
+    return ConvertReport(str(src), str(dst), meta.codec, meta.level, chunk_n, threads, g.file_size,
                          dst.stat().st_size, scan.sha256, time.monotonic() - t0, stats)
 
 
@@ -449,7 +510,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, codec: 
 
 def _inspect_zipmoe(zf: ZipmoeFile) -> dict[str, Any]:
     meta = zf.meta
-    stats = [TensorStats(c.name, c.source.dims, c.source.nbytes, c.data.nbytes + c.index.nbytes, h)
+    stats = [TensorStats(c.name, c.source.dims, c.source.nbytes, c.data.nbytes + c.index.nbytes, h, c.source.ggml_type)
              for c, h in zip(zf.compressed, meta.exponent_entropy, strict=True)]
     rows = size_rows(stats, source_size=meta.source_size, output_size=zf.gguf.file_size)
     return {
@@ -468,30 +529,37 @@ def _inspect_zipmoe(zf: ZipmoeFile) -> dict[str, Any]:
 def _measured_entropy(fd: int, t: Tensor, label: str, progress: Progress) -> float:
     hist = np.zeros(256, np.uint64)
     for block in _copy(fd, t.file_offset, t.nbytes, label, progress):
-        zcodec.exponent_histogram(np.frombuffer(block, np.uint16), hist)
+        _code_histogram(t, memoryview(block), hist)
     return zcodec.entropy_bits(hist)
 
 
 def _plain_status(stats: list[TensorStats], unsupported: list[Tensor]) -> str:
-    if stats:
-        floor = sum(s.bf16_bytes * s.floor for s in stats) / sum(s.bf16_bytes for s in stats)
-        return (f"not compressed: {len(stats)} BF16 expert tensors; at the entropy floor they would take "
-                f"{floor:.1%} of their size (`zipmoe convert` compresses them)")
     if unsupported:
         types = "/".join(sorted({type_name(t.ggml_type) for t in unsupported}))
-        return f"not compressed: the expert tensors are {types}; zipmoe compresses BF16 experts only"
+        return (f"not convertible: expert tensors are {types}; zipmoe stores BF16, F16, F32 and block-quantized "
+                "experts")
+    if stats:
+        types = "/".join(sorted({type_name(s.ggml_type) for s in stats}))
+        split = [s for s in stats if s.split]
+        if not split:
+            return (f"not compressed: {len(stats)} {types} expert tensors, which zipmoe stores raw (chunked and "
+                    "checksummed: `zipmoe convert`)")
+        floor = sum(s.bf16_bytes * s.floor for s in split) / sum(s.bf16_bytes for s in split)
+        return (f"not compressed: {len(stats)} {types} expert tensors; at the entropy floor the "
+                f"{len(split)} BF16/F16 ones would take {floor:.1%} of their size (`zipmoe convert` compresses them)")
     return "not a MoE model: no expert tensors, nothing for zipmoe to compress"
 
 
 def _inspect_plain(g: GGUFFile, progress: Progress) -> dict[str, Any]:
     experts = [t for t in g.tensors if is_expert_tensor(t)]
-    bf16 = [t for t in experts if t.ggml_type == GGML_TYPE_BF16]
-    unsupported = [t for t in experts if t.ggml_type != GGML_TYPE_BF16]
-    progress.start("measure", sum(t.nbytes for t in bf16))
+    stored = [t for t in experts if expert_layout(t) is not None]
+    unsupported = [t for t in experts if expert_layout(t) is None]
+    progress.start("measure", sum(t.nbytes for t in stored))
     fd = os.open(g.label, os.O_RDONLY)
     try:
-        stats = [TensorStats(t.name, t.dims, t.nbytes, None, _measured_entropy(fd, t, g.label, progress))
-                 for t in bf16]
+        stats = [TensorStats(t.name, t.dims, t.nbytes, None, _measured_entropy(fd, t, g.label, progress),
+                             t.ggml_type)
+                 for t in stored]
     finally:
         os.close(fd)
     rows = size_rows(stats, source_size=g.file_size, output_size=None) if stats else []

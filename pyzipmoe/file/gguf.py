@@ -30,6 +30,7 @@ GGUF_FIXED_HEADER = 24  # magic, version, tensor count, key/value count
 GGML_TYPE_I8 = int(GGMLQuantizationType.I8)
 GGML_TYPE_I64 = int(GGMLQuantizationType.I64)
 GGML_TYPE_BF16 = int(GGMLQuantizationType.BF16)
+GGML_TYPE_F16 = int(GGMLQuantizationType.F16)
 
 _SCALARS: dict[int, str] = {
     GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",

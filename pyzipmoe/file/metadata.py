@@ -32,12 +32,15 @@ from .gguf import (
 
 
 PAGE = 4096  # data companions and expert regions start on multiples of this
+CHUNK_MAX = 1 << 24  # ZIPMOE_CHUNK_MAX of zipmoe.h: units per chunk
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # files whose experts are all BF16
+TYPED_FORMAT_VERSION = 2  # files with experts of other types: readers that know BF16 only refuse them by version
+FORMAT_VERSIONS = (FORMAT_VERSION, TYPED_FORMAT_VERSION)
 INDEX_MAGIC = 0x3158444945504D5A  # the bytes "ZMPEIDX1"
 INDEX_VERSION = 1
 INDEX_HEADER = 48
-REGION_ALIGN = PAGE  # of expert regions whose BF16 size is at least SMALL_EXPERT
+REGION_ALIGN = PAGE  # of expert regions whose decoded size is at least SMALL_EXPERT
 SMALL_EXPERT = 64 * 1024
 SMALL_REGION_ALIGN = 64  # page-aligning experts smaller than ~a page would waste more than it saves
 SOURCE_HEADER = "zipmoe.source_header"
@@ -52,8 +55,48 @@ EXPERT_NAME = re.compile(r"blk\.\d+\.ffn_(?:up|gate|down|gate_up)_exps\.weight")
 
 
 def is_expert_tensor(t: Tensor) -> bool:
-    """Named like an expert tensor and 3-D; its type is checked separately (non-BF16 ones are refused)."""
+    """Named like an expert tensor and 3-D; its type is checked separately (expert_layout)."""
     return EXPERT_NAME.fullmatch(t.name) is not None and len(t.dims) == 3
+
+
+def expert_layout(t: Tensor) -> codec.TypeLayout | None:
+    """How zipmoe stores the expert tensor `t`, or None where it does not (its type, or rows of partial blocks)."""
+    layout = codec.type_layout(t.ggml_type)
+    if layout is None or t.dims[0] % layout.blck_size:
+        return None
+    return layout
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """An expert tensor's units (values of BF16/F16, bytes of other types) and chunks, as its index records them."""
+
+    layout: codec.TypeLayout
+    n_expert: int
+    n_units: int  # per expert
+    expert_size: int  # bytes of one expert
+    chunk_n: int  # units per chunk
+    codec_name: str  # the file's codec for split types, "raw" for the others
+
+    @property
+    def n_chunks(self) -> int:
+        return n_chunks(self.n_units, self.chunk_n)
+
+
+def expert_shape(t: Tensor, chunk_size: int, split_codec: str) -> ExpertShape:
+    """The units and chunks of expert tensor `t` in a file whose zipmoe.chunk_size is `chunk_size`: that many values
+    per chunk for BF16/F16; for byte-layout types as many whole rows as fill the bytes a BF16 chunk decodes to
+    (2 * chunk_size, at least one row, at most the expert and CHUNK_MAX bytes)."""
+    layout = expert_layout(t)
+    if layout is None:
+        raise UnsupportedError(f"{t.name}: zipmoe does not store {t.ggml_type}-type experts of this shape")
+    ne0, ne1, n_expert = t.dims
+    if layout.split:
+        return ExpertShape(layout, n_expert, ne0 * ne1, 2 * ne0 * ne1, chunk_size, split_codec)
+    row = layout.row_size(ne0)
+    size = row * ne1
+    chunk = min(max(1, 2 * chunk_size // row) * row, size, CHUNK_MAX // layout.type_size * layout.type_size)
+    return ExpertShape(layout, n_expert, size, size, chunk, codec.RAW_CODEC)
 
 
 def companion_names(name: str) -> tuple[str, str]:
@@ -70,26 +113,32 @@ def index_len(n_expert: int, chunks_per_expert: int) -> int:
     return INDEX_HEADER + 2 * n_expert + 2 * n_expert * chunks_per_expert + 1
 
 
-def region_alignment(n_per_expert: int) -> int:
-    """Alignment of expert regions: a page for experts big enough to be read page by page."""
-    return REGION_ALIGN if 2 * n_per_expert >= SMALL_EXPERT else SMALL_REGION_ALIGN
+def region_alignment(expert_size: int) -> int:
+    """Alignment of expert regions: a page for experts (decoded, in bytes) big enough to be read page by page."""
+    return REGION_ALIGN if expert_size >= SMALL_EXPERT else SMALL_REGION_ALIGN
 
 
 def build_index(*, codec_name: str, level: int, dims: Sequence[int], chunk_n: int, data_size: int,
                 lengths: np.ndarray | None, regions: np.ndarray, chunk_ends: np.ndarray,
-                checksums: np.ndarray) -> np.ndarray:
+                checksums: np.ndarray, ggml_type: int = GGML_TYPE_BF16) -> np.ndarray:
     """The `<base>.zipmoe_index` companion of FORMAT.md, checksum included, as int64 elements.
 
-    `regions` is uint64 [E, 2] (offset, size); `chunk_ends` and `checksums` are uint64 [E, C].
+    `regions` is uint64 [E, 2] (offset, size); `chunk_ends` and `checksums` are uint64 [E, C]; chunk_n counts
+    units of `ggml_type` (values, or bytes for byte-layout types).
     """
     ne0, ne1, n_expert = dims
     n_per = ne0 * ne1
-    c = n_chunks(n_per, chunk_n)
+    layout = codec.type_layout(ggml_type)
+    if layout is None:
+        raise UnsupportedError(f"ggml type {ggml_type} is not one zipmoe stores")
+    units = n_per if layout.split else layout.row_size(ne0) * ne1
+    c = n_chunks(units, chunk_n)
     if regions.shape != (n_expert, 2) or chunk_ends.shape != (n_expert, c) or checksums.shape != (n_expert, c):
         raise ValueError("region and chunk tables do not match the tensor's shape")
     idx = np.zeros(index_len(n_expert, c), "<u8")
-    idx[:16] = [INDEX_MAGIC, INDEX_VERSION, codec.CODECS[codec_name], level & (2**64 - 1), GGML_TYPE_BF16,
-                ne0, ne1, n_expert, 1, n_expert, n_per, chunk_n, c, data_size, region_alignment(n_per), 0]
+    expert_size = 2 * n_per if layout.split else units
+    idx[:16] = [INDEX_MAGIC, INDEX_VERSION, codec.CODEC_NUMBERS[codec_name], level & (2**64 - 1), ggml_type,
+                ne0, ne1, n_expert, 1, n_expert, n_per, chunk_n, c, data_size, region_alignment(expert_size), 0]
     if lengths is not None:
         idx[16:48] = np.ascontiguousarray(lengths, np.uint8).view("<u8")
     body = INDEX_HEADER + 2 * n_expert
@@ -147,9 +196,9 @@ class ZipmoeMeta:
             return entry.value
 
         version = get("zipmoe.version", T.UINT32)
-        if version != FORMAT_VERSION:
+        if version not in FORMAT_VERSIONS:
             raise UnsupportedError(f"{g.label}: zipmoe format version {version} is not supported "
-                                   f"(this zipmoe reads version {FORMAT_VERSION})")
+                                   f"(this zipmoe reads versions {' and '.join(map(str, FORMAT_VERSIONS))})")
         meta = cls(
             codec=get("zipmoe.codec", T.STRING),
             level=int(get("zipmoe.codec_level", T.INT32)),
@@ -161,7 +210,7 @@ class ZipmoeMeta:
             exponent_entropy=tuple(float(x) for x in get("zipmoe.exponent_entropy", T.ARRAY, T.FLOAT32)),
             version=version,
         )
-        if meta.codec not in codec.CODECS:
+        if meta.codec not in codec.CODEC_NUMBERS:
             raise UnsupportedError(f"{g.label}: unknown zipmoe codec {meta.codec!r}")
         if len(set(meta.tensors)) != len(meta.tensors):
             raise FormatError(f"{g.label}: zipmoe.tensors lists a tensor twice")
@@ -196,15 +245,16 @@ class Slot:
         return self.dims is None
 
 
-def zipmoe_slots(source: GGUFFile, expert_names: set[str], chunk_n: int) -> list[Slot]:
-    """The output's tensors: the source's, experts replaced by their companions, the source header last."""
+def zipmoe_slots(source: GGUFFile, shapes: dict[str, ExpertShape]) -> list[Slot]:
+    """The output's tensors: the source's, experts (`shapes`, by name) replaced by their companions, the source
+    header last."""
     slots = []
     for t in source.tensors:
-        if t.name in expert_names:
+        shape = shapes.get(t.name)
+        if shape is not None:
             data, index = companion_names(t.name)
-            ne0, ne1, n_expert = t.dims
             slots.append(Slot(data, GGML_TYPE_I8, None))
-            slots.append(Slot(index, GGML_TYPE_I64, (index_len(n_expert, n_chunks(ne0 * ne1, chunk_n)),)))
+            slots.append(Slot(index, GGML_TYPE_I64, (index_len(shape.n_expert, shape.n_chunks),)))
         else:
             slots.append(Slot(t.name, t.ggml_type, t.dims))
     slots.append(Slot(SOURCE_HEADER, GGML_TYPE_I8, (source.data_start,)))

@@ -23,7 +23,7 @@ from .gguf import (
     type_name,
 )
 from .integrity import IntegrityRecord
-from .metadata import SOURCE_HEADER, ZipmoeMeta, companion_names, is_expert_tensor
+from .metadata import FORMAT_VERSION, SOURCE_HEADER, ZipmoeMeta, companion_names, expert_layout, expert_shape, is_expert_tensor
 
 
 # ------------------------------------------------------------------------------ reading zipmoe files
@@ -70,9 +70,9 @@ def _companion(g: GGUFFile, name: str, ggml_type: int) -> Tensor:
 def _check_source_tensors(g: GGUFFile, meta: ZipmoeMeta, source: GGUFFile) -> None:
     """The zipmoe file must hold every non-expert tensor of its source, with the same type and shape."""
     compressed = set(meta.tensors)
-    expected = {t.name for t in source.tensors if is_expert_tensor(t) and t.ggml_type == GGML_TYPE_BF16}
+    expected = {t.name for t in source.tensors if is_expert_tensor(t) and expert_layout(t) is not None}
     if compressed != expected:
-        raise FormatError(f"{g.label}: zipmoe.tensors does not list the source's BF16 expert tensors")
+        raise FormatError(f"{g.label}: zipmoe.tensors does not list the source's expert tensors")
     for t in source.tensors:
         if t.name in compressed:
             continue
@@ -81,6 +81,15 @@ def _check_source_tensors(g: GGUFFile, meta: ZipmoeMeta, source: GGUFFile) -> No
             raise FormatError(f"{g.label}: tensor {t.name} of the source is missing")
         if (mine.ggml_type, mine.dims) != (t.ggml_type, t.dims):
             raise FormatError(f"{g.label}: tensor {t.name} differs in type or shape from the source's")
+
+
+def _check_version(g: GGUFFile, meta: ZipmoeMeta, source: GGUFFile) -> None:
+    """Version 1 promises BF16 experts only (its readers take every expert for BF16); other types need version 2."""
+    if meta.version == FORMAT_VERSION:
+        other = [n for n in meta.tensors if source.by_name[n].ggml_type != GGML_TYPE_BF16]
+        if other:
+            raise FormatError(f"{g.label}: zipmoe.version 1 with a {type_name(source.by_name[other[0]].ggml_type)} "
+                              f"expert tensor ({other[0]}): such files are version 2; the metadata is damaged")
 
 
 def restore_zeros(source: GGUFFile, source_size: int) -> int:
@@ -100,19 +109,24 @@ def _check_restore_size(g: GGUFFile, meta: ZipmoeMeta, source: GGUFFile) -> None
 
 def _open_compressed(fd: int, g: GGUFFile, meta: ZipmoeMeta, source: GGUFFile, name: str) -> CompressedTensor:
     src = source.by_name.get(name)
-    if src is None or not is_expert_tensor(src) or src.ggml_type != GGML_TYPE_BF16:
-        raise FormatError(f"{g.label}: {name} is listed in zipmoe.tensors but is no BF16 expert tensor "
-                          "of the source")
+    if src is None or not is_expert_tensor(src) or expert_layout(src) is None:
+        raise FormatError(f"{g.label}: {name} is listed in zipmoe.tensors but is no expert tensor zipmoe stores "
+                          "in the source")
     data_name, index_name = companion_names(name)
     data = _companion(g, data_name, GGML_TYPE_I8)
     index = _companion(g, index_name, GGML_TYPE_I64)
     raw = pread_exact(fd, index.nbytes, index.file_offset, g.label)
     expert = codec.ExpertTensor(raw, data.nbytes, name=name)
     info = expert.info
-    if (info.ne[:3], info.codec, info.level, info.chunk_n) != (src.dims, meta.codec, meta.level, meta.chunk_size):
+    # split experts use the file's codec and chunk size; the others are raw in whole rows (expert_shape)
+    want = expert_shape(src, meta.chunk_size, meta.codec)
+    level = meta.level if want.layout.split else 0
+    if (info.ne[:3], info.ggml_type, info.codec, info.level, info.chunk_n) != (
+            src.dims, src.ggml_type, want.codec_name, level, want.chunk_n):
         raise FormatError(f"{g.label}: {name}: the index disagrees with the metadata (shape {list(info.ne[:3])} "
-                          f"vs {list(src.dims)}, codec {info.codec} level {info.level} vs {meta.codec} level "
-                          f"{meta.level}, chunk size {info.chunk_n} vs {meta.chunk_size})")
+                          f"vs {list(src.dims)}, type {type_name(info.ggml_type)} vs {type_name(src.ggml_type)}, "
+                          f"codec {info.codec} level {info.level} vs {want.codec_name} level {level}, chunk size "
+                          f"{info.chunk_n} vs {want.chunk_n})")
     return CompressedTensor(name, expert, data, index, src)
 
 
@@ -140,6 +154,7 @@ def open_zipmoe(path: str | os.PathLike[str]) -> ZipmoeFile:
             raise FormatError(f"{path}: the source header's data section starts at {source.data_start}, "
                               f"not at zipmoe.source.data_start {meta.source_data_start}")
         _check_source_tensors(g, meta, source)
+        _check_version(g, meta, source)
         _check_restore_size(g, meta, source)
         compressed = tuple(_open_compressed(fd, g, meta, source, name) for name in meta.tensors)
     finally:

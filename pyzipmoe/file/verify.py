@@ -1,4 +1,4 @@
-"""zipmoe GGUF -> its BF16 source, bit for bit: verify (every expert decoded, each chunk's checksum checked, the
+"""zipmoe GGUF -> its source, bit for bit: verify (every expert decoded, each chunk's checksum checked, the
 restored source compared with its sha256 and, if given, with the source file) and unpack (the source written back).
 
 Like convert, everything streams, and unpack writes through a temporary file renamed when complete.
@@ -53,6 +53,7 @@ class Piece:
     tensor: str | None  # None between tensors
     expert: int | None = None
     start: int = 0  # offset of the run inside its tensor (or expert)
+    unit: int = 1  # bytes per element of an expert (2 for BF16/F16 values), for mismatch reports
 
     @property
     def nbytes(self) -> int:
@@ -73,9 +74,10 @@ def _decoded(pool: ThreadPoolExecutor, fd: int, c: CompressedTensor, depth: int,
         region = pread_into(fd, np.empty(span.size, np.uint8), c.data.file_offset + span.offset, label)
         return c.expert.decode_expert(e, region)
 
-    expert_bytes = info.n_per_expert * 2
+    expert_bytes = info.expert_size
+    unit = 2 if info.split else 1
     for e, values in enumerate(_ordered(pool, decode, range(info.n_expert), depth)):
-        yield Piece(c.source.file_offset + e * expert_bytes, values.view(np.uint8), c.name, e)
+        yield Piece(c.source.file_offset + e * expert_bytes, values.view(np.uint8), c.name, e, unit=unit)
 
 
 def _restored(zf: ZipmoeFile, fd: int, pool: ThreadPoolExecutor, depth: int) -> Iterator[Piece]:
@@ -116,14 +118,15 @@ def _restore(zf: ZipmoeFile, threads: int, progress: Progress, sink: Callable[[P
 def _mismatch(piece: Piece, ref: np.ndarray) -> MismatchError:
     """Names the first differing value: tensor, expert and element for experts, byte otherwise."""
     mine = np.frombuffer(piece.data, np.uint8)
-    if piece.expert is not None:
+    if piece.expert is not None and piece.unit == 2:
         a, b = mine.view(np.uint16), ref.view(np.uint16)
         i = int(np.flatnonzero(a != b)[0])
         return MismatchError(f"{piece.tensor} expert {piece.expert} element {i} "
                              f"(flat index {piece.expert * a.size + i}): zipmoe gives 0x{a[i]:04x}, "
                              f"the source has 0x{b[i]:04x}")
     i = int(np.flatnonzero(mine != ref)[0])
-    where = (f"{piece.tensor} byte {piece.start + i}" if piece.tensor
+    where = (f"{piece.tensor} expert {piece.expert} byte {i}" if piece.expert is not None
+             else f"{piece.tensor} byte {piece.start + i}" if piece.tensor
              else f"source byte {piece.offset + i} (between tensors)")
     return MismatchError(f"{where}: zipmoe gives 0x{mine[i]:02x}, the source has 0x{ref[i]:02x}")
 

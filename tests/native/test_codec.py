@@ -39,7 +39,7 @@ def compress(experts: np.ndarray, name: str, chunk_n: int) -> tuple[codec.Expert
     offset = 0
     for e, enc in enumerate(encoded):
         regions[e] = (offset, enc.region.size)
-        offset = format.align_up(offset + enc.region.size, metadata.region_alignment(ne0 * ne1))
+        offset = format.align_up(offset + enc.region.size, metadata.region_alignment(2 * ne0 * ne1))
     data = np.zeros(offset, np.uint8)
     for e, enc in enumerate(encoded):
         data[int(regions[e, 0]):int(regions[e, 0]) + enc.region.size] = enc.region
@@ -406,7 +406,9 @@ def forge(index: np.ndarray, edit) -> np.ndarray:
     lambda ix: ix.__setitem__(49, 1 << 50),                 # region past the data
     lambda ix: ix.__setitem__(50, 0),                       # regions overlap
     lambda ix: ix.__setitem__(52, 1 << 40),                 # chunk end past its region
-    lambda ix: ix.__setitem__(4, 1),                        # not BF16
+    lambda ix: ix.__setitem__(4, 2),                        # Q4_0: stored raw, not with huff
+    lambda ix: ix.__setitem__(4, 24),                       # I8: no expert type
+    lambda ix: ix.__setitem__(2, 4),                        # raw codec for BF16 values
     lambda ix: ix.__setitem__(2, 9),                        # unknown codec
     lambda ix: ix.__setitem__(16, 0x0101010101010101),      # not a prefix code
 ])

@@ -107,11 +107,30 @@ def test_ordered_keeps_order_and_bounds_work_in_flight() -> None:
 # -------------------------------------------------------------------------------------- refused inputs
 
 
+@pytest.fixture(scope="module")
+def i32_moe_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A MoE whose expert tensors are I32: no type llama.cpp computes experts in, refused."""
+    from gguf import GGUFWriter
+
+    path = tmp_path_factory.mktemp("i32") / "moe-i32.gguf"
+    rng = np.random.default_rng(2)
+    w = GGUFWriter(path, "qwen3moe")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", rng.standard_normal((16, 16)).astype(np.float32))
+    w.add_tensor("blk.0.ffn_up_exps.weight", rng.integers(0, 9, (4, 8, 16), dtype=np.int32))
+    w.add_tensor("blk.0.ffn_down_exps.weight", rng.integers(0, 9, (4, 8, 16), dtype=np.int32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 @pytest.mark.parametrize("fixture, error, message", [
     ("not_gguf", FormatError, "not a GGUF file"),
     ("truncated_gguf", FormatError, "truncated"),
     ("non_moe_gguf", UnsupportedError, "not a MoE model"),
-    ("f16_moe_gguf", UnsupportedError, "expert tensors are F16.*F16/F32 could be supported later"),
+    ("i32_moe_gguf", UnsupportedError, "expert tensors are I32 .*stores BF16, F16, F32 and block-quantized"),
     ("zipmoe_model", UnsupportedError, "already a zipmoe file"),
 ])
 def test_convert_refuses(fixture: str, error: type, message: str, request: pytest.FixtureRequest,
@@ -281,8 +300,8 @@ def test_truncated_zipmoe_file_is_refused(cut: float, zipmoe_model: Path, tmp_pa
 @pytest.mark.parametrize("old, new, error, message", [
     (b"\x04\x00\x00\x00\x00\x00\x00\x00huff", b"\x04\x00\x00\x00\x00\x00\x00\x00hufg", UnsupportedError,
      "unknown zipmoe codec 'hufg'"),
-    (b"zipmoe.version\x04\x00\x00\x00\x01", b"zipmoe.version\x04\x00\x00\x00\x02", UnsupportedError,
-     "zipmoe format version 2"),
+    (b"zipmoe.version\x04\x00\x00\x00\x01", b"zipmoe.version\x04\x00\x00\x00\x03", UnsupportedError,
+     "zipmoe format version 3 is not supported"),
     (b"zipmoe.chunk_size\x04\x00\x00\x00", b"zipmoe.chunk_size\x05\x00\x00\x00", FormatError,
      "zipmoe.chunk_size has the wrong type"),
     (b"zipmoe.tensors", b"zipmoe.tensorz", FormatError, "zipmoe.tensors is missing"),
@@ -348,10 +367,17 @@ def test_inspect_plain_gguf_measures_entropy(tiny_model: Path, zipmoe_model: Pat
     assert all(t["zipmoe_bytes"] is None and t["ratio"] is None for t in info["tensors"])
 
 
-def test_inspect_explains_what_it_cannot_compress(non_moe_gguf: Path, f16_moe_gguf: Path) -> None:
+def test_inspect_explains_what_it_cannot_compress(non_moe_gguf: Path, i32_moe_gguf: Path) -> None:
     dense = convert.inspect(non_moe_gguf)
     assert dense["status"].startswith("not a MoE model") and dense["tensors"] == []
+    ints = convert.inspect(i32_moe_gguf)
+    assert ints["status"].startswith("not convertible: expert tensors are I32")
+    assert ints["unsupported_experts"] == [{"name": "blk.0.ffn_up_exps.weight", "type": "I32"},
+                                           {"name": "blk.0.ffn_down_exps.weight", "type": "I32"}]
+
+
+def test_inspect_plain_f16_reports_its_floor(f16_moe_gguf: Path) -> None:
     f16 = convert.inspect(f16_moe_gguf)
-    assert "F16" in f16["status"]
-    assert f16["unsupported_experts"] == [{"name": "blk.0.ffn_up_exps.weight", "type": "F16"},
-                                          {"name": "blk.0.ffn_down_exps.weight", "type": "F16"}]
+    assert f16["unsupported_experts"] == [] and "2 F16 expert tensors" in f16["status"]
+    assert [t["type"] for t in f16["tensors"]] == ["F16", "F16"]
+    assert all(0.5 < t["floor"] < 1 for t in f16["tensors"])

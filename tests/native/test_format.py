@@ -14,6 +14,7 @@ import pytest
 from gguf import GGUFValueType
 
 from pyzipmoe.file import codec
+from pyzipmoe.file import convert
 from pyzipmoe.file import gguf as format
 from pyzipmoe.file import integrity
 from pyzipmoe.file import metadata
@@ -235,16 +236,64 @@ def test_index_follows_the_format(zipmoe_model: Path) -> None:
     n_per = ne0 * ne1
     chunks = -(-n_per // SMALL_CHUNK)
     assert list(idx[:16]) == [metadata.INDEX_MAGIC, 1, 2, 0, 30, ne0, ne1, n_expert, 1, n_expert, n_per, SMALL_CHUNK,
-                              chunks, data.nbytes, metadata.region_alignment(n_per), 0]
+                              chunks, data.nbytes, metadata.region_alignment(2 * n_per), 0]
     assert idx.size == 48 + 2 * n_expert + 2 * n_expert * chunks + 1
     assert idx[-1].astype(np.uint64) == np.uint64(codec.checksum(raw[:-8]))
     lengths = idx[16:48].view(np.uint8)
     assert 0 < lengths.max() <= 11
     assert sum(2.0 ** -int(n) for n in lengths if n) == 1.0  # a complete prefix code
     regions = idx[48:48 + 2 * n_expert].reshape(n_expert, 2)
-    assert (regions[:, 0] % metadata.region_alignment(n_per) == 0).all() and (np.diff(regions[:, 0]) > 0).all()
+    assert (regions[:, 0] % metadata.region_alignment(2 * n_per) == 0).all() and (np.diff(regions[:, 0]) > 0).all()
 
 
 def test_open_zipmoe_refuses_a_plain_gguf(tiny_model: Path) -> None:
     with pytest.raises(FormatError, match="not a zipmoe file"):
         reader.open_zipmoe(tiny_model)
+
+
+def test_raw_index_follows_the_format(tmp_path: Path) -> None:
+    """A Q8_0 expert tensor: index fields as FORMAT.md lists them, chunks of whole rows (from zipmoe.chunk_size), and
+    regions that are the experts' bytes verbatim."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFWriter
+    from gguf.quants import quantize
+
+    ne0, ne1, n_expert, chunk_size = 512, 24, 3, 1000
+    rng = np.random.default_rng(4)
+    blocks = quantize(rng.normal(0, 0.02, (n_expert, ne1, ne0)).astype(np.float32), Q.Q8_0)
+    src = tmp_path / "q8.gguf"
+    w = GGUFWriter(src, "qwen3moe")
+    w.add_tensor("blk.0.ffn_up_exps.weight", blocks, raw_dtype=Q.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    packed = tmp_path / "q8.zipmoe.gguf"
+    convert.convert(src, packed, chunk_n=chunk_size, threads=1)
+    g = format.read_gguf(packed)
+    data, index = g.by_name["blk.0.ffn_up_exps.zipmoe_data"], g.by_name["blk.0.ffn_up_exps.zipmoe_index"]
+    raw = packed.read_bytes()
+    idx = np.frombuffer(raw[index.file_offset:][:index.nbytes], "<i8")
+    row = ne0 // 32 * 34
+    expert_size = row * ne1
+    chunk_n = 2 * chunk_size // row * row  # whole rows of about 2 * zipmoe.chunk_size bytes
+    chunks = -(-expert_size // chunk_n)
+    assert list(idx[:16]) == [metadata.INDEX_MAGIC, 1, 4, 0, int(Q.Q8_0), ne0, ne1, n_expert, 1, n_expert, ne0 * ne1,
+                              chunk_n, chunks, data.nbytes, 64, 0]
+    assert not idx[16:48].any()  # no code table
+    assert idx.size == 48 + 2 * n_expert + 2 * n_expert * chunks + 1
+    regions = idx[48:48 + 2 * n_expert].reshape(n_expert, 2)
+    pairs = idx[48 + 2 * n_expert:-1].reshape(n_expert, chunks, 2)
+    source = blocks.reshape(n_expert, -1)
+    for e in range(n_expert):
+        offset, size = (int(x) for x in regions[e])
+        assert size == expert_size and offset % 64 == 0
+        region = np.frombuffer(raw, np.uint8, size, data.file_offset + offset)
+        np.testing.assert_array_equal(region, source[e])
+        ends = [min((c + 1) * chunk_n, expert_size) for c in range(chunks)]
+        assert list(pairs[e, :, 0]) == ends
+        for c, end in enumerate(ends):  # checksum: empty raw plane, seeded with the chunk's bytes' hash
+            code = region[end - (end - c * chunk_n):end]
+            assert np.uint64(pairs[e, c, 1]) == np.uint64(codec.checksum(b"", codec.checksum(code)))
+    meta = metadata.ZipmoeMeta.from_gguf(g)
+    assert (meta.version, meta.codec, meta.level, meta.chunk_size) == (2, "raw", 0, chunk_size)

