@@ -1,0 +1,175 @@
+#!/usr/bin/env bash
+# AArch64 under emulation: cross-compiles libggml-zipmoe, its SIMD self-test and (for e2e) the patched llama.cpp for
+# aarch64 Linux (tools/dev/aarch64.cmake), and runs them with qemu-user. Speed cannot be measured this way; what is
+# checked is that the ARM64 build is correct: the NEON kernels against their portable oracles, and a zipmoe GGUF's
+# logits bit-identical to its BF16 source's, both run on the emulated ARM64 (ggml's ARM kernels sum in another order
+# than its x86 ones, so ARM is compared to ARM).
+#   bash tools/dev/cross_arm64.sh [--install] [STEP...]   steps: build test e2e insn (default: build test e2e)
+#     build  configure and build in $ZIPMOE_ARM64_BUILD (default build-arm64; reused: a second run rebuilds what
+#            changed); e2e also builds llama.cpp's llama-simple and zipmoe-logits there
+#     test   zipmoe-selftest under qemu-aarch64: the default CPU (NEON), -cpu max (every optional extension) and
+#            -cpu cortex-a53 (a small in-order core: ARMv8.0, NEON only)
+#     e2e    a tiny synthetic BF16 MoE (SYNTHETIC weights), converted on the host (huff and esc), run by the ARM64
+#            build: logits of the prompt and of greedy tokens bit-identical to the BF16 model's, with no budget and
+#            a tiny one (ZIPMOE_MEMORY_BUDGET); llama-simple's text identical too
+#     insn   guest instructions per value of each kernel, NEON against portable, counted by a qemu plugin
+#            (tools/dev/qemu_insn_count.c); prints a table
+#   --install  apt-get the cross toolchain, qemu-user and libzstd-dev:arm64 (adds the arm64 architecture to dpkg);
+#              alone, it installs and runs no step
+# The host's Python (.venv, or $PYTHON) and a host build of libggml-zipmoe ($ZIPMOE_BUILD_DIR, default build) make
+# and convert the model for e2e.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+BUILD=${ZIPMOE_ARM64_BUILD:-build-arm64}
+PYTHON=${PYTHON:-.venv/bin/python}
+SYSROOT=/usr/aarch64-linux-gnu
+JOBS=${JOBS:-$(nproc)}
+
+steps=()
+install=0
+for arg in "$@"; do
+    case "$arg" in
+        --install) install=1 ;;
+        build|test|e2e|insn) steps+=("$arg") ;;
+        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+        *) echo "cross_arm64.sh: unknown argument $arg (try --help)" >&2; exit 2 ;;
+    esac
+done
+if [ ${#steps[@]} -eq 0 ]; then
+    [ "$install" -eq 1 ] && steps=(none) || steps=(build test e2e)  # --install alone installs only
+fi
+want() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+step() { printf '\n==> arm64: %s\n' "$*"; }
+
+if [ "$install" -eq 1 ]; then
+    sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    if ! command -v aarch64-linux-gnu-gcc >/dev/null || ! command -v qemu-aarch64 >/dev/null ||
+       ! dpkg -s libzstd-dev:arm64 >/dev/null 2>&1; then
+        step "installing the cross toolchain, qemu-user and libzstd-dev:arm64"
+        $sudo dpkg --add-architecture arm64
+        $sudo apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq crossbuild-essential-arm64 qemu-user \
+            libzstd-dev:arm64 >/dev/null
+    fi
+fi
+for tool in aarch64-linux-gnu-gcc aarch64-linux-gnu-g++ qemu-aarch64; do
+    if ! command -v "$tool" >/dev/null; then
+        echo "cross_arm64.sh: $tool not found: run with --install, or apt-get install crossbuild-essential-arm64 qemu-user" >&2
+        exit 1
+    fi
+done
+if [ ! -e /usr/lib/aarch64-linux-gnu/libzstd.so ]; then
+    echo "cross_arm64.sh: no libzstd for arm64: run with --install (dpkg --add-architecture arm64; libzstd-dev:arm64)" >&2
+    exit 1
+fi
+
+# qemu-user finds the target's loader and libraries under the sysroot first, then on the host's own paths (the
+# multiarch /usr/lib/aarch64-linux-gnu, where libzstd:arm64 lives)
+qemu() { qemu-aarch64 -L "$SYSROOT" "$@"; }
+
+llama=0
+if want e2e; then llama=1; fi
+if want build; then
+    step "configuring and building $BUILD (llama.cpp: $([ $llama -eq 1 ] && echo yes || echo no))"
+    cfg=(-DCMAKE_TOOLCHAIN_FILE=tools/dev/aarch64.cmake -DCMAKE_BUILD_TYPE=Release -DZIPMOE_SELFTEST=ON)
+    if [ $llama -eq 1 ] || grep -q '^ZIPMOE_LLAMA:BOOL=ON' "$BUILD/CMakeCache.txt" 2>/dev/null; then
+        PYTHON="$PYTHON" bash tools/dev/fetch_llama.sh  # (re-made only when a patch changed)
+    fi
+    if [ $llama -eq 1 ]; then
+        # GGML_NATIVE=OFF: ggml's ARM kernels for the base architecture, so the binary runs on any ARMv8 core
+        cfg+=(-DZIPMOE_LLAMA=ON -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF)
+    fi
+    if command -v ccache >/dev/null; then
+        cfg+=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+    fi
+    gen=(); [ -f "$BUILD/CMakeCache.txt" ] || { command -v ninja >/dev/null && gen=(-G Ninja); }
+    cmake -S . -B "$BUILD" "${gen[@]}" "${cfg[@]}" >/dev/null
+    targets=(ggml-zipmoe zipmoe-selftest)
+    [ $llama -eq 1 ] && targets+=(llama-simple zipmoe-logits)
+    cmake --build "$BUILD" -j "$JOBS" --target "${targets[@]}"
+fi
+
+if want test; then
+    for cpu in "" max cortex-a53; do
+        step "zipmoe-selftest under qemu-aarch64${cpu:+ -cpu $cpu}"
+        qemu ${cpu:+-cpu "$cpu"} "$BUILD/bin/zipmoe-selftest"
+    done
+fi
+
+if want e2e; then
+    for prog in llama-simple zipmoe-logits; do
+        if [ ! -x "$BUILD/bin/$prog" ]; then
+            echo "cross_arm64.sh: $BUILD/bin/$prog is missing: run the build step with e2e (cross_arm64.sh build e2e)" >&2
+            exit 1
+        fi
+    done
+    work=$(mktemp -d "${TMPDIR:-/tmp}/zipmoe-arm64.XXXXXX")
+    trap 'rm -rf "$work"' EXIT
+    step "a tiny SYNTHETIC MoE, converted on the host (huff, esc)"
+    export ZIPMOE_BUILD_DIR=${ZIPMOE_BUILD_DIR:-$PWD/build}
+    "$PYTHON" tools/dev/make_synth.py --preset tiny --quiet "$work/bf16.gguf"
+    budget=$(PYTHONPATH=$PWD "$PYTHON" - "$work" <<'EOF'
+import sys
+from pathlib import Path
+from pyzipmoe.file.convert import convert
+from pyzipmoe.runtime.budget import model_memory
+work = Path(sys.argv[1])
+for codec in ("huff", "esc"):  # small chunks: several per expert, so every chunk shape is decoded
+    convert(work / "bf16.gguf", work / f"{codec}.gguf", codec=codec, chunk_n=1000, threads=2)
+need = model_memory(work / "huff.gguf")
+print(need.minimum + need.expert_bytes // 8)  # about an eighth of the experts: the tiers evict all the time
+EOF
+)
+    prompt="the expert of the synthetic model"
+    run() { # NAME MODEL [VAR=VALUE...]: logits and greedy tokens of MODEL under qemu
+        local name=$1 model=$2; shift 2
+        env "$@" qemu-aarch64 -L "$SYSROOT" "$BUILD/bin/zipmoe-logits" "$work/$model.gguf" "$prompt" 12 2 \
+            "$work/$name.f32" >"$work/$name.tokens"
+        env "$@" qemu-aarch64 -L "$SYSROOT" "$BUILD/bin/llama-simple" -m "$work/$model.gguf" -n 12 "$prompt" \
+            2>/dev/null >"$work/$name.txt"
+    }
+    step "BF16 model under qemu-aarch64"
+    run ref bf16
+    ref_size=$(stat -c %s "$work/ref.f32")
+    [ "$ref_size" -gt 0 ] || { echo "cross_arm64.sh: the BF16 run wrote no logits" >&2; exit 1; }
+    if cmp -s <(head -c 4096 "$work/ref.f32") <(head -c 4096 /dev/zero); then
+        echo "cross_arm64.sh: the BF16 run's logits are all zero" >&2; exit 1
+    fi
+    fail=0
+    for case in "huff none" "huff tiny" "esc none" "esc tiny"; do
+        set -- $case
+        vars=(); [ "$2" = tiny ] && vars=(ZIPMOE_MEMORY_BUDGET="$budget")
+        step "zipmoe GGUF ($1 codec, budget: $2${vars:+ = $budget bytes}) under qemu-aarch64"
+        run "$1-$2" "$1" "${vars[@]}"
+        for what in f32 tokens txt; do
+            if cmp -s "$work/ref.$what" "$work/$1-$2.$what"; then
+                echo "  $what: identical to the BF16 model's ($(stat -c %s "$work/ref.$what") bytes)"
+            else
+                echo "  $what: DIFFERENT from the BF16 model's" >&2
+                fail=1
+            fi
+        done
+    done
+    [ $fail -eq 0 ] || { echo "cross_arm64.sh: e2e: a zipmoe run differs from its BF16 source" >&2; exit 1; }
+    echo "e2e: logits ($((ref_size / 4)) floats), greedy tokens and text bit-identical in every case"
+fi
+
+if want insn; then
+    step "guest instructions per value, by kernel (qemu plugin; N values, difference of REPS and 0 repetitions)"
+    plugin="$BUILD/libqemu_insn_count.so"
+    cc -O2 -shared -fPIC -o "$plugin" tools/dev/qemu_insn_count.c
+    n=65536 reps=20
+    count() { qemu-aarch64 -L "$SYSROOT" -plugin "$plugin" "$BUILD/bin/zipmoe-selftest" bench "$1" "$n" "$2" 2>&1 \
+              >/dev/null | sed -n 's/^insns: //p'; }
+    per_value() { local a b; a=$(count "$1" 0); b=$(count "$1" "$reps"); awk "BEGIN { printf \"%.3f\", ($b - $a) / ($reps * $n) }"; }
+    printf '%-10s %10s %10s %8s\n' kernel portable neon ratio
+    for k in split merge checksum; do
+        s=$(per_value "$k-scalar"); v=$(per_value "$k-neon")
+        printf '%-10s %10s %10s %8s\n' "$k" "$s" "$v" "$(awk "BEGIN { printf \"%.2f\", $s / $v }")"
+    done
+    printf '%-10s %10s %10s %8s\n' huff "$(per_value huff)" - -
+    printf '%-10s %10s %10s %8s\n' esc "$(per_value esc-scalar)" - -
+    echo "(instructions per BF16 value; checksum: per byte of a sign+mantissa plane. The portable C is compiled -O3,"
+    echo " which GCC auto-vectorizes for the base NEON, so 'portable' is already partly vectorized.)"
+fi
