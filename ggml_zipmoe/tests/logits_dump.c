@@ -15,6 +15,8 @@ static void quiet(enum ggml_log_level level, const char * text, void * user) {
     }
 }
 
+static bool silent_progress(float progress, void * user) { return true; } /* (no dots on stderr) */
+
 static int fail(const char * what) {
     fprintf(stderr, "zipmoe-logits: %s\n", what);
     return 1;
@@ -29,6 +31,7 @@ int main(int argc, char ** argv) {
     llama_log_set(quiet, NULL);
     llama_backend_init();
     struct llama_model_params mp = llama_model_default_params();
+    mp.progress_callback         = silent_progress;
     struct llama_model *      model = llama_model_load_from_file(argv[1], mp);
     if (!model) {
         return fail("the model did not load");

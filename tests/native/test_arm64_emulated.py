@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,7 @@ def cross_ready() -> None:
 
 
 def _script(*steps: str, timeout: float) -> str:
-    env = {**os.environ, "ZIPMOE_ARM64_BUILD": str(_build_dir())}
+    env = {"PYTHON": sys.executable, **os.environ, "ZIPMOE_ARM64_BUILD": str(_build_dir())}
     out = subprocess.run(["bash", str(SCRIPT), *steps], env=env, capture_output=True, text=True, timeout=timeout,
                          check=False)
     assert out.returncode == 0, f"cross_arm64.sh {' '.join(steps)} failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"

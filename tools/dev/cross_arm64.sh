@@ -64,15 +64,19 @@ if [ ! -e /usr/lib/aarch64-linux-gnu/libzstd.so ]; then
     exit 1
 fi
 
-# qemu-user finds the target's loader and libraries under the sysroot first, then on the host's own paths (the
-# multiarch /usr/lib/aarch64-linux-gnu, where libzstd:arm64 lives)
-qemu() { qemu-aarch64 -L "$SYSROOT" "$@"; }
+# qemu-user finds the target's files under the sysroot first, then on the host's own paths. The loader comes from
+# the cross sysroot; so must libc, which the loader would otherwise take from the host's ld.so.cache, where
+# libzstd-dev:arm64 brought a multiarch libc6:arm64 of another build (a mismatched pair hangs in pthread_create):
+# LD_LIBRARY_PATH puts the sysroot's /lib first, then the multiarch directory for libzstd.
+QEMU=(qemu-aarch64 -L "$SYSROOT" -E LD_LIBRARY_PATH=/lib:/usr/lib/aarch64-linux-gnu)
+qemu() { "${QEMU[@]}" "$@"; }
 
 llama=0
 if want e2e; then llama=1; fi
 if want build; then
     step "configuring and building $BUILD (llama.cpp: $([ $llama -eq 1 ] && echo yes || echo no))"
-    cfg=(-DCMAKE_TOOLCHAIN_FILE=tools/dev/aarch64.cmake -DCMAKE_BUILD_TYPE=Release -DZIPMOE_SELFTEST=ON)
+    cfg=(-DCMAKE_BUILD_TYPE=Release -DZIPMOE_SELFTEST=ON)
+    [ -f "$BUILD/CMakeCache.txt" ] || cfg+=(-DCMAKE_TOOLCHAIN_FILE=tools/dev/aarch64.cmake)  # (read at the first only)
     if [ $llama -eq 1 ] || grep -q '^ZIPMOE_LLAMA:BOOL=ON' "$BUILD/CMakeCache.txt" 2>/dev/null; then
         PYTHON="$PYTHON" bash tools/dev/fetch_llama.sh  # (re-made only when a patch changed)
     fi
@@ -124,10 +128,10 @@ EOF
     prompt="the expert of the synthetic model"
     run() { # NAME MODEL [VAR=VALUE...]: logits and greedy tokens of MODEL under qemu
         local name=$1 model=$2; shift 2
-        env "$@" qemu-aarch64 -L "$SYSROOT" "$BUILD/bin/zipmoe-logits" "$work/$model.gguf" "$prompt" 12 2 \
-            "$work/$name.f32" >"$work/$name.tokens"
-        env "$@" qemu-aarch64 -L "$SYSROOT" "$BUILD/bin/llama-simple" -m "$work/$model.gguf" -n 12 "$prompt" \
-            2>/dev/null >"$work/$name.txt"
+        env "$@" "${QEMU[@]}" "$BUILD/bin/zipmoe-logits" "$work/$model.gguf" "$prompt" 12 2 "$work/$name.f32" \
+            >"$work/$name.tokens"
+        env "$@" "${QEMU[@]}" "$BUILD/bin/llama-simple" -m "$work/$model.gguf" -n 12 "$prompt" 2>"$work/$name.err" \
+            >"$work/$name.txt" || { tail -20 "$work/$name.err" >&2; return 1; }
     }
     step "BF16 model under qemu-aarch64"
     run ref bf16
@@ -160,8 +164,8 @@ if want insn; then
     plugin="$BUILD/libqemu_insn_count.so"
     cc -O2 -shared -fPIC -o "$plugin" tools/dev/qemu_insn_count.c
     n=65536 reps=20
-    count() { qemu-aarch64 -L "$SYSROOT" -plugin "$plugin" "$BUILD/bin/zipmoe-selftest" bench "$1" "$n" "$2" 2>&1 \
-              >/dev/null | sed -n 's/^insns: //p'; }
+    count() { qemu -plugin "$plugin" "$BUILD/bin/zipmoe-selftest" bench "$1" "$n" "$2" 2>&1 >/dev/null |
+              sed -n 's/^insns: //p'; }
     per_value() { local a b; a=$(count "$1" 0); b=$(count "$1" "$reps"); awk "BEGIN { printf \"%.3f\", ($b - $a) / ($reps * $n) }"; }
     printf '%-10s %10s %10s %8s\n' kernel portable neon ratio
     for k in split merge checksum; do
