@@ -14,7 +14,8 @@
 #            a tiny one (ZIPMOE_MEMORY_BUDGET); llama-simple's text identical too
 #     insn   guest instructions per value of each kernel, NEON against portable, counted by a qemu plugin
 #            (tools/dev/qemu_insn_count.c); prints a table
-#   --install  apt-get the cross toolchain, qemu-user and libzstd-dev:arm64 (adds the arm64 architecture to dpkg);
+#   --install  apt-get the cross toolchain, qemu-user, ccache (a rebuild in a fresh build directory, CI) and
+#              libzstd-dev:arm64 (adds the arm64 architecture to dpkg);
 #              alone, it installs and runs no step
 # The host's Python (.venv, or $PYTHON) and a host build of libggml-zipmoe ($ZIPMOE_BUILD_DIR, default build) make
 # and convert the model for e2e.
@@ -32,7 +33,7 @@ for arg in "$@"; do
     case "$arg" in
         --install) install=1 ;;
         build|test|e2e|insn) steps+=("$arg") ;;
-        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
         *) echo "cross_arm64.sh: unknown argument $arg (try --help)" >&2; exit 2 ;;
     esac
 done
@@ -49,7 +50,7 @@ if [ "$install" -eq 1 ]; then
         step "installing the cross toolchain, qemu-user and libzstd-dev:arm64"
         $sudo dpkg --add-architecture arm64
         $sudo apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq crossbuild-essential-arm64 qemu-user \
+        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq crossbuild-essential-arm64 qemu-user ccache \
             libzstd-dev:arm64 >/dev/null
     fi
 fi
