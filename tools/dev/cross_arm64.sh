@@ -13,7 +13,8 @@
 #            build: logits of the prompt and of greedy tokens bit-identical to the BF16 model's, with no budget and
 #            a tiny one (ZIPMOE_MEMORY_BUDGET); llama-simple's text identical too
 #     insn   guest instructions per value of each kernel, NEON against portable, counted by a qemu plugin
-#            (tools/dev/qemu_insn_count.c); prints a table
+#            (tools/dev/qemu_insn_count.c); tools/bench/arm64_insn.py prints the table and writes it to bench/results
+#            (INSN_ARGS="--no-results" writes nothing)
 #   --install  apt-get the cross toolchain, qemu-user, ccache (a rebuild in a fresh build directory, CI) and
 #              libzstd-dev:arm64 (adds the arm64 architecture to dpkg);
 #              alone, it installs and runs no step
@@ -33,7 +34,7 @@ for arg in "$@"; do
     case "$arg" in
         --install) install=1 ;;
         build|test|e2e|insn) steps+=("$arg") ;;
-        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
         *) echo "cross_arm64.sh: unknown argument $arg (try --help)" >&2; exit 2 ;;
     esac
 done
@@ -161,20 +162,10 @@ EOF
 fi
 
 if want insn; then
-    step "guest instructions per value, by kernel (qemu plugin; N values, difference of REPS and 0 repetitions)"
+    step "guest instructions per value, by kernel (qemu plugin: NEON against portable; tools/bench/arm64_insn.py)"
     plugin="$BUILD/libqemu_insn_count.so"
     cc -O2 -shared -fPIC -o "$plugin" tools/dev/qemu_insn_count.c
-    n=65536 reps=20
-    count() { qemu -plugin "$plugin" "$BUILD/bin/zipmoe-selftest" bench "$1" "$n" "$2" 2>&1 >/dev/null |
-              sed -n 's/^insns: //p'; }
-    per_value() { local a b; a=$(count "$1" 0); b=$(count "$1" "$reps"); awk "BEGIN { printf \"%.3f\", ($b - $a) / ($reps * $n) }"; }
-    printf '%-10s %10s %10s %8s\n' kernel portable neon ratio
-    for k in split merge checksum; do
-        s=$(per_value "$k-scalar"); v=$(per_value "$k-neon")
-        printf '%-10s %10s %10s %8s\n' "$k" "$s" "$v" "$(awk "BEGIN { printf \"%.2f\", $s / $v }")"
-    done
-    printf '%-10s %10s %10s %8s\n' huff "$(per_value huff)" - -
-    printf '%-10s %10s %10s %8s\n' esc "$(per_value esc-scalar)" - -
-    echo "(instructions per BF16 value; checksum: per byte of a sign+mantissa plane. The portable C is compiled -O3,"
-    echo " which GCC auto-vectorizes for the base NEON, so 'portable' is already partly vectorized.)"
+    # INSN_ARGS: more arguments for arm64_insn.py (--novec-build DIR, --no-results, --label WORD)
+    # shellcheck disable=SC2086
+    "$PYTHON" tools/bench/arm64_insn.py --build "$BUILD" --plugin "$plugin" ${INSN_ARGS:-}
 fi

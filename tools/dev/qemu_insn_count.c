@@ -28,10 +28,10 @@ static void on_translate(qemu_plugin_id_t id, struct qemu_plugin_tb * tb) {
     qemu_plugin_register_vcpu_tb_exec_inline(tb, QEMU_PLUGIN_INLINE_ADD_U64, &insns, qemu_plugin_tb_n_insns(tb));
 }
 
-static void on_exit(qemu_plugin_id_t id, void * userdata) { fprintf(stderr, "insns: %" PRIu64 "\n", insns); }
+static void report(qemu_plugin_id_t id, void * userdata) { fprintf(stderr, "insns: %" PRIu64 "\n", insns); }
 
 EXPORT int qemu_plugin_install(qemu_plugin_id_t id, const void * info, int argc, char ** argv) {
     qemu_plugin_register_vcpu_tb_trans_cb(id, on_translate);
-    qemu_plugin_register_atexit_cb(id, on_exit, NULL);
+    qemu_plugin_register_atexit_cb(id, report, NULL);
     return 0;
 }
