@@ -2,7 +2,7 @@
  * for their instruction set, and run only after a check here, so one binary runs on any x86-64 or AArch64. */
 #include "common/cpu.h"
 
-#if defined(__aarch64__) && defined(ZIPMOE_HAVE_NEON)
+#if defined(__aarch64__) && defined(__linux__) && defined(ZIPMOE_HAVE_NEON)
 #    include <sys/auxv.h>
 #    ifndef HWCAP_ASIMD
 #        define HWCAP_ASIMD (1 << 1) /* linux/arch/arm64/include/uapi/asm/hwcap.h */
@@ -39,7 +39,8 @@ int zipmoe_cpu_has_vbmi2(void) {
 int zipmoe_cpu_has_vbmi2(void) { return 0; }
 #endif
 
-#if defined(__aarch64__) && defined(ZIPMOE_HAVE_NEON)
+/* (Linux's hardware capabilities; another OS runs the portable code) */
+#if defined(__aarch64__) && defined(__linux__) && defined(ZIPMOE_HAVE_NEON)
 int zipmoe_cpu_has_neon(void) {
     static int cached = -1;
     if (cached < 0) {
