@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, unavailable
+from helpers import REPO, unavailable
 
 SCRIPT = REPO / "tools" / "dev" / "cross_arm64.sh"
 

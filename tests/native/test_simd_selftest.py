@@ -10,7 +10,7 @@ import re
 import shutil
 import subprocess
 
-from tests.helpers import REPO, unavailable
+from helpers import REPO, unavailable
 
 
 def test_selftest_passes_on_this_machine() -> None:
