@@ -17,6 +17,15 @@ done
 
 step() { printf '\n==> %s\n' "$*"; }
 
+# --- architecture: CMake picks the SIMD kernels that it has for it (ggml_zipmoe/CMakeLists.txt), each run only
+# after a CPU check; no flag here depends on it
+case "$(uname -m)" in
+    x86_64|amd64) simd="AVX2 and AVX-512 kernels, each used where the CPU has it" ;;
+    aarch64|arm64) simd="NEON kernels, used where the CPU has Advanced SIMD (README: ARM64)" ;;
+    *) simd="portable code only: zipmoe has no SIMD kernels for this architecture" ;;
+esac
+step "architecture $(uname -m): $simd"
+
 # --- system packages (Debian/Ubuntu); skipped when already present
 need=()
 command -v cmake >/dev/null || need+=(cmake)

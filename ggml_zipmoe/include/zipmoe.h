@@ -160,7 +160,7 @@ ZIPMOE_API int64_t zipmoe_type_layout(int32_t ggml_type, zipmoe_type_info * out)
 #define ZIPMOE_HUFF_MAX_BITS 11        /* longest Huffman code; also the decode table's index width */
 #define ZIPMOE_CHUNK_MAX     (1u << 24) /* largest chunk, in values */
 
-/* Which split/merge kernel runs: 0 = portable scalar, 1 = AVX2. */
+/* Which split/merge kernel runs: 0 = portable scalar, 1 = AVX2, 2 = NEON (AArch64). */
 ZIPMOE_API int zipmoe_simd_level(void);
 
 /* ---------------------------------------------------------------- split / merge */

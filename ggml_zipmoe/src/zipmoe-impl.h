@@ -107,6 +107,14 @@ void zipmoe_split_sm_bf16_avx2(const uint16_t * src, size_t n, uint8_t * sm);
 /* cached: dst is a buffer about to be read (zipmoe_merge_bf16_cached); else large merges bypass the caches */
 void zipmoe_merge_bf16_avx2(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst, int cached);
 
+/* split_neon.c, checksum_neon.c: only called when the CPU has NEON (AArch64 Advanced SIMD) */
+void     zipmoe_split_bf16_neon(const uint16_t * src, size_t n, uint8_t * exp, uint8_t * sm);
+void     zipmoe_split_sm_bf16_neon(const uint16_t * src, size_t n, uint8_t * sm);
+void     zipmoe_merge_bf16_neon(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst);
+uint64_t zipmoe_checksum_neon(const void * data, size_t size, uint64_t seed);
+/* checksum.c: XXH3-64's portable build, the oracle of the SIMD ones */
+uint64_t zipmoe_checksum_portable(const void * data, size_t size, uint64_t seed);
+
 /* codec.c: zipmoe_chunk_decode_exponents, warming the bytes the caller reads next (zipmoe_huff_decode) */
 int64_t zipmoe_decode_exp(const zipmoe_codec_ctx * c, zipmoe_workspace * ws, const void * code, size_t code_size,
                           uint8_t * exp, size_t n, const void * warm, size_t warm_size);

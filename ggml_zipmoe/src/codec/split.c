@@ -22,12 +22,18 @@ void zipmoe_merge_bf16_scalar(const uint8_t * exp, const uint8_t * sm, size_t n,
     }
 }
 
-int zipmoe_simd_level(void) { return zipmoe_cpu_has_avx2(); }
+int zipmoe_simd_level(void) { return zipmoe_cpu_has_avx2() ? 1 : zipmoe_cpu_has_neon() ? 2 : 0; }
 
 void zipmoe_split_bf16(const uint16_t * src, size_t n, uint8_t * exp, uint8_t * sm) {
 #if defined(ZIPMOE_HAVE_AVX2)
     if (zipmoe_cpu_has_avx2()) {
         zipmoe_split_bf16_avx2(src, n, exp, sm);
+        return;
+    }
+#endif
+#if defined(ZIPMOE_HAVE_NEON)
+    if (zipmoe_cpu_has_neon()) {
+        zipmoe_split_bf16_neon(src, n, exp, sm);
         return;
     }
 #endif
@@ -41,6 +47,12 @@ void zipmoe_split_sm_bf16(const uint16_t * src, size_t n, uint8_t * sm) {
         return;
     }
 #endif
+#if defined(ZIPMOE_HAVE_NEON)
+    if (zipmoe_cpu_has_neon()) {
+        zipmoe_split_sm_bf16_neon(src, n, sm);
+        return;
+    }
+#endif
     zipmoe_split_sm_bf16_scalar(src, n, sm);
 }
 
@@ -48,6 +60,12 @@ static void merge_bf16(const uint8_t * exp, const uint8_t * sm, size_t n, uint16
 #if defined(ZIPMOE_HAVE_AVX2)
     if (zipmoe_cpu_has_avx2()) {
         zipmoe_merge_bf16_avx2(exp, sm, n, dst, cached);
+        return;
+    }
+#endif
+#if defined(ZIPMOE_HAVE_NEON)
+    if (zipmoe_cpu_has_neon()) {
+        zipmoe_merge_bf16_neon(exp, sm, n, dst); /* (cached or not: normal stores, split_neon.c) */
         return;
     }
 #endif

@@ -1,6 +1,13 @@
 /* cpu.c - CPU feature detection for the kernel dispatch (cpu.h). The kernels live in files of their own compiled
- * for their instruction set, and run only after a check here, so one binary runs on any x86-64. */
+ * for their instruction set, and run only after a check here, so one binary runs on any x86-64 or AArch64. */
 #include "common/cpu.h"
+
+#if defined(__aarch64__) && defined(__linux__) && defined(ZIPMOE_HAVE_NEON)
+#    include <sys/auxv.h>
+#    ifndef HWCAP_ASIMD
+#        define HWCAP_ASIMD (1 << 1) /* linux/arch/arm64/include/uapi/asm/hwcap.h */
+#    endif
+#endif
 
 /* The answers are cached: every thread computes the same value, so the race to store it is benign. */
 #if defined(__x86_64__) && defined(ZIPMOE_HAVE_AVX2)
@@ -30,4 +37,17 @@ int zipmoe_cpu_has_vbmi2(void) {
 }
 #else
 int zipmoe_cpu_has_vbmi2(void) { return 0; }
+#endif
+
+/* (Linux's hardware capabilities; another OS runs the portable code) */
+#if defined(__aarch64__) && defined(__linux__) && defined(ZIPMOE_HAVE_NEON)
+int zipmoe_cpu_has_neon(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        cached = (getauxval(AT_HWCAP) & HWCAP_ASIMD) ? 1 : 0;
+    }
+    return cached;
+}
+#else
+int zipmoe_cpu_has_neon(void) { return 0; }
 #endif
