@@ -4,8 +4,11 @@ on a zipmoe or plain GGUF, a file or a package's name."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from ..errors import ZipmoeError
@@ -35,6 +38,34 @@ def _resolve(args: argparse.Namespace, program: str) -> tuple[str, list[str], An
     return str(path), (package.llama_program_args(program) if package else []), package
 
 
+# llama.cpp's own choice for a model without a chat template
+CHATML = ("{%- for message in messages -%}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>\\n' }}{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}")
+
+
+def _roles_template(package: Any, model: str, program: str, keep: Path) -> list[str]:
+    """Flags that give llama-cli or llama-server the package's SYSTEM and MESSAGE lines where they have no flag of
+    their own for them (MESSAGE for either, SYSTEM for llama-server): a chat template, written under `keep`, that
+    puts them in front of every conversation's messages (after a system message the client sent, instead of
+    SYSTEM), then formats as the package's TEMPLATE, the GGUF's template or llama.cpp's default would."""
+    if package is None or not (package.messages or (program == "llama-server" and package.system)):
+        return []
+    from ..file.gguf import read_gguf
+
+    base = package.template
+    if not base:
+        field = read_gguf(model).kv.get("tokenizer.chat_template")
+        base = str(field.value) if field is not None else CHATML
+    history = json.dumps([m.to_dict() for m in package.messages], ensure_ascii=False)
+    system = json.dumps([{"role": "system", "content": package.system}] if package.system else [],
+                        ensure_ascii=False)
+    prefix = (f"{{%- set messages = (messages[:1] + {history} + messages[1:]) if (messages and "
+              f"messages[0]['role'] == 'system') else ({system} + {history} + messages) -%}}\n")
+    path = keep / "chat-template.jinja"
+    path.write_text(prefix + base)
+    return ["--jinja", "--chat-template-file", str(path)]
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from ..runtime import runner, supervise
 
@@ -48,14 +79,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     extra = _llama_args(args)
     if args.prompt is None:
         os.environ.update(_cache_settings(args, model, package))  # what libllama in llama-cli reads  # interactive chat: llama-cli; the package's flags first, so that the user's win
-        argv = [str(runner.program("llama-cli")), "-m", model, *package_flags, *_common_llama_flags(args)]
-        if args.n_predict is not None:
-            argv += ["-n", str(args.n_predict)]
-        if args.temp is not None:
-            argv += ["--temp", str(args.temp)]
-        if args.seed is not None:
-            argv += ["--seed", str(args.seed)]
-        return supervise.run_program([*argv, *extra], runner.environment(cache), **_supervision(args, model, package))
+        with tempfile.TemporaryDirectory(prefix="zipmoe-run-") as keep:
+            argv = [str(runner.program("llama-cli")), "-m", model, *package_flags,
+                    *_roles_template(package, model, "llama-cli", Path(keep)), *_common_llama_flags(args)]
+            if args.n_predict is not None:
+                argv += ["-n", str(args.n_predict)]
+            if args.temp is not None:
+                argv += ["--temp", str(args.temp)]
+            if args.seed is not None:
+                argv += ["--seed", str(args.seed)]
+            return supervise.run_program([*argv, *extra], runner.environment(cache),
+                                         **_supervision(args, model, package))
     if extra:
         raise ZipmoeError("llama.cpp arguments after -- go to the interactive llama-cli, not to a one-shot "
                           "completion (PROMPT or -p); "
@@ -83,10 +117,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model, package_flags, package = _resolve(args, "llama-server")
     cache = args.cache or (package.cache_mode if package else None)
     os.environ.update(_cache_settings(args, model, package))
-    argv = [str(runner.program("llama-server")), "-m", model, "--host", args.host, "--port", str(args.port),
-            *package_flags, *_common_llama_flags(args)]
-    return supervise.run_program([*argv, *_llama_args(args)], runner.environment(cache),
-                                 **_supervision(args, model, package))
+    with tempfile.TemporaryDirectory(prefix="zipmoe-serve-") as keep:
+        argv = [str(runner.program("llama-server")), "-m", model, "--host", args.host, "--port", str(args.port),
+                *package_flags, *_roles_template(package, model, "llama-server", Path(keep)),
+                *_common_llama_flags(args)]
+        return supervise.run_program([*argv, *_llama_args(args)], runner.environment(cache),
+                                     **_supervision(args, model, package))
 
 
 def _supervision(args: argparse.Namespace, model: str, package: Any) -> dict[str, Any]:

@@ -140,3 +140,73 @@ def test_run_answers_in_the_packages_roles(tiny_model: Path, tmp_path: Path) -> 
     assert expected.returncode == 0, expected.stderr[-2000:]
     assert with_roles.stdout == expected.stdout
     assert with_roles.stdout != without.stdout
+
+
+def _serve(argv: list[str], env: dict[str, str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A server (zipmoe serve or llama-server) on a free loopback port, once it answers /health."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open(log, "wb") as err:
+        proc = subprocess.Popen([*argv, "--port", str(port)], env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"{argv[:4]} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if helpers.http_json(url + "/health", timeout=2)[0] == 200:
+                return proc, url
+        except OSError:
+            pass
+        time.sleep(0.1)
+    helpers.kill_group(proc)
+    raise AssertionError("the server was not ready in time")
+
+
+def _chat(url: str, messages: list[dict[str, str]]) -> str:
+    status, body = helpers.http_json(url + "/v1/chat/completions", {"messages": messages, "max_tokens": 6,
+                                                                     "temperature": 0, "cache_prompt": False})
+    assert status == 200, (status, body)
+    return body["choices"][0]["message"]["content"]
+
+
+def test_serve_applies_system_and_message(tiny_model: Path, tmp_path: Path) -> None:
+    """`zipmoe serve NAME`: every chat starts with the package's SYSTEM (unless the client sent its own) and its
+    MESSAGE history, as if the client had sent them (compared with llama-server given them in the request)."""
+    lib_dir = helpers.llama_bin_dir()
+    if not (lib_dir / "llama-server").exists():
+        helpers.unavailable("llama-server is not built")
+    env = {**os.environ, "ZIPMOE_MODELS": str(tmp_path / "models"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    (tmp_path / "Modelfile").write_text(f"FROM {tiny_model}\nSYSTEM You answer in one word.\n"
+                                        "MESSAGE user Is the sky blue?\nMESSAGE assistant Yes.\n")
+    done = subprocess.run([sys.executable, "-m", "pyzipmoe", "create", "roles", "-f", tmp_path / "Modelfile",
+                           "--quiet"], capture_output=True, text=True, env=env, timeout=180)
+    assert done.returncode == 0, done.stderr
+    history = [{"role": "user", "content": "Is the sky blue?"}, {"role": "assistant", "content": "Yes."}]
+    ask = {"role": "user", "content": "Why is the grass green?"}
+    own = {"role": "system", "content": "You answer at length."}
+    server_flags = ["-t", "2", "-c", "256", "-np", "1"]
+    proc, url = _serve([sys.executable, "-m", "pyzipmoe", "serve", "roles", "--", *server_flags], env,
+                       tmp_path / "roles.log")
+    try:
+        got = _chat(url, [ask]), _chat(url, [own, ask])
+    finally:
+        helpers.kill_group(proc)
+    shown = subprocess.run([sys.executable, "-m", "pyzipmoe", "show", "roles", "--json"], capture_output=True,
+                           text=True, env=env, timeout=60)
+    blob = json.loads(shown.stdout)["model_path"]
+    proc, url = _serve([str(lib_dir / "llama-server"), "-m", str(blob), *server_flags], env, tmp_path / "plain.log")
+    try:
+        expected = (_chat(url, [{"role": "system", "content": "You answer in one word."}, *history, ask]),
+                    _chat(url, [own, *history, ask]))
+        without = _chat(url, [ask])
+    finally:
+        helpers.kill_group(proc)
+    assert got == expected
+    assert got[0] != without
