@@ -183,7 +183,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             say(f"  {bin_dir / 'llama-cli'} -m {packed} --memory-budget {human_size(budget).replace(' ', '')} "
                 f"-p '{PROMPT}' -n 32 -st")
             say(f"  python -c \"import pyzipmoe; llm = pyzipmoe.Llama('{packed}', "
-                f"zipmoe_memory_budget='{human_size(budget).replace(' ', '')}'); "
+                f"memory_budget='{human_size(budget).replace(' ', '')}', verbose=False); "
                 f"print(llm('{PROMPT}', max_tokens=32)['choices'][0]['text'])\"")
     finally:
         progress.close()

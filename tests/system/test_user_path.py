@@ -210,3 +210,24 @@ def test_serve_applies_system_and_message(tiny_model: Path, tmp_path: Path) -> N
         helpers.kill_group(proc)
     assert got == expected
     assert got[0] != without
+
+
+def test_roles_template_for_llama_cli(tiny_model: Path, tmp_path: Path) -> None:
+    """llama-cli takes SYSTEM with -sysf (the package's flags): a template is written only for MESSAGE lines, and
+    it puts the history in front of the conversation in the model's (here llama.cpp's default) format."""
+    from types import SimpleNamespace
+
+    from pyzipmoe.cli.programs import CHATML, _roles_template
+    from pyzipmoe.models.modelfile import Message
+
+    only_system = SimpleNamespace(messages=(), system="Be brief.", template=None)
+    assert _roles_template(only_system, str(tiny_model), "llama-cli", tmp_path) == []
+    assert _roles_template(None, str(tiny_model), "llama-server", tmp_path) == []
+    flags = _roles_template(only_system, str(tiny_model), "llama-server", tmp_path)
+    assert flags[:2] == ["--jinja", "--chat-template-file"]
+    history = SimpleNamespace(messages=(Message("user", 'Say "hi"'), Message("assistant", "hi")), system=None,
+                              template=None)
+    flags = _roles_template(history, str(tiny_model), "llama-cli", tmp_path)
+    text = Path(flags[-1]).read_text()
+    assert text.endswith(CHATML) and '{"role": "user", "content": "Say \\"hi\\""}' in text
+    assert "Be brief." not in text
