@@ -78,6 +78,7 @@ def run_limited(argv: list[str], env: dict[str, str], parent: Path | None, limit
             (group / "memory.memsw.limit_in_bytes").write_text(str(limit))
         # the shell joins the cgroup, then becomes argv (the same pid: wait4's rusage is argv's)
         argv = ["/bin/sh", "-c", 'echo $$ > "$0" || exit 125; exec "$@"', str(group / "cgroup.procs"), *argv]
+    proc = None
     try:
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
@@ -88,8 +89,6 @@ def run_limited(argv: list[str], env: dict[str, str], parent: Path | None, limit
                 if pid == proc.pid:
                     break
                 if time.monotonic() - start > TIMEOUT:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    os.wait4(proc.pid, 0)
                     raise ZipmoeError(f"{name}: ran past {TIMEOUT} s")
                 time.sleep(0.05)
             proc.returncode = os.waitstatus_to_exitcode(status)
@@ -105,6 +104,12 @@ def run_limited(argv: list[str], env: dict[str, str], parent: Path | None, limit
             return stdout, stderr, int((group / "memory.max_usage_in_bytes").read_text()), "cgroup"
         return stdout, stderr, usage.ru_maxrss * 1024, "rss"
     finally:
+        if proc is not None and proc.returncode is None:  # timed out or interrupted: leave nothing behind
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+                os.wait4(proc.pid, 0)
+            except OSError:
+                pass
         if group is not None:
             for _ in range(50):
                 try:
