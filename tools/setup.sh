@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command from a fresh clone to a working zipmoe: system packages, the native library, the
-# Python package in .venv, then the demo (a synthetic MoE converted, verified and restored).
+# Python package in .venv, then the demo: the main job on a built-in default (a SYNTHETIC MoE run under a
+# memory budget of half its size, next to stock llama.cpp in the same limit, with the same tokens).
 #   bash tools/setup.sh            everything, then the demo
 #   bash tools/setup.sh --no-demo  everything but the demo
 set -euo pipefail
@@ -10,7 +11,7 @@ run_demo=1
 for arg in "$@"; do
     case "$arg" in
         --no-demo) run_demo=0 ;;
-        -h|--help) sed -n '2,5p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,6p' "$0"; exit 0 ;;
         *) echo "setup.sh: unknown option $arg (try --help)" >&2; exit 2 ;;
     esac
 done
@@ -81,7 +82,7 @@ else
 fi
 
 if [ "$run_demo" -eq 1 ]; then
-    step "demo: synthetic MoE -> zipmoe GGUF -> verify -> restore"
+    step "demo: a SYNTHETIC MoE under a memory budget of half its size, next to stock llama.cpp"
     .venv/bin/zipmoe demo
 fi
 step "done. Run the tests with:  .venv/bin/python -m pytest"

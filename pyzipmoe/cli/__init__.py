@@ -1,5 +1,5 @@
 """The `zipmoe` command. One module per group of subcommands, each with its `register(subparsers)`: files (convert,
-verify, inspect, unpack, demo), programs (run, serve, bench: zipmoe's llama.cpp), models (create, list, show, cp,
+verify, inspect, unpack), demo, programs (run, serve, bench: zipmoe's llama.cpp), models (create, list, show, cp,
 rm, prune, export, import), calibrate, plan; formatting holds what they share.
 
 Expected failures (bad input, corrupted files, missing files) print one line, `zipmoe: error: ...`, and
@@ -25,7 +25,7 @@ bit for bit. llama.cpp with zipmoe's patch runs it directly."""
 
 EPILOG = """\
 examples:
-  zipmoe demo                                   try it all on a synthetic model
+  zipmoe demo                                   a SYNTHETIC MoE under a memory budget, next to stock
   zipmoe inspect model-bf16.gguf                what would compression gain?
   zipmoe convert model-bf16.gguf model.zipmoe.gguf
   zipmoe verify model.zipmoe.gguf --against model-bf16.gguf
@@ -47,9 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
-    from . import calibrate, files, models, plan, programs
+    from . import calibrate, demo, files, models, plan, programs
 
-    for group in (files, programs, models, calibrate, plan):
+    for group in (files, demo, programs, models, calibrate, plan):
         group.register(sub)
     return parser
 

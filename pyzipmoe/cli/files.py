@@ -1,4 +1,4 @@
-"""`zipmoe convert`, `verify`, `inspect`, `unpack` and `demo`: zipmoe's files.
+"""`zipmoe convert`, `verify`, `inspect` and `unpack`: zipmoe's files.
 
 Modules that load the native library (codec, convert) are imported inside functions, under main()'s error handling,
 so a missing library is one line that says how to build it, not an import traceback.
@@ -7,14 +7,10 @@ so a missing library is one line that says how to build it, not an import traceb
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from ..errors import ZipmoeError
-from ..progress import Progress, for_terminal
+from ..progress import for_terminal
 from .formatting import (
     EXIT_OK,
     TABLE_NOTE,
@@ -102,61 +98,11 @@ def cmd_unpack(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from .. import synth
-    from ..file import convert, verify
-
-    progress = for_terminal(args.quiet)
-    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="zipmoe-demo-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    model, packed, restored = (workdir / f"{args.preset}-{args.arch}{s}.gguf" for s in ("", ".zipmoe", ".restored"))
-    say: Callable[[str], None] = (lambda s: None) if args.quiet else print
-    try:
-        config = synth.for_arch(synth.PRESETS[args.preset], args.arch)
-        progress.start("generate", synth.tensor_data_bytes(config))
-        made = synth.write_config(model, config, progress=_synth_progress(progress))
-        progress.close()
-        say(f"1. generated {model} ({human_size(made.file_size)}): a {args.arch} model with random BF16 weights")
-        report = convert.convert(model, packed, threads=args.threads, progress=progress)
-        say(f"2. converted it to {packed} ({human_size(report.output_size)}) in {report.seconds:.1f} s")
-        checked = verify.verify(packed, model, threads=args.threads, progress=progress)
-        say(f"3. verified: {checked.experts} experts decode bit for bit to the source's")
-        back = verify.unpack(packed, restored, threads=args.threads, progress=progress)
-        if back.sha256 != report.sha256:
-            raise verify.MismatchError(f"{restored} has sha256 {back.sha256}, the source {report.sha256}")
-        say(f"4. unpacked it to {restored}: sha256 {back.sha256[:16]}... equals the source's")
-        say("")
-        say(size_table([r.to_dict() for r in report.rows()]))
-        say(TABLE_NOTE)
-    finally:
-        progress.close()
-        if not args.keep:
-            if args.workdir:
-                for p in (model, model.with_name(model.name + ".part"), packed, restored):
-                    p.unlink(missing_ok=True)
-            else:
-                shutil.rmtree(workdir, ignore_errors=True)
-    if args.keep:
-        say(f"files kept in {workdir}")
-    return EXIT_OK
-
-
-def _synth_progress(progress: Progress) -> Callable[[int, int, str], None]:
-    """synth reports cumulative bytes; Progress wants increments."""
-    last = [0]
-
-    def update(done: int, total: int, name: str) -> None:
-        progress.advance(done - last[0])
-        last[0] = done
-
-    return update
-
-
 # --------------------------------------------------------------------------------------------- parsing
 
 
 def register(sub: Any) -> None:
-    """Adds convert, verify, inspect, unpack and demo to the `zipmoe` command's subparsers."""
+    """Adds convert, verify, inspect, unpack to the `zipmoe` command's subparsers."""
     from ..file import codec
 
     p = command(
@@ -216,19 +162,6 @@ def register(sub: Any) -> None:
     add_threads(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars, no report")
 
-    p = command(
-        sub, "demo", cmd_demo, help="generate a synthetic MoE model, convert, verify and unpack it",
-        description="Run the whole cycle on a synthetic BF16 MoE model with random weights (whose exponents "
-                    "have the statistics of trained ones): generate, convert, verify against the source, "
-                    "unpack and compare sha256, then print the size table.",
-        epilog="examples:\n  zipmoe demo\n  zipmoe demo --preset tiny --arch olmoe --workdir /tmp/z --keep")
-    p.add_argument("--preset", choices=("tiny", "small"), default="small",
-                   help="model size: tiny (~0.3 MB) or small (~64 MB, the default)")
-    p.add_argument("--arch", choices=("qwen3moe", "olmoe"), default="qwen3moe", help="model architecture")
-    p.add_argument("--workdir", metavar="DIR", help="where to put the files (default: a temporary directory)")
-    p.add_argument("--keep", action="store_true", help="keep the files afterwards")
-    add_threads(p)
-    p.add_argument("--quiet", action="store_true", help="no progress bars, no output")
 
 def add_threads(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive, metavar="N", help="worker threads (default: all CPUs)")

@@ -10,15 +10,9 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
+from ..runtime.budget import human_size  # noqa: F401  (the subcommands' sizes: one formatter)
+
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
-
-
-def human_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def pct(x: float | None, signed: bool = False) -> str:

@@ -4,8 +4,11 @@ on a zipmoe or plain GGUF, a file or a package's name."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from ..errors import ZipmoeError
@@ -35,25 +38,61 @@ def _resolve(args: argparse.Namespace, program: str) -> tuple[str, list[str], An
     return str(path), (package.llama_program_args(program) if package else []), package
 
 
+# llama.cpp's own choice for a model without a chat template
+CHATML = ("{%- for message in messages -%}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>\\n' }}{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}")
+
+
+def _roles_template(package: Any, model: str, program: str, keep: Path) -> list[str]:
+    """Flags that give llama-cli or llama-server the package's SYSTEM and MESSAGE lines where they have no flag of
+    their own for them (MESSAGE for either, SYSTEM for llama-server): a chat template, written under `keep`, that
+    puts them in front of every conversation's messages (after a system message the client sent, instead of
+    SYSTEM), then formats as the package's TEMPLATE, the GGUF's template or llama.cpp's default would."""
+    if package is None or not (package.messages or (program == "llama-server" and package.system)):
+        return []
+    from ..file.gguf import read_gguf
+
+    base = package.template
+    if not base:
+        field = read_gguf(model).kv.get("tokenizer.chat_template")
+        base = str(field.value) if field is not None else CHATML
+    history = json.dumps([m.to_dict() for m in package.messages], ensure_ascii=False)
+    system = json.dumps([{"role": "system", "content": package.system}] if package.system else [],
+                        ensure_ascii=False)
+    prefix = (f"{{%- set messages = (messages[:1] + {history} + messages[1:]) if (messages and "
+              f"messages[0]['role'] == 'system') else ({system} + {history} + messages) -%}}\n")
+    path = keep / "chat-template.jinja"
+    path.write_text(prefix + base)
+    return ["--jinja", "--chat-template-file", str(path)]
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from ..runtime import runner, supervise
 
+    if args.prompt_text is not None:
+        if args.prompt is not None:
+            raise ZipmoeError("give the prompt once: as PROMPT after MODEL, or with -p")
+        args.prompt = args.prompt_text
     model, package_flags, package = _resolve(args, "llama-cli")
     params = package.parameters if package else {}
     cache = args.cache or (package.cache_mode if package else None)
     extra = _llama_args(args)
     if args.prompt is None:
         os.environ.update(_cache_settings(args, model, package))  # what libllama in llama-cli reads  # interactive chat: llama-cli; the package's flags first, so that the user's win
-        argv = [str(runner.program("llama-cli")), "-m", model, *package_flags, *_common_llama_flags(args)]
-        if args.n_predict is not None:
-            argv += ["-n", str(args.n_predict)]
-        if args.temp is not None:
-            argv += ["--temp", str(args.temp)]
-        if args.seed is not None:
-            argv += ["--seed", str(args.seed)]
-        return supervise.run_program([*argv, *extra], runner.environment(cache), **_supervision(args, model, package))
+        with tempfile.TemporaryDirectory(prefix="zipmoe-run-") as keep:
+            argv = [str(runner.program("llama-cli")), "-m", model, *package_flags,
+                    *_roles_template(package, model, "llama-cli", Path(keep)), *_common_llama_flags(args)]
+            if args.n_predict is not None:
+                argv += ["-n", str(args.n_predict)]
+            if args.temp is not None:
+                argv += ["--temp", str(args.temp)]
+            if args.seed is not None:
+                argv += ["--seed", str(args.seed)]
+            return supervise.run_program([*argv, *extra], runner.environment(cache),
+                                         **_supervision(args, model, package))
     if extra:
-        raise ZipmoeError("llama.cpp arguments after -- go to the interactive llama-cli, not to a -p completion; "
+        raise ZipmoeError("llama.cpp arguments after -- go to the interactive llama-cli, not to a one-shot "
+                          "completion (PROMPT or -p); "
                           "for a single chat turn with llama-cli use: zipmoe run MODEL -- -st -p PROMPT")
     def pick(given: Any, key: str, default: Any) -> Any:
         return given if given is not None else params.get(key, default)
@@ -61,7 +100,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     completion = runner.complete(model, args.prompt, n_predict=pick(args.n_predict, "num_predict", 128),
                                  threads=args.threads, n_ctx=pick(args.ctx_size, "num_ctx", None),
                                  temperature=pick(args.temp, "temperature", 0.8), seed=pick(args.seed, "seed", None),
-                                 cache=cache or "unbounded", out=sys.stdout,
+                                 cache=cache or "unbounded", out=sys.stdout, package=package,
                                  options={"memory_budget": args.memory_budget or params.get("memory_budget"),
                                           "cache_policy": args.policy, "hot_share": args.hot_share,
                                           "sm_share": args.sm_share, "trace": args.trace,
@@ -78,10 +117,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model, package_flags, package = _resolve(args, "llama-server")
     cache = args.cache or (package.cache_mode if package else None)
     os.environ.update(_cache_settings(args, model, package))
-    argv = [str(runner.program("llama-server")), "-m", model, "--host", args.host, "--port", str(args.port),
-            *package_flags, *_common_llama_flags(args)]
-    return supervise.run_program([*argv, *_llama_args(args)], runner.environment(cache),
-                                 **_supervision(args, model, package))
+    with tempfile.TemporaryDirectory(prefix="zipmoe-serve-") as keep:
+        argv = [str(runner.program("llama-server")), "-m", model, "--host", args.host, "--port", str(args.port),
+                *package_flags, *_roles_template(package, model, "llama-server", Path(keep)),
+                *_common_llama_flags(args)]
+        return supervise.run_program([*argv, *_llama_args(args)], runner.environment(cache),
+                                     **_supervision(args, model, package))
 
 
 def _supervision(args: argparse.Namespace, model: str, package: Any) -> dict[str, Any]:
@@ -172,19 +213,23 @@ def register(sub: Any) -> None:
     """Adds `run`, `serve` and `bench` (zipmoe's llama.cpp build, build/bin, on a zipmoe or plain GGUF) to the
     `zipmoe` command's subparsers."""
     p = command(
-        sub, "run", cmd_run, usage="zipmoe run [options] MODEL [-- LLAMA_CLI_ARGS ...]",
-        help="chat with a model, or complete a prompt (-p)",
-        description="Without -p: an interactive chat with llama-cli from zipmoe's build of llama.cpp. With -p: "
-                         "a one-shot raw completion of PROMPT printed to stdout (through llama-cpp-python and the "
-                         "same libllama). MODEL may be a zipmoe GGUF or a plain one. Arguments after -- go to "
+        sub, "run", cmd_run, usage="zipmoe run [options] MODEL [PROMPT] [-- LLAMA_CLI_ARGS ...]",
+        help="chat with a model, or complete a prompt",
+        description="Without a prompt: an interactive chat with llama-cli from zipmoe's build of llama.cpp. With "
+                         "PROMPT (or -p PROMPT): a one-shot raw completion of it printed to stdout (through "
+                         "llama-cpp-python and the same libllama), as `ollama run MODEL PROMPT` answers once. MODEL "
+                         "may be a stored model's name, a zipmoe GGUF or a plain one. Arguments after -- go to "
                          "llama-cli.",
         epilog="examples:\n"
                "  zipmoe run model.zipmoe.gguf                                  chat (llama-cli)\n"
+               "  zipmoe run mymoe 'Why is the sky blue?'                       one-shot completion\n"
                "  zipmoe run model.zipmoe.gguf -p 'Once upon a time' -n 64      raw completion\n"
                "  zipmoe run model.zipmoe.gguf -p 'The capital of France is' --temp 0 --stats\n"
                "  zipmoe run model.zipmoe.gguf -- -st -p 'Why is the sky blue?'  one chat turn (llama-cli)\n"
                "  zipmoe run model.zipmoe.gguf -t 8 -- --jinja -sys 'Answer briefly.'")
-    p.add_argument("model", metavar="MODEL", help="a zipmoe GGUF (or a plain GGUF)")
+    p.add_argument("model", metavar="MODEL", help="a stored model's name, a zipmoe GGUF or a plain GGUF")
+    p.add_argument("prompt_text", nargs="?", metavar="PROMPT",
+                   help="complete PROMPT once and exit (as -p PROMPT)")
     p.add_argument("-p", "--prompt", metavar="PROMPT", help="complete PROMPT once and exit (raw completion)")
     p.add_argument("-n", "--n-predict", type=positive, metavar="N", help="tokens to generate (default with -p: 128)")
     p.add_argument("--temp", type=float, metavar="T", help="sampling temperature; 0 = greedy (default: 0.8)")

@@ -36,6 +36,29 @@ AUTO = "auto"
 _WRITE = "write e.g. 6GiB, 512MiB, 60% or auto"
 
 
+def human_size(n: float) -> str:
+    """Bytes in the largest binary unit below 1024 of it ("3.1 MiB", "512 B"): every size zipmoe prints (the
+    native runtime's messages write them the same way, zipmoe-config.cpp size_text)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def budget_text(given: str | int | None, nbytes: int) -> str:
+    """A budget for a message in its user's units: a size as written ("100KiB" -> "100 KiB"), a percentage or
+    "auto" with the bytes it came to ("60% (4.8 GiB)"), bytes given as a number as human_size writes them."""
+    if given is None or isinstance(given, int):
+        return human_size(nbytes)
+    m = _NUMBER_AND_UNIT.match(str(given))
+    if m and m.group(2) and m.group(2) != "%":
+        return f"{m.group(1)} {m.group(2)}"
+    if m and not m.group(2):
+        return f"{m.group(1)} bytes" + (f" ({human_size(nbytes)})" if nbytes >= 1024 else "")
+    return f"{str(given).strip()} ({human_size(nbytes)})"
+
+
 def parse_size(text: str) -> int:
     """Bytes from a size as people write it ("6GiB", "512M", "1.5g", "1000000"; units binary, k = 1024): the
     native library's parser (zipmoe_parse_size), the one the runtime reads ZIPMOE_* sizes with. ValueError if it
@@ -118,8 +141,7 @@ class ModelMemory:
         """What the runtime's messages add where the token embedding is charged for fewer bytes than it has."""
         if self.embd_charged >= self.embd_bytes:
             return ""
-        charged, whole = self.embd_charged / (1 << 20), self.embd_bytes / (1 << 20)
-        return f" (token_embd: the rows of a batch, {charged:.0f} MiB of {whole:.0f} MiB)"
+        return f" (token_embd: the rows of a batch, {human_size(self.embd_charged)} of {human_size(self.embd_bytes)})"
 
     @property
     def minimum(self) -> int:
@@ -169,13 +191,12 @@ def model_memory(model: ZipmoeFile | str | os.PathLike[str], *, mapped: bool = T
                        embd_bytes=embd_bytes, embd_charged=need.embd_charged if embd_bytes else 0)
 
 
-def check_budget(budget: int, need: ModelMemory) -> None:
-    """The runtime's refusal, said before a model is loaded: the budget must hold `need.minimum`."""
+def check_budget(budget: int, need: ModelMemory, given: str | int | None = None) -> None:
+    """The runtime's refusal, said before a model is loaded: the budget must hold `need.minimum`. given: the budget
+    as the user wrote it, which the message echoes (budget_text)."""
     if budget < need.minimum:
-        mib = 1 << 20
         raise ZipmoeError(
-            f"memory budget {budget / mib:.0f} MiB is too small for this model: it needs at least "
-            f"{need.minimum / mib:.0f} MiB ({need.other_bytes / mib:.0f} MiB of weights that are not experts"
-            f"{need.embd_note} + "
-            f"{need.in_flight_bytes / mib:.0f} MiB for the experts of one expert tensor in flight); raise "
+            f"memory budget {budget_text(given, budget)} is below the minimum of {human_size(need.minimum)} for "
+            f"this model ({human_size(need.other_bytes)} of weights that are not experts{need.embd_note} + "
+            f"{human_size(need.in_flight_bytes)} for the experts of one expert tensor in flight); raise "
             "--memory-budget")

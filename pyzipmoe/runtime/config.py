@@ -49,7 +49,10 @@ ggml's threads meet at a barrier after every operation of the graph, and libgomp
 300000 rounds. With as many threads as cores (llama-cli's default), that spinning starved zipmoe's reader thread and
 the kernel's reads: on 2 cores, llama-completion -t 2 generated 7.4-8.4 tokens/s at a 75% budget and 13.1 at 93%;
 with 2000 rounds 13.1-13.7 and 23.3, and the same 62 tokens/s when everything fits. A value of the user's (or an
-OMP_WAIT_POLICY) is kept; `bare llama-cli` needs it in its environment (README)."""
+OMP_WAIT_POLICY) is kept. Under a budget, zipmoe's llama.cpp programs set the same value themselves and execute
+themselves again (COMMON_ZIPMOE_GOMP_SPINCOUNT in patches/0007-zipmoe-args.patch: keep the two equal); setting it
+here spares the programs zipmoe starts that restart, and is the only way for this process, whose libgomp loads with
+libllama."""
 
 
 def openmp_environment(env: MutableMapping[str, str]) -> MutableMapping[str, str]:

@@ -124,7 +124,7 @@ def runtime_environment(model: ZipmoeFile | str | os.PathLike[str], *, budget: s
     model = as_zipmoe(model)  # parsed once for everything below
     need = model_memory(model, mapped=mapped)
     nbytes = model_budget(budget, need)
-    check_budget(nbytes, need)
+    check_budget(nbytes, need, budget)
     if plan is not None:
         planner.decode_plan(plan)  # a clear error for a malformed one, before the runtime sees it
     elif use_planner and hot_share is None and sm_share is None and trace is not None:

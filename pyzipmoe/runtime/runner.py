@@ -178,12 +178,28 @@ def _context_length(model: Path) -> int | None:
         return None
 
 
+def _stream(llm: Any, prompt: str, package: Any, **kw: Any) -> Any:
+    """(text, is the last chunk) of a raw completion, or of a chat turn where the package gives one its roles."""
+    if package is None or not (package.template or package.system or package.messages):
+        for chunk in llm.create_completion(prompt, stream=True, **kw):
+            yield chunk["choices"][0]["text"], chunk["choices"][0]["finish_reason"] is not None
+        return
+    from ..models.package import apply_package
+
+    apply_package(llm, package)  # its SYSTEM and MESSAGE go in front of the turn, its TEMPLATE formats it
+    for chunk in llm.create_chat_completion([{"role": "user", "content": prompt}], stream=True, **kw):
+        choice = chunk["choices"][0]
+        yield choice["delta"].get("content") or "", choice["finish_reason"] is not None
+
+
 def complete(model: str | os.PathLike[str], prompt: str, *, n_predict: int = 128, threads: int | None = None,
              n_ctx: int | None = None, temperature: float = 0.8, seed: int | None = None, cache: str = "unbounded",
              out: TextIO | None = None, on_text: Callable[[str], None] | None = None,
-             options: dict[str, Any] | None = None) -> Completion:
+             options: dict[str, Any] | None = None, package: Any = None) -> Completion:
     """Raw text completion of prompt with zipmoe's libllama through llama-cpp-python, streamed to `out`.
     options: pyzipmoe.Llama's memory_budget, cache_policy, hot_share, sm_share, trace, adapt (None: not given).
+    package: a stored model's (pyzipmoe.models.package.ModelPackage); where it has a TEMPLATE, SYSTEM or MESSAGE
+    lines, prompt is one chat turn after its SYSTEM and MESSAGE history, in its template, as `ollama run` answers.
 
     (llama-completion, the llama.cpp program for this, loses the end of its output in this llama.cpp version:
     its logger is never flushed at exit, so redirected output comes out truncated or empty.)
@@ -210,9 +226,8 @@ def complete(model: str | os.PathLike[str], prompt: str, *, n_predict: int = 128
         if n_prompt >= n_ctx:
             raise ZipmoeError(f"the prompt has {n_prompt} tokens, the context only {n_ctx} (raise it with -c)")
         pieces, generated = [], 0
-        for chunk in llm.create_completion(prompt, max_tokens=n_predict, temperature=temperature, stream=True):
-            text = chunk["choices"][0]["text"]
-            generated += chunk["choices"][0]["finish_reason"] is None  # the last chunk only says why it stopped
+        for text, last in _stream(llm, prompt, package, max_tokens=n_predict, temperature=temperature):
+            generated += not last  # the last chunk only says why it stopped
             pieces.append(text)
             if out is not None:
                 out.write(text)

@@ -550,22 +550,22 @@ def test_a_plan_that_takes_all_of_the_tiers_reads_a_prompt_through_rings(ours: P
 def test_a_budget_below_the_minimum_is_refused_saying_the_minimum(arch: str, zipmoe_models: dict[tuple[str, str], Path],
                                                                  ours: Path, tmp_path: Path) -> None:
     """Python refuses it before loading, and bare libllama (the environment variable) refuses it at load."""
-    from pyzipmoe.runtime.budget import model_memory
+    from pyzipmoe.runtime.budget import human_size, model_memory
 
     path = zipmoe_models[arch, "huff"]
     need = model_memory(path)
     small = need.minimum - 1
     reports, _ = run_worker(path, ours, [{"config": CONFIGS[0], "zipmoe": {"memory_budget": str(small)}}],
                             tmp_path / "small.npz")
-    assert "too small for this model: it needs at least" in reports[0]["load_error"]["message"], reports[0]
+    assert "is below the minimum of" in reports[0]["load_error"]["message"], reports[0]
     simple = ours / "llama-simple"
     if simple.exists():
         env = {**os.environ, "ZIPMOE_MEMORY_BUDGET": str(small)}
         out = subprocess.run([str(simple), "-m", str(path), "-n", "1", "hi"], env=env, capture_output=True, text=True,
                              timeout=120, check=False)
         assert out.returncode != 0
-        mib = f"{need.minimum / 2**20:.0f} MiB"
-        assert f"too small for this model: it needs at least {mib}" in out.stderr, out.stderr[-2000:]
+        assert f"memory budget {small} is below the minimum of {human_size(need.minimum)}" in out.stderr, \
+            out.stderr[-2000:]
 
 
 RSS_CHILD = """
@@ -640,7 +640,7 @@ def test_a_token_embedding_read_by_rows_is_charged_for_a_batch_of_rows(tied: boo
         assert (need.embd_bytes, need.embd_charged, need.embd_note) == (0, 0, "")
     else:
         assert need.embd_bytes == table and need.embd_charged == lib.zipmoe_budget_embd_charge(table, 2048, mmap.PAGESIZE)
-        assert ("token_embd: the rows of a batch, 16 MiB of 32 MiB" in need.embd_note) == by_rows
+        assert ("token_embd: the rows of a batch, 16.0 MiB of 32.0 MiB" in need.embd_note) == by_rows
     assert model_memory(packed, mapped=False).other_bytes == need.other_bytes - need.embd_charged + need.embd_bytes
 
     def generate(model: Path, budget: int | None) -> subprocess.CompletedProcess[str]:
@@ -655,7 +655,7 @@ def test_a_token_embedding_read_by_rows_is_charged_for_a_batch_of_rows(tied: boo
     assert fits.returncode == 0, fits.stderr[-2000:]
     assert fits.stdout == reference.stdout
     assert ("(token_embd: the rows of a batch" in fits.stderr) == by_rows, fits.stderr[-2000:]
-    assert short.returncode != 0 and "too small for this model: it needs at least" in short.stderr, short.stderr[-2000:]
+    assert short.returncode != 0 and "is below the minimum of" in short.stderr, short.stderr[-2000:]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

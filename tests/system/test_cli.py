@@ -162,16 +162,6 @@ def test_verify_mismatch_exits_1(capsys: pytest.CaptureFixture[str], zipmoe_mode
     assert_one_line_error(err, "blk.0.ffn_down_exps.weight expert 0 element 5 (flat index 5): zipmoe gives 0x")
 
 
-def test_demo(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    code, out, _ = run(capsys, "demo", "--preset", "tiny", "--arch", "olmoe", "--workdir", tmp_path)
-    assert code == 0
-    assert "1. generated" in out and "4. unpacked" in out and "equals the source's" in out and "whole file" in out
-    assert list(tmp_path.iterdir()) == []
-    code, out, _ = run(capsys, "demo", "--preset", "tiny", "--workdir", tmp_path, "--keep", "--quiet")
-    assert code == 0 and out == ""
-    assert len(list(tmp_path.glob("*.gguf"))) == 3
-
-
 def python_m(*argv: object) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, "-m", "pyzipmoe", *map(str, argv)], capture_output=True, text=True,

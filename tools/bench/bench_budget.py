@@ -356,7 +356,7 @@ def run_limited(argv: list[str], env: dict[str, str], parent: Path, limit: int |
     if plan:
         res["zipmoe_budget_line"] = plan[0]
     too_small = [ln.strip() for ln in stderr.splitlines()
-                 if "too small" in ln.lower() and "destination buffer" not in ln.lower()]
+                 if ("too small" in ln.lower() or "below the minimum" in ln) and "destination buffer" not in ln.lower()]
     if timed_out:
         res["status"] = "timeout"
     elif stats.get("oom_kill", 0) > 0 and res["exit_code"] != 0:

@@ -18,9 +18,21 @@ static bool parse_budget(const char * text, uint64_t & out) {
     return zipmoe_parse_budget(text, std::min<uint64_t>(physical, ZIPMOE_SIZE_MAX), &out) == ZIPMOE_OK;
 }
 
-static std::string mib(uint64_t bytes) {
+// Bytes in the largest binary unit below 1024 of it, as pyzipmoe's human_size writes them ("3.1 MiB", "512 B").
+static std::string size_text(uint64_t bytes) {
+    static const char * const units[] = { "KiB", "MiB", "GiB", "TiB", "PiB", "EiB" };
     char buf[32];
-    std::snprintf(buf, sizeof buf, "%.0f MiB", (double) bytes / (1024.0 * 1024.0));
+    if (bytes < 1024) {
+        std::snprintf(buf, sizeof buf, "%llu B", (unsigned long long) bytes);
+        return buf;
+    }
+    double v = (double) bytes / 1024.0;
+    size_t u = 0;
+    while (v >= 1024.0 && u + 1 < sizeof units / sizeof units[0]) {
+        v /= 1024.0;
+        u++;
+    }
+    std::snprintf(buf, sizeof buf, "%.1f %s", v, units[u]);
     return buf;
 }
 
@@ -70,8 +82,8 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
     }
     other_bytes                 = need.other;
     const uint64_t embd_charged = need.embd_charged;
-    const std::string embd_note = embd_charged < embd_bytes ? " (token_embd: the rows of a batch, " + mib(embd_charged) +
-                                                                  " of " + mib(embd_bytes) + ")"
+    const std::string embd_note = embd_charged < embd_bytes ? " (token_embd: the rows of a batch, " + size_text(embd_charged) +
+                                                                  " of " + size_text(embd_bytes) + ")"
                                                             : "";
     // a store's routed experts stay decoded until the next store plans (its matmul ran by then): the working set
     // beyond the tiers is the largest expert tensor's, all of whose experts a prompt may route to
@@ -87,10 +99,11 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
         }
         const uint64_t minimum = need.minimum;
         if (budget < minimum) {
-            err = "memory budget " + mib(budget) + " is too small for this model: it needs at least " + mib(minimum) +
-                  " (" + mib(other_bytes) + " of weights that are not experts" + embd_note + " + " + mib(working_set) +
-                  " for the experts of one expert tensor in flight); raise ZIPMOE_MEMORY_BUDGET (zipmoe "
-                  "--memory-budget)";
+            // the budget as its user wrote it: a size rounded to MiB could read "0 MiB"
+            err = std::string("memory budget ") + v + " is below the minimum of " + size_text(minimum) +
+                  " for this model (" + size_text(other_bytes) + " of weights that are not experts" + embd_note +
+                  " + " + size_text(working_set) + " for the experts of one expert tensor in flight); raise "
+                  "--memory-budget (ZIPMOE_MEMORY_BUDGET)";
             return false;
         }
         tiers            = budget - minimum;
@@ -117,11 +130,11 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
         in_flight = split.in_flight;
         reads     = split.reads ? split.reads : UINT64_MAX; // (none left: as zipmoe_cache_apply_split)
         token_hot = split.token_hot;
-        info = "zipmoe: memory budget " + mib(budget) + ": " + mib(other_bytes) + " weights that are not experts" +
-               embd_note + ", " + mib(in_flight) + " for one expert tensor in flight beyond its decoded experts, " +
-               (split.reads ? mib(split.reads) + " for a prompt's reads, " : std::string()) +
-               "cache tiers " + mib(hot) + " decoded, " + mib(warm) + " compressed, " + mib(sm) +
-               " sign+mantissa (experts " + mib(experts) + " in BF16)" + zipmoe_control_load_note();
+        info = "zipmoe: memory budget " + size_text(budget) + ": " + size_text(other_bytes) + " weights that are not experts" +
+               embd_note + ", " + size_text(in_flight) + " for one expert tensor in flight beyond its decoded experts, " +
+               (split.reads ? size_text(split.reads) + " for a prompt's reads, " : std::string()) +
+               "cache tiers " + size_text(hot) + " decoded, " + size_text(warm) + " compressed, " + size_text(sm) +
+               " sign+mantissa (experts " + size_text(experts) + " in BF16)" + zipmoe_control_load_note();
     } else {
         info = "zipmoe: no memory budget: decoded experts are kept (set ZIPMOE_MEMORY_BUDGET or --memory-budget)";
     }
@@ -200,7 +213,7 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
         return false;
     }
     if (token_tier) {
-        info += "; while generating, " + mib(token_hot) + " decoded";
+        info += "; while generating, " + size_text(token_hot) + " decoded";
     } else if (hot == 0 && warm > 0 && sm == 0 && !plan) { // (cache/config.c: warm_tokens_possible)
         info += "; while generating, the compressed tier also holds the allowance beyond a token's decodes";
     }

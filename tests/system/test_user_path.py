@@ -1,0 +1,233 @@
+"""What a new user meets first: sizes in their own units, `zipmoe run MODEL PROMPT` as `ollama run` takes it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import helpers
+import pyzipmoe
+from pyzipmoe.errors import ZipmoeError
+from pyzipmoe.runtime.budget import budget_text, check_budget, human_size, model_memory, parse_budget
+
+REPO = Path(pyzipmoe.__file__).resolve().parent.parent
+
+
+def python_m(*argv: object, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "pyzipmoe", *map(str, argv)], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+@pytest.mark.parametrize("n,text", [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (100 << 10, "100.0 KiB"),
+                                    (3_250_586, "3.1 MiB"), (6 << 30, "6.0 GiB"), (3 << 40, "3.0 TiB")])
+def test_human_size_picks_the_unit(n: int, text: str) -> None:
+    assert human_size(n) == text
+
+
+@pytest.mark.parametrize("given,nbytes,text", [("100KiB", 100 << 10, "100 KiB"), (" 1.5 g", 3 << 29, "1.5 g"),
+                                               ("512", 512, "512 bytes"), ("4096", 4096, "4096 bytes (4.0 KiB)"),
+                                               ("60%", 1 << 30, "60% (1.0 GiB)"), (2048, 2048, "2.0 KiB")])
+def test_budget_text_keeps_the_users_units(given: str | int, nbytes: int, text: str) -> None:
+    assert budget_text(given, nbytes) == text
+
+
+def test_a_small_budget_is_refused_in_the_users_unit(zipmoe_model: Path) -> None:
+    need = model_memory(zipmoe_model)
+    with pytest.raises(ZipmoeError) as e:
+        check_budget(parse_budget("100KiB"), need, "100KiB")
+    assert f"memory budget 100 KiB is below the minimum of {human_size(need.minimum)}" in str(e.value)
+    assert " 0 MiB" not in str(e.value)
+
+
+def test_run_refuses_a_small_budget_in_the_users_unit(zipmoe_model: Path) -> None:
+    need = model_memory(zipmoe_model)
+    done = python_m("run", zipmoe_model, "--memory-budget", "100KiB", "-p", "hi", "-n", "1")
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"memory budget 100 KiB is below the minimum of {human_size(need.minimum)}" in done.stderr, done.stderr
+
+
+def test_native_loader_echoes_the_users_budget(zipmoe_model: Path) -> None:
+    """Bare llama.cpp under ZIPMOE_MEMORY_BUDGET=100KiB: the loader's refusal says 100KiB, not a rounded 0 MiB."""
+    completion = helpers.llama_bin_dir() / "llama-completion"
+    if not completion.exists():
+        helpers.unavailable(f"{completion} is not built")
+    need = model_memory(zipmoe_model)
+    env = {**os.environ, "ZIPMOE_MEMORY_BUDGET": "100KiB"}
+    out = subprocess.run([str(completion), "-m", str(zipmoe_model), "-n", "1", "-p", "hi", "-no-cnv"], env=env,
+                         capture_output=True, text=True, timeout=120, check=False, stdin=subprocess.DEVNULL)
+    assert out.returncode != 0
+    assert f"memory budget 100KiB is below the minimum of {human_size(need.minimum)}" in out.stderr, out.stderr[-2000:]
+
+
+def test_run_takes_the_prompt_as_ollama_does(zipmoe_model: Path) -> None:
+    """`zipmoe run MODEL PROMPT` answers once, the same tokens as `-p PROMPT`."""
+    flags = ("-n", "6", "--temp", "0", "-c", "64")
+    positional = python_m("run", zipmoe_model, "The expert", *flags)
+    with_p = python_m("run", zipmoe_model, "-p", "The expert", *flags)
+    assert positional.returncode == 0, positional.stderr[-2000:]
+    assert with_p.returncode == 0, with_p.stderr[-2000:]
+    assert positional.stdout == with_p.stdout and positional.stdout.strip()
+
+
+def test_run_refuses_two_prompts(zipmoe_model: Path) -> None:
+    done = python_m("run", zipmoe_model, "one", "-p", "two")
+    assert done.returncode == 2 and "give the prompt once" in done.stderr, done.stderr
+
+
+def test_demo_runs_the_main_job(tmp_path: Path) -> None:
+    """`zipmoe demo`: the zipmoe model under a budget of half the BF16 file gives the BF16 model's tokens; where a
+    memory cgroup can be made, both runs stayed within its limit (the runtime did not need more than it was given)."""
+    from pyzipmoe.cli.demo import cgroup_parent
+
+    if not (helpers.llama_bin_dir() / "llama-simple").exists():
+        helpers.unavailable("llama-simple is not built")
+    done = python_m("demo", "--preset", "small", "-n", "8", "--workdir", tmp_path, "--keep")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "SYNTHETIC" in done.stdout and "\nidentical tokens: yes\n" in done.stdout, done.stdout
+    assert "llama-cli -m " in done.stdout and "--memory-budget" in done.stdout and "pyzipmoe.Llama(" in done.stdout
+    assert sorted(p.name for p in tmp_path.glob("*.gguf")) == ["small-qwen3moe-bf16.gguf",
+                                                                "small-qwen3moe.zipmoe.gguf"]
+    done = python_m("demo", "--preset", "small", "-n", "8", "--workdir", tmp_path / "again", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["synthetic"] and report["identical_tokens"]
+    assert report["budget_bytes"] < report["bf16_bytes"] // 2 + (1 << 20)
+    assert not list((tmp_path / "again").glob("*.gguf"))
+    zipped = report["runs"]["zipmoe"]
+    if cgroup_parent() is not None:
+        assert report["cgroup"] and zipped["peak_source"] == "cgroup"
+        assert 0 < zipped["peak_bytes"] <= report["limit_bytes"]
+    else:
+        assert zipped["peak_source"] == "rss"
+
+
+def test_run_answers_in_the_packages_roles(tiny_model: Path, tmp_path: Path) -> None:
+    """`zipmoe run NAME PROMPT` of a stored model with SYSTEM and MESSAGE lines: one chat turn after them, the same
+    text as the library's chat completion of the stored model (llama_from_store) gives, and not the text without them."""
+    helpers.llama_bin_dir()
+    models = tmp_path / "models"
+    env = {**os.environ, "ZIPMOE_MODELS": str(models),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
+    def zipmoe(*argv: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "pyzipmoe", *map(str, argv)], capture_output=True, text=True,
+                              env=env, timeout=180)
+
+    (tmp_path / "Modelfile").write_text(f"FROM {tiny_model}\nSYSTEM You answer in one word.\n"
+                                        "MESSAGE user Is the sky blue?\nMESSAGE assistant Yes.\n")
+    (tmp_path / "Modelfile.bare").write_text(f"FROM {tiny_model}\n")
+    for name, mf in (("roles", "Modelfile"), ("bare", "Modelfile.bare")):
+        done = zipmoe("create", name, "-f", tmp_path / mf, "--quiet")
+        assert done.returncode == 0, done.stderr
+    flags = ("-n", "6", "--temp", "0", "-c", "256")
+    with_roles = zipmoe("run", "roles", "Why is the sky blue?", *flags)
+    without = zipmoe("run", "bare", "Why is the sky blue?", *flags)
+    assert with_roles.returncode == 0 and without.returncode == 0, with_roles.stderr[-2000:]
+    expected = subprocess.run(
+        [sys.executable, "-c",
+         "from pyzipmoe.models.directory import llama_from_store; "
+         "llm = llama_from_store('roles', n_ctx=256, verbose=False); "
+         "r = llm.create_chat_completion([{'role': 'user', 'content': 'Why is the sky blue?'}], max_tokens=6, "
+         "temperature=0); print(r['choices'][0]['message']['content'] or '')"],
+        capture_output=True, text=True, env=env, timeout=180)
+    assert expected.returncode == 0, expected.stderr[-2000:]
+    assert with_roles.stdout == expected.stdout
+    assert with_roles.stdout != without.stdout
+
+
+def _serve(argv: list[str], env: dict[str, str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A server (zipmoe serve or llama-server) on a free loopback port, once it answers /health."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open(log, "wb") as err:
+        proc = subprocess.Popen([*argv, "--port", str(port)], env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"{argv[:4]} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if helpers.http_json(url + "/health", timeout=2)[0] == 200:
+                return proc, url
+        except OSError:
+            pass
+        time.sleep(0.1)
+    helpers.kill_group(proc)
+    raise AssertionError("the server was not ready in time")
+
+
+def _chat(url: str, messages: list[dict[str, str]]) -> str:
+    status, body = helpers.http_json(url + "/v1/chat/completions", {"messages": messages, "max_tokens": 6,
+                                                                     "temperature": 0, "cache_prompt": False})
+    assert status == 200, (status, body)
+    return body["choices"][0]["message"]["content"]
+
+
+def test_serve_applies_system_and_message(tiny_model: Path, tmp_path: Path) -> None:
+    """`zipmoe serve NAME`: every chat starts with the package's SYSTEM (unless the client sent its own) and its
+    MESSAGE history, as if the client had sent them (compared with llama-server given them in the request)."""
+    lib_dir = helpers.llama_bin_dir()
+    if not (lib_dir / "llama-server").exists():
+        helpers.unavailable("llama-server is not built")
+    env = {**os.environ, "ZIPMOE_MODELS": str(tmp_path / "models"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    (tmp_path / "Modelfile").write_text(f"FROM {tiny_model}\nSYSTEM You answer in one word.\n"
+                                        "MESSAGE user Is the sky blue?\nMESSAGE assistant Yes.\n")
+    done = subprocess.run([sys.executable, "-m", "pyzipmoe", "create", "roles", "-f", tmp_path / "Modelfile",
+                           "--quiet"], capture_output=True, text=True, env=env, timeout=180)
+    assert done.returncode == 0, done.stderr
+    history = [{"role": "user", "content": "Is the sky blue?"}, {"role": "assistant", "content": "Yes."}]
+    ask = {"role": "user", "content": "Why is the grass green?"}
+    own = {"role": "system", "content": "You answer at length."}
+    server_flags = ["-t", "2", "-c", "256", "-np", "1"]
+    proc, url = _serve([sys.executable, "-m", "pyzipmoe", "serve", "roles", "--", *server_flags], env,
+                       tmp_path / "roles.log")
+    try:
+        got = _chat(url, [ask]), _chat(url, [own, ask])
+    finally:
+        helpers.kill_group(proc)
+    shown = subprocess.run([sys.executable, "-m", "pyzipmoe", "show", "roles", "--json"], capture_output=True,
+                           text=True, env=env, timeout=60)
+    blob = json.loads(shown.stdout)["model_path"]
+    proc, url = _serve([str(lib_dir / "llama-server"), "-m", str(blob), *server_flags], env, tmp_path / "plain.log")
+    try:
+        expected = (_chat(url, [{"role": "system", "content": "You answer in one word."}, *history, ask]),
+                    _chat(url, [own, *history, ask]))
+        without = _chat(url, [ask])
+    finally:
+        helpers.kill_group(proc)
+    assert got == expected
+    assert got[0] != without
+
+
+def test_roles_template_for_llama_cli(tiny_model: Path, tmp_path: Path) -> None:
+    """llama-cli takes SYSTEM with -sysf (the package's flags): a template is written only for MESSAGE lines, and
+    it puts the history in front of the conversation in the model's (here llama.cpp's default) format."""
+    from types import SimpleNamespace
+
+    from pyzipmoe.cli.programs import CHATML, _roles_template
+    from pyzipmoe.models.modelfile import Message
+
+    only_system = SimpleNamespace(messages=(), system="Be brief.", template=None)
+    assert _roles_template(only_system, str(tiny_model), "llama-cli", tmp_path) == []
+    assert _roles_template(None, str(tiny_model), "llama-server", tmp_path) == []
+    flags = _roles_template(only_system, str(tiny_model), "llama-server", tmp_path)
+    assert flags[:2] == ["--jinja", "--chat-template-file"]
+    history = SimpleNamespace(messages=(Message("user", 'Say "hi"'), Message("assistant", "hi")), system=None,
+                              template=None)
+    flags = _roles_template(history, str(tiny_model), "llama-cli", tmp_path)
+    text = Path(flags[-1]).read_text()
+    assert text.endswith(CHATML) and '{"role": "user", "content": "Say \\"hi\\""}' in text
+    assert "Be brief." not in text
