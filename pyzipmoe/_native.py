@@ -122,6 +122,8 @@ int64_t zipmoe_store_open(const char * name, const void * index, size_t index_si
                           zipmoe_store ** out);
 int64_t zipmoe_store_open_raw(const char * name, int32_t ggml_type, const int64_t ne[4], uint64_t row_bytes,
                               zipmoe_store ** out);
+typedef void (*zipmoe_raw_put_fn)(void * ctx, void * dst, const void * src, int64_t n_rows);
+int64_t zipmoe_store_set_raw_put(zipmoe_store * s, zipmoe_raw_put_fn fn, void * ctx, int64_t row_align);
 void    zipmoe_store_free(zipmoe_store * s);
 void    zipmoe_store_get_info(const zipmoe_store * s, zipmoe_tensor_info * info);
 int     zipmoe_store_is_raw(const zipmoe_store * s);

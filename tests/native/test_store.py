@@ -1207,3 +1207,37 @@ def test_a_raw_store_under_a_tiny_budget_keeps_only_decoded_experts_and_stays_ex
     assert st["evictions"] > 0 and st["misses"] > 0
     assert st["warm_bytes"] == 0 and st["sm_bytes"] == 0 and st["hits_warm"] == 0 and st["hits_sm"] == 0
     assert st["hot_bytes"] <= 2 * expert + 6 * expert  # the budget, plus the invocation in flight
+
+
+def test_a_raw_store_s_put_lays_each_chunk_of_whole_row_groups_into_its_place(tmp_path, stats):
+    """An engine that keeps weights in a layout of its own (llama.cpp's repacked quantized types) gets each chunk
+    read as stored and puts it into its place itself: whole groups of row_align rows, at their own offsets."""
+    n_expert, rows, row_bytes, align = 4, 24, 20000, 8  # 480 KB experts: chunks of 16 and 8 rows (13 rounded up)
+    path, ref = raw_file(tmp_path, n_expert, rows, row_bytes)
+    out = ffi.new("zipmoe_store **")
+    ne = ffi.new("int64_t[4]", [row_bytes, rows, n_expert, 1])
+    assert lib.zipmoe_store_open_raw(b"blk.0.ffn_up_exps.weight", 24, ne, row_bytes, out) == 0
+    handle = ffi.gc(out[0], lib.zipmoe_store_free)
+    groups = []
+
+    @ffi.callback("void(void *, void *, const void *, int64_t)")
+    def put(ctx, dst, src, n_rows):  # a layout of its own: every byte inverted
+        groups.append(n_rows)
+        data = np.frombuffer(ffi.buffer(src, n_rows * row_bytes), np.uint8)
+        ffi.buffer(dst, n_rows * row_bytes)[:] = (data ^ 0xFF).tobytes()
+
+    assert lib.zipmoe_store_set_raw_put(handle, put, ffi.NULL, align) == 0
+    info = ffi.new("zipmoe_tensor_info *")
+    lib.zipmoe_store_get_info(handle, info)
+    assert info.n_chunks == 2 and (info.chunk_n // row_bytes) % align == 0
+    store = RawStore.__new__(RawStore)
+    store.keys, store.handle = [], handle
+    dst, size = ffi.new("void **"), ffi.new("size_t *")
+    with open(path, "rb") as f:
+        assert lib.zipmoe_store_bind(handle, f.fileno(), 4133, dst, size) == 0
+    store.weights = np.frombuffer(ffi.buffer(dst[0], n_expert * rows * row_bytes), np.uint8).reshape(n_expert, -1)
+    assert lib.zipmoe_store_set_raw_put(handle, put, ffi.NULL, align) == lib.ZIPMOE_ERR_ARG  # (bound already)
+    ids = np.array([[0, 3], [2, 3]])
+    assert all(r >= 0 for r in store.materialize(ids, 2))
+    np.testing.assert_array_equal(store.weights[store.where], ref[ids] ^ 0xFF)
+    assert sorted(groups) == sorted([16, 8] * 3) and sum(groups) == 3 * rows

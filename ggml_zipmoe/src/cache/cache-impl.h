@@ -96,6 +96,8 @@ struct zipmoe_store {
     int                raw;     /* the experts lie in the file as the engine reads them (a plain GGUF's): a decode
                                  * is a copy, and only the hot tier holds them (config.c) */
     uint64_t           row_bytes; /* raw: bytes of one row of an expert (ggml_row_size of its type) */
+    zipmoe_raw_put_fn  raw_put;   /* raw: puts read rows into their place (zipmoe_store_set_raw_put); NULL: a copy */
+    void *             raw_put_ctx;
     uint64_t           hot_size, sm_size; /* bytes of one expert decoded, of its sign+mantissa plane */
     uint64_t           mean_region;       /* of the compressed regions: converts warm slots to bytes */
 

@@ -25,14 +25,30 @@
 static int64_t copy_raw_chunk(zipmoe_store * s, const plan_item * it, int64_t c) {
     uint64_t first, size;
     cache_raw_chunk(s, c, &first, &size);
-    uint8_t * to = (uint8_t *) place_addr(s, s->experts[it->expert].place) + first;
-    if (it->codes) {
-        memcpy(to, it->codes + (first - it->codes_bias), (size_t) size);
-        return ZIPMOE_OK;
+    uint8_t *       to   = (uint8_t *) place_addr(s, s->experts[it->expert].place) + first;
+    const uint8_t * from = it->codes ? it->codes + (first - it->codes_bias) : NULL;
+    if (!from) { /* not read for the plan: from the file, into the place, or for a put into this thread's scratch */
+        zipmoe_expert_span span;
+        cache_expert_span(s, it->expert, &span);
+        thread_scratch * ts  = s->raw_put ? cache_thread_scratch(1, (size_t) size) : NULL;
+        uint8_t *        buf = s->raw_put ? (ts ? ts->buf : NULL) : to;
+        if (!buf) {
+            return ZIPMOE_ERR_NOMEM;
+        }
+        if (cache_read_cold(s, span.offset + first, buf, (size_t) size) < 0) {
+            return ZIPMOE_ERR_IO;
+        }
+        if (!s->raw_put) {
+            return ZIPMOE_OK;
+        }
+        from = buf;
     }
-    zipmoe_expert_span span;
-    cache_expert_span(s, it->expert, &span);
-    return cache_read_cold(s, span.offset + first, to, (size_t) size) < 0 ? ZIPMOE_ERR_IO : ZIPMOE_OK;
+    if (s->raw_put) {
+        s->raw_put(s->raw_put_ctx, to, from, (int64_t) (size / s->row_bytes));
+    } else {
+        memcpy(to, from, (size_t) size);
+    }
+    return ZIPMOE_OK;
 }
 
 /* Decodes chunk c of a plan item, reading what is not in RAM. */

@@ -129,6 +129,16 @@ typedef struct {
     uint64_t row_bytes;
 } raw_arg;
 
+/* A raw store's chunks: whole rows, about RAW_CHUNK_BYTES, a multiple of `align` rows. */
+static void raw_chunks(zipmoe_store * s, int64_t align) {
+    const int64_t ne0 = s->info.ne[0], ne1 = s->info.ne[1];
+    int64_t       rows = s->row_bytes >= RAW_CHUNK_BYTES ? 1 : (int64_t) (RAW_CHUNK_BYTES / s->row_bytes);
+    rows = (rows + align - 1) / align * align;
+    rows = rows < ne1 ? rows : ne1;
+    s->info.chunk_n  = rows * ne0; /* values, as a compressed tensor's: whole rows */
+    s->info.n_chunks = (ne1 + rows - 1) / rows;
+}
+
 static int64_t init_raw(zipmoe_store * s, const void * arg) {
     const raw_arg * a = arg;
     const int64_t   ne0 = a->ne[0], ne1 = a->ne[1], n_expert = a->ne[2];
@@ -137,7 +147,6 @@ static int64_t init_raw(zipmoe_store * s, const void * arg) {
         a->row_bytes * (uint64_t) ne1 > ZIPMOE_SIZE_MAX / (uint64_t) n_expert) {
         return ZIPMOE_ERR_ARG;
     }
-    const int64_t rows = a->row_bytes >= RAW_CHUNK_BYTES ? 1 : (int64_t) (RAW_CHUNK_BYTES / a->row_bytes);
     s->raw          = 1;
     s->row_bytes    = a->row_bytes;
     s->info.codec   = 0;
@@ -145,12 +154,21 @@ static int64_t init_raw(zipmoe_store * s, const void * arg) {
     memcpy(s->info.ne, a->ne, sizeof s->info.ne);
     s->info.n_expert     = n_expert;
     s->info.n_per_expert = ne0 * ne1;
-    s->info.chunk_n      = (rows < ne1 ? rows : ne1) * ne0; /* values, as a compressed tensor's: whole rows */
-    s->info.n_chunks     = (ne1 + rows - 1) / rows;
     s->hot_size          = a->row_bytes * (uint64_t) ne1;
     s->info.data_size    = s->hot_size * (uint64_t) n_expert;
     s->sm_size           = 0;           /* no sign+mantissa plane */
     s->mean_region       = s->hot_size; /* its region is its bytes */
+    raw_chunks(s, 1);
+    return ZIPMOE_OK;
+}
+
+int64_t zipmoe_store_set_raw_put(zipmoe_store * s, zipmoe_raw_put_fn fn, void * ctx, int64_t row_align) {
+    if (!s || !s->raw || s->fd >= 0 || row_align < 1) {
+        return ZIPMOE_ERR_ARG;
+    }
+    s->raw_put     = fn;
+    s->raw_put_ctx = ctx;
+    raw_chunks(s, row_align);
     return ZIPMOE_OK;
 }
 

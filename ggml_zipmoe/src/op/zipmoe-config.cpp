@@ -60,7 +60,7 @@ static bool apply_plan(const char * plan, std::string & err) {
 // The cache's configuration for a model being loaded, from the environment (env) and the model's stores: the
 // budget split between the tiers, or a planner's slots, and the cache's settings (zipmoe-config.h).
 bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::vector<zipmoe_store_size> & stores,
-                                  bool warm_fast, uint64_t other_bytes, uint64_t embd_bytes, uint64_t embd_row_bytes,
+                                  bool warm_fast, bool raw, uint64_t other_bytes, uint64_t embd_bytes, uint64_t embd_row_bytes,
                                   std::string & info, std::string & err) {
     zipmoe_budget_need need{};
     if (zipmoe_budget_need_of(stores.data(), stores.size(), other_bytes, embd_bytes, embd_row_bytes,
@@ -106,6 +106,14 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
             err = "ZIPMOE_HOT_SHARE + ZIPMOE_SM_SHARE is more than 1";
             return false;
         }
+        std::string raw_note;
+        if (raw) { // a raw expert's compressed copy would be its bytes again: every byte of the tiers is decoded
+            if (env.hot_share || env.sm_share) {
+                raw_note = " (ZIPMOE_HOT_SHARE and ZIPMOE_SM_SHARE do not apply to a plain GGUF's experts)";
+            }
+            hot_share = 1;
+            sm_share  = 0;
+        }
         zipmoe_budget_split split{};
         if (zipmoe_budget_split_tiers(stores.data(), stores.size(), tiers, hot_share, sm_share, &split) < 0) {
             err = "the memory budget could not be split between the cache tiers";
@@ -121,7 +129,8 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
                embd_note + ", " + mib(in_flight) + " for one expert tensor in flight beyond its decoded experts, " +
                (split.reads ? mib(split.reads) + " for a prompt's reads, " : std::string()) +
                "cache tiers " + mib(hot) + " decoded, " + mib(warm) + " compressed, " + mib(sm) +
-               " sign+mantissa (experts " + mib(experts) + " in BF16)" + zipmoe_control_load_note();
+               " sign+mantissa (experts " + mib(experts) + (raw ? " as stored, read from the plain GGUF" : " in BF16") +
+               ")" + raw_note + zipmoe_control_load_note();
     } else {
         info = "zipmoe: no memory budget: decoded experts are kept (set ZIPMOE_MEMORY_BUDGET or --memory-budget)";
     }
