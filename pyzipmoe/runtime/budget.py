@@ -157,6 +157,20 @@ def plain_experts(path: str | os.PathLike[str]) -> list[tuple[str, int]] | None:
     return [(t.name, t.nbytes) for t in g.tensors if EXPERT_NAME.fullmatch(t.name)]
 
 
+def refuse_plain(path: str | os.PathLike[str], what: str, error: type[ZipmoeError] = ZipmoeError) -> None:
+    """`error` for a plain GGUF where `what` (the planner's commands) needs a zipmoe GGUF, saying that a plain one
+    does run under a budget."""
+    from ..file import gguf as format
+
+    try:
+        plain = not format.read_gguf(path).is_zipmoe
+    except (ZipmoeError, OSError):
+        return  # (the command's own reading says what is wrong)
+    if plain:
+        raise error(f"{path}: not a zipmoe file but a plain GGUF: {what} needs a zipmoe GGUF (`zipmoe convert`); a plain "
+                    "one runs under --memory-budget as it is, its experts served as stored by the eviction policy alone")
+
+
 def model_memory(model: ZipmoeFile | str | os.PathLike[str], *, mapped: bool = True) -> ModelMemory:
     """The runtime's own accounting (zipmoe_budget_need_of, as the loader calls it) for a zipmoe GGUF, from its
     header and indexes, or for a plain GGUF, whose expert tensors the runtime serves as stored (each at its own

@@ -1013,6 +1013,25 @@ def test_zipmoe_run_prompt_same_output(ours: Path, tiny_models: dict[str, Path],
     assert outs["bf16"].strip() and outs["huff"] == outs["bf16"] == outs["zstd"], outs
 
 
+def test_zipmoe_run_plain_gguf_under_a_budget_same_output(ours: Path, typed_models: dict[str, Path]) -> None:
+    """`zipmoe run` on a plain GGUF takes --memory-budget: its experts come from the cache (the stats say so), the
+    text is the same as without one; and `zipmoe plan` says why it does not plan a plain GGUF."""
+    from pyzipmoe.runtime.budget import model_memory
+
+    model = typed_models["Q4_K_M"]
+    budget = str(model_memory(model).minimum + (256 << 10))
+    outs = {}
+    for label, extra in (("stock", []), ("budget", ["--memory-budget", budget])):
+        done = _run([sys.executable, "-m", "pyzipmoe", "run", model, "-p", PROMPT, "-n", "12", "--temp", "0", "-t", "1",
+                     "--stats", *extra], worker_env(ours))
+        outs[label] = done.stdout
+        assert ("[zipmoe: 6 expert tensors" in done.stderr) == (label == "budget"), done.stderr
+    assert outs["stock"].strip() and outs["budget"] == outs["stock"], outs
+    plan = subprocess.run([sys.executable, "-m", "pyzipmoe", "plan", model, "--memory-budget", budget],
+                          env=worker_env(ours), capture_output=True, text=True, timeout=TIMEOUT, check=False)
+    assert plan.returncode == 1 and "plain GGUF" in plan.stderr and "--memory-budget" in plan.stderr, plan.stderr
+
+
 def test_zipmoe_bench_json(ours: Path, zipmoe_models: dict[tuple[str, str], Path], tiny_models: dict[str, Path]
                            ) -> None:
     _program(ours, "llama-bench")
