@@ -57,6 +57,12 @@ static bool apply_plan(const char * plan, std::string & err) {
 }
 
 
+// The load line's word on the budget's changes: a plain GGUF's stays fixed (nothing supervises it, whoever ran it).
+static std::string control_note(bool raw) {
+    const std::string note = zipmoe_control_load_note(); // (opens a supervisor's channel, if any)
+    return raw ? "; the budget is fixed for this run (a plain GGUF's: it does not adapt to the memory available)" : note;
+}
+
 // The cache's configuration for a model being loaded, from the environment (env) and the model's stores: the
 // budget split between the tiers, or a planner's slots, and the cache's settings (zipmoe-config.h).
 bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::vector<zipmoe_store_size> & stores,
@@ -130,7 +136,7 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
                (split.reads ? mib(split.reads) + " for a prompt's reads, " : std::string()) +
                "cache tiers " + mib(hot) + " decoded, " + mib(warm) + " compressed, " + mib(sm) +
                " sign+mantissa (experts " + mib(experts) + (raw ? " as stored, read from the plain GGUF" : " in BF16") +
-               ")" + raw_note + zipmoe_control_load_note();
+               ")" + raw_note + control_note(raw);
     } else {
         info = "zipmoe: no memory budget: decoded experts are kept (set ZIPMOE_MEMORY_BUDGET or --memory-budget)";
     }
