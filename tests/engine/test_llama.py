@@ -865,6 +865,25 @@ def test_llama_simple_same_greedy_output(ours: Path, arch: str, tiny_models: dic
     assert outputs["huff"] == outputs["bf16"] and outputs["zstd"] == outputs["bf16"], outputs
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K_M", "BF16"])
+def test_bare_llama_cpp_serves_a_plain_gguf_under_zipmoe_memory_budget(ours: Path, typed_models: dict[str, Path],
+                                                                       qtype: str) -> None:
+    """A bare llama.cpp program (llama-simple) takes the budget from ZIPMOE_MEMORY_BUDGET for a plain GGUF: its
+    experts come from the cache, the greedy text is the same; without the variable nothing of zipmoe runs."""
+    from pyzipmoe.runtime.budget import model_memory
+
+    model = typed_models[qtype]
+    env = worker_env(ours)
+    env.pop("ZIPMOE_MEMORY_BUDGET", None)
+    plain = _run([_program(ours, "llama-simple"), "-m", model, "-n", "24", PROMPT], env)
+    budget = str(model_memory(model).minimum + (128 << 10))
+    served = _run([_program(ours, "llama-simple"), "-m", model, "-n", "24", PROMPT],
+                  {**env, "ZIPMOE_MEMORY_BUDGET": budget})
+    assert "zipmoe: " not in plain.stderr, plain.stderr[-2000:]  # (the synthetic model's name has "zipmoe")
+    assert "6 expert tensors are served from the cache as stored" in served.stderr, served.stderr[-2000:]
+    assert len(plain.stdout) > len(PROMPT) + 8 and served.stdout == plain.stdout
+
+
 def test_timing_times_the_models_greedy_text(ours: Path, zipmoe_model: Path, tmp_path: Path) -> None:
     """pyzipmoe.runtime.timing (engine calibration, tools/bench/bench_planner.py) generates the model's greedy
     text, the tokens the logits_all worker generates. It once took argmax of llama-cpp-python's `scores`, which
