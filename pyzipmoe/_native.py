@@ -132,7 +132,13 @@ int64_t zipmoe_budget_need_of(const zipmoe_store_size * stores, size_t n_stores,
 int64_t zipmoe_cache_apply_split(const zipmoe_budget_split * split, zipmoe_policy policy);
 int64_t zipmoe_store_open(const char * name, const void * index, size_t index_size, uint64_t data_size,
                           zipmoe_store ** out);
+int64_t zipmoe_store_open_raw(const char * name, int32_t ggml_type, const int64_t ne[4], uint64_t row_bytes,
+                              zipmoe_store ** out);
+typedef void (*zipmoe_raw_put_fn)(void * ctx, void * dst, const void * src, int64_t n_rows);
+int64_t zipmoe_store_set_raw_put(zipmoe_store * s, zipmoe_raw_put_fn fn, void * ctx, int64_t row_align);
 void    zipmoe_store_free(zipmoe_store * s);
+void    zipmoe_store_get_info(const zipmoe_store * s, zipmoe_tensor_info * info);
+int     zipmoe_store_is_raw(const zipmoe_store * s);
 const zipmoe_tensor * zipmoe_store_tensor(const zipmoe_store * s);
 int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_offset, void ** dst, size_t * dst_size);
 int64_t zipmoe_store_predict(zipmoe_store * s, const int32_t * experts, int64_t n);

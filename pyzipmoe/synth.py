@@ -528,3 +528,37 @@ def write_synthetic_moe(
                          n_expert_used=n_expert_used, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
                          n_vocab=n_vocab, n_ctx=n_ctx, seed=seed, routing=routing)
     return write_config(path, config, progress=progress)
+
+
+# ------------------------------------------------------------------------------------------ quantized copies
+
+# The types tests and benchmarks derive from a synthetic BF16 model with llama.cpp's llama-quantize, as people get
+# the GGUFs they run: F16 and the common quantizations (Q4_K_M mixes types: some ffn_down_exps become Q6_K).
+# k-quants need rows of a multiple of 256 values; narrower rows make llama-quantize fall back to other types.
+QUANT_TYPES = ("F16", "Q8_0", "Q6_K", "Q4_K_M", "IQ4_XS")
+
+
+def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], qtype: str, *,
+             program: str | os.PathLike[str] | None = None, threads: int = 2) -> Path:
+    """`dst`: the GGUF `src` quantized to `qtype` (a llama-quantize type name: F16, Q8_0, Q4_K_M, ...) by
+    llama-quantize (default: zipmoe's build, build/bin), written whole or not at all. RuntimeError with
+    llama-quantize's last words if it fails; FileNotFoundError if it is not built."""
+    import subprocess
+
+    from .paths import bin_dir
+
+    prog = Path(program) if program is not None else bin_dir() / "llama-quantize"
+    if not prog.is_file():
+        raise FileNotFoundError(f"{prog} is not built (cmake --build build --target llama-quantize)")
+    dst = Path(dst)
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    try:
+        done = subprocess.run([str(prog), os.fspath(src), str(tmp), qtype, str(threads)], capture_output=True,
+                              text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"llama-quantize {qtype} failed (exit status {done.returncode}): "
+                               f"{(done.stderr or done.stdout)[-1500:]}")
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dst

@@ -71,6 +71,25 @@ def small_models(models_dir: Path) -> tuple[Path, Path]:
     return bf16, packed
 
 
+# Rows of 256 values: what llama-quantize's k-quants take whole (narrower rows fall back to other types).
+QUANT_CONFIG = synth.SynthConfig(n_embd=256, n_ff_exp=256, n_head=4, n_head_kv=2, head_dim=64)
+
+
+@pytest.fixture(scope="session")
+def typed_models(models_dir: Path) -> dict[str, Path]:
+    """One synthetic MoE (SYNTHETIC weights) as BF16 and as llama-quantize derives it (synth.QUANT_TYPES: F16,
+    Q8_0, Q6_K, Q4_K_M with some ffn_down_exps in Q6_K, IQ4_XS): plain GGUFs of every kind people run."""
+    helpers.llama_bin_dir()  # (skips, or fails under CI, without zipmoe's build)
+    quantize = helpers.llama_bin_dir() / "llama-quantize"
+    if not quantize.is_file():
+        helpers.unavailable(f"{quantize} was not built")
+    paths = {"BF16": models_dir / "typed-BF16.gguf"}
+    synth.write_config(paths["BF16"], QUANT_CONFIG)
+    for qtype in synth.QUANT_TYPES:
+        paths[qtype] = synth.quantize(paths["BF16"], models_dir / f"typed-{qtype}.gguf", qtype, program=quantize)
+    return paths
+
+
 def _write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType | None]]) -> Path:
     """A small GGUF; arrays are in numpy order (the reverse of ggml's)."""
     w = GGUFWriter(path, "qwen3moe")

@@ -103,7 +103,7 @@ ZIPMOE_API void    zipmoe_cache_set_read_room(uint64_t bytes);
 
 /* One expert tensor's sizes, for splitting a budget. */
 typedef struct {
-    uint64_t bf16_bytes;       /* all of its experts decoded */
+    uint64_t bf16_bytes;       /* all of its experts decoded (a raw store's: in their own type) */
     uint64_t n_expert;
     uint64_t compressed_bytes; /* its data companion */
 } zipmoe_store_size;
@@ -186,10 +186,31 @@ ZIPMOE_API int64_t zipmoe_cache_apply_split(const zipmoe_budget_split * split, z
 /* Opens a store from an index (validated as zipmoe_tensor_open does). */
 ZIPMOE_API int64_t zipmoe_store_open(const char * name, const void * index, size_t index_size, uint64_t data_size,
                                      zipmoe_store ** out);
+/* Opens a store for an expert tensor that lies in the model file as the engine reads it (a plain GGUF's, of any
+ * ggml type): ne its shape (ne[2] experts, ne[3] = 1), row_bytes one row's bytes (ggml_row_size(type, ne[0])), so
+ * an expert is ne[1] * row_bytes bytes and expert e lies at e times that from the offset zipmoe_store_bind is given.
+ * Its experts are "decoded" by copying their bytes into their places (read around the page cache, as a compressed
+ * store's regions are), kept only in the hot tier (a compressed copy would be the same bytes), evicted by the same
+ * policies. ggml_type is only recorded (zipmoe_store_get_info). */
+ZIPMOE_API int64_t zipmoe_store_open_raw(const char * name, int32_t ggml_type, const int64_t ne[4], uint64_t row_bytes,
+                                         zipmoe_store ** out);
 ZIPMOE_API void    zipmoe_store_free(zipmoe_store * s);
-ZIPMOE_API const zipmoe_tensor * zipmoe_store_tensor(const zipmoe_store * s);
-/* Reads the data companion at data_offset of fd (duplicated: fd may be closed after) and reserves the
- * BF16 memory (ne0 * ne1 * n_expert * 2 bytes, MAP_NORESERVE). *dst receives its address. */
+/* How a raw store puts n_rows rows of an expert, read as stored (src), into their place (dst), instead of copying
+ * them: for an engine whose compute reads weights in a layout of its own (llama.cpp's CPU backend repacks some
+ * quantized types, rows interleaved in groups). Chunks then begin at multiples of row_align rows (the groups), and
+ * fn runs on the decoding threads, on chunks of whole groups. Only before zipmoe_store_bind; ZIPMOE_ERR_ARG for a
+ * store that is not raw or bound already, or a row_align < 1. */
+typedef void (*zipmoe_raw_put_fn)(void * ctx, void * dst, const void * src, int64_t n_rows);
+ZIPMOE_API int64_t zipmoe_store_set_raw_put(zipmoe_store * s, zipmoe_raw_put_fn fn, void * ctx, int64_t row_align);
+/* The store's tensor info: its index's, or for a raw store codec 0, its ggml_type and shape, chunks of whole rows
+ * (chunk_n values) and data_size its experts' bytes. */
+ZIPMOE_API void    zipmoe_store_get_info(const zipmoe_store * s, zipmoe_tensor_info * info);
+/* 1 for a store opened by zipmoe_store_open_raw. */
+ZIPMOE_API int     zipmoe_store_is_raw(const zipmoe_store * s);
+ZIPMOE_API const zipmoe_tensor * zipmoe_store_tensor(const zipmoe_store * s); /* NULL for a raw store */
+/* Reads the data companion (a raw store: the tensor's bytes) at data_offset of fd (duplicated: fd may be closed
+ * after) and reserves the decoded memory (n_expert experts: ne0 * ne1 * 2 bytes each in BF16, a raw store's
+ * ne1 * row_bytes; MAP_NORESERVE). *dst receives its address. */
 ZIPMOE_API int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_offset, void ** dst, size_t * dst_size);
 
 /* Makes every expert named in ids resident in the BF16 memory. ids is an int32 matrix of ne1 rows of

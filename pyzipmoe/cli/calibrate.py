@@ -83,6 +83,10 @@ def calibration_table(cal: Calibration, cache_path: Path | None = None) -> str:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from ..plan.measure import calibrate
     from ..progress import for_terminal
+    from ..plan.calibration import CalibrationError
+    from ..runtime.budget import refuse_plain
+
+    refuse_plain(args.model, "zipmoe calibrate", CalibrationError)
 
     cal = calibrate(args.model, force=args.force, progress=for_terminal(args.json), read_bytes=args.read,
                     engine=not args.no_engine)

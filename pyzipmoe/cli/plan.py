@@ -143,12 +143,13 @@ def _to_json(model_path: str, geometry: inputs.ModelGeometry, costs: inputs.Cost
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from ..runtime.budget import AUTO, check_budget, model_memory, parse_budget
+    from ..runtime.budget import AUTO, check_budget, model_memory, parse_budget, refuse_plain
     from ..models.directory import resolve_model
 
     if str(args.plan_budget).strip().lower() != AUTO:
         parse_budget(args.plan_budget)  # a usage error (exit 2) before any file is read
     path, _ = resolve_model(args.model)
+    refuse_plain(path, "zipmoe plan", inputs.PlanInputError)
     model_path = str(path)
     geometry = inputs.geometry_from_gguf(path)
     need = model_memory(path)

@@ -173,6 +173,9 @@ def _cache_settings(args: argparse.Namespace, model: str, package: Any = None) -
     if budget is None and package is not None:
         budget = package.parameters.get("memory_budget")
     is_zipmoe = bool(is_zipmoe_file(model))
+    if not is_zipmoe and budget is not None and (args.planner or args.trace is not None):
+        raise ZipmoeError(f"{model} is a plain GGUF: under --memory-budget its experts are served as stored, by the "
+                          "eviction policy alone; --planner and --trace need a zipmoe GGUF (zipmoe convert)")
     use_planner = args.planner if args.planner is not None else planner_by_default(
         model, budget=budget, hot_share=args.hot_share, sm_share=args.sm_share, is_zipmoe=is_zipmoe)
     return runtime_environment(model, budget=budget, policy=args.policy, hot_share=args.hot_share,

@@ -167,26 +167,61 @@ def model_budget(budget: str | int, need: ModelMemory) -> int:
     return parse_budget(budget, model_bytes=need.whole, held=int(held))
 
 
+def plain_experts(path: str | os.PathLike[str]) -> list[tuple[str, int]] | None:
+    """(name, bytes) of each expert tensor of a plain GGUF (blk.N.ffn_{up,gate,down,gate_up}_exps.weight, of any
+    type): what the runtime serves from its cache under a memory budget, as stored. None for a zipmoe GGUF."""
+    from ..file import gguf as format
+    from ..file.metadata import EXPERT_NAME
+
+    g = format.read_gguf(path)
+    if g.is_zipmoe:
+        return None
+    return [(t.name, t.nbytes) for t in g.tensors if EXPERT_NAME.fullmatch(t.name)]
+
+
+def refuse_plain(path: str | os.PathLike[str], what: str, error: type[ZipmoeError] = ZipmoeError) -> None:
+    """`error` for a plain GGUF where `what` (the planner's commands) needs a zipmoe GGUF, saying that a plain one
+    does run under a budget."""
+    from ..file import gguf as format
+
+    try:
+        plain = not format.read_gguf(path).is_zipmoe
+    except (ZipmoeError, OSError):
+        return  # (the command's own reading says what is wrong)
+    if plain:
+        raise error(f"{path}: not a zipmoe file but a plain GGUF: {what} needs a zipmoe GGUF (`zipmoe convert`); a plain "
+                    "one runs under --memory-budget as it is, its experts served as stored by the eviction policy alone")
+
+
 def model_memory(model: ZipmoeFile | str | os.PathLike[str], *, mapped: bool = True) -> ModelMemory:
     """The runtime's own accounting (zipmoe_budget_need_of, as the loader calls it) for a zipmoe GGUF, from its
-    header and indexes. mapped: llama.cpp maps the file without locking it (its default), so that a token embedding
-    with an output matrix of its own is read a row per token and charged for one batch's rows
+    header and indexes, or for a plain GGUF, whose expert tensors the runtime serves as stored (each at its own
+    size, whatever its type). mapped: llama.cpp maps the file without locking it (its default), so that a token
+    embedding with an output matrix of its own is read a row per token and charged for one batch's rows
     (zipmoe_budget_embd_charge); else it is charged whole."""
     from .._native import ffi, lib
     from ..file import gguf as format
     from ..file import reader
+    from ..file.metadata import EXPERT_NAME
 
-    zf = reader.as_zipmoe(model)
-    compressed = {c.name for c in zf.compressed}
-    other = sum(t.nbytes for t in zf.source.tensors if t.name not in compressed)
-    by_name = {t.name: t for t in zf.source.tensors}
+    if isinstance(model, (str, os.PathLike)) and not (g := format.read_gguf(model)).is_zipmoe:
+        label, tensors = str(model), g.tensors
+        experts = [t.nbytes for t in tensors if EXPERT_NAME.fullmatch(t.name)]
+        served = {t.name for t in tensors if EXPERT_NAME.fullmatch(t.name)}
+    else:
+        zf = reader.as_zipmoe(model)
+        label, tensors = str(zf.path), zf.source.tensors
+        experts = [c.source.nbytes for c in zf.compressed]
+        served = {c.name for c in zf.compressed}
+    other = sum(t.nbytes for t in tensors if t.name not in served)
+    by_name = {t.name: t for t in tensors}
     embd, embd_bytes, embd_row = by_name.get("token_embd.weight"), 0, 0
     if mapped and embd is not None and "output.weight" in by_name:
         embd_bytes, embd_row = embd.nbytes, format.tensor_nbytes(embd.ggml_type, embd.dims[:1])
-    stores = ffi.new("zipmoe_store_size[]", [{"bf16_bytes": c.source.nbytes} for c in zf.compressed] or 1)
+    stores = ffi.new("zipmoe_store_size[]", [{"bf16_bytes": n} for n in experts] or 1)
     need = ffi.new("zipmoe_budget_need *")
-    if lib.zipmoe_budget_need_of(stores, len(zf.compressed), other, embd_bytes, embd_row, mmap.PAGESIZE, need) != 0:
-        raise ZipmoeError(f"{zf.path}: its tensor sizes are out of range for a memory budget")
+    if lib.zipmoe_budget_need_of(stores, len(experts), other, embd_bytes, embd_row, mmap.PAGESIZE, need) != 0:
+        raise ZipmoeError(f"{label}: its tensor sizes are out of range for a memory budget")
     return ModelMemory(other_bytes=need.other, in_flight_bytes=need.in_flight, expert_bytes=need.experts,
                        embd_bytes=embd_bytes, embd_charged=need.embd_charged if embd_bytes else 0)
 

@@ -117,8 +117,16 @@ def runtime_environment(model: ZipmoeFile | str | os.PathLike[str], *, budget: s
     frequency model underrates the decoded tier, whose LRU eviction follows a conversation's changing experts.
     The monitor (pyzipmoe.Llama) re-plans from the order the run's tokens route in (the recency model) once the
     runtime's routing log holds enough of them."""
-    if budget is None or not is_zipmoe:
-        return RuntimeConfig(budget if is_zipmoe else None, policy, hot_share, sm_share).to_env()
+    if budget is None:
+        return RuntimeConfig(None, policy, hot_share, sm_share).to_env()
+    if not is_zipmoe:
+        # a plain GGUF: the runtime serves its expert tensors as stored, decoded only (the shares do not apply)
+        need = model_memory(model, mapped=mapped)
+        nbytes = model_budget(budget, need)
+        check_budget(nbytes, need)
+        if plan is not None:
+            planner.decode_plan(plan)
+        return RuntimeConfig(nbytes, policy, hot_share, sm_share, plan=plan).to_env()
     from ..file.reader import as_zipmoe
 
     model = as_zipmoe(model)  # parsed once for everything below

@@ -308,6 +308,11 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
                 f"at {bin_dir()} before llama_cpp is first imported (import pyzipmoe first)")
         from .controller import monitor_for, planner_by_default, runtime_environment
 
+        # a plain GGUF under a budget: the runtime serves its expert tensors from the cache, as stored
+        self.zipmoe_served = self.is_zipmoe
+        if not self.is_zipmoe and memory_budget is not None:
+            self.zipmoe_served = self._check_plain_budget(model_path, planner, trace, adapt)
+
         # the file's structure, parsed once for the budget, the planner and the monitor (the loader parses it again)
         model: Any = model_path
         if self.is_zipmoe and memory_budget is not None:
@@ -336,7 +341,7 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
         before_decode, after_decode = self._wrap_decode(model_path)
         if adapt is None:
             adapt = memory_budget is not None
-        if adapt and self.is_zipmoe and memory_budget is not None and plan is None:
+        if adapt and self.is_zipmoe and memory_budget is not None and plan is None:  # (not for a plain GGUF yet)
             use_planner = planner and hot_share is None and sm_share is None
             # no shares given: the runtime's default hot share, for whatever budget the monitor sets (apply_shares)
             split = None if use_planner else split_shares(hot_share, sm_share)
@@ -350,6 +355,28 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
             after_decode.append(self.zipmoe_monitor.note_decode)
             # the floor: once even the minimum no longer fits, the next decode stops the run with one line
             before_decode.append(self.zipmoe_monitor.check_floor)
+
+    @staticmethod
+    def _check_plain_budget(path: str, planner: bool | None, trace: str | None, adapt: bool | None) -> bool:
+        """Whether the runtime serves a plain GGUF's experts under its budget (it has some): what it cannot do for
+        one is refused here, never ignored."""
+        from .budget import plain_experts
+
+        try:
+            experts = plain_experts(path)
+        except (ZipmoeError, OSError):
+            return False  # (llama.cpp says what is wrong with it)
+        if not experts:
+            return False  # a model without experts: the runtime warns that the budget does not apply
+        if not library_supports_zipmoe():
+            raise UnsupportedError(
+                f"a memory budget on {path} needs zipmoe's libllama, and the one in use ({loaded_library()}) was not "
+                f"built with zipmoe; build it with `bash tools/setup.sh`, or load the model without a budget")
+        if planner or trace is not None or adapt:
+            raise UnsupportedError(
+                f"{path} is a plain GGUF: under a memory budget its experts are served as stored, by the eviction "
+                f"policy alone; the planner, a routing trace and adaptation need a zipmoe GGUF (`zipmoe convert`)")
+        return True
 
     def _load_error(self, path: str, e: Exception, logged: str) -> ZipmoeLoadError:
         what = f"{path}: llama.cpp could not load the model"

@@ -164,7 +164,7 @@ class Completion:
     generated_tokens: int
     load_seconds: float
     seconds: float  # prompt processing and generation
-    stats: dict[str, float] | None  # zipmoe runtime counters (None for a plain GGUF)
+    stats: dict[str, float] | None  # zipmoe runtime counters (None for a plain GGUF without a budget)
 
 
 def _context_length(model: Path) -> int | None:
@@ -220,7 +220,7 @@ def complete(model: str | os.PathLike[str], prompt: str, *, n_predict: int = 128
     llm = Llama(str(path), **kwargs)
     try:
         t1 = time.perf_counter()
-        if llm.is_zipmoe:
+        if llm.zipmoe_served:
             llm.zipmoe_stats(reset=True)
         n_prompt = len(llm.tokenize(prompt.encode()))
         if n_prompt >= n_ctx:
@@ -235,7 +235,7 @@ def complete(model: str | os.PathLike[str], prompt: str, *, n_predict: int = 128
             if on_text is not None:
                 on_text(text)
         t2 = time.perf_counter()
-        stats = llm.zipmoe_stats() if llm.is_zipmoe else None
+        stats = llm.zipmoe_stats() if llm.zipmoe_served else None
     finally:
         llm.close()
     return Completion("".join(pieces), n_prompt, generated, t1 - t0, t2 - t1, stats)

@@ -100,7 +100,8 @@ for i, run in enumerate(job["runs"]):
         res["load_error"] = error(e)
         continue
     try:
-        if llm.is_zipmoe:
+        res["served"] = llm.zipmoe_served  # (a zipmoe GGUF, or a plain one under a budget)
+        if llm.zipmoe_served:
             zipmoe_stats_reset()
         tokens = llm.tokenize(job["prompt"].encode())
         for _ in range(run.get("attempts", 1)):
@@ -116,7 +117,7 @@ for i, run in enumerate(job["runs"]):
                 res.update(prompt=[int(t) for t in tokens], generated=generated)
             except Exception as e:
                 res.setdefault("errors", []).append(error(e))
-        if llm.is_zipmoe:
+        if llm.zipmoe_served:
             res["stats"] = llm.zipmoe_stats()
     finally:
         llm.close()
@@ -670,6 +671,116 @@ def test_plain_gguf_same_logits_as_stock_build(logits: Callable, stock: Path, ar
         assert reports[i]["generated"] == stock_reports[i]["generated"]
 
 
+# ----------------------------------------------------------------- plain GGUFs of every type under a budget
+
+TYPES = ("BF16", "F16", "Q8_0", "Q6_K", "Q4_K_M", "IQ4_XS")  # the BF16 model and llama-quantize's (typed_models)
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="session")
+def typed_logits(ours: Path, typed_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+                 ) -> Callable[[str], tuple[list[dict[str, Any]], dict]]:
+    """typed_logits(qtype) -> every CONFIGS run of that plain GGUF without a budget (computed once): stock
+    llama.cpp's code, nothing of zipmoe's runs for it."""
+    cache: dict[str, tuple[list[dict[str, Any]], dict]] = {}
+    out_dir = tmp_path_factory.mktemp("typed-logits")
+
+    def get(qtype: str) -> tuple[list[dict[str, Any]], dict]:
+        if qtype not in cache:
+            cache[qtype] = run_worker(typed_models[qtype], ours, [{"config": c} for c in CONFIGS],
+                                      out_dir / f"{qtype}.npz")
+        return cache[qtype]
+
+    return get
+
+
+def _expert_tensors(model: Path) -> list[Any]:
+    from pyzipmoe.file.gguf import read_gguf
+    from pyzipmoe.file.metadata import EXPERT_NAME
+
+    return [t for t in read_gguf(model).tensors if EXPERT_NAME.fullmatch(t.name)]
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_plain_gguf_of_every_type_under_tiny_budgets_gives_the_same_logits(typed_logits: Callable, ours: Path,
+                                                                           typed_models: dict[str, Path], qtype: str,
+                                                                           tmp_path: Path) -> None:
+    """A plain GGUF (no conversion) of each type under budgets that keep a third of its experts, or about one a
+    store: its experts are read from the file as stored, kept and evicted by each policy, with 1 and 2 threads, a
+    token per batch and the whole prompt in one, mapped and not. Logits and text stay bit-identical to the same file
+    without a budget, which runs stock llama.cpp's code; the budget holds (nothing kept beyond it, nothing kept
+    compressed: a raw expert's copy would be the same bytes, so shares do not apply)."""
+    from pyzipmoe.runtime.budget import model_memory
+
+    model = typed_models[qtype]
+    ref_reports, ref = typed_logits(qtype)
+    for r in ref_reports:
+        _no_error(r)
+        assert r["served"] is False  # without a budget zipmoe serves nothing
+    need = model_memory(model)
+    tensors = _expert_tensors(model)
+    expert = max(t.nbytes // t.dims[2] for t in tensors)
+    n_experts = sum(t.dims[2] for t in tensors)
+    picks = [i for i, c in enumerate(CONFIGS) if c["use_mmap"]]  # threads 1/2 x batch 1/64
+    runs, where = [], []
+    for policy in ("tlfu", "lru", "lfu", "fifo"):
+        for i in picks:
+            runs.append({"config": CONFIGS[i], "zipmoe": {"memory_budget": str(need.minimum + n_experts // 3 * expert),
+                                                          "cache_policy": policy}})
+            where.append(i)
+    for i in (*picks, CONFIGS.index({**CONFIGS[0], "use_mmap": False})):
+        runs.append({"config": CONFIGS[i], "zipmoe": {"memory_budget": str(need.minimum + 2 * expert)}})
+        where.append(i)
+    runs.append({"config": CONFIGS[0], "zipmoe": {"memory_budget": str(need.minimum + 8 * expert), "hot_share": 0.3,
+                                                  "prefill": True}})
+    where.append(0)
+    reports, got = run_worker(model, ours, runs, tmp_path / "budgets.npz")
+    for k, (run, what, stats) in enumerate(_matching_runs(runs, where, reports, got, ref_reports, ref, qtype)):
+        assert reports[k]["served"] is True, what
+        assert stats["stores"] == len(tensors), (what, stats)
+        assert stats["misses"] > 0 and stats["bytes_read"] > 0, (what, stats)  # read from the file, as stored
+        assert stats["warm_bytes"] == 0 and stats["hits_warm"] == 0 and stats["sm_bytes"] == 0, (what, stats)
+        budget = int(run["zipmoe"]["memory_budget"])
+        assert stats["peak_hot_bytes"] <= budget - need.other_bytes, (what, stats, need)
+        if "prefill" not in run["zipmoe"]:
+            assert stats["evictions"] > 0, (what, stats)  # the budget held fewer experts than were used
+
+
+def test_a_mixed_type_gguf_is_budgeted_at_each_tensor_s_own_size(ours: Path, typed_models: dict[str, Path],
+                                                                 tmp_path: Path) -> None:
+    """Q4_K_M keeps some ffn_down_exps in Q6_K: pyzipmoe's accounting and the runtime's count each expert tensor at
+    its own size. The smallest budget that works is the same for both (the runtime, given it bare through the
+    environment, refuses a byte less, saying it; pyzipmoe refuses it before loading), and at it the model runs."""
+    from pyzipmoe.runtime.budget import model_memory
+
+    model = typed_models["Q4_K_M"]
+    tensors = _expert_tensors(model)
+    assert len({t.ggml_type for t in tensors}) > 1, [(t.name, t.ggml_type) for t in tensors]
+    need = model_memory(model)
+    assert need.in_flight_bytes == max(t.nbytes for t in tensors)
+    assert need.expert_bytes == sum(t.nbytes for t in tensors)
+    cases = [need.minimum - 1, need.minimum]
+    reports = [run_worker(model, ours, [{"config": CONFIGS[0]}], tmp_path / f"min{k}.npz",
+                          env={"ZIPMOE_MEMORY_BUDGET": str(b)})[0][0] for k, b in enumerate(cases)]
+    assert "too small for this model: it needs at least" in reports[0]["load_error"]["message"], reports[0]
+    assert f"{need.minimum / MIB:.0f} MiB" in reports[0]["load_error"]["message"], (reports[0], need)
+    _no_error(reports[1])
+    refused, _ = run_worker(model, ours, [{"config": CONFIGS[0], "zipmoe": {"memory_budget": str(need.minimum - 1)}}],
+                            tmp_path / "py.npz")
+    assert refused[0]["load_error"]["type"] == "ZipmoeError" and "needs at least" in refused[0]["load_error"]["message"]
+
+
+def test_what_a_plain_gguf_cannot_do_under_a_budget_is_refused(ours: Path, typed_models: dict[str, Path],
+                                                               tmp_path: Path) -> None:
+    """The planner, a routing trace and adaptation need a zipmoe GGUF: asked for with a plain one under a budget,
+    they are refused with a message, never ignored."""
+    runs = [{"config": CONFIGS[0], "zipmoe": {"memory_budget": "64MiB", **extra}}
+            for extra in ({"planner": True}, {"adapt": True})]
+    reports, _ = run_worker(typed_models["Q8_0"], ours, runs, tmp_path / "refused.npz")
+    for r in reports:
+        assert r["load_error"]["type"] == "UnsupportedError" and "plain GGUF" in r["load_error"]["message"], r
+
+
 # ------------------------------------------------------------------------------ damaged and foreign files
 
 
@@ -754,6 +865,25 @@ def test_llama_simple_same_greedy_output(ours: Path, arch: str, tiny_models: dic
                for v, m in _models(arch, tiny_models, zipmoe_models).items()}
     assert len(outputs["bf16"]) > len(PROMPT) + 8, outputs
     assert outputs["huff"] == outputs["bf16"] and outputs["zstd"] == outputs["bf16"], outputs
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K_M", "BF16"])
+def test_bare_llama_cpp_serves_a_plain_gguf_under_zipmoe_memory_budget(ours: Path, typed_models: dict[str, Path],
+                                                                       qtype: str) -> None:
+    """A bare llama.cpp program (llama-simple) takes the budget from ZIPMOE_MEMORY_BUDGET for a plain GGUF: its
+    experts come from the cache, the greedy text is the same; without the variable nothing of zipmoe runs."""
+    from pyzipmoe.runtime.budget import model_memory
+
+    model = typed_models[qtype]
+    env = worker_env(ours)
+    env.pop("ZIPMOE_MEMORY_BUDGET", None)
+    plain = _run([_program(ours, "llama-simple"), "-m", model, "-n", "24", PROMPT], env)
+    budget = str(model_memory(model).minimum + (128 << 10))
+    served = _run([_program(ours, "llama-simple"), "-m", model, "-n", "24", PROMPT],
+                  {**env, "ZIPMOE_MEMORY_BUDGET": budget})
+    assert "zipmoe: " not in plain.stderr, plain.stderr[-2000:]  # (the synthetic model's name has "zipmoe")
+    assert "6 expert tensors are served from the cache as stored" in served.stderr, served.stderr[-2000:]
+    assert len(plain.stdout) > len(PROMPT) + 8 and served.stdout == plain.stdout
 
 
 def test_timing_times_the_models_greedy_text(ours: Path, zipmoe_model: Path, tmp_path: Path) -> None:
@@ -902,6 +1032,25 @@ def test_zipmoe_run_prompt_same_output(ours: Path, tiny_models: dict[str, Path],
         if v != "bf16":
             assert "[zipmoe: 6 expert tensors" in done.stderr, done.stderr
     assert outs["bf16"].strip() and outs["huff"] == outs["bf16"] == outs["zstd"], outs
+
+
+def test_zipmoe_run_plain_gguf_under_a_budget_same_output(ours: Path, typed_models: dict[str, Path]) -> None:
+    """`zipmoe run` on a plain GGUF takes --memory-budget: its experts come from the cache (the stats say so), the
+    text is the same as without one; and `zipmoe plan` says why it does not plan a plain GGUF."""
+    from pyzipmoe.runtime.budget import model_memory
+
+    model = typed_models["Q4_K_M"]
+    budget = str(model_memory(model).minimum + (256 << 10))
+    outs = {}
+    for label, extra in (("stock", []), ("budget", ["--memory-budget", budget])):
+        done = _run([sys.executable, "-m", "pyzipmoe", "run", model, "-p", PROMPT, "-n", "12", "--temp", "0", "-t", "1",
+                     "--stats", *extra], worker_env(ours))
+        outs[label] = done.stdout
+        assert ("[zipmoe: 6 expert tensors" in done.stderr) == (label == "budget"), done.stderr
+    assert outs["stock"].strip() and outs["budget"] == outs["stock"], outs
+    plan = subprocess.run([sys.executable, "-m", "pyzipmoe", "plan", model, "--memory-budget", budget],
+                          env=worker_env(ours), capture_output=True, text=True, timeout=TIMEOUT, check=False)
+    assert plan.returncode == 1 and "plain GGUF" in plan.stderr and "--memory-budget" in plan.stderr, plan.stderr
 
 
 def test_zipmoe_bench_json(ours: Path, zipmoe_models: dict[tuple[str, str], Path], tiny_models: dict[str, Path]

@@ -1129,3 +1129,115 @@ def test_the_default_split_keeps_experts_compressed_only_where_nearly_all_fit_so
     assert [default_hot_share(t, sizes, True) for t in (3500, 3600, 4000, 5399, 5400, 9000)] == [1, 0, 0, 0, 1, 1]
     assert {default_hot_share(t, sizes, False) for t in (3500, 3600, 4000, 5399, 5400)} == {1.0}
     assert default_hot_share(4000, [], True) == 1.0 and default_hot_share(0, sizes, True) == 1.0
+
+
+# ------------------------------------------------------------------ raw stores (a plain GGUF's experts, any type)
+
+
+class RawStore(Store):
+    """A raw store over expert bytes at `offset` of `path`: n_expert experts of `rows` rows of `row_bytes` each."""
+
+    def __init__(self, path: Path, offset: int, n_expert: int, rows: int, row_bytes: int, name: str = "blk.0.ffn_up_exps.weight"):
+        self.keys = []
+        out = ffi.new("zipmoe_store **")
+        ne = ffi.new("int64_t[4]", [row_bytes, rows, n_expert, 1])  # (the type only names: sizes are row_bytes')
+        assert lib.zipmoe_store_open_raw(name.encode(), 24, ne, row_bytes, out) == 0  # 24: GGML_TYPE_I8
+        self.handle = ffi.gc(out[0], lib.zipmoe_store_free)
+        dst, size = ffi.new("void **"), ffi.new("size_t *")
+        with open(path, "rb") as f:
+            assert lib.zipmoe_store_bind(self.handle, f.fileno(), offset, dst, size) == 0
+        self.weights = np.frombuffer(ffi.buffer(dst[0], n_expert * rows * row_bytes), np.uint8).reshape(n_expert, -1)
+
+
+def raw_file(tmp_path: Path, n_expert: int, rows: int, row_bytes: int, offset: int = 4133) -> tuple[Path, np.ndarray]:
+    """A file with random expert bytes at an unaligned offset (GGUF aligns tensors to 32 bytes only)."""
+    experts = np.random.default_rng(0).integers(0, 256, (n_expert, rows * row_bytes), np.uint8)
+    path = tmp_path / "raw.bin"
+    path.write_bytes(b"\x5a" * offset + experts.tobytes() + b"\xa5" * 100)
+    return path, experts
+
+
+def test_a_raw_store_says_what_it_serves_and_refuses_shapes_it_cannot(tmp_path):
+    out = ffi.new("zipmoe_store **")
+    for ne, row_bytes in (([64, 4, 8, 2], 68), ([64, 0, 8, 1], 68), ([64, 4, 8, 1], 0), ([0, 4, 8, 1], 68)):
+        assert lib.zipmoe_store_open_raw(b"blk.0.ffn_up_exps.weight", 8, ffi.new("int64_t[4]", ne), row_bytes,
+                                         out) == lib.ZIPMOE_ERR_ARG, (ne, row_bytes)
+    assert lib.zipmoe_store_open_raw(b"blk.0.ffn_up_exps.weight", 8, ffi.new("int64_t[4]", [64, 300, 8, 1]), 68,
+                                     out) == 0
+    s = ffi.gc(out[0], lib.zipmoe_store_free)
+    info = ffi.new("zipmoe_tensor_info *")
+    lib.zipmoe_store_get_info(s, info)
+    assert lib.zipmoe_store_is_raw(s) == 1 and lib.zipmoe_store_tensor(s) == ffi.NULL
+    assert (info.codec, info.ggml_type, list(info.ne), info.n_expert) == (0, 8, [64, 300, 8, 1], 8)
+    assert info.data_size == 8 * 300 * 68 and info.chunk_n % 64 == 0  # chunks of whole rows
+    assert info.n_chunks == -(-300 // (info.chunk_n // 64))
+
+
+@pytest.mark.parametrize("nth", [1, 2, 3])
+def test_a_raw_store_materialises_the_routed_experts_bytes_as_stored(tmp_path, stats, nth):
+    n_expert, rows, row_bytes = 6, 100, 4099  # odd rows of an odd size, 400 KB experts: two chunks each
+    path, ref = raw_file(tmp_path, n_expert, rows, row_bytes)
+    store = RawStore(path, 4133, n_expert, rows, row_bytes)
+    ids = np.array([[1, 5], [5, 3]])
+    assert all(r >= 0 for r in store.materialize(ids, nth))
+    np.testing.assert_array_equal(store.weights[store.where], ref[ids])  # what ggml_mul_mat_id reads
+    st = stats()
+    assert st["experts_decoded"] == 3 and st["misses"] == 3 and st["bytes_read"] >= 3 * rows * row_bytes
+    assert st["hot_bytes"] == 3 * rows * row_bytes and st["warm_bytes"] == 0
+    assert all(r >= 0 for r in store.materialize(np.array([[3, 1]]), nth))
+    assert stats()["experts_decoded"] == 3  # kept: nothing read or copied again
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_a_raw_store_under_a_tiny_budget_keeps_only_decoded_experts_and_stays_exact(tmp_path, stats, policy):
+    n_expert, rows, row_bytes = 8, 20, 51
+    path, ref = raw_file(tmp_path, n_expert, rows, row_bytes)
+    store = RawStore(path, 4133, n_expert, rows, row_bytes)
+    expert = rows * row_bytes
+    # room for two experts decoded and plenty compressed: a raw store keeps no compressed copy (the same bytes)
+    lib.zipmoe_cache_configure(2 * expert + 1, 100 * expert, 100 * expert, POLICIES[policy])
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        ids = rng.integers(0, n_expert, (int(rng.integers(1, 4)), 2))
+        assert all(r >= 0 for r in store.materialize(ids, int(rng.integers(1, 4))))
+        np.testing.assert_array_equal(store.weights[store.where], ref[ids])
+        for e in set(ids.ravel()):
+            np.testing.assert_array_equal(store.decoded(e), ref[e])
+    st = stats()
+    assert st["evictions"] > 0 and st["misses"] > 0
+    assert st["warm_bytes"] == 0 and st["sm_bytes"] == 0 and st["hits_warm"] == 0 and st["hits_sm"] == 0
+    assert st["hot_bytes"] <= 2 * expert + 6 * expert  # the budget, plus the invocation in flight
+
+
+def test_a_raw_store_s_put_lays_each_chunk_of_whole_row_groups_into_its_place(tmp_path, stats):
+    """An engine that keeps weights in a layout of its own (llama.cpp's repacked quantized types) gets each chunk
+    read as stored and puts it into its place itself: whole groups of row_align rows, at their own offsets."""
+    n_expert, rows, row_bytes, align = 4, 24, 20000, 8  # 480 KB experts: chunks of 16 and 8 rows (13 rounded up)
+    path, ref = raw_file(tmp_path, n_expert, rows, row_bytes)
+    out = ffi.new("zipmoe_store **")
+    ne = ffi.new("int64_t[4]", [row_bytes, rows, n_expert, 1])
+    assert lib.zipmoe_store_open_raw(b"blk.0.ffn_up_exps.weight", 24, ne, row_bytes, out) == 0
+    handle = ffi.gc(out[0], lib.zipmoe_store_free)
+    groups = []
+
+    @ffi.callback("void(void *, void *, const void *, int64_t)")
+    def put(ctx, dst, src, n_rows):  # a layout of its own: every byte inverted
+        groups.append(n_rows)
+        data = np.frombuffer(ffi.buffer(src, n_rows * row_bytes), np.uint8)
+        ffi.buffer(dst, n_rows * row_bytes)[:] = (data ^ 0xFF).tobytes()
+
+    assert lib.zipmoe_store_set_raw_put(handle, put, ffi.NULL, align) == 0
+    info = ffi.new("zipmoe_tensor_info *")
+    lib.zipmoe_store_get_info(handle, info)
+    assert info.n_chunks == 2 and (info.chunk_n // row_bytes) % align == 0
+    store = RawStore.__new__(RawStore)
+    store.keys, store.handle = [], handle
+    dst, size = ffi.new("void **"), ffi.new("size_t *")
+    with open(path, "rb") as f:
+        assert lib.zipmoe_store_bind(handle, f.fileno(), 4133, dst, size) == 0
+    store.weights = np.frombuffer(ffi.buffer(dst[0], n_expert * rows * row_bytes), np.uint8).reshape(n_expert, -1)
+    assert lib.zipmoe_store_set_raw_put(handle, put, ffi.NULL, align) == lib.ZIPMOE_ERR_ARG  # (bound already)
+    ids = np.array([[0, 3], [2, 3]])
+    assert all(r >= 0 for r in store.materialize(ids, 2))
+    np.testing.assert_array_equal(store.weights[store.where], ref[ids] ^ 0xFF)
+    assert sorted(groups) == sorted([16, 8] * 3) and sum(groups) == 3 * rows

@@ -95,3 +95,25 @@ def test_a_token_embedding_is_charged_for_the_pages_of_a_batch_of_rows():
     assert embd_charge(1 << 30, 5000, page) == 2048 * 3 * page
     assert embd_charge(10 << 20, 2048, page) == 10 << 20             # a small table: all of it
     assert embd_charge(1 << 30, 0, page) == 1 << 30                  # no row size: charged whole
+
+
+def test_a_plain_gguf_is_budgeted_at_its_expert_tensors_own_sizes(tiny_model, tmp_path):
+    """A plain GGUF's expert tensors are served as stored: the accounting takes their bytes (whatever the type), the
+    largest of them in flight; the runtime's environment then carries the budget, checked against that minimum."""
+    from pyzipmoe.file.gguf import read_gguf
+    from pyzipmoe.file.metadata import EXPERT_NAME
+    from pyzipmoe.runtime.budget import model_memory, plain_experts
+    from pyzipmoe.runtime.controller import runtime_environment
+
+    tensors = read_gguf(tiny_model).tensors
+    experts = [t for t in tensors if EXPERT_NAME.fullmatch(t.name)]
+    assert plain_experts(tiny_model) == [(t.name, t.nbytes) for t in experts] and experts
+    need = model_memory(tiny_model, mapped=False)  # (the token embedding charged whole)
+    assert need.in_flight_bytes == max(t.nbytes for t in experts)
+    assert need.expert_bytes == sum(t.nbytes for t in experts)
+    assert need.other_bytes == sum(t.nbytes for t in tensors) - need.expert_bytes
+    env = runtime_environment(str(tiny_model), budget=str(need.minimum + 1000), is_zipmoe=False, mapped=False)
+    assert env["ZIPMOE_MEMORY_BUDGET"] == str(need.minimum + 1000)
+    with pytest.raises(ZipmoeError, match="needs at least"):
+        runtime_environment(str(tiny_model), budget=str(need.minimum - 1), is_zipmoe=False, mapped=False)
+    assert "ZIPMOE_MEMORY_BUDGET" not in runtime_environment(str(tiny_model), budget=None, is_zipmoe=False)

@@ -101,6 +101,8 @@ DEFAULT_PROMPT = "Once upon a time"
 MIB = 1 << 20
 # (budget % of the BF16 file, least tg speed-up of zipmoe over stock)
 SPEEDUP_TARGETS = ((75, 5.0), (60, 4.0), (40, 2.0), (93, 1.5))
+# a plain GGUF of another type (--type), served as stored, no conversion: (budget % of its file, least tg speed-up)
+PLAIN_TARGETS = ((40, 4.0), (60, 2.5), (75, 1.5), (100, 1.0))
 PARITY_BUDGET, PARITY_TOLERANCE = 150, 0.03  # "within 3 % at 150 %": at least 0.97x
 TARGET_SLACK = 7  # a target at ~P % is checked at the measured budget nearest to P, if within this many points
 KEEP_BUDGET, KEEP_SHARE = 75, 0.5  # "at ~75 % it should keep at least half of the unconstrained tokens/s"
@@ -388,13 +390,25 @@ def default_bench_codec() -> str:
     return "esc" if codec.esc_simd_level() > 0 else "huff"
 
 
-def ensure_models(workdir: Path, preset: str, routing: str, threads: int, regenerate: bool,
-                  codec: str = "huff") -> tuple[Path, Path]:
-    """workdir/PRESET-ROUTING.gguf and its zipmoe GGUF in `codec` (PRESET-ROUTING.zipmoe.gguf for huff, the name
-    of earlier runs, else PRESET-ROUTING.CODEC.zipmoe.gguf), made when missing (or asked to), reused otherwise."""
+def ensure_plain(workdir: Path, bf16: Path, qtype: str, regenerate: bool) -> Path:
+    """llama-quantize's `qtype` copy of the synthetic model `bf16` (PRESET-ROUTING.QTYPE.gguf), made when missing,
+    older than it, or asked to: the plain GGUF that both engines run under --type, zipmoe without converting it."""
+    from pyzipmoe import synth
+
+    plain = workdir / f"{bf16.stem}.{qtype}.gguf"
+    if regenerate or not plain.is_file() or plain.stat().st_mtime < bf16.stat().st_mtime:
+        say(f"quantizing it to {plain} ({qtype}, llama-quantize) ...")
+        try:
+            synth.quantize(bf16, plain, qtype)
+        except (OSError, RuntimeError) as e:
+            raise BenchError(str(e)) from None
+    return plain
+
+
+def ensure_models_bf16(workdir: Path, preset: str, routing: str, regenerate: bool) -> Path:
+    """workdir/PRESET-ROUTING.gguf, the synthetic BF16 model, made when missing (or asked to), reused otherwise."""
     workdir.mkdir(parents=True, exist_ok=True)
     bf16 = workdir / f"{preset}-{routing}.gguf"
-    packed = workdir / (f"{preset}-{routing}.zipmoe.gguf" if codec == "huff" else f"{preset}-{routing}.{codec}.zipmoe.gguf")
     if regenerate or not bf16.is_file():
         part = workdir / f"{preset}-{routing}.part.gguf"
         say(f"generating {bf16} (synthetic, preset {preset}, {routing} routing) ...")
@@ -403,6 +417,15 @@ def ensure_models(workdir: Path, preset: str, routing: str, threads: int, regene
                "--routing", routing, "--quiet", str(part)])
         part.replace(bf16)
         say(f"  {bf16.stat().st_size / 2**30:.2f} GiB in {time.monotonic() - t:.0f} s")
+    return bf16
+
+
+def ensure_models(workdir: Path, preset: str, routing: str, threads: int, regenerate: bool,
+                  codec: str = "huff") -> tuple[Path, Path]:
+    """workdir/PRESET-ROUTING.gguf and its zipmoe GGUF in `codec` (PRESET-ROUTING.zipmoe.gguf for huff, the name
+    of earlier runs, else PRESET-ROUTING.CODEC.zipmoe.gguf), made when missing (or asked to), reused otherwise."""
+    bf16 = ensure_models_bf16(workdir, preset, routing, regenerate)
+    packed = workdir / (f"{preset}-{routing}.zipmoe.gguf" if codec == "huff" else f"{preset}-{routing}.{codec}.zipmoe.gguf")
     if regenerate or not packed.is_file() or packed.stat().st_mtime < bf16.stat().st_mtime:
         part = packed.with_name(packed.name.replace(".zipmoe.gguf", ".zipmoe.part.gguf"))
         say(f"converting it to {packed} ({codec}) ...")
@@ -525,6 +548,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     models: dict[str, dict[str, Any]] = {}
     for routing in args.routings:
+        if args.type != "BF16":  # a plain GGUF of that type for both engines: zipmoe serves its experts as stored
+            bf16 = ensure_models_bf16(args.workdir, args.preset, routing, args.regenerate)
+            plain = str(ensure_plain(args.workdir, bf16, args.type, args.regenerate))
+            size = Path(plain).stat().st_size
+            models[routing] = {"bf16": plain, "bf16_bytes": size, "zipmoe": plain, "zipmoe_bytes": size}
+            continue
         bf16, packed = ensure_models(args.workdir, args.preset, routing, args.threads, args.regenerate, args.codec)
         models[routing] = {"bf16": str(bf16), "bf16_bytes": bf16.stat().st_size, "zipmoe": str(packed),
                            "zipmoe_bytes": packed.stat().st_size}
@@ -536,7 +565,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     throttle = ReadThrottle(args.read_rate, Path(next(iter(models.values()))["bf16"])) if args.read_rate else None
     runs: list[dict[str, Any]] = []
-    res = {"synthetic": True, "preset": args.preset, "codec": args.codec, "models": models, "budgets_pct": args.budgets,
+    res = {"synthetic": True, "preset": args.preset, "codec": args.codec, "type": args.type, "models": models, "budgets_pct": args.budgets,
            "read_rate_bytes": args.read_rate,
            "overhead_bytes": args.overhead, "gen_tokens": args.gen, "pp_tokens": args.pp, "pp_reps": args.pp_reps,
            "prompt": args.prompt,
@@ -658,10 +687,11 @@ def summarize(res: dict[str, Any]) -> None:
                     v["text"] == z["text"]
             rows.append(row)
         res["rows"][routing] = rows
-        res["targets"][routing] = check_targets(rows, res["budgets_pct"])
+        res["targets"][routing] = check_targets(rows, res["budgets_pct"], res.get("type", "BF16") != "BF16")
 
 
-def check_targets(rows: list[dict[str, Any]], budgets: list[float]) -> list[dict[str, Any]]:
+def check_targets(rows: list[dict[str, Any]], budgets: list[float], plain: bool = False) -> list[dict[str, Any]]:
+    """The issue's targets for the rows of one model: a converted BF16 model's, or a plain GGUF's (plain)."""
     by_budget = {r["budget_pct"]: r for r in rows}
 
     def nearest(pct: float) -> float | None:
@@ -669,12 +699,12 @@ def check_targets(rows: list[dict[str, Any]], budgets: list[float]) -> list[dict
         return near[0] if near and abs(near[0] - pct) <= TARGET_SLACK else None
 
     out = []
-    for pct, least in SPEEDUP_TARGETS:
+    for pct, least in PLAIN_TARGETS if plain else SPEEDUP_TARGETS:
         b = nearest(pct)
         r = None if b is None else by_budget[b]["tg_ratio"]
         out.append({"target": f">= {least:g}x at ~{pct}%", "budget_pct": b, "ratio": r,
                     "met": None if r is None else r >= least})
-    b = nearest(KEEP_BUDGET)
+    b = None if plain else nearest(KEEP_BUDGET)
     r = None if b is None else by_budget[b].get("zipmoe_keeps")
     out.append({"target": f"zipmoe keeps >= {KEEP_SHARE:.0%} of its unconstrained tg at ~{KEEP_BUDGET}%",
                 "budget_pct": b, "ratio": r, "met": None if r is None else r >= KEEP_SHARE})
@@ -722,8 +752,15 @@ def tg_program(res: dict[str, Any]) -> str:
 
 def print_report(res: dict[str, Any]) -> None:
     runs = res["runs"]
-    print(f"SYNTHETIC models (random weights, preset {res['preset']}): stock llama.cpp (BF16 GGUF, mmap) vs zipmoe "
-          f"(converted GGUF, codec {res.get('codec', 'huff')}), same build, same cgroup v1 memory limit, cold page cache")
+    qtype = res.get("type", "BF16")
+    if qtype != "BF16":
+        print(f"SYNTHETIC models (random weights, preset {res['preset']}, quantized by llama-quantize): stock llama.cpp "
+              f"vs zipmoe on the same plain {qtype} GGUF (no conversion: its experts served as stored under the "
+              f"budget), same build, same cgroup v1 memory limit, cold page cache; limits are % of the {qtype} file")
+    else:
+        print(f"SYNTHETIC models (random weights, preset {res['preset']}): stock llama.cpp (BF16 GGUF, mmap) vs zipmoe "
+              f"(converted GGUF, codec {res.get('codec', 'huff')}), same build, same cgroup v1 memory limit, cold page "
+              f"cache")
     print(f"tg: {tg_program(res)} -n {res['gen_tokens']} {res['prompt']!r}; "
           f"pp: llama-bench -p {res['pp_tokens']} -n 0 -r {res.get('pp_reps', 1)} -t {res['threads_llama_bench']} "
           f"(the mean of its timed passes); "
@@ -739,8 +776,11 @@ def print_report(res: dict[str, Any]) -> None:
         print("PARTIAL: the benchmark stopped before every run was made")
     for routing, model in res["models"].items():
         print()
-        print(f"== {routing} routing (synthetic): BF16 {model['bf16_bytes'] / MIB:.0f} MiB, zipmoe "
-              f"{model['zipmoe_bytes'] / MIB:.0f} MiB ({model['zipmoe_bytes'] / model['bf16_bytes']:.1%})")
+        if qtype != "BF16":
+            print(f"== {routing} routing (synthetic): plain {qtype} GGUF {model['bf16_bytes'] / MIB:.0f} MiB")
+        else:
+            print(f"== {routing} routing (synthetic): BF16 {model['bf16_bytes'] / MIB:.0f} MiB, zipmoe "
+                  f"{model['zipmoe_bytes'] / MIB:.0f} MiB ({model['zipmoe_bytes'] / model['bf16_bytes']:.1%})")
         header = ("budget", "limit MiB", "zipmoe budget", "stock tg", "zipmoe tg", "tg ratio", "stock pp",
                   "zipmoe pp", "pp ratio", "wall stock", "wall zipmoe", "peak stock", "peak zipmoe", "disk/tok stock",
                   "disk/tok zipmoe", "match")
@@ -917,7 +957,7 @@ def write_result_file(args: argparse.Namespace, res: dict[str, Any], json_path: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="\n\n".join(__doc__.split("\n\n")[1:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    from pyzipmoe.synth import PRESETS
+    from pyzipmoe.synth import PRESETS, QUANT_TYPES
 
     p.add_argument("--preset", choices=sorted(PRESETS), default="2.8g",
                    help="synthetic model size (default: %(default)s; small (~64 MB) for a smoke test)")
@@ -959,6 +999,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR,
                    help="where the models and the runs' logs are kept (default: %(default)s)")
     p.add_argument("--regenerate", action="store_true", help="generate and convert the models again")
+    p.add_argument("--type", choices=("BF16", *QUANT_TYPES), default="BF16",
+                   help="BF16 (default): stock runs the BF16 GGUF, zipmoe its conversion; another type: both run "
+                        "llama-quantize's copy of it, a plain GGUF, zipmoe without converting it (its experts served "
+                        "as stored), limits in %% of that file")
     p.add_argument("--codec", choices=("huff", "esc", "zstd"), default=None,
                    help="the zipmoe model's exponent codec (default: esc where this CPU decodes it with SIMD, else "
                         "huff; the file is kept per codec)")

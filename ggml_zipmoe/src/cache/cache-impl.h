@@ -91,15 +91,20 @@ typedef struct {
 struct zipmoe_store {
     char               name[96];
     int                layer;   /* N of a "blk.N." name, or -1 */
-    zipmoe_tensor *    tensor;
-    zipmoe_tensor_info info;
+    zipmoe_tensor *    tensor;  /* the index of a compressed tensor; NULL for a raw one */
+    zipmoe_tensor_info info;    /* a raw store's: codec 0, chunks of whole rows (cache_raw_chunk) */
+    int                raw;     /* the experts lie in the file as the engine reads them (a plain GGUF's): a decode
+                                 * is a copy, and only the hot tier holds them (config.c) */
+    uint64_t           row_bytes; /* raw: bytes of one row of an expert (ggml_row_size of its type) */
+    zipmoe_raw_put_fn  raw_put;   /* raw: puts read rows into their place (zipmoe_store_set_raw_put); NULL: a copy */
+    void *             raw_put_ctx;
     uint64_t           hot_size, sm_size; /* bytes of one expert decoded, of its sign+mantissa plane */
     uint64_t           mean_region;       /* of the compressed regions: converts warm slots to bytes */
 
     int        fd;          /* our own descriptor of the model file, -1 until bound */
     int        dfd;         /* the file opened with O_DIRECT, for read-ahead around the page cache; -1: none */
     uint64_t   data_offset; /* of the data companion in the file */
-    uint16_t * dst;         /* BF16 memory: n_expert * n_per_expert values, MAP_NORESERVE */
+    uint16_t * dst;         /* decoded memory: n_expert experts of hot_size bytes, MAP_NORESERVE */
     size_t     dst_size;
 
     pthread_mutex_t mu;
@@ -160,7 +165,9 @@ struct zipmoe_store {
 };
 
 /* Where place p lies in dst; whether a hot expert's values are there. */
-static inline uint16_t * place_addr(const zipmoe_store * s, int64_t p) { return s->dst + p * s->info.n_per_expert; }
+static inline uint16_t * place_addr(const zipmoe_store * s, int64_t p) {
+    return (uint16_t *) ((uint8_t *) s->dst + (uint64_t) p * s->hot_size); /* (in bytes: a raw expert's may be odd) */
+}
 
 static inline int place_hot(const zipmoe_store * s, int64_t p) {
     const int64_t e = s->places[p].expert;
@@ -283,6 +290,9 @@ void cache_read_ahead_job(zipmoe_read_job * job, zipmoe_store * s, const zipmoe_
 
 /* store.c */
 uint64_t cache_region_size(const zipmoe_store * s, int64_t e);
+void     cache_expert_span(const zipmoe_store * s, int64_t e, zipmoe_expert_span * span); /* compressed or raw */
+/* Bytes [*first, *first + *size) of a raw expert that chunk c covers: whole rows, the last chunk's maybe fewer. */
+void     cache_raw_chunk(const zipmoe_store * s, int64_t c, uint64_t * first, uint64_t * size);
 uint64_t cache_resident_size(const zipmoe_store * s, int64_t e, int res);
 /* Huge pages for a store's settled decoded experts (run by the reader thread, or the prefill's); 0 when it stopped
  * early for reads waiting, to be submitted again. */

@@ -352,6 +352,10 @@ void cache_refresh_limits(zipmoe_store * s) {
         s->warm_limit = s->warm_share != UINT64_MAX ? s->warm_share : quota(s, warm_budget_now());
         s->sm_limit   = quota(s, g_cfg.sm_budget);
     }
+    if (s->raw) { /* a compressed copy of a raw expert is the expert: only the hot tier keeps it */
+        s->warm_limit = 0;
+        s->sm_limit   = 0;
+    }
     s->policy  = g_cfg.policy;
     /* slots pay when experts come and go; an unbounded hot tier keeps anonymous pages, which may become huge */
     s->use_slots = s->hot_limit < (uint64_t) s->info.n_expert * s->hot_size;

@@ -20,11 +20,45 @@
 
 #include <fcntl.h>
 
+/* Chunk c of a raw plan item: its bytes copied from where they were read to (staged, read ahead or kept), or read
+ * from the file straight into its place. Nothing to check: a plain GGUF has no checksums, as for llama.cpp. */
+static int64_t copy_raw_chunk(zipmoe_store * s, const plan_item * it, int64_t c) {
+    uint64_t first, size;
+    cache_raw_chunk(s, c, &first, &size);
+    uint8_t *       to   = (uint8_t *) place_addr(s, s->experts[it->expert].place) + first;
+    const uint8_t * from = it->codes ? it->codes + (first - it->codes_bias) : NULL;
+    if (!from) { /* not read for the plan: from the file, into the place, or for a put into this thread's scratch */
+        zipmoe_expert_span span;
+        cache_expert_span(s, it->expert, &span);
+        thread_scratch * ts  = s->raw_put ? cache_thread_scratch(1, (size_t) size) : NULL;
+        uint8_t *        buf = s->raw_put ? (ts ? ts->buf : NULL) : to;
+        if (!buf) {
+            return ZIPMOE_ERR_NOMEM;
+        }
+        if (cache_read_cold(s, span.offset + first, buf, (size_t) size) < 0) {
+            return ZIPMOE_ERR_IO;
+        }
+        if (!s->raw_put) {
+            return ZIPMOE_OK;
+        }
+        from = buf;
+    }
+    if (s->raw_put) {
+        s->raw_put(s->raw_put_ctx, to, from, (int64_t) (size / s->row_bytes));
+    } else {
+        memcpy(to, from, (size_t) size);
+    }
+    return ZIPMOE_OK;
+}
+
 /* Decodes chunk c of a plan item, reading what is not in RAM. */
 static int64_t decode_chunk(zipmoe_store * s, const plan_item * it, int64_t c, thread_scratch * ts) {
+    if (s->raw) {
+        return copy_raw_chunk(s, it, c);
+    }
     zipmoe_expert_span span;
     zipmoe_chunk_ref   ref;
-    zipmoe_tensor_expert_span(s->tensor, it->expert, &span);
+    cache_expert_span(s, it->expert, &span);
     zipmoe_tensor_chunk(s->tensor, it->expert, c, &ref);
     uint8_t * sm   = it->sm ? it->sm + ref.first : ts->buf;
     uint8_t * code = it->codes ? it->codes + (ref.code_offset - it->codes_bias) : ts->buf + ref.n;
@@ -51,7 +85,7 @@ static void publish(zipmoe_store * s) {
         if (!it->staged && !it->prefetched && (it->read_sm || it->read_codes)) { /* (the reader drops its own) */
             /* the budget counts what zipmoe keeps: the kernel must not keep a second, uncounted copy */
             zipmoe_expert_span span;
-            zipmoe_tensor_expert_span(s->tensor, it->expert, &span);
+            cache_expert_span(s, it->expert, &span);
             cache_advise(s, span.offset, span.size, POSIX_FADV_DONTNEED);
         }
         if (!x->hot) {
@@ -268,9 +302,10 @@ static int64_t end_turn(zipmoe_store * s, zipmoe_turn * turn, const void * ids, 
     const plan_item * plan   = turn->plan;
     if (plan_n > 0) {
         const size_t     chunk_n = (size_t) s->info.chunk_n;
-        thread_scratch * ts = cache_thread_scratch(chunk_n, chunk_n + zipmoe_chunk_bound(zipmoe_tensor_codec(s->tensor), chunk_n));
+        thread_scratch * ts = s->raw ? NULL /* (a copy needs none) */
+                                     : cache_thread_scratch(chunk_n, chunk_n + zipmoe_chunk_bound(zipmoe_tensor_codec(s->tensor), chunk_n));
         const uint64_t   t0 = zipmoe_now_ns();
-        if (!ts) {
+        if (!ts && !s->raw) {
             cache_record_error(s, plan[0].expert, ZIPMOE_ERR_NOMEM);
             status = ZIPMOE_ERR_NOMEM;
         }
@@ -370,8 +405,8 @@ int64_t zipmoe_store_materialize_wait(zipmoe_store * s, const zipmoe_turn * turn
  * c out of range (the check both public readers make). */
 static int64_t stream_exponents(zipmoe_store * s, int64_t e, int64_t c, uint8_t * exp, const uint8_t ** plane,
                                 zipmoe_chunk_ref * ref) {
-    if (!s || e < 0 || e >= s->info.n_expert || c < 0 || c >= s->info.n_chunks) {
-        return ZIPMOE_ERR_ARG;
+    if (!s || s->raw || e < 0 || e >= s->info.n_expert || c < 0 || c >= s->info.n_chunks) {
+        return ZIPMOE_ERR_ARG; /* (a raw store keeps no warm copy: nothing is ever streamed) */
     }
     const expert_state * x = &s->experts[e]; /* (pinned: set under mu by the plan this thread's _begin saw) */
     int64_t              rc = ZIPMOE_ERR_ARG; /* (not streamed: the caller's rows of it are missing, to be dropped) */

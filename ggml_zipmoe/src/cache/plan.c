@@ -21,7 +21,7 @@ void cache_advise(const zipmoe_store * s, uint64_t offset, uint64_t size, int ad
 static void plan_expert(zipmoe_store * s, int64_t e, uint64_t tick, plan_item * it) {
     expert_state *     x = &s->experts[e];
     zipmoe_expert_span span;
-    zipmoe_tensor_expert_span(s->tensor, e, &span);
+    cache_expert_span(s, e, &span);
     /* with a hot tier the expert is about to be decoded and kept: what a compressed tier takes of it now is a
      * copy, worth nothing while it is hot. It takes free room or another copy's, never an expert that only a
      * compressed tier holds; the expert enters those tiers for good when it leaves the hot one (cache_evict_hot),
@@ -66,7 +66,8 @@ static void plan_expert(zipmoe_store * s, int64_t e, uint64_t tick, plan_item * 
             x->res = RES_FULL;
             s->warm_used += span.size;
             cache_account(&g_stats.warm_bytes, (int64_t) span.size);
-        } else if (cache_make_room(s, TIER_SM, s->sm_size, worth, entrant) && (region = cache_region_alloc(s->sm_size)) != NULL) {
+        } else if (s->sm_size > 0 && cache_make_room(s, TIER_SM, s->sm_size, worth, entrant) &&
+                   (region = cache_region_alloc(s->sm_size)) != NULL) { /* (a raw store has no sm plane) */
             x->res = RES_SM;
             s->sm_used += s->sm_size;
             cache_account(&g_stats.sm_bytes, (int64_t) s->sm_size);
@@ -196,7 +197,7 @@ int64_t cache_make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int6
     for (int64_t e = 0; e < n_expert; e++) { /* read ahead for nothing: the page cache must not keep it */
         if (atomic_exchange(&s->hinted[e], 0) && !s->experts[e].routed) {
             zipmoe_expert_span span;
-            zipmoe_tensor_expert_span(s->tensor, e, &span);
+            cache_expert_span(s, e, &span);
             cache_advise(s, span.offset, span.size, POSIX_FADV_DONTNEED);
         }
     }
@@ -276,7 +277,7 @@ static int use_prefetched(zipmoe_store * s, plan_item * it) {
     }
     const expert_state * x = &s->experts[e];
     zipmoe_expert_span   span;
-    zipmoe_tensor_expert_span(s->tensor, e, &span);
+    cache_expert_span(s, e, &span);
     const uint64_t need_from = it->read_sm ? 0 : span.exp_offset;
     const uint64_t from      = s->pf_from[e];
     if (from > need_from) {
@@ -326,7 +327,7 @@ void cache_schedule_reads(zipmoe_store * s) {
         plan_item *          it = &s->plan[j];
         const expert_state * x  = &s->experts[it->expert];
         zipmoe_expert_span   span;
-        zipmoe_tensor_expert_span(s->tensor, it->expert, &span);
+        cache_expert_span(s, it->expert, &span);
         if (!(it->read_sm || it->read_codes) || use_prefetched(s, it)) {
             continue;
         }
@@ -359,7 +360,7 @@ void cache_schedule_reads(zipmoe_store * s) {
     if ((n_reads == 0 && !s->job.then.fn) || (need && !stage)) {
         for (int64_t j = 0; j < s->plan_n && n_reads; j++) { /* synchronous: let the kernel read ahead */
             zipmoe_expert_span span;
-            zipmoe_tensor_expert_span(s->tensor, s->plan[j].expert, &span);
+            cache_expert_span(s, s->plan[j].expert, &span);
             if ((s->plan[j].read_sm || s->plan[j].read_codes) && !s->plan[j].prefetched) {
                 cache_advise(s, span.offset, span.size, POSIX_FADV_WILLNEED);
             }
@@ -373,7 +374,7 @@ void cache_schedule_reads(zipmoe_store * s) {
         const expert_state * x    = &s->experts[it->expert];
         zipmoe_read_item *   item = &s->job.items[j];
         zipmoe_expert_span   span;
-        zipmoe_tensor_expert_span(s->tensor, it->expert, &span);
+        cache_expert_span(s, it->expert, &span);
         const uint64_t codes_size = span.size - span.exp_offset;
         item->n_seg   = 0;
         item->ring_lo = item->ring_hi = 0;

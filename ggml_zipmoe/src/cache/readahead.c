@@ -143,7 +143,7 @@ static int read_ahead_from(const zipmoe_store * s, const zipmoe_store * like, in
     if (x->hot || x->res == RES_FULL || (like && !like->experts[e].routed) || (predicted && !atomic_load(&s->predicted[e]))) {
         return 0;
     }
-    zipmoe_tensor_expert_span(s->tensor, e, span);
+    cache_expert_span(s, e, span);
     *from = x->res == RES_SM ? span->exp_offset : 0;
     return 1;
 }

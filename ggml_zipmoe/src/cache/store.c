@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -28,8 +29,9 @@ static int layer_of(const char * name) {
     return sscanf(name, "blk.%d.%n", &layer, &n) == 1 && n > 0 ? layer : -1;
 }
 
-int64_t zipmoe_store_open(const char * name, const void * index, size_t index_size, uint64_t data_size,
-                          zipmoe_store ** out) {
+/* A new store, its info and sizes set by the caller (init): the state every store has, and its place in the list. */
+static int64_t store_create(const char * name, int64_t (*init)(zipmoe_store *, const void *), const void * arg,
+                            zipmoe_store ** out) {
     if (!name || !out) {
         return ZIPMOE_ERR_ARG;
     }
@@ -46,17 +48,13 @@ int64_t zipmoe_store_open(const char * name, const void * index, size_t index_si
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
     pthread_mutex_init(&s->err_mu, NULL);
-    int64_t rc = zipmoe_tensor_open(index, index_size, data_size, &s->tensor);
+    int64_t rc = init(s, arg);
     if (rc < 0) {
         zipmoe_store_free(s);
         return rc;
     }
-    zipmoe_tensor_get_info(s->tensor, &s->info);
-    s->hot_size    = (uint64_t) s->info.n_per_expert * 2;
     s->hot_slots   = -1; /* until cache_share_hot_slots, once it is in the list */
     s->warm_share  = UINT64_MAX;
-    s->sm_size     = (uint64_t) s->info.n_per_expert;
-    s->mean_region = s->info.n_expert ? (s->info.data_size + (uint64_t) s->info.n_expert - 1) / (uint64_t) s->info.n_expert : 0;
     s->plan      = calloc((size_t) s->info.n_expert, sizeof *s->plan);
     s->job.items = calloc((size_t) s->info.n_expert, sizeof *s->job.items);
     s->hinted    = calloc((size_t) s->info.n_expert, sizeof *s->hinted);
@@ -96,9 +94,115 @@ int64_t zipmoe_store_open(const char * name, const void * index, size_t index_si
     return ZIPMOE_OK;
 }
 
+typedef struct {
+    const void * index;
+    size_t       index_size;
+    uint64_t     data_size;
+} index_arg;
+
+static int64_t init_compressed(zipmoe_store * s, const void * arg) {
+    const index_arg * a  = arg;
+    const int64_t     rc = zipmoe_tensor_open(a->index, a->index_size, a->data_size, &s->tensor);
+    if (rc < 0) {
+        return rc;
+    }
+    zipmoe_tensor_get_info(s->tensor, &s->info);
+    s->hot_size    = (uint64_t) s->info.n_per_expert * 2;
+    s->sm_size     = (uint64_t) s->info.n_per_expert;
+    s->mean_region = s->info.n_expert ? (s->info.data_size + (uint64_t) s->info.n_expert - 1) / (uint64_t) s->info.n_expert : 0;
+    return ZIPMOE_OK;
+}
+
+int64_t zipmoe_store_open(const char * name, const void * index, size_t index_size, uint64_t data_size,
+                          zipmoe_store ** out) {
+    const index_arg a = { index, index_size, data_size };
+    return store_create(name, init_compressed, &a, out);
+}
+
+/* A raw chunk: whole rows, about this many bytes (at least a row). Large enough that claiming one costs nothing
+ * next to copying it, small enough that a prompt's few experts still spread over every thread. */
+#define RAW_CHUNK_BYTES ((uint64_t) 256 << 10)
+
+typedef struct {
+    int32_t  ggml_type;
+    int64_t  ne[4];
+    uint64_t row_bytes;
+} raw_arg;
+
+/* A raw store's chunks: whole rows, about RAW_CHUNK_BYTES, a multiple of `align` rows. */
+static void raw_chunks(zipmoe_store * s, int64_t align) {
+    const int64_t ne0 = s->info.ne[0], ne1 = s->info.ne[1];
+    int64_t       rows = s->row_bytes >= RAW_CHUNK_BYTES ? 1 : (int64_t) (RAW_CHUNK_BYTES / s->row_bytes);
+    rows = (rows + align - 1) / align * align;
+    rows = rows < ne1 ? rows : ne1;
+    s->info.chunk_n  = rows * ne0; /* values, as a compressed tensor's: whole rows */
+    s->info.n_chunks = (ne1 + rows - 1) / rows;
+}
+
+static int64_t init_raw(zipmoe_store * s, const void * arg) {
+    const raw_arg * a = arg;
+    const int64_t   ne0 = a->ne[0], ne1 = a->ne[1], n_expert = a->ne[2];
+    if (ne0 <= 0 || ne1 <= 0 || n_expert <= 0 || a->ne[3] != 1 || a->row_bytes == 0 ||
+        a->row_bytes > ZIPMOE_SIZE_MAX / (uint64_t) ne1 || (uint64_t) ne0 > ZIPMOE_SIZE_MAX / (uint64_t) ne1 ||
+        a->row_bytes * (uint64_t) ne1 > ZIPMOE_SIZE_MAX / (uint64_t) n_expert) {
+        return ZIPMOE_ERR_ARG;
+    }
+    s->raw          = 1;
+    s->row_bytes    = a->row_bytes;
+    s->info.codec   = 0;
+    s->info.ggml_type = a->ggml_type;
+    memcpy(s->info.ne, a->ne, sizeof s->info.ne);
+    s->info.n_expert     = n_expert;
+    s->info.n_per_expert = ne0 * ne1;
+    s->hot_size          = a->row_bytes * (uint64_t) ne1;
+    s->info.data_size    = s->hot_size * (uint64_t) n_expert;
+    s->sm_size           = 0;           /* no sign+mantissa plane */
+    s->mean_region       = s->hot_size; /* its region is its bytes */
+    raw_chunks(s, 1);
+    return ZIPMOE_OK;
+}
+
+int64_t zipmoe_store_set_raw_put(zipmoe_store * s, zipmoe_raw_put_fn fn, void * ctx, int64_t row_align) {
+    if (!s || !s->raw || s->fd >= 0 || row_align < 1) {
+        return ZIPMOE_ERR_ARG;
+    }
+    s->raw_put     = fn;
+    s->raw_put_ctx = ctx;
+    raw_chunks(s, row_align);
+    return ZIPMOE_OK;
+}
+
+int64_t zipmoe_store_open_raw(const char * name, int32_t ggml_type, const int64_t ne[4], uint64_t row_bytes,
+                              zipmoe_store ** out) {
+    if (!ne) {
+        return ZIPMOE_ERR_ARG;
+    }
+    raw_arg a = { ggml_type, { ne[0], ne[1], ne[2], ne[3] }, row_bytes };
+    return store_create(name, init_raw, &a, out);
+}
+
+void zipmoe_store_get_info(const zipmoe_store * s, zipmoe_tensor_info * info) { *info = s->info; }
+
+int zipmoe_store_is_raw(const zipmoe_store * s) { return s->raw; }
+
+void cache_expert_span(const zipmoe_store * s, int64_t e, zipmoe_expert_span * span) {
+    if (s->raw) {
+        *span = (zipmoe_expert_span) { (uint64_t) e * s->hot_size, s->hot_size, 0 };
+    } else {
+        zipmoe_tensor_expert_span(s->tensor, e, span);
+    }
+}
+
+void cache_raw_chunk(const zipmoe_store * s, int64_t c, uint64_t * first, uint64_t * size) {
+    const uint64_t rows = (uint64_t) (s->info.chunk_n / s->info.ne[0]);
+    const uint64_t r0 = (uint64_t) c * rows, r1 = r0 + rows < (uint64_t) s->info.ne[1] ? r0 + rows : (uint64_t) s->info.ne[1];
+    *first = r0 * s->row_bytes;
+    *size  = (r1 - r0) * s->row_bytes;
+}
+
 uint64_t cache_region_size(const zipmoe_store * s, int64_t e) {
     zipmoe_expert_span span;
-    zipmoe_tensor_expert_span(s->tensor, e, &span);
+    cache_expert_span(s, e, &span);
     return span.size;
 }
 

@@ -159,8 +159,17 @@ void cache_vacate_place(zipmoe_store * s, int64_t p) {
     cache_forget_huge_pages(s, p); /* (splits them while they are mapped) */
     uintptr_t lo, hi;
     cache_own_pages(s, p, &lo, &hi);
-    if (p > 0 && !place_hot(s, p - 1) && (begin & (page - 1)) && begin - (begin & (page - 1)) >= (uintptr_t) s->dst) {
-        lo = begin & ~(uintptr_t) (page - 1); /* the shared first page holds nothing hot */
+    if (p > 0 && (begin & (page - 1)) && begin - (begin & (page - 1)) >= (uintptr_t) s->dst) {
+        /* the shared first page, if it holds nothing hot: every place before p that reaches into it (one, unless
+         * experts are smaller than a page, as a plain GGUF's tiny ones can be) */
+        const uintptr_t first = begin & ~(uintptr_t) (page - 1);
+        int             hot   = 0;
+        for (int64_t q = p - 1; q >= 0 && !hot && (uintptr_t) place_addr(s, q) + s->hot_size > first; q--) {
+            hot = place_hot(s, q);
+        }
+        if (!hot) {
+            lo = first;
+        }
     }
     if (at->slot >= 0 && zipmoe_slots_detach((void *) begin, bytes, at->slot)) {
         at->slot = -1; /* its pages serve the next expert decoded */

@@ -69,10 +69,16 @@ static bool apply_plan(const char * plan, std::string & err) {
 }
 
 
+// The load line's word on the budget's changes: a plain GGUF's stays fixed (nothing supervises it, whoever ran it).
+static std::string control_note(bool raw) {
+    const std::string note = zipmoe_control_load_note(); // (opens a supervisor's channel, if any)
+    return raw ? "; the budget is fixed for this run (a plain GGUF's: it does not adapt to the memory available)" : note;
+}
+
 // The cache's configuration for a model being loaded, from the environment (env) and the model's stores: the
 // budget split between the tiers, or a planner's slots, and the cache's settings (zipmoe-config.h).
 bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::vector<zipmoe_store_size> & stores,
-                                  bool warm_fast, uint64_t other_bytes, uint64_t embd_bytes, uint64_t embd_row_bytes,
+                                  bool warm_fast, bool raw, uint64_t other_bytes, uint64_t embd_bytes, uint64_t embd_row_bytes,
                                   std::string & info, std::string & err) {
     zipmoe_budget_need need{};
     if (zipmoe_budget_need_of(stores.data(), stores.size(), other_bytes, embd_bytes, embd_row_bytes,
@@ -119,6 +125,14 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
             err = "ZIPMOE_HOT_SHARE + ZIPMOE_SM_SHARE is more than 1";
             return false;
         }
+        std::string raw_note;
+        if (raw) { // a raw expert's compressed copy would be its bytes again: every byte of the tiers is decoded
+            if (env.hot_share || env.sm_share) {
+                raw_note = " (ZIPMOE_HOT_SHARE and ZIPMOE_SM_SHARE do not apply to a plain GGUF's experts)";
+            }
+            hot_share = 1;
+            sm_share  = 0;
+        }
         zipmoe_budget_split split{};
         if (zipmoe_budget_split_tiers(stores.data(), stores.size(), tiers, hot_share, sm_share, &split) < 0) {
             err = "the memory budget could not be split between the cache tiers";
@@ -134,7 +148,8 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
                embd_note + ", " + size_text(in_flight) + " for one expert tensor in flight beyond its decoded experts, " +
                (split.reads ? size_text(split.reads) + " for a prompt's reads, " : std::string()) +
                "cache tiers " + size_text(hot) + " decoded, " + size_text(warm) + " compressed, " + size_text(sm) +
-               " sign+mantissa (experts " + size_text(experts) + " in BF16)" + zipmoe_control_load_note();
+               " sign+mantissa (experts " + size_text(experts) + (raw ? " as stored, read from the plain GGUF" : " in BF16") +
+               ")" + raw_note + control_note(raw);
     } else {
         info = "zipmoe: no memory budget: decoded experts are kept (set ZIPMOE_MEMORY_BUDGET or --memory-budget)";
     }

@@ -5,6 +5,7 @@
 #include "zipmoe-control.h"
 
 #include "ggml-backend.h"
+#include "ggml-backend-impl.h" // (a buffer of the CPU repack type over the store's memory: zipmoe_llama_bind)
 #include "llama-impl.h"
 #include "ggml-cpu.h"
 #include "zipmoe.h"
@@ -23,6 +24,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 struct zipmoe_llama_tensor {
@@ -45,6 +47,7 @@ struct zipmoe_llama_tensor {
 static std::mutex                                                      g_registry_mu;
 static std::unordered_map<const ggml_tensor *, zipmoe_llama_tensor *> g_registry;
 static std::atomic<size_t>                                             g_registry_size{0};
+static std::unordered_set<const zipmoe_llama_tensor *>                 g_bound; // the registry's values
 
 // The stores opened since the last zipmoe_llama_configure: the model being loaded. A store whose load fails
 // before configure is removed by its deleter, so the next model's budget never counts it.
@@ -52,6 +55,7 @@ struct zipmoe_pending {
     zipmoe_store *    store;
     zipmoe_store_size size;
     bool              slow_warm; // its warm hits decode slowly
+    bool              raw;       // a plain GGUF's experts (zipmoe_llama_open_raw)
 };
 static std::mutex                         g_pending_mu;
 static std::vector<zipmoe_pending>        g_pending;
@@ -67,6 +71,7 @@ void zipmoe_llama_tensor_deleter::operator()(zipmoe_llama_tensor * zt) const {
     if (zt->tensor) {
         std::lock_guard<std::mutex> lock(g_registry_mu);
         g_registry.erase(zt->tensor);
+        g_bound.erase(zt);
         g_registry_size = g_registry.size();
     }
     if (zt->buffer) {
@@ -102,13 +107,14 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
                             std::string & err) {
     const zipmoe_runtime_config    env = runtime_config();
     std::vector<zipmoe_store_size> stores;
-    bool                           warm_fast = false;
+    bool                           warm_fast = false, raw = false;
     {
         std::lock_guard<std::mutex> lock(g_pending_mu);
         warm_fast = !g_pending.empty();
         for (const zipmoe_pending & p : g_pending) {
             stores.push_back(p.size);
             warm_fast = warm_fast && !p.slow_warm;
+            raw       = raw || p.raw;
         }
         g_pending.clear();
         g_loading.swap(g_opened);
@@ -126,7 +132,27 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
     } else {
         g_predict = false;
     }
-    return zipmoe_llama_configure_cache(env, stores, warm_fast, other_bytes, embd_bytes, embd_row_bytes, info, err);
+    return zipmoe_llama_configure_cache(env, stores, warm_fast, raw, other_bytes, embd_bytes, embd_row_bytes, info, err);
+}
+
+// A store just opened joins the model being loaded: its sizes for the budget, and its handle.
+static zipmoe_llama_tensor_ptr adopt(const char * name, zipmoe_store * store, uint64_t decoded_bytes, bool raw) {
+    zipmoe_tensor_info info;
+    zipmoe_store_get_info(store, &info);
+    {
+        std::lock_guard<std::mutex> lock(g_pending_mu);
+        g_pending.push_back({ store, { decoded_bytes, (uint64_t) info.n_expert, info.data_size },
+                              raw || info.codec != ZIPMOE_CODEC_ESC || zipmoe_esc_simd_level() == 0, raw });
+        g_opened.push_back(store);
+    }
+    zipmoe_llama_tensor_ptr zt(new zipmoe_llama_tensor);
+    zt->store = store;
+    {
+        std::lock_guard<std::mutex> lock(g_pending_mu);
+        zt->model = g_model_seq;
+    }
+    zt->layer = layer_of(name);
+    return zt;
 }
 
 zipmoe_llama_tensor_ptr zipmoe_llama_open(const char * name, const void * index, size_t index_size,
@@ -138,23 +164,28 @@ zipmoe_llama_tensor_ptr zipmoe_llama_open(const char * name, const void * index,
         return nullptr;
     }
     zipmoe_tensor_info info;
-    zipmoe_tensor_get_info(zipmoe_store_tensor(store), &info);
-    {
-        std::lock_guard<std::mutex> lock(g_pending_mu);
-        g_pending.push_back({ store,
-                              { (uint64_t) info.n_expert * (uint64_t) info.n_per_expert * 2, (uint64_t) info.n_expert,
-                                info.data_size },
-                              info.codec != ZIPMOE_CODEC_ESC || zipmoe_esc_simd_level() == 0 });
-        g_opened.push_back(store);
+    zipmoe_store_get_info(store, &info);
+    return adopt(name, store, (uint64_t) info.n_expert * (uint64_t) info.n_per_expert * 2, false);
+}
+
+zipmoe_llama_tensor_ptr zipmoe_llama_open_raw(const char * name, const ggml_tensor * meta, std::string & err) {
+    if (!ggml_get_type_traits_cpu(meta->type)->vec_dot) { // (what ggml_mul_mat_id computes with)
+        err = std::string("the CPU backend has no matmul for its type ") + ggml_type_name(meta->type);
+        return nullptr;
     }
-    zipmoe_llama_tensor_ptr zt(new zipmoe_llama_tensor);
-    zt->store = store;
-    {
-        std::lock_guard<std::mutex> lock(g_pending_mu);
-        zt->model = g_model_seq;
+    const int64_t  ne[4]     = { meta->ne[0], meta->ne[1], meta->ne[2], meta->ne[3] };
+    const uint64_t row_bytes = ggml_row_size(meta->type, meta->ne[0]);
+    zipmoe_store * store     = nullptr;
+    const int64_t  rc        = zipmoe_store_open_raw(name, (int32_t) meta->type, ne, row_bytes, &store);
+    if (rc < 0) {
+        err = std::string("cannot serve its experts: ") + zipmoe_status_str(rc);
+        return nullptr;
     }
-    zt->layer = layer_of(name);
-    return zt;
+    return adopt(name, store, (uint64_t) ne[2] * (uint64_t) ne[1] * row_bytes, true);
+}
+
+bool zipmoe_llama_plain_budget() {
+    return runtime_config().memory_budget != nullptr;
 }
 
 bool zipmoe_llama_expert_name(const std::string & name) {
@@ -197,7 +228,7 @@ bool zipmoe_llama_check_index_size(const void * header, size_t header_size, uint
 bool zipmoe_llama_check_meta(const zipmoe_llama_tensor * zt, const char * codec, uint32_t chunk_size,
                              std::string & err) {
     zipmoe_tensor_info info;
-    zipmoe_tensor_get_info(zipmoe_store_tensor(zt->store), &info);
+    zipmoe_store_get_info(zt->store, &info);
     const int want = std::strcmp(codec, "zstd") == 0 ? ZIPMOE_CODEC_ZSTD
                      : std::strcmp(codec, "huff") == 0 ? ZIPMOE_CODEC_HUFF
                      : std::strcmp(codec, "esc") == 0 ? ZIPMOE_CODEC_ESC : -1;
@@ -217,7 +248,7 @@ bool zipmoe_llama_check_meta(const zipmoe_llama_tensor * zt, const char * codec,
 
 void zipmoe_llama_shape(const zipmoe_llama_tensor * zt, int64_t ne[4]) {
     zipmoe_tensor_info info;
-    zipmoe_tensor_get_info(zipmoe_store_tensor(zt->store), &info);
+    zipmoe_store_get_info(zt->store, &info);
     std::memcpy(ne, info.ne, sizeof info.ne);
 }
 
@@ -271,17 +302,59 @@ static int open_own(const char * path, int fd) {
     return own;
 }
 
-bool zipmoe_llama_bind(zipmoe_llama_tensor * zt, ggml_tensor * t, bool no_alloc, const char * path, int fd,
-                       uint64_t data_offs, std::string & err) {
-    if (t->type != GGML_TYPE_BF16) {
-        err = "the model asks for a " + std::string(ggml_type_name(t->type)) + " tensor; zipmoe stores BF16";
+// A raw store's rows of a tensor the CPU backend keeps repacked (zipmoe_store_set_raw_put): repacked into their
+// place by the backend's own set_tensor, on a tensor of just those rows, so the place holds what llama.cpp's repack
+// buffer would hold for them (its groups of rows are repacked one by one) and its matmul reads the same bytes.
+static void repack_put(void * ctx, void * dst, const void * src, int64_t n_rows) {
+    const auto * zt   = static_cast<const zipmoe_llama_tensor *>(ctx);
+    ggml_tensor  rows = *zt->tensor;
+    rows.ne[1]        = n_rows;
+    rows.ne[2]        = 1;
+    rows.nb[2]        = rows.nb[1] * (size_t) n_rows;
+    rows.nb[3]        = rows.nb[2];
+    rows.data         = dst;
+    zt->buffer->iface.set_tensor(zt->buffer, &rows, src, 0, ggml_nbytes(&rows));
+}
+
+// Whether llama.cpp would keep t in the CPU backend's repack buffer type (buft, its choice for the weight): the
+// type its matmuls then take a layout of their own for. Another buffer type that is not plain host memory (another
+// extra CPU type) zipmoe cannot serve: err says so.
+static bool repacked(const ggml_backend_buffer_type_t buft, const ggml_tensor * t, bool & out, std::string & err) {
+    out = buft && buft != ggml_backend_cpu_buffer_type() && !ggml_backend_buft_is_host(buft);
+    if (out && std::strcmp(ggml_backend_buft_name(buft), "CPU_REPACK") != 0) {
+        err = std::string("llama.cpp keeps this ") + ggml_type_name(t->type) + " tensor in " +
+              ggml_backend_buft_name(buft) + ", which zipmoe cannot serve from its cache: load the model without a "
+              "memory budget";
+        return false;
+    }
+    return true;
+}
+
+bool zipmoe_llama_bind(zipmoe_llama_tensor * zt, ggml_tensor * t, ggml_backend_buffer_type_t buft, bool no_alloc,
+                       const char * path, int fd, uint64_t data_offs, std::string & err) {
+    zipmoe_tensor_info info;
+    zipmoe_store_get_info(zt->store, &info);
+    const bool      raw  = zipmoe_store_is_raw(zt->store);
+    const ggml_type want = raw ? (ggml_type) info.ggml_type : GGML_TYPE_BF16;
+    if (t->type != want) {
+        err = "the model asks for a " + std::string(ggml_type_name(t->type)) + " tensor; zipmoe serves " +
+              ggml_type_name(want);
+        return false;
+    }
+    bool repack = false; // (a compressed store's BF16 memory is host memory whatever buft says)
+    if (raw && !repacked(buft, t, repack, err)) {
         return false;
     }
     if (no_alloc) {
         // as llama.cpp does for its weights in the fit pass: a buffer, so the scheduler allocates nothing
-        zt->buffer = ggml_backend_buft_alloc_buffer(ggml_backend_cpu_buffer_type(), 0);
+        zt->buffer = ggml_backend_buft_alloc_buffer(repack ? buft : ggml_backend_cpu_buffer_type(), 0);
         t->buffer  = zt->buffer;
         return true;
+    }
+    // repacked in groups of up to 16 rows (ggml-cpu/repack.cpp: 4, 8 or 16 by type and CPU), which chunks keep whole
+    if (repack && zipmoe_store_set_raw_put(zt->store, repack_put, zt, 16) < 0) {
+        err = "cannot set up the repacking of its experts";
+        return false;
     }
     void *        dst      = nullptr;
     size_t        dst_size = 0;
@@ -296,7 +369,8 @@ bool zipmoe_llama_bind(zipmoe_llama_tensor * zt, ggml_tensor * t, bool no_alloc,
         err = std::string("cannot set up the compressed experts: ") + zipmoe_status_str(rc);
         return false;
     }
-    if (dst_size < ggml_nbytes(t)) {
+    if (dst_size < ggml_nbytes(t) || (zipmoe_store_is_raw(zt->store) && !ggml_is_contiguous(t)) ||
+        std::memcmp(info.ne, t->ne, sizeof info.ne) != 0) {
         err = "the index's shape does not match the model's";
         return false;
     }
@@ -305,14 +379,33 @@ bool zipmoe_llama_bind(zipmoe_llama_tensor * zt, ggml_tensor * t, bool no_alloc,
         err = "cannot wrap the expert memory in a ggml buffer";
         return false;
     }
+    if (repack) {
+        // the repack type's buffer is a CPU buffer with its own tensor init (the layout's traits, in t->extra) and
+        // set_tensor (the repacking): ours takes the same two over the store's memory
+        ggml_backend_buffer_t probe = ggml_backend_buft_alloc_buffer(buft, 64);
+        if (!probe || !probe->iface.init_tensor || !probe->iface.set_tensor) {
+            if (probe) {
+                ggml_backend_buffer_free(probe);
+            }
+            err = std::string("cannot set up a ") + ggml_backend_buft_name(buft) + " buffer over the expert memory";
+            return false;
+        }
+        zt->buffer->buft              = buft;
+        zt->buffer->iface.init_tensor = probe->iface.init_tensor;
+        zt->buffer->iface.set_tensor  = probe->iface.set_tensor;
+        zt->buffer->iface.get_tensor  = nullptr;
+        zt->buffer->iface.cpy_tensor  = nullptr;
+        ggml_backend_buffer_free(probe);
+    }
     ggml_backend_buffer_set_usage(zt->buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-    if (ggml_backend_tensor_alloc(zt->buffer, t, dst) != GGML_STATUS_SUCCESS) {
+    if (ggml_backend_tensor_alloc(zt->buffer, t, dst) != GGML_STATUS_SUCCESS || (repack && !t->extra)) {
         err = "cannot place the tensor in its buffer";
         return false;
     }
     {
         std::lock_guard<std::mutex> lock(g_registry_mu);
         g_registry[t]   = zt;
+        g_bound.insert(zt);
         zt->tensor      = t;
         g_registry_size = g_registry.size();
     }
@@ -409,7 +502,7 @@ static ggml_tensor * build_prediction(ggml_context * ctx, zipmoe_llama_tensor * 
     last_ctx   = ctx;
     last_layer = zt->layer;
     zipmoe_tensor_info info;
-    zipmoe_tensor_get_info(zipmoe_store_tensor(zt->store), &info);
+    zipmoe_store_get_info(zt->store, &info);
     const ggml_tensor * input  = nullptr;
     const ggml_tensor * router = find_router(ids, info.n_expert, &input);
     if (!router) {
@@ -431,19 +524,17 @@ static ggml_tensor * build_prediction(ggml_context * ctx, zipmoe_llama_tensor * 
 
 // Called by every graph thread (ith of nth) between the router and ggml_mul_mat_id. The node is
 // unique to this graph, so it keys the invocation for the store's barrier-free protocol.
-static void materialize_op(ggml_tensor * dst, const ggml_tensor * ids, const ggml_tensor * w, int ith, int nth,
-                           void * userdata) {
-    (void) w;
+static void materialize_op(ggml_tensor * dst, const ggml_tensor * ids, int ith, int nth, void * userdata) {
     auto * zt = static_cast<zipmoe_llama_tensor *>(userdata);
     // errors are recorded by the store and reported by llama_decode (zipmoe_llama_take_error)
     zipmoe_store_materialize(zt->store, dst, ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1],
                              static_cast<int32_t *>(dst->data), ith, nth);
 }
 
-static void materialize_after_guess_op(ggml_tensor * dst, const ggml_tensor * ids, const ggml_tensor * w,
-                                       const ggml_tensor * guess, int ith, int nth, void * userdata) {
+static void materialize_after_guess_op(ggml_tensor * dst, const ggml_tensor * ids, const ggml_tensor * guess,
+                                       int ith, int nth, void * userdata) {
     (void) guess; // a source only so that the guess is computed first
-    materialize_op(dst, ids, w, ith, nth, userdata);
+    materialize_op(dst, ids, ith, nth, userdata);
 }
 
 // ggml_mul_mat_id(w, x, ids) of a token or a small batch, computed by the op that materialises the experts, so that
@@ -634,7 +725,7 @@ static void mul_mat_id_op(ggml_tensor * dst, int ith, int nth, void * userdata) 
         }
         group_slots(expert, n_slot, groups);
         zipmoe_tensor_info info;
-        zipmoe_tensor_get_info(zipmoe_store_tensor(zt->store), &info);
+        zipmoe_store_get_info(zt->store, &info);
         const int64_t unit_chunks = stream_unit_chunks(w->ne[0], info.chunk_n);
         // the chunks a claim may touch: its own, and those its last row runs on into where rows straddle its end
         const bool    exact     = unit_chunks * info.chunk_n % w->ne[0] == 0;
@@ -673,9 +764,10 @@ static void mul_mat_id_op(ggml_tensor * dst, int ith, int nth, void * userdata) 
 static ggml_tensor * build_materialize(ggml_context * ctx, zipmoe_llama_tensor * zt, ggml_tensor * ids, ggml_tensor * w,
                                        ggml_tensor * guess) {
     // a new tensor, not ids: it holds where this store decoded the routed experts (zipmoe_store_materialize),
-    // and the layer's other expert tensors read the router's ids through their own op
-    ggml_tensor * r = guess ? ggml_map_custom3(ctx, ids, w, guess, materialize_after_guess_op, GGML_N_TASKS_MAX, zt)
-                            : ggml_map_custom2(ctx, ids, w, materialize_op, GGML_N_TASKS_MAX, zt);
+    // and the layer's other expert tensors read the router's ids through their own op. Not w as a source: the CPU
+    // backend computes no op but its matmuls on a weight it keeps repacked (materialised_by finds the op)
+    ggml_tensor * r = guess ? ggml_map_custom2(ctx, ids, guess, materialize_after_guess_op, GGML_N_TASKS_MAX, zt)
+                            : ggml_map_custom1(ctx, ids, materialize_op, GGML_N_TASKS_MAX, zt);
     ggml_format_name(r, "zipmoe-%s", w->name);
     return r;
 }
@@ -685,6 +777,7 @@ static ggml_tensor * build_materialize(ggml_context * ctx, zipmoe_llama_tensor *
 // MoE layers.
 static bool fusable(const ggml_tensor * w, const ggml_tensor * x, const ggml_tensor * ids) {
     return ids->ne[0] * ids->ne[1] <= MM_MAX_SLOTS && ids->type == GGML_TYPE_I32 && w->type == GGML_TYPE_BF16 &&
+           w->buffer && ggml_backend_buft_is_host(ggml_backend_buffer_get_type(w->buffer)) && // (not repacked)
            x->type == GGML_TYPE_F32 && x->nb[0] == sizeof(float) && x->ne[2] == ids->ne[1] && x->ne[3] == 1 &&
            (x->ne[1] == 1 || x->ne[1] == ids->ne[0]) && x->ne[0] == w->ne[0];
 }
@@ -706,6 +799,30 @@ ggml_tensor * zipmoe_llama_mul_mat_id(ggml_context * ctx, zipmoe_llama_tensor * 
     return r;
 }
 
+// The zipmoe tensor a graph node materialises (its op and userdata, in the node's op parameters: ggml-impl.h's
+// ggml_map_custom{1,2}_op_params and ggml_custom_op_params, which begin alike), or nullptr; only while it is bound.
+static zipmoe_llama_tensor * materialised_by(const ggml_tensor * node) {
+    if (node->op != GGML_OP_MAP_CUSTOM1 && node->op != GGML_OP_MAP_CUSTOM2 && node->op != GGML_OP_CUSTOM) {
+        return nullptr;
+    }
+    struct {
+        void * fun;
+        int    n_tasks;
+        void * userdata;
+    } p;
+    static_assert(sizeof p <= sizeof node->op_params, "ggml's custom op parameters");
+    std::memcpy(&p, node->op_params, sizeof p);
+    const bool ours = p.fun == reinterpret_cast<void *>(&materialize_op) ||
+                      p.fun == reinterpret_cast<void *>(&materialize_after_guess_op) ||
+                      p.fun == reinterpret_cast<void *>(&mul_mat_id_op);
+    if (!ours) {
+        return nullptr;
+    }
+    std::lock_guard<std::mutex> lock(g_registry_mu);
+    auto * zt = static_cast<zipmoe_llama_tensor *>(p.userdata);
+    return g_bound.count(zt) ? zt : nullptr;
+}
+
 // Whether each zipmoe op of gf is followed by its matmul before the next zipmoe op: what lets a store's plan evict
 // the experts the previous store pinned (cache/tiers.c, cache_trim_others), and the budget hold one expert tensor in flight.
 // ggml computes nodes in the graph's order, and llama.cpp's graphs have it (a matmul's inputs are visited right
@@ -719,20 +836,21 @@ static bool check_graph_order(const ggml_cgraph * gf, std::string & msg) {
     if (checked.exchange(n_nodes) == n_nodes || said.load()) {
         return true;
     }
-    const ggml_tensor * open = nullptr; // a zipmoe op whose matmul has not come yet
+    const ggml_tensor *         open    = nullptr; // a zipmoe op whose matmul has not come yet
+    const zipmoe_llama_tensor * open_zt = nullptr; // what it materialised
     for (int i = 0; i < n_nodes; i++) {
         const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(gf), i);
-        if ((node->op == GGML_OP_MAP_CUSTOM2 || node->op == GGML_OP_MAP_CUSTOM3 || node->op == GGML_OP_CUSTOM) &&
-            node->src[1] && zipmoe_llama_find(node->src[1])) {
+        if (const zipmoe_llama_tensor * zt = materialised_by(node)) {
             if (open && !said.exchange(true)) {
                 zipmoe_cache_set_store_turns(0);
-                msg = std::string("zipmoe: this graph decodes ") + node->src[1]->name + "'s experts before " +
-                      open->src[1]->name + "'s matmul has run, so its output may be wrong; from now on a layer's " +
+                msg = std::string("zipmoe: this graph decodes ") + zt->tensor->name + "'s experts before " +
+                      open_zt->tensor->name + "'s matmul has run, so its output may be wrong; from now on a layer's " +
                       "experts stay decoded until the next layer (beyond the memory budget by up to two expert " +
                       "tensors' experts): decode again";
                 return false;
             }
-            open = node->op == GGML_OP_CUSTOM ? nullptr : node; // (the fused node is its own matmul)
+            open    = node->op == GGML_OP_CUSTOM ? nullptr : node; // (the fused node is its own matmul)
+            open_zt = zt;
         } else if (node->op == GGML_OP_MUL_MAT_ID && node->src[2] == open) {
             open = nullptr;
         }
@@ -740,11 +858,6 @@ static bool check_graph_order(const ggml_cgraph * gf, std::string & msg) {
     return true;
 }
 
-// The zipmoe tensor a graph node materialises, or nullptr.
-static zipmoe_llama_tensor * materialised_by(const ggml_tensor * node) {
-    const bool custom = node->op == GGML_OP_MAP_CUSTOM2 || node->op == GGML_OP_MAP_CUSTOM3 || node->op == GGML_OP_CUSTOM;
-    return custom && node->src[1] ? zipmoe_llama_find(node->src[1]) : nullptr;
-}
 
 std::unique_lock<std::mutex> zipmoe_llama_compute_turn(const ggml_cgraph * gf) {
     static std::mutex turn;
@@ -758,7 +871,7 @@ std::unique_lock<std::mutex> zipmoe_llama_compute_turn(const ggml_cgraph * gf) {
         const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(gf), i);
         if (materialised_by(node)) {
             const ggml_tensor * ids = node->src[0];
-            routed = std::max(routed, std::min<int64_t>(ids->ne[0] * ids->ne[1], node->src[1]->ne[2]));
+            routed = std::max(routed, std::min<int64_t>(ids->ne[0] * ids->ne[1], materialised_by(node)->tensor->ne[2]));
         }
     }
     if (routed < 0) {

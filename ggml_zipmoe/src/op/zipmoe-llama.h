@@ -3,6 +3,7 @@
 #pragma once
 
 #include "ggml.h"
+#include "ggml-backend.h"
 
 #include <cstdint>
 #include <memory>
@@ -19,6 +20,16 @@ using zipmoe_llama_tensor_ptr = std::unique_ptr<zipmoe_llama_tensor, zipmoe_llam
 // Validates <base>.zipmoe_index (index bytes) for a data companion of data_size bytes.
 zipmoe_llama_tensor_ptr zipmoe_llama_open(const char * name, const void * index, size_t index_size,
                                           uint64_t data_size, std::string & err);
+
+// A plain GGUF's expert tensor (meta: its type and shape as the file has them), served from the cache as it lies in
+// the file: whole experts read around the page cache into the places ggml_mul_mat_id reads (sizes by
+// ggml_row_size, so any type the CPU backend computes), kept in the hot tier only. Bound like a compressed one
+// (zipmoe_llama_bind, data_offs: the tensor's offset in the file).
+zipmoe_llama_tensor_ptr zipmoe_llama_open_raw(const char * name, const ggml_tensor * meta, std::string & err);
+
+// Whether a memory budget is set (ZIPMOE_MEMORY_BUDGET): only then does the loader serve a plain GGUF's experts from
+// the cache; without one a plain GGUF loads exactly as in stock llama.cpp.
+bool zipmoe_llama_plain_budget();
 
 // Whether name is an expert tensor's (blk.N.ffn_{up,gate,down,gate_up}_exps.weight): the only names whose
 // companions the loader takes.
@@ -47,13 +58,15 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
 // The original tensor's shape, from the index.
 void zipmoe_llama_shape(const zipmoe_llama_tensor * zt, int64_t ne[4]);
 
-// Gives t (BF16, the original shape) its memory: a reservation that holds only materialised experts,
+// Gives t (BF16, the original shape; a raw store's: its type) its memory: a reservation that holds only materialised experts,
 // wrapped in a CPU buffer; the data companion at data_offs of the model file is read from when experts are decoded.
 // The store reads through a descriptor of its own, opened from path (plain; O_DIRECT by its own choice), never
 // llama.cpp's, whose flags depend on the load mode; fd (llama.cpp's) only proves that path is the same file. With
-// no_alloc (llama.cpp's memory-fit pass) t gets a zero-size buffer and nothing is reserved.
-bool zipmoe_llama_bind(zipmoe_llama_tensor * zt, ggml_tensor * t, bool no_alloc, const char * path, int fd,
-                       uint64_t data_offs, std::string & err);
+// no_alloc (llama.cpp's memory-fit pass) t gets a zero-size buffer and nothing is reserved. buft: the buffer type
+// llama.cpp chose for the weight; where it is the CPU backend's repack type (some quantized types), a raw store's
+// experts are repacked as they are put into their places, so the matmul computes as llama.cpp's would.
+bool zipmoe_llama_bind(zipmoe_llama_tensor * zt, ggml_tensor * t, ggml_backend_buffer_type_t buft, bool no_alloc,
+                       const char * path, int fd, uint64_t data_offs, std::string & err);
 
 // The zipmoe tensor behind weight w, or nullptr (every tensor of a plain GGUF).
 zipmoe_llama_tensor * zipmoe_llama_find(const ggml_tensor * w);
