@@ -263,6 +263,17 @@ def test_create_from_a_zipmoe_gguf_stores_it_as_is(store: Store, zipmoe_model: P
     assert store.create("z2", f"FROM {zipmoe_model}", base_dir=tmp_path).model_reused
 
 
+def test_create_from_a_quantized_gguf_stores_it_as_is(store: Store, typed_models: dict[str, Path],
+                                                       tmp_path: Path) -> None:
+    """FROM a GGUF whose experts are quantized (Q4_K_M mixes Q4_K and Q6_K) or F16 keeps the file as it is: the
+    runtime serves such a plain GGUF's experts from its cache under a budget, converting them would not pay."""
+    for qtype in ("Q4_K_M", "F16"):
+        source = typed_models[qtype]
+        report = store.create(qtype.lower(), f"FROM {source}", base_dir=tmp_path)
+        assert not report.converted and report.model_digest == "sha256:" + sha256(source)
+        assert store.open(qtype.lower()).model_path.read_bytes() == source.read_bytes()
+
+
 def test_create_from_a_stored_model_inherits(store: Store, tiny_model: Path, tmp_path: Path) -> None:
     store.create("base", f"FROM {tiny_model}\nPARAMETER temperature 0.5\nPARAMETER num_ctx 256\nSYSTEM old\n"
                          "MESSAGE user hi\nLICENSE MIT\n", base_dir=tmp_path)
