@@ -27,7 +27,10 @@ typedef enum {
     ZIPMOE_POLICY_LRU       = 1,
     ZIPMOE_POLICY_LFU       = 2, /* a use counts one, however many tokens */
     ZIPMOE_POLICY_FIFO      = 3,
+    ZIPMOE_POLICY_LFUDA     = 4, /* LFU with dynamic ageing: uses (evicted experts keep theirs) plus the store's age
+                                  * at the last use; an eviction raises the age to the victim's key */
 } zipmoe_policy;
+#define ZIPMOE_POLICY_LAST ZIPMOE_POLICY_LFUDA
 
 /* The budgets of every store of the process, per tier (UINT64_MAX: unbounded): hot_bytes of decoded
  * experts, warm_bytes of whole compressed regions and sm_bytes of sign+mantissa planes kept in RAM,

@@ -201,7 +201,7 @@ def default_hot_share(tiers: int, sizes: list[tuple[int, int, int]], warm_fast: 
 
 
 _POLICY_IDS = {"tlfu": "ZIPMOE_POLICY_TOKEN_LFU", "lru": "ZIPMOE_POLICY_LRU", "lfu": "ZIPMOE_POLICY_LFU",
-               "fifo": "ZIPMOE_POLICY_FIFO"}
+               "fifo": "ZIPMOE_POLICY_FIFO", "lfuda": "ZIPMOE_POLICY_LFUDA"}
 
 
 def apply_shares(tiers: int, split: tuple[float | None, float | None, float], sizes: list[tuple[int, int, int]],

@@ -172,7 +172,7 @@ static void set_budgets(uint64_t hot, uint64_t tokens, uint64_t warm, uint64_t s
 }
 
 int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, uint64_t sm_bytes, zipmoe_policy policy) {
-    if (policy < ZIPMOE_POLICY_TOKEN_LFU || policy > ZIPMOE_POLICY_FIFO) {
+    if (policy < ZIPMOE_POLICY_TOKEN_LFU || policy > ZIPMOE_POLICY_LAST) {
         return ZIPMOE_ERR_ARG;
     }
     pthread_mutex_lock(&g_open.mu);
@@ -261,7 +261,7 @@ uint64_t zipmoe_cache_rules_bytes(void) {
 }
 
 int64_t zipmoe_cache_apply_split(const zipmoe_budget_split * split, zipmoe_policy policy) {
-    if (!split || policy < ZIPMOE_POLICY_TOKEN_LFU || policy > ZIPMOE_POLICY_FIFO) {
+    if (!split || policy < ZIPMOE_POLICY_TOKEN_LFU || policy > ZIPMOE_POLICY_LAST) {
         return ZIPMOE_ERR_ARG;
     }
     pthread_mutex_lock(&g_open.mu);

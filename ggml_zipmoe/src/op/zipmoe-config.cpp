@@ -129,6 +129,7 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
         static const std::pair<const char *, zipmoe_policy> names[] = {
             { "tlfu", ZIPMOE_POLICY_TOKEN_LFU }, { "lru", ZIPMOE_POLICY_LRU },
             { "lfu", ZIPMOE_POLICY_LFU },        { "fifo", ZIPMOE_POLICY_FIFO },
+            { "lfuda", ZIPMOE_POLICY_LFUDA },
         };
         bool found = false;
         for (const auto & [name, p] : names) {
@@ -138,7 +139,7 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
             }
         }
         if (!found) {
-            err = std::string("ZIPMOE_CACHE_POLICY=") + v + " is not a policy (tlfu, lru, lfu or fifo)";
+            err = std::string("ZIPMOE_CACHE_POLICY=") + v + " is not a policy (tlfu, lru, lfu, fifo or lfuda)";
             return false;
         }
     }
