@@ -127,6 +127,8 @@ class Stores:
         self.handles.clear()
 
     def materialize(self, layer: int, step: int, ids: np.ndarray) -> None:
+        if not len(ids):
+            return  # (a prompt's step in the last layer, computed only for the rows whose logits are wanted)
         ffi, lib = self.ffi, self.lib
         r = lib.zipmoe_store_materialize(self.handles[layer], self.keys[step % 2], ffi.from_buffer(ids), len(ids), 1,
                                          4, 4 * len(ids), ffi.NULL, 0, 1)
