@@ -23,10 +23,14 @@ For each source, config, budget and policy:
   read/tok bytes read from storage per token, decode/tok bytes decoded per token (reference expert, all layers);
   tok/s    predicted from the cost model below, per --read-rates; x stock: the same for stock llama.cpp, whose
            page cache holds the budget's share of the BF16 experts (LRU) and reads a missing expert in BF16.
+With --plan, the planner's split (pyzipmoe.plan.solver.runtime_plan, recency model of the same sequence) of each
+budget at each read rate, replayed: its mean slots per layer, hits per tier, and tokens/s by the cost model below
+next to the planner's own prediction.
 Cost model (stated, not measured end to end): seconds per token = 1 / --base-tps (a token with every expert in
 memory) + per layer, misses x (compressed bytes / read rate + BF16 bytes / decode rate) + warm hits x BF16 bytes /
-decode rate. The decode rate is --decode-rate, or, with "measured", this replay's own (decode time less read time
-per BF16 byte, one thread, small experts, under whatever load the machine has) times --cores.
+decode rate + sm hits x (codes' bytes / read rate + BF16 bytes / decode rate). The decode rate is --decode-rate,
+or, with "measured", this replay's own (decode time less read time per BF16 byte, one thread, small experts, under
+whatever load the machine has) times --cores.
 
     .venv/bin/python tools/bench/bench_replay.py --trace ../shared/traces/qwen1.5-moe-a2.7b_expert_counts.npz --synthetic
     .venv/bin/python tools/bench/bench_replay.py --routing run.routing.npz --policies lru,lfuda --budgets 40,60
@@ -144,8 +148,10 @@ def stats() -> dict[str, int]:
     return {k: int(getattr(s, k)) for k in dir(s)}
 
 
-def run_policy(path: Path, source: Source, policy: str, hot: int, warm: int) -> dict[str, int]:
-    """Replays the source's steps through fresh stores with `hot` and `warm` slots per layer; the counters."""
+def run_policy(path: Path, source: Source, policy: str, hot: int, warm: int,
+               plan: list[tuple[int, int, int]] | None = None) -> dict[str, int]:
+    """Replays the source's steps through fresh stores with `hot` and `warm` slots per layer (or a planner's hot,
+    warm and sm slots for each layer); the counters."""
     from pyzipmoe._native import lib
     from pyzipmoe.runtime.controller import _POLICY_IDS
 
@@ -153,8 +159,10 @@ def run_policy(path: Path, source: Source, policy: str, hot: int, warm: int) -> 
     lib.zipmoe_cache_configure(UNBOUNDED, 0, 0, getattr(lib, _POLICY_IDS[policy]))
     stores = Stores(path, n_layer)
     try:
-        if lib.zipmoe_cache_set_slots(b"", hot, warm, 0) != 0:
-            raise ReplayError(f"slot rule {hot},{warm},0 refused")
+        rules = [(b"", (hot, warm, 0))] if plan is None else [(f"blk.{i}.".encode(), p) for i, p in enumerate(plan)]
+        for prefix, slots in rules:
+            if lib.zipmoe_cache_set_slots(prefix, *slots) != 0:
+                raise ReplayError(f"slot rule {prefix.decode()}{slots} refused")
         lib.zipmoe_stats_reset()
         n_steps = len(source.steps[0])
         for t in range(n_steps):
@@ -223,7 +231,8 @@ def predict(per_layer: dict[str, float], layers_total: int, args: argparse.Names
     b = args.expert_bytes
     miss = per_layer["misses"] * (b * ratio / read_rate + b / decode_rate)
     warm = per_layer["warm"] * b / decode_rate
-    return 1.0 / (1.0 / args.base_tps + layers_total * (miss + warm))
+    sm = per_layer.get("sm", 0.0) * (max(b * ratio - b / 2, 0) / read_rate + b / decode_rate)  # the codes read
+    return 1.0 / (1.0 / args.base_tps + layers_total * (miss + warm + sm))
 
 
 def stock_tps(misses_per_layer: float, layers_total: int, args: argparse.Namespace, read_rate: float) -> float:
@@ -271,6 +280,66 @@ def replay(args: argparse.Namespace, source: Source, path: Path) -> list[dict[st
                 row["belady"] = belady
                 row["stock_miss_per_layer"] = stock_miss * routed / n_steps / n_layer
     return rows
+
+
+def masks(steps: list[np.ndarray], n_expert: int) -> np.ndarray:
+    out = np.zeros((len(steps), n_expert), bool)
+    for t, ids in enumerate(steps):
+        out[t, ids] = True
+    return out
+
+
+def planner_rows(args: argparse.Namespace, source: Source, path: Path, ratio: float,
+                 decode_rate: float) -> list[dict[str, Any]]:
+    """The planner's split of each budget at each read rate (pyzipmoe.plan.solver.runtime_plan: the recency model
+    of the source's own sequence under --plan-policy, the reference expert's sizes, the cost model's rates), replayed
+    through the cache."""
+    from pyzipmoe.plan import inputs, solver
+
+    n_layer, n, b = len(source.steps), source.n_expert, args.expert_bytes
+    g = inputs.ModelGeometry.uniform(n_layer, n, source.k, b, int(b * ratio), b // 2)
+    routing = {i: masks(source.steps[i], n) for i in range(n_layer)}
+    counts = np.stack([routing[i].sum(axis=0) for i in range(n_layer)]).astype(np.float64)
+    routed = sum(len(x) for layer in source.steps for x in layer)
+    n_steps = len(source.steps[0])
+    rows = []
+    for rate_name, rate in args.read_rates:
+        costs = inputs.Costs(cores=args.cores, t_decode=b / (decode_rate / args.cores), disk_bandwidth=rate,
+                             read_latency=1e-4, base_seconds_per_token=1 / args.base_tps)
+        model = solver.cost_model(g, costs, counts, routing, policy=args.plan_policy)
+        for budget in args.budgets:
+            plan = solver.runtime_plan(model, int(budget / 100 * n * b * n_layer))
+            slots = [(lp.hot, lp.warm, lp.sm) for lp in plan.layers]
+            st = run_policy(path, source, args.plan_policy, 0, 0, plan=slots)
+            rows.append({"source": source.name, "rate": rate_name, "budget": budget, "policy": args.plan_policy,
+                         "slots": [float(np.mean([x[j] for x in slots])) for j in range(3)],
+                         # the planner's delay is for the replayed layers: scaled to the model's
+                         "predicted_tps": 1 / (plan.base_seconds_per_token
+                                               + plan.delay * source.layers_total / n_layer),
+                         "hits": {t: st[f"hits_{t}"] / routed for t in ("hot", "warm", "sm")},
+                         "per_layer": {"misses": st["misses"] / n_steps / n_layer,
+                                       "warm": st["hits_warm"] / n_steps / n_layer,
+                                       "sm": st["hits_sm"] / n_steps / n_layer},
+                         "rate_bytes": rate, "ratio": ratio})
+    return rows
+
+
+def plan_table(rows: list[dict[str, Any]], args: argparse.Namespace, decode_rate: float) -> str:
+    head = ["read rate", "budget", "hot/warm/sm slots", "hit hot %", "warm %", "sm %", "tok/s replayed",
+            "tok/s planner"]
+    lines = []
+    for source in dict.fromkeys(r["source"] for r in rows):
+        lines.append(f"{source}: the planner's split ({args.plan_policy}), replayed")
+        body = [head]
+        for r in (r for r in rows if r["source"] == source):
+            tps = predict(r["per_layer"], r["layers_total"], args, decode_rate, r["ratio"], r["rate_bytes"])
+            body.append([r["rate"], f"{r['budget']}%", "/".join(f"{x:.1f}" for x in r["slots"]),
+                         f"{100 * r['hits']['hot']:.1f}", f"{100 * r['hits']['warm']:.1f}",
+                         f"{100 * r['hits']['sm']:.1f}", f"{tps:.2f}", f"{r['predicted_tps']:.2f}"])
+        widths = [max(len(row[i]) for row in body) for i in range(len(head))]
+        lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in body]
+        lines.append("")
+    return "\n".join(lines)
 
 
 def decode_rate_of(args: argparse.Namespace, rows: list[dict[str, Any]]) -> float:
@@ -353,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"BF16 bytes of one expert of one layer, what bytes scale to (default {QWEN_EXPERT_BYTES})")
     p.add_argument("--expert-values", type=int, default=8192, help="values of the replay store's experts")
     p.add_argument("--workdir", type=Path, default=REPO / "build" / "bench-replay")
+    p.add_argument("--plan", action="store_true",
+                   help="also the planner's split at each budget and read rate, replayed through the cache")
+    p.add_argument("--plan-policy", default="tlfu", help="the policy of the planner's runs (default tlfu)")
     p.add_argument("--json", type=Path, help="write every row as JSON here")
     result_files.add_arguments(p)
     args = p.parse_args(argv)
@@ -364,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--budgets: integers, got {args.budgets!r}")
     if unknown := [x for x in args.policies if x not in POLICIES]:
         p.error(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    if args.plan_policy not in POLICIES:
+        p.error(f"unknown --plan-policy {args.plan_policy}; known: {', '.join(POLICIES)}")
     if unknown := [x for x in args.configs if x not in ("hot", "warm")]:
         p.error(f"unknown configs {unknown}; known: hot, warm")
     if not (args.trace or args.routing or args.synthetic):
@@ -389,6 +463,16 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(r)
             decode_rate = decode_rate_of(args, rows)
             print(table(rows, args, decode_rate))
+            if args.plan:
+                for source in sources:
+                    path = ensure_store_file(args.workdir, len(source.steps), source.n_expert, max(source.k, 1),
+                                             args.expert_values)
+                    ratio = next(r["ratio"] for r in rows if r["source"] == source.name)
+                    planned = planner_rows(args, source, path, ratio, decode_rate)
+                    for r in planned:
+                        r["layers_total"] = source.layers_total
+                    print(plan_table(planned, args, decode_rate))
+                    rows += planned
             print(f"cost model: base {args.base_tps} tok/s, expert {args.expert_bytes / 1e6:.1f} MB BF16, compressed "
                   f"x{rows[0]['ratio']:.3f} (measured on the SYNTHETIC store), decode {decode_rate / 1e9:.2f} GB/s"
                   f" ({args.decode_rate}), read rates {', '.join(n for n, _ in args.read_rates)}; "
