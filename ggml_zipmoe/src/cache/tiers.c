@@ -25,7 +25,8 @@ static uint64_t lfuda_key(const zipmoe_store * s, const expert_state * x) {
     return (x->last_use != x->aged_use ? s->age : x->aged) + x->uses;
 }
 
-/* Under s->mu: an expert of key `key` leaves a tier; under LFUDA the age rises to it. */
+/* Under s->mu: an expert of key `key` leaves the cache (every tier: a decoded expert that keeps a compressed copy,
+ * or one decoded for a single use without a hot tier, has not left); under LFUDA the age rises to it. */
 static void lfuda_age(zipmoe_store * s, uint64_t key) {
     if (s->policy != ZIPMOE_POLICY_LFUDA || key <= s->age) {
         return;
@@ -127,6 +128,9 @@ void cache_demote_warm(zipmoe_store * s, int64_t e) {
         return;
     }
     cache_region_free(region, size);
+    if (!x->hot) {
+        lfuda_age(s, worth); /* out of every tier */
+    }
 }
 
 /* Under s->mu: makes need bytes free in a compressed tier for expert `entrant` by giving up experts that
@@ -143,10 +147,10 @@ int cache_make_room(zipmoe_store * s, int tier, uint64_t need, uint64_t worth, i
         if (v < 0 || cache_loses(worth, entrant, v_worth, v)) {
             return 0;
         }
-        lfuda_age(s, v_worth);
         if (tier == TIER_WARM) {
             cache_demote_warm(s, v);
         } else {
+            lfuda_age(s, v_worth); /* (0 for a copy of a hot expert, which stays) */
             cache_drop_region(s, v);
         }
     }
@@ -218,8 +222,8 @@ static void release_hot(zipmoe_store * s, int64_t e, int keep_pages) {
  * plane, taken from the decoded values, if the sm tier takes it: no disk read for that half later.
  * keep_pages: as release_hot. Returns the place it left. */
 int64_t cache_evict_hot(zipmoe_store * s, int64_t e, int keep_pages) {
-    expert_state * x = &s->experts[e];
-    lfuda_age(s, score(s, x, TIER_HOT));
+    expert_state * x   = &s->experts[e];
+    const uint64_t key = score(s, x, TIER_HOT);
     x->hot = 0; /* not a hot copy any more: its score counts in the contests below */
     /* one the last invocation routed (more than the hot slots: a trim) enters the sm tier as it entered the hot
      * one, whatever its score: the top of the stack is what the last token routed */
@@ -238,6 +242,9 @@ int64_t cache_evict_hot(zipmoe_store * s, int64_t e, int keep_pages) {
     x->hot = 1;
     const int64_t p = x->place;
     release_hot(s, e, keep_pages);
+    if (x->res == RES_NONE) {
+        lfuda_age(s, key); /* out of every tier: a copy kept in a compressed tier ages nothing yet */
+    }
     return p;
 }
 
@@ -248,8 +255,7 @@ void cache_settle(zipmoe_store * s) {
         cache_evict_hot(s, v, 0);
     }
     uint64_t worth;
-    while (s->warm_used > s->warm_limit && (v = cache_victim(s, TIER_WARM, &worth)) >= 0) {
-        lfuda_age(s, worth);
+    while (s->warm_used > s->warm_limit && (v = cache_victim(s, TIER_WARM, NULL)) >= 0) {
         cache_demote_warm(s, v);
     }
     while (s->sm_used > s->sm_limit && (v = cache_victim(s, TIER_SM, &worth)) >= 0) {
