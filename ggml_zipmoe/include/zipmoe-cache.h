@@ -38,7 +38,7 @@ typedef enum {
  * holds beyond them going on to the next store); and the eviction policy. hot_bytes = 0
  * decodes on every use. The experts the expert tensor in flight routes to are decoded whatever the budget
  * (zipmoe_stats reports the peak). May be called at any time: stores shrink or grow their tiers at
- * their next invocation. Defaults: hot unbounded, warm and sm 0, token-weighted LFU. */
+ * their next invocation. Defaults: hot unbounded, warm and sm 0, LFUDA. */
 ZIPMOE_API int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, uint64_t sm_bytes,
                                           zipmoe_policy policy);
 

@@ -149,8 +149,8 @@ def _add_llama_options(p: argparse.ArgumentParser, *, ctx: str | None = "default
                         "--hot-share, --sm-share or --planner split it. Too small: an error says the minimum. "
                         "Default: unbounded. Sets ZIPMOE_MEMORY_BUDGET")
     p.add_argument("--policy", choices=("tlfu", "lru", "lfu", "fifo", "lfuda"),
-                   help="eviction under a budget: tlfu (default, the paper's token-weighted LFU), lru, lfu, fifo, "
-                        "lfuda (LFU with dynamic ageing)")
+                   help="eviction under a budget: lfuda (default, LFU with dynamic ageing), tlfu (the paper's "
+                        "token-weighted LFU), lru, lfu, fifo")
     p.add_argument("--hot-share", type=fraction, metavar="F",
                    help="share of the cache for decoded experts (default 1)")
     p.add_argument("--sm-share", type=fraction, metavar="F",

@@ -41,7 +41,7 @@ RUNTIME_ENV = (CACHE_ENV, BUDGET_ENV, HOT_SHARE_ENV, SM_SHARE_ENV, PLAN_ENV, POL
 
 POLICIES = ("tlfu", "lru", "lfu", "fifo", "lfuda")  # eviction; tlfu: the paper's token-weighted LFU; lfuda: LFU with
 # dynamic ageing and the counts of evicted experts kept (docs/cache-and-planner.md)
-DEFAULT_POLICY = "tlfu"  # the runtime's unless ZIPMOE_CACHE_POLICY says otherwise (store.c)
+DEFAULT_POLICY = "lfuda"  # the runtime's unless ZIPMOE_CACHE_POLICY says otherwise (config.c)
 CACHE_MODES = ("unbounded", "none")  # "none": decode every expert on every use (measurements)
 
 OPENMP_SPIN = ("GOMP_SPINCOUNT", "2000")

@@ -273,8 +273,8 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
         container has free, less a margin): its weights that are not experts, one expert tensor's experts in flight and
         the expert cache, which gets the rest. None: unbounded. Too small a budget raises ZipmoeError saying the
         minimum. The runtime's budget is per process: the last model loaded sets it.
-    cache_policy: eviction under a budget: "tlfu" (default, token-weighted LFU), "lru", "lfu", "fifo" or "lfuda" (LFU
-        with dynamic ageing).
+    cache_policy: eviction under a budget: "lfuda" (default, LFU with dynamic ageing), "tlfu" (token-weighted LFU),
+        "lru", "lfu" or "fifo".
     hot_share, sm_share: shares of the cache for decoded experts and sign+mantissa planes (default 0); the rest keeps
         whole compressed experts. The default hot share is the runtime's: 0 where nearly every expert fits
         compressed but not decoded and the model's escape code decodes with SIMD here, else 1.

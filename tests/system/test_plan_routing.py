@@ -13,6 +13,7 @@ from pyzipmoe.cli import main as zipmoe_main
 from pyzipmoe.plan import inputs, trace
 from pyzipmoe.plan import solver as planner
 from pyzipmoe.plan.replay import synthetic_steps
+from pyzipmoe.runtime.config import DEFAULT_POLICY
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def test_a_recording_plans_from_the_order_its_tokens_routed(tiny_zipmoe: Path, t
     trace.save(path, recording([0, 1]))
     g = inputs.geometry_from_gguf(tiny_zipmoe)
     counts, routing = trace.planner_inputs(trace.load(path), g.n_layer, g.n_expert, g.n_expert_used, g.layers, "r")
-    model = planner.cost_model(g, inputs.default_costs(g), counts, routing)
+    model = planner.cost_model(g, inputs.default_costs(g), counts, routing, policy=DEFAULT_POLICY)
     assert model.recency  # 64 generated tokens a layer: enough for the recency model
     code = zipmoe_main(["plan", str(tiny_zipmoe), "--memory-budget", budget(tiny_zipmoe, 60 << 10), "--trace",
                         str(path), "--json"])
