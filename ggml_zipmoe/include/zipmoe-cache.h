@@ -27,8 +27,8 @@ typedef enum {
     ZIPMOE_POLICY_LRU       = 1,
     ZIPMOE_POLICY_LFU       = 2, /* a use counts one, however many tokens */
     ZIPMOE_POLICY_FIFO      = 3,
-    ZIPMOE_POLICY_LFUDA     = 4, /* LFU with dynamic ageing: uses (evicted experts keep theirs) plus the store's age
-                                  * at the last use; an eviction raises the age to the victim's key */
+    ZIPMOE_POLICY_LFUDA     = 4, /* default. LFU with dynamic ageing: uses (evicted experts keep theirs) plus the
+                                  * store's age at the last use; an expert leaving the cache raises the age to that */
 } zipmoe_policy;
 #define ZIPMOE_POLICY_LAST ZIPMOE_POLICY_LFUDA
 

@@ -152,7 +152,7 @@ struct zipmoe_store {
     uint64_t        warm_share;  /* under g_cfg.mu: its whole regions of the warm budget (shared_warm); UINT64_MAX: none */
     _Atomic uint64_t cfg_gen;
     zipmoe_policy   policy;
-    uint64_t        age;         /* LFUDA's (tiers.c): the key of the last expert evicted, at most */
+    uint64_t        age;         /* LFUDA's (tiers.c): the highest key of an expert that left the cache */
     int             use_slots;   /* decode into memfd slots (slots.c): the hot tier cannot hold every expert */
     _Atomic int     fast_ok;     /* limits current and the last publish kept within them: a lock-free */
                                  /* fast path may serve invocations whose experts are all hot         */
