@@ -114,3 +114,25 @@ def test_the_runtime_takes_lfuda_by_name():
     assert "lfuda" in POLICIES and getattr(lib, _POLICY_IDS["lfuda"]) == lib.ZIPMOE_POLICY_LFUDA
     assert lib.zipmoe_cache_configure(UNBOUNDED, 0, 0, lib.ZIPMOE_POLICY_LFUDA) == 0
     assert lib.zipmoe_cache_configure(UNBOUNDED, 0, 0, lib.ZIPMOE_POLICY_LFUDA + 1) == lib.ZIPMOE_ERR_ARG
+
+
+def test_the_replay_reads_a_recorded_routing_and_skips_a_layer_s_empty_step(zipmoe_model, tmp_path):
+    from pyzipmoe.plan import trace
+
+    bench = load_tool("bench/bench_replay.py")
+    routed = np.zeros((6, 2, 8), bool)
+    for t, e in enumerate([0, 1, 0, 2, 1, 0]):  # layer 0: HAND; layer 1: a prompt step that routed nothing there
+        routed[t, 0, e] = True
+        routed[t, 1, e] = t > 0
+    tokens = np.array([4, 1, 1, 1, 1, 1], np.int32)
+    trace.save(tmp_path / "r.npz", trace.Routing(routed=routed, layers=np.array([0, 1], np.int32), tokens=tokens, k=2))
+    source = bench.routing_source(str(tmp_path / "r.npz"), layers=2)
+    assert [s.tolist() for s in source.steps[0]] == [[0], [1], [0], [2], [1], [0]] and source.steps[1][0].size == 0
+    st = bench.run_policy(zipmoe_model, source, "lru", hot=2, warm=0)
+    # layer 0 as by hand (1 hit); layer 1 sees 1 0 2 1 0 from empty: m m m(evicts 1) m(evicts 0) m -> 0 hits
+    assert st["hits_hot"] == 1 and st["misses"] == 5 + 5
+    with np.load(tmp_path / "r.npz") as z:
+        arrays = dict(z)
+    np.savez(tmp_path / "bad.npz", **{**arrays, "version": np.array(9)})
+    with pytest.raises(bench.ReplayError, match="version 9"):
+        bench.routing_source(str(tmp_path / "bad.npz"), layers=2)
