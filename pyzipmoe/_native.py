@@ -106,7 +106,8 @@ int64_t zipmoe_tensor_decode_expert(const zipmoe_tensor * t, zipmoe_workspace * 
 
 typedef struct zipmoe_store zipmoe_store;
 typedef enum {
-    ZIPMOE_POLICY_TOKEN_LFU = 0, ZIPMOE_POLICY_LRU = 1, ZIPMOE_POLICY_LFU = 2, ZIPMOE_POLICY_FIFO = 3
+    ZIPMOE_POLICY_TOKEN_LFU = 0, ZIPMOE_POLICY_LRU = 1, ZIPMOE_POLICY_LFU = 2, ZIPMOE_POLICY_FIFO = 3,
+    ZIPMOE_POLICY_LFUDA = 4
 } zipmoe_policy;
 int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, uint64_t sm_bytes, zipmoe_policy policy);
 int64_t zipmoe_cache_set_slots(const char * prefix, int64_t hot, int64_t warm, int64_t sm);

@@ -27,7 +27,10 @@ typedef enum {
     ZIPMOE_POLICY_LRU       = 1,
     ZIPMOE_POLICY_LFU       = 2, /* a use counts one, however many tokens */
     ZIPMOE_POLICY_FIFO      = 3,
+    ZIPMOE_POLICY_LFUDA     = 4, /* default. LFU with dynamic ageing: uses (evicted experts keep theirs) plus the
+                                  * store's age at the last use; an expert leaving the cache raises the age to that */
 } zipmoe_policy;
+#define ZIPMOE_POLICY_LAST ZIPMOE_POLICY_LFUDA
 
 /* The budgets of every store of the process, per tier (UINT64_MAX: unbounded): hot_bytes of decoded
  * experts, warm_bytes of whole compressed regions and sm_bytes of sign+mantissa planes kept in RAM,
@@ -35,7 +38,7 @@ typedef enum {
  * holds beyond them going on to the next store); and the eviction policy. hot_bytes = 0
  * decodes on every use. The experts the expert tensor in flight routes to are decoded whatever the budget
  * (zipmoe_stats reports the peak). May be called at any time: stores shrink or grow their tiers at
- * their next invocation. Defaults: hot unbounded, warm and sm 0, token-weighted LFU. */
+ * their next invocation. Defaults: hot unbounded, warm and sm 0, LFUDA. */
 ZIPMOE_API int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, uint64_t sm_bytes,
                                           zipmoe_policy policy);
 

@@ -92,7 +92,7 @@ typedef struct {
                                  * compressed experts get the rest */
     const char * plan;          /* ZIPMOE_PLAN: slots per tier per layer from `zipmoe plan`, instead of the shares:
                                  * "<layer>:<hot>,<warm>,<sm>;..." */
-    const char * cache_policy;  /* ZIPMOE_CACHE_POLICY: tlfu (default, token-weighted LFU), lru, lfu or fifo */
+    const char * cache_policy;  /* ZIPMOE_CACHE_POLICY: lfuda (default, LFU with dynamic ageing), tlfu, lru, lfu, fifo */
     const char * cache;         /* ZIPMOE_CACHE: "none": decode on every use (measurements, tests); "unbounded" */
     const char * direct_io;     /* ZIPMOE_DIRECT_IO: "0": read the model file through the page cache (dropping what
                                  * was read) instead of around it with O_DIRECT (default "1", where the file system

@@ -15,8 +15,9 @@ from dataclasses import asdict
 from typing import Any
 
 from ..plan import inputs
+from ..plan import trace as routing_file
 from ..plan import solver as planner
-from ..runtime.config import PLAN_ENV
+from ..runtime.config import DEFAULT_POLICY, PLAN_ENV, POLICIES
 from .formatting import command, human_size
 
 __all__ = ["register"]
@@ -42,7 +43,9 @@ examples:
   zipmoe plan model.zipmoe.gguf --memory-budget 6GiB --costs costs.json --json
 
 a trace: an .npz with key "counts" (or an .npy) of integer counts shaped (n_prompts, n_layer, n_expert): how many
-tokens of each prompt routed to each expert of each layer.
+tokens of each prompt routed to each expert of each layer; or a recorded-routing file (an .npz with format
+"zipmoe-routing", docs/FORMAT.md), which pyzipmoe.Llama(record_routing=PATH) writes: the planner then models the
+hits of the order in which its tokens routed, as a run re-plans from its own tokens.
 a costs file: JSON with some of cores, t_decode (seconds for one core to decode one expert of one layer),
 disk_bandwidth (bytes/s), read_latency (s), base_seconds_per_token (a token with every expert hot), e.g.
   {"cores": 8, "t_decode": 0.0004, "disk_bandwidth": 2e9, "read_latency": 5e-5, "base_seconds_per_token": 0.03}
@@ -65,14 +68,28 @@ def _costs(args: argparse.Namespace, model_path: str, geometry: inputs.ModelGeom
     return costs, source
 
 
-def _counts(args: argparse.Namespace, geometry: inputs.ModelGeometry) -> Any:
-    """The trace's activation counts; None (uniform) without one."""
+def _routing(args: argparse.Namespace, geometry: inputs.ModelGeometry) -> tuple[Any, Any]:
+    """The trace's activation counts and, from a recorded-routing file, each MoE block's routing in order (the
+    recency model's input, as a run's own log); None and None (uniform) without a trace."""
     if args.trace is None:
-        return None
-    return inputs.counts_from_trace(args.trace, geometry.n_layer, geometry.n_expert)
+        return None, None
+    if routing_file.is_routing_file(args.trace):
+        g = geometry
+        recorded = routing_file.load(args.trace)
+        return routing_file.planner_inputs(recorded, g.n_layer, g.n_expert, g.n_expert_used, g.layers,
+                                           f"routing file {args.trace}")
+    return inputs.counts_from_trace(args.trace, geometry.n_layer, geometry.n_expert), None
+
+
+def _source_kind(trace: str | None) -> str:
+    if not trace:
+        return "uniform"
+    return "routing" if routing_file.is_routing_file(trace) else "trace"
 
 
 def _frequencies(trace: str | None) -> str:
+    if trace and routing_file.is_routing_file(trace):
+        return f"recorded routing {trace} (the order its tokens routed in, where enough tokens were generated)"
     return f"trace {trace}" if trace else "uniform (no --trace: every expert equally likely)"
 
 
@@ -130,7 +147,7 @@ def _to_json(model_path: str, geometry: inputs.ModelGeometry, costs: inputs.Cost
              trace: str | None, plan: planner.Plan) -> dict[str, Any]:
     g = geometry
     return {
-        "model": model_path, "frequencies": "trace" if trace else "uniform", "trace": trace,
+        "model": model_path, "frequencies": _source_kind(trace), "trace": trace,
         "costs": asdict(costs), "costs_source": costs_source,
         "geometry": {"n_layer": g.n_layer, "n_expert": g.n_expert, "n_expert_used": g.n_expert_used,
                      "layers": list(g.layers), "hot_bytes": list(g.hot_bytes), "warm_bytes": list(g.warm_bytes),
@@ -155,9 +172,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     need = model_memory(path)
     budget = parse_budget(args.plan_budget, model_bytes=need.whole)
     check_budget(budget, need)
-    counts = _counts(args, geometry)
+    counts, routing = _routing(args, geometry)
     costs, costs_source = _costs(args, model_path, geometry)
-    plan = planner.plan_tiers(planner.cost_model(geometry, costs, counts), budget - need.minimum)
+    model = planner.cost_model(geometry, costs, counts, routing, policy=args.policy)
+    plan = planner.plan_tiers(model, budget - need.minimum)
     memory = {"budget": budget, "other_bytes": need.other_bytes, "in_flight_bytes": need.in_flight_bytes,
               "read_bytes": plan.read_bytes, "tier_bytes": budget - need.minimum - plan.read_bytes,
               "embd_bytes": need.embd_bytes, "embd_charged_bytes": need.embd_charged}
@@ -182,7 +200,10 @@ def register(sub: Any) -> None:
                    help="the model's whole budget: 6GiB, 512MiB, 1000000, a percentage of the memory (60%%) or "
                         "auto (what this process could allocate now, less a margin)")
     p.add_argument("--trace", metavar="FILE",
-                   help="routing counts (.npz with key counts, or .npy); default: every expert equally likely")
+                   help="routing counts (.npz with key counts, or .npy), or a recorded-routing file (docs/FORMAT.md, "
+                        "pyzipmoe.Llama(record_routing=...)); default: every expert equally likely")
+    p.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY,
+                   help=f"the run's eviction policy, whose hits a recorded routing predicts (default {DEFAULT_POLICY})")
     p.add_argument("--costs", metavar="FILE.json",
                    help="costs of this machine (JSON; see below); default: the model's calibration, else a "
                         "conservative estimate")

@@ -192,8 +192,9 @@ def _add_llama_options(p: argparse.ArgumentParser, *, ctx: str | None = "default
                         "experts of one expert tensor in flight, and the expert cache: decoded experts, unless "
                         "--hot-share, --sm-share or --planner split it. Too small: an error says the minimum. "
                         "Default: unbounded. Sets ZIPMOE_MEMORY_BUDGET")
-    p.add_argument("--policy", choices=("tlfu", "lru", "lfu", "fifo"),
-                   help="eviction under a budget: tlfu (default, the paper's token-weighted LFU), lru, lfu, fifo")
+    p.add_argument("--policy", choices=("tlfu", "lru", "lfu", "fifo", "lfuda"),
+                   help="eviction under a budget: lfuda (default, LFU with dynamic ageing), tlfu (the paper's "
+                        "token-weighted LFU), lru, lfu, fifo")
     p.add_argument("--hot-share", type=fraction, metavar="F",
                    help="share of the cache for decoded experts (default 1)")
     p.add_argument("--sm-share", type=fraction, metavar="F",

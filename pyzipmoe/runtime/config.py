@@ -39,8 +39,9 @@ CONTROL_ENV = "ZIPMOE_CONTROL"  # the supervisor's control file (pyzipmoe.runtim
 RUNTIME_ENV = (CACHE_ENV, BUDGET_ENV, HOT_SHARE_ENV, SM_SHARE_ENV, PLAN_ENV, POLICY_ENV, PREFILL_ENV, DIRECT_IO_ENV,
                READ_BUFFER_ENV, PREDICT_ENV, FUSED_ENV, STREAM_ENV, ESC_SIMD_ENV, INTEGRITY_ENV, CONTROL_ENV)
 
-POLICIES = ("tlfu", "lru", "lfu", "fifo")  # eviction; tlfu: the paper's token-weighted LFU
-DEFAULT_POLICY = "tlfu"  # the runtime's unless ZIPMOE_CACHE_POLICY says otherwise (store.c)
+POLICIES = ("tlfu", "lru", "lfu", "fifo", "lfuda")  # eviction; tlfu: the paper's token-weighted LFU; lfuda: LFU with
+# dynamic ageing and the counts of evicted experts kept (docs/cache-and-planner.md)
+DEFAULT_POLICY = "lfuda"  # the runtime's unless ZIPMOE_CACHE_POLICY says otherwise (config.c)
 CACHE_MODES = ("unbounded", "none")  # "none": decode every expert on every use (measurements)
 
 OPENMP_SPIN = ("GOMP_SPINCOUNT", "2000")

@@ -137,8 +137,8 @@ def runtime_environment(model: ZipmoeFile | str | os.PathLike[str], *, budget: s
         planner.decode_plan(plan)  # a clear error for a malformed one, before the runtime sees it
     elif use_planner and hot_share is None and sm_share is None and trace is not None:
         # a routing profile to plan the first tokens by; else decoded experts until the run's own routing tells.
-        # The policy stays the default (token-weighted LFU): on the model's own greedy text LRU measured 12-27%
-        # slower at 60-93% with the same slots (docs/cache-and-planner.md); the recency model predicts either's hits
+        # The policy stays the runtime's default (docs/cache-and-planner.md, "Which policy"); the recency model
+        # predicts its hits as LRU's, which they follow on real routing
         plan = plan_model(model, nbytes, trace=trace, need=need).plan.encode()
     return RuntimeConfig(nbytes, policy, hot_share, sm_share, plan=plan).to_env()
 
@@ -209,7 +209,7 @@ def default_hot_share(tiers: int, sizes: list[tuple[int, int, int]], warm_fast: 
 
 
 _POLICY_IDS = {"tlfu": "ZIPMOE_POLICY_TOKEN_LFU", "lru": "ZIPMOE_POLICY_LRU", "lfu": "ZIPMOE_POLICY_LFU",
-               "fifo": "ZIPMOE_POLICY_FIFO"}
+               "fifo": "ZIPMOE_POLICY_FIFO", "lfuda": "ZIPMOE_POLICY_LFUDA"}
 
 
 def apply_shares(tiers: int, split: tuple[float | None, float | None, float], sizes: list[tuple[int, int, int]],

@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..errors import NativeLibraryError, UnsupportedError, ZipmoeError
 from ..paths import ZIPMOE_LIB_NAME, bin_dir, llama_lib_dir
 from .config import BUDGET_ENV, CACHE_MODES, PLAN_ENV, RuntimeConfig, split_shares, use_zipmoe_llama
@@ -271,7 +273,8 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
         container has free, less a margin): its weights that are not experts, one expert tensor's experts in flight and
         the expert cache, which gets the rest. None: unbounded. Too small a budget raises ZipmoeError saying the
         minimum. The runtime's budget is per process: the last model loaded sets it.
-    cache_policy: eviction under a budget: "tlfu" (default, token-weighted LFU), "lru", "lfu" or "fifo".
+    cache_policy: eviction under a budget: "lfuda" (default, LFU with dynamic ageing), "tlfu" (token-weighted LFU),
+        "lru", "lfu" or "fifo".
     hot_share, sm_share: shares of the cache for decoded experts and sign+mantissa planes (default 0); the rest keeps
         whole compressed experts. The default hot share is the runtime's: 0 where nearly every expert fits
         compressed but not decoded and the model's escape code decodes with SIMD here, else 1.
@@ -287,13 +290,16 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
     prefill: fill the cache at load, on every core, so that the first tokens find their experts decoded (as
         llama.cpp's read-ahead fills the page cache for a plain model). None (default): as ZIPMOE_PREFILL says
         (on unless "0").
+    record_routing: keep the experts every step routed to, per MoE layer (one step a generated token, or a prompt's
+        batch of n_ubatch tokens), for `recorded_routing()` / `save_routing(path)`: a recorded-routing file that
+        `zipmoe plan --trace` and tools/bench/bench_replay.py read (docs/FORMAT.md). Default off.
     """
 
     def __init__(self, model_path: str, *args: Any, zipmoe_cache: str = "unbounded",
                  memory_budget: str | int | None = None, cache_policy: str | None = None,
                  hot_share: float | None = None, sm_share: float | None = None, trace: str | None = None,
                  plan: str | None = None, planner: bool | None = None, adapt: bool | None = None,
-                 prefill: bool | None = None, **kwargs: Any) -> None:
+                 prefill: bool | None = None, record_routing: bool = False, **kwargs: Any) -> None:
         self._stack = contextlib.ExitStack()  # llama_cpp.Llama.__del__ closes it, also after a failed __init__
         self.zipmoe_monitor = None
         if zipmoe_cache not in CACHE_MODES:
@@ -338,7 +344,13 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
             if "does not exist" in str(e):
                 raise
             raise self._load_error(model_path, e, _error_log.since(mark)) from e
-        before_decode, after_decode = self._wrap_decode(model_path)
+        before_decode, after_decode, counted = self._wrap_decode(model_path)
+        self._recorder: RoutingRecorder | None = None
+        if record_routing:
+            if not self.is_zipmoe:
+                raise ValueError(f"record_routing needs a zipmoe GGUF; {model_path} is not one")
+            self._recorder = RoutingRecorder(model_path, self.context_params.n_ubatch)
+            counted.append(self._recorder.note_decode)
         if adapt is None:
             adapt = memory_budget is not None
         if adapt and self.is_zipmoe and memory_budget is not None and plan is None:  # (not for a plain GGUF yet)
@@ -389,18 +401,21 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
             what += "; check the file with `zipmoe verify`"
         return ZipmoeLoadError(what)
 
-    def _wrap_decode(self, path: str) -> tuple[list[Callable[[], None]], list[Callable[[], None]]]:
+    def _wrap_decode(self, path: str) -> tuple[list[Callable[[], None]], list[Callable[[], None]],
+                                                list[Callable[[int], None]]]:
         """Turn llama-cpp-python's bare "llama_decode returned N" into a message that says what failed.
 
         Wraps the context's decode (used by eval, generation and embeddings) on this instance only; the
         closure holds no reference to self, so no reference cycle keeps the model alive. Returns the lists of
         what to call before each decode (the memory monitor's check_floor, which may raise) and after each decode
-        that succeeded (its note_decode), empty until filled.
+        that succeeded (its note_decode), empty until filled; and what to call with the batch's tokens after each
+        decode that succeeded (the routing recorder's note_decode).
         """
         ctx = self._ctx
         decode = ctx.decode
         before: list[Callable[[], None]] = []
         after: list[Callable[[], None]] = []
+        counted: list[Callable[[int], None]] = []
 
         def checked_decode(batch: Any) -> None:
             for call in before:
@@ -415,13 +430,88 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
                 raise ZipmoeDecodeError(f"{path}: {e}: {'; '.join(details)}") from e
             for call in after:
                 call()
+            for count in counted:
+                count(batch.n_tokens())
 
         ctx.decode = checked_decode
-        return before, after
+        return before, after, counted
 
     def zipmoe_stats(self, reset: bool = False) -> dict[str, float]:
         """The runtime's counters (process-wide); see pyzipmoe.runtime.llama.zipmoe_stats."""
         return zipmoe_stats(reset)
+
+    def recorded_routing(self) -> Any:
+        """The routing of every step since load (pyzipmoe.plan.trace.Routing); needs record_routing=True."""
+        if self._recorder is None:
+            raise ValueError("this model was loaded without record_routing=True")
+        return self._recorder.routing()
+
+    def save_routing(self, path: str | os.PathLike[str]) -> None:
+        """Writes recorded_routing() to `path` (an .npz, atomically)."""
+        from ..plan import trace
+
+        trace.save(path, self.recorded_routing())
+
+
+class RoutingRecorder:
+    """Collects the runtime's routing log (zipmoe_cache_routing) of every MoE block after each decode: the log keeps
+    the last 512 invocations of a store, one per ubatch (a graph computed), so each decode's entries are read before
+    the next can push them out. How many a block logged comes from its activation counters (rows routed): llama.cpp
+    computes the last block only for the rows whose logits are wanted (a prompt's last token), so a prompt's other
+    ubatches route nothing there, and their steps record no expert in that block."""
+
+    def __init__(self, model_path: str, n_ubatch: int) -> None:
+        from ..plan.inputs import geometry_from_gguf
+
+        g = geometry_from_gguf(model_path)
+        self.layers, self.n_expert, self.k = g.layers, g.n_expert, g.n_expert_used
+        self.n_ubatch = max(1, int(n_ubatch))
+        self.words = (self.n_expert + 63) // 64
+        self.steps: list[np.ndarray] = []  # bool [n_layer, n_expert] each
+        self.tokens: list[int] = []
+        self.rows = [self._activations(layer).sum() for layer in self.layers]
+
+    def _activations(self, layer: int) -> np.ndarray:
+        from .._native import ffi, lib
+
+        buf = np.zeros(self.n_expert, np.uint64)
+        lib.zipmoe_cache_activations(f"blk.{layer}.".encode(), ffi.cast("uint64_t *", ffi.from_buffer(buf)),
+                                     self.n_expert)
+        return buf
+
+    def note_decode(self, n_tokens: int) -> None:
+        from .._native import ffi, lib
+
+        sizes = [min(self.n_ubatch, n_tokens - i) for i in range(0, n_tokens, self.n_ubatch)]
+        if not sizes:
+            return
+        n = len(sizes)
+        masks = np.zeros(n * self.words, np.uint64)
+        step = np.zeros((n, len(self.layers), self.n_expert), bool)
+        for i, layer in enumerate(self.layers):
+            total = int(self._activations(layer).sum())
+            rows, self.rows[i] = (total - int(self.rows[i])) // self.k, total
+            # the ubatches holding the decode's last `rows` tokens (all of them, or those whose logits are wanted)
+            first = n_tokens - min(rows, n_tokens)
+            logged = n - first // self.n_ubatch if rows else 0
+            if logged == 0:
+                continue
+            got = lib.zipmoe_cache_routing(f"blk.{layer}.".encode(), ffi.cast("uint64_t *", ffi.from_buffer(masks)),
+                                           self.words, logged)
+            if got != logged:
+                raise ZipmoeError(f"routing recorder: block {layer} logged {got} step(s) of a decode of {n_tokens} "
+                                  f"token(s) ({logged} expected)")
+            bits = np.unpackbits(masks[: logged * self.words].view(np.uint8), bitorder="little")
+            step[n - logged:, i] = bits.reshape(logged, self.words * 64)[:, : self.n_expert].astype(bool)
+        self.steps.extend(step)
+        self.tokens.extend(sizes)
+
+    def routing(self) -> Any:
+        from ..plan import trace
+
+        routed = np.stack(self.steps) if self.steps else np.zeros((0, len(self.layers), self.n_expert), bool)
+        return trace.Routing(routed=routed, layers=np.asarray(self.layers, np.int32),
+                             tokens=np.asarray(self.tokens, np.int32), k=self.k)
 
 
 __all__ = ["CACHE_MODES", "Llama", "ZipmoeDecodeError", "ZipmoeLoadError", "is_zipmoe_file", "library_supports_zipmoe",

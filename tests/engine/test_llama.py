@@ -250,7 +250,7 @@ def test_every_budget_and_policy_gives_the_same_logits(logits: Callable, ours: P
     minimum = model_memory(zipmoe_models[arch, "huff"]).minimum  # what any budget must hold; the tiers get the rest
     picks = [i for i, c in enumerate(CONFIGS) if c["use_mmap"]]  # threads 1/2 x batch 1/64
     runs, where = [], []
-    for policy in ("tlfu", "lru", "lfu", "fifo"):
+    for policy in ("tlfu", "lru", "lfu", "fifo", "lfuda"):
         for extra, shares in ((16 << 10, {"hot_share": 1.0}), (100 << 10, {"hot_share": 0.3}),
                               (40 << 10, {"hot_share": 0.0}), (60 << 10, {"hot_share": 0.2, "sm_share": 0.5}),
                               (60 << 10, {"planner": True}), (None, {})):

@@ -16,6 +16,7 @@ from pyzipmoe._native import ffi, lib
 
 UNBOUNDED = 2**64 - 1
 POLICIES = {"tlfu": lib.ZIPMOE_POLICY_TOKEN_LFU, "lru": lib.ZIPMOE_POLICY_LRU, "lfu": lib.ZIPMOE_POLICY_LFU,
+            "lfuda": lib.ZIPMOE_POLICY_LFUDA,
             "fifo": lib.ZIPMOE_POLICY_FIFO}
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from pyzipmoe.runtime import controller, memory, supervise
+from pyzipmoe.runtime.config import DEFAULT_POLICY
 
 MiB = 1 << 20
 
@@ -50,7 +51,7 @@ def test_a_new_budget_reaches_the_control_file_as_the_runtime_s_own_split(zipmoe
         got = [int(ctl.words[w]) for w in (supervise.W_HOT, supervise.W_WARM, supervise.W_SM, supervise.W_IN_FLIGHT,
                                             supervise.W_READS, supervise.W_TOKEN_HOT)]
         assert got == [out.hot, out.warm, out.sm, out.in_flight, out.reads, out.token_hot]
-        assert int(ctl.words[supervise.W_POLICY]) == lib.ZIPMOE_POLICY_TOKEN_LFU
+        assert int(ctl.words[supervise.W_POLICY]) == getattr(lib, controller._POLICY_IDS[DEFAULT_POLICY])
         # the floor: less room than the minimum, twice
         room["bytes"] = need.minimum // 2
         mon.step()

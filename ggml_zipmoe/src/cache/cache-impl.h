@@ -59,6 +59,8 @@ typedef struct {
     uint64_t  admitted;  /* tick of becoming hot (FIFO), */
     uint64_t  admitted_res; /* of becoming warm or sm */
     uint64_t  activations; /* tokens routed, ever: what the planner reads */
+    uint64_t  aged;      /* LFUDA (tiers.c): the store's age at the last use seen as of aged_use */
+    uint64_t  aged_use;
 } expert_state;
 
 /* An expert's room in dst. Decoded experts need not sit at their own index: the op tells ggml_mul_mat_id where
@@ -155,6 +157,7 @@ struct zipmoe_store {
     uint64_t        warm_share;  /* under g_cfg.mu: its whole regions of the warm budget (shared_warm); UINT64_MAX: none */
     _Atomic uint64_t cfg_gen;
     zipmoe_policy   policy;
+    uint64_t        age;         /* LFUDA's (tiers.c): the highest key of an expert that left the cache */
     int             use_slots;   /* decode into memfd slots (slots.c): the hot tier cannot hold every expert */
     _Atomic int     fast_ok;     /* limits current and the last publish kept within them: a lock-free */
                                  /* fast path may serve invocations whose experts are all hot         */
@@ -300,7 +303,7 @@ int      cache_collapse(zipmoe_store * s);
 void     cache_own_pages(const zipmoe_store * s, int64_t p, uintptr_t * lo, uintptr_t * hi);
 
 /* tiers.c */
-uint64_t cache_entry_worth(const expert_state * x, zipmoe_policy policy);
+uint64_t cache_entry_worth(const zipmoe_store * s, const expert_state * x);
 int      cache_loses(uint64_t worth, int64_t e, uint64_t v_worth, int64_t v);
 int64_t  cache_victim(const zipmoe_store * s, int tier, uint64_t * worth);
 void     cache_drop_region(zipmoe_store * s, int64_t e);

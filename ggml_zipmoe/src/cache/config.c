@@ -20,7 +20,7 @@ cache_config g_cfg = {
     .token_slots = -1,
     .warm_budget = 0,
     .sm_budget   = 0,
-    .policy      = ZIPMOE_POLICY_TOKEN_LFU,
+    .policy      = ZIPMOE_POLICY_LFUDA, /* docs/cache-and-planner.md, "Which policy" */
     .gen         = 1,
     .direct_io   = 1,
     .store_turns = 1,
@@ -172,7 +172,7 @@ static void set_budgets(uint64_t hot, uint64_t tokens, uint64_t warm, uint64_t s
 }
 
 int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, uint64_t sm_bytes, zipmoe_policy policy) {
-    if (policy < ZIPMOE_POLICY_TOKEN_LFU || policy > ZIPMOE_POLICY_FIFO) {
+    if (policy < ZIPMOE_POLICY_TOKEN_LFU || policy > ZIPMOE_POLICY_LAST) {
         return ZIPMOE_ERR_ARG;
     }
     pthread_mutex_lock(&g_open.mu);
@@ -261,7 +261,7 @@ uint64_t zipmoe_cache_rules_bytes(void) {
 }
 
 int64_t zipmoe_cache_apply(const zipmoe_cache_params * p) {
-    if (!p || p->policy < ZIPMOE_POLICY_TOKEN_LFU || p->policy > ZIPMOE_POLICY_FIFO) {
+    if (!p || p->policy < ZIPMOE_POLICY_TOKEN_LFU || p->policy > ZIPMOE_POLICY_LAST) {
         return ZIPMOE_ERR_ARG;
     }
     pthread_mutex_lock(&g_open.mu);

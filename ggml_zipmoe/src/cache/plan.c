@@ -150,7 +150,7 @@ static void mark_streamed(zipmoe_store * s, int decode_all) {
         if (!decode_all && contest) {
             uint64_t      v_worth;
             const int64_t v = cache_victim(s, TIER_HOT, &v_worth);
-            if (v >= 0 && !cache_loses(cache_entry_worth(x, s->policy), e, v_worth, v)) {
+            if (v >= 0 && !cache_loses(cache_entry_worth(s, x), e, v_worth, v)) {
                 contest = 0;
                 continue;
             }

@@ -15,21 +15,48 @@ static int in_tier(const expert_state * x, int tier) {
     }
 }
 
+/* LFUDA's key: the store's age at the expert's last use, plus its uses ever (an evicted expert keeps its count, a
+ * ghost entry: one that comes back starts from what it earned). An eviction raises the age to the victim's key, so
+ * an expert unused since gives way to newer ones once they have been used about as often since. The age a use
+ * takes is read lazily, without a write on the engine's lock-free path: a use not yet seen (last_use moved) takes
+ * the store's age now, and before the age moves every such use is recorded with the age it had (lfuda_age), except
+ * the last plan's, which take the age its evictions leave (as a miss enters after its victim leaves). */
+static uint64_t lfuda_key(const zipmoe_store * s, const expert_state * x) {
+    return (x->last_use != x->aged_use ? s->age : x->aged) + x->uses;
+}
+
+/* Under s->mu: an expert of key `key` leaves the cache (every tier: a decoded expert that keeps a compressed copy,
+ * or one decoded for a single use without a hot tier, has not left); under LFUDA the age rises to it. */
+static void lfuda_age(zipmoe_store * s, uint64_t key) {
+    if (s->policy != ZIPMOE_POLICY_LFUDA || key <= s->age) {
+        return;
+    }
+    for (int64_t e = 0; e < s->info.n_expert; e++) {
+        expert_state * x = &s->experts[e];
+        if (x->last_use != x->aged_use && x->last_use != s->plan_tick) {
+            x->aged     = s->age;
+            x->aged_use = x->last_use;
+        }
+    }
+    s->age = key;
+}
+
 /* What an expert is worth keeping under the policy; higher stays. */
-static uint64_t score(const expert_state * x, zipmoe_policy policy, int tier) {
-    switch (policy) {
+static uint64_t score(const zipmoe_store * s, const expert_state * x, int tier) {
+    switch (s->policy) {
         case ZIPMOE_POLICY_LRU:       return x->last_use;
         case ZIPMOE_POLICY_FIFO:      return tier == TIER_HOT ? x->admitted : x->admitted_res;
         case ZIPMOE_POLICY_LFU:
         case ZIPMOE_POLICY_TOKEN_LFU: return x->uses;
+        case ZIPMOE_POLICY_LFUDA:     return lfuda_key(s, x);
     }
     return 0;
 }
 
 /* What an expert about to enter a compressed tier offers in the contest with its residents: FIFO lets
  * the newest in, the others compare scores. */
-uint64_t cache_entry_worth(const expert_state * x, zipmoe_policy policy) {
-    return policy == ZIPMOE_POLICY_FIFO ? UINT64_MAX : score(x, policy, TIER_WARM);
+uint64_t cache_entry_worth(const zipmoe_store * s, const expert_state * x) {
+    return s->policy == ZIPMOE_POLICY_FIFO ? UINT64_MAX : score(s, x, TIER_WARM);
 }
 
 /* Whether an entrant (worth, id e) loses its contest with a resident (v_worth, id v): scores, then ids, as
@@ -52,7 +79,7 @@ int64_t cache_victim(const zipmoe_store * s, int tier, uint64_t * worth) {
         if ((x->routed && (tier == TIER_HOT || s->planning || x->streamed)) || !in_tier(x, tier)) {
             continue;
         }
-        const uint64_t sc = tier != TIER_HOT && x->hot ? 0 : score(x, s->policy, tier);
+        const uint64_t sc = tier != TIER_HOT && x->hot ? 0 : score(s, x, tier);
         if (best < 0 || sc < best_score) {
             best       = e;
             best_score = sc;
@@ -83,7 +110,7 @@ void cache_drop_region(zipmoe_store * s, int64_t e) {
  * it; else all. No byte is read again. */
 void cache_demote_warm(zipmoe_store * s, int64_t e) {
     expert_state * x     = &s->experts[e];
-    const uint64_t worth  = cache_entry_worth(x, s->policy);
+    const uint64_t worth  = cache_entry_worth(s, x);
     uint8_t *      region = x->region;
     x->region = NULL; /* out of every tier while cache_make_room looks for victims */
     x->res    = RES_NONE;
@@ -101,6 +128,9 @@ void cache_demote_warm(zipmoe_store * s, int64_t e) {
         return;
     }
     cache_region_free(region, size);
+    if (!x->hot) {
+        lfuda_age(s, worth); /* out of every tier */
+    }
 }
 
 /* Under s->mu: makes need bytes free in a compressed tier for expert `entrant` by giving up experts that
@@ -120,6 +150,7 @@ int cache_make_room(zipmoe_store * s, int tier, uint64_t need, uint64_t worth, i
         if (tier == TIER_WARM) {
             cache_demote_warm(s, v);
         } else {
+            lfuda_age(s, v_worth); /* (0 for a copy of a hot expert, which stays) */
             cache_drop_region(s, v);
         }
     }
@@ -200,11 +231,12 @@ static void release_hot(zipmoe_store * s, int64_t e, int keep_pages) {
  * plane, taken from the decoded values, if the sm tier takes it: no disk read for that half later.
  * keep_pages: as release_hot. Returns the place it left. */
 int64_t cache_evict_hot(zipmoe_store * s, int64_t e, int keep_pages) {
-    expert_state * x = &s->experts[e];
+    expert_state * x   = &s->experts[e];
+    const uint64_t key = score(s, x, TIER_HOT);
     x->hot = 0; /* not a hot copy any more: its score counts in the contests below */
     /* one the last invocation routed (more than the hot slots: a trim) enters the sm tier as it entered the hot
      * one, whatever its score: the top of the stack is what the last token routed */
-    const uint64_t worth = x->last_use == s->plan_tick ? UINT64_MAX : cache_entry_worth(x, s->policy);
+    const uint64_t worth = x->last_use == s->plan_tick ? UINT64_MAX : cache_entry_worth(s, x);
     if (x->res == RES_NONE && s->sm_limit > 0 && cache_make_room(s, TIER_SM, s->sm_size, worth, e)) {
         uint8_t * sm = cache_region_alloc(s->sm_size);
         if (sm) {
@@ -219,6 +251,9 @@ int64_t cache_evict_hot(zipmoe_store * s, int64_t e, int keep_pages) {
     x->hot = 1;
     const int64_t p = x->place;
     release_hot(s, e, keep_pages);
+    if (x->res == RES_NONE) {
+        lfuda_age(s, key); /* out of every tier: a copy kept in a compressed tier ages nothing yet */
+    }
     return p;
 }
 
@@ -228,10 +263,12 @@ void cache_settle(zipmoe_store * s) {
     while (s->hot_used > s->hot_limit && (v = cache_victim(s, TIER_HOT, NULL)) >= 0) {
         cache_evict_hot(s, v, 0);
     }
+    uint64_t worth;
     while (s->warm_used > s->warm_limit && (v = cache_victim(s, TIER_WARM, NULL)) >= 0) {
         cache_demote_warm(s, v);
     }
-    while (s->sm_used > s->sm_limit && (v = cache_victim(s, TIER_SM, NULL)) >= 0) {
+    while (s->sm_used > s->sm_limit && (v = cache_victim(s, TIER_SM, &worth)) >= 0) {
+        lfuda_age(s, worth);
         cache_drop_region(s, v);
     }
     /* (the compressed tiers too: experts a caller streams stay pinned beyond them until the next plan) */

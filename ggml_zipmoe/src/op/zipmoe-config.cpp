@@ -96,7 +96,7 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
     const uint64_t working_set = need.in_flight, experts = need.experts;
     uint64_t      hot = UINT64_MAX, warm = 0, sm = 0, in_flight = working_set, reads = UINT64_MAX, token_hot = 0;
     uint64_t      tiers = UINT64_MAX; // what a budget leaves beyond its minimum
-    zipmoe_policy policy = ZIPMOE_POLICY_TOKEN_LFU;
+    zipmoe_policy policy = ZIPMOE_POLICY_LFUDA;
     if (const char * v = env.memory_budget) {
         uint64_t budget = 0;
         if (!parse_budget(v, budget)) {
@@ -157,6 +157,7 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
         static const std::pair<const char *, zipmoe_policy> names[] = {
             { "tlfu", ZIPMOE_POLICY_TOKEN_LFU }, { "lru", ZIPMOE_POLICY_LRU },
             { "lfu", ZIPMOE_POLICY_LFU },        { "fifo", ZIPMOE_POLICY_FIFO },
+            { "lfuda", ZIPMOE_POLICY_LFUDA },
         };
         bool found = false;
         for (const auto & [name, p] : names) {
@@ -166,7 +167,7 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
             }
         }
         if (!found) {
-            err = std::string("ZIPMOE_CACHE_POLICY=") + v + " is not a policy (tlfu, lru, lfu or fifo)";
+            err = std::string("ZIPMOE_CACHE_POLICY=") + v + " is not a policy (tlfu, lru, lfu, fifo or lfuda)";
             return false;
         }
     }

@@ -1,0 +1,125 @@
+"""Routing sequences for replaying through the expert cache, and the hit counts no cache can beat.
+
+A sequence is one MoE layer's steps in order, each the experts that step routed to (int32 ids, distinct): what
+the layer's store is asked to materialise at once. tools/bench/bench_replay.py drives the native cache with
+them; these functions make them and score them offline.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+Steps = Sequence[np.ndarray]
+
+
+def steps_from_counts(counts: np.ndarray, k: int, seed: int) -> list[list[np.ndarray]]:
+    """Per layer, the steps of prompts generated in order from per-prompt activation counts (n_prompts, n_layer,
+    n_expert), as a trace holds them: prompt p generates round(its counts / k) tokens (the mean over its layers),
+    each token routing in each layer to k distinct experts drawn without replacement in proportion to that prompt's
+    counts there (experts it never used are never drawn; a layer of fewer than k used experts routes to all of
+    them). Seeded: the same arguments give the same steps."""
+    counts = np.asarray(counts)
+    if counts.ndim != 3 or counts.shape[2] < k or k < 1:
+        raise ValueError(f"counts must be (n_prompts, n_layer, n_expert >= k={k}), got shape {counts.shape}")
+    rng = np.random.default_rng(seed)
+    n_prompts, n_layer, n_expert = counts.shape
+    out: list[list[np.ndarray]] = [[] for _ in range(n_layer)]
+    for p in range(n_prompts):
+        tokens = int(round(counts[p].sum() / n_layer / k))
+        for i in range(n_layer):
+            row = counts[p, i].astype(np.float64)
+            used = np.flatnonzero(row > 0)
+            for _ in range(tokens):
+                if len(used) <= k:
+                    out[i].append(used.astype(np.int32))
+                else:
+                    out[i].append(np.sort(rng.choice(n_expert, k, replace=False, p=row / row.sum())).astype(np.int32))
+    return out
+
+
+def synthetic_steps(kind: str, n_layer: int, n_expert: int, k: int, n_steps: int, seed: int,
+                    zipf: float = 1.0) -> list[list[np.ndarray]]:
+    """Per layer, n_steps tokens of stationary routing: "uniform" (every expert equally likely) or "zipf" (expert
+    of rank r with weight 1 / r**zipf, ranks a random permutation per layer, as the synthetic models' skewed
+    routers)."""
+    if kind not in ("uniform", "zipf"):
+        raise ValueError(f"synthetic routing must be uniform or zipf, not {kind!r}")
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n_layer):
+        w = np.ones(n_expert) if kind == "uniform" else 1.0 / (1.0 + rng.permutation(n_expert)) ** zipf
+        p = w / w.sum()
+        out.append([np.sort(rng.choice(n_expert, k, replace=False, p=p)).astype(np.int32) for _ in range(n_steps)])
+    return out
+
+
+def _check_capacity(capacity: int, steps: Steps) -> None:
+    widest = max((len(s) for s in steps), default=0)
+    if capacity < widest:
+        raise ValueError(f"capacity {capacity} is below a step's {widest} experts (every routed expert is resident)")
+
+
+def belady_hits(steps: Steps, capacity: int) -> int:
+    """The most hits any cache of `capacity` experts can have on `steps` (Belady's MIN, demand paging): a routed
+    expert is a hit when resident; a miss enters, and when the cache is over capacity after a step the residents not
+    routed in it whose next use is farthest (never first) leave. Counts one hit per routed expert per step."""
+    _check_capacity(capacity, steps)
+    never = len(steps)
+    nxt: list[np.ndarray] = [np.empty(0, np.int64)] * len(steps)  # next use of each routed expert after its step
+    seen: dict[int, int] = {}
+    for t in range(len(steps) - 1, -1, -1):
+        ids = [int(e) for e in steps[t]]
+        nxt[t] = np.array([seen.get(e, never) for e in ids], np.int64)
+        for e in ids:
+            seen[e] = t
+    resident: dict[int, int] = {}  # expert -> its next use
+    heap: list[tuple[int, int]] = []  # (-next use, expert), stale entries skipped
+    hits = 0
+    for t, ids in enumerate(steps):
+        for e, n in zip((int(x) for x in ids), nxt[t].tolist()):
+            hits += e in resident
+            resident[e] = n
+            heapq.heappush(heap, (-n, e))
+        current = {int(x) for x in ids}
+        kept: list[tuple[int, int]] = []
+        while len(resident) > capacity:
+            neg, e = heapq.heappop(heap)
+            if resident.get(e) != -neg:
+                continue  # stale
+            if e in current:
+                kept.append((neg, e))
+                continue
+            del resident[e]
+        for item in kept:
+            heapq.heappush(heap, item)
+    return hits
+
+
+def lru_hits(steps: Steps, capacity: int) -> int:
+    """Hits of an LRU cache of `capacity` experts on `steps` (the page cache's policy, approximately: what stock
+    llama.cpp's mapped experts see under the same memory), counted as belady_hits counts them."""
+    _check_capacity(capacity, steps)
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = 0
+    for ids in steps:
+        for e in (int(x) for x in ids):
+            if e in cache:
+                hits += 1
+                cache.move_to_end(e)
+            else:
+                cache[e] = None
+        current = {int(x) for x in ids}
+        for e in list(cache):
+            if len(cache) <= capacity:
+                break
+            if e not in current:
+                del cache[e]
+    return hits
+
+
+def routed_total(steps: Steps) -> int:
+    return sum(len(s) for s in steps)

@@ -1,0 +1,120 @@
+"""Multi-token steps under a tiny budget: llama-server's n-gram speculation (a step verifies several drafted tokens)
+and parallel slots (-np 4: a step serves four requests) give the same greedy tokens as plain one-token generation,
+every tier evicting and reading again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from helpers import http_json, llama_bin_dir, stderr_tail, unavailable, worker_env
+
+TIMEOUT = 600
+# repetitive text over many distinct tokens: n-gram speculation finds drafts for the tiny random model's continuation
+PROMPT = "one two three four five, one two three four five. " + "abcdefghijklmnopqrstuvwxyz0123456789!?%&/ " * 4
+PROMPTS = [PROMPT, "the expert said hello to the world", "water and time and water and time and", "hello hello"]
+N_PREDICT = 24
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """llama-server on 127.0.0.1 with a zipmoe model under `budget`; killed on close."""
+
+    def __init__(self, model: Path, budget: int, tmp_path: Path, *args: str):
+        program = llama_bin_dir() / "llama-server"
+        if not program.is_file():
+            unavailable(f"{program} was not built")
+        port = _free_port()
+        self.log = tmp_path / f"server-{port}.log"
+        env = {**worker_env(llama_bin_dir()), "ZIPMOE_MEMORY_BUDGET": str(budget)}
+        with open(self.log, "wb") as err:
+            self.proc = subprocess.Popen([str(program), "-m", str(model), "--port", str(port), "-t", "2", "-c", "1024",
+                                          *args], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                         stderr=err, start_new_session=True)
+        self.url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"llama-server exited with {self.proc.returncode}: "
+                                     f"{stderr_tail(self.log.read_text(errors='replace'))}")
+            try:
+                if http_json(self.url + "/health", timeout=2)[0] == 200:
+                    return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(0.1)
+        self.close()
+        raise AssertionError("llama-server was not ready within 120 s")
+
+    def complete(self, prompt: str) -> dict:
+        status, body = http_json(self.url + "/completion", {"prompt": prompt, "n_predict": N_PREDICT, "temperature": 0,
+                                                            "seed": 0, "cache_prompt": False}, TIMEOUT)
+        assert status == 200, (status, body, stderr_tail(self.log.read_text(errors="replace")))
+        return body
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def tiny_budget(zipmoe_model: Path) -> int:
+    """The smallest budget and a few experts: every token evicts and reads again."""
+    from pyzipmoe.runtime.budget import model_memory
+
+    return model_memory(zipmoe_model).minimum + (16 << 10)
+
+
+def plain_tokens(zipmoe_model: Path, budget: int, tmp_path: Path, prompts: list[str]) -> list[str]:
+    server = Server(zipmoe_model, budget, tmp_path, "-np", "1")
+    try:
+        return [server.complete(p)["content"] for p in prompts]
+    finally:
+        server.close()
+
+
+def test_ngram_speculation_gives_the_greedy_tokens_under_a_tiny_budget(zipmoe_model: Path, tiny_budget: int,
+                                                                       tmp_path: Path):
+    plain = plain_tokens(zipmoe_model, tiny_budget, tmp_path, [PROMPT])
+    server = Server(zipmoe_model, tiny_budget, tmp_path, "-np", "1", "--spec-type", "ngram-simple",
+                    "--spec-ngram-simple-size-n", "1", "--spec-ngram-simple-size-m", "4",
+                    "--spec-ngram-simple-min-hits", "1", "--spec-draft-n-min", "0", "--spec-draft-n-max", "8")
+    try:
+        body = server.complete(PROMPT)
+    finally:
+        server.close()
+    assert plain[0] and body["content"] == plain[0]
+    timings = body.get("timings", {})
+    assert timings.get("draft_n", 0) > 0, timings  # steps did verify drafted tokens
+
+
+def test_four_parallel_slots_give_each_request_its_greedy_tokens_under_a_tiny_budget(zipmoe_model: Path,
+                                                                                    tiny_budget: int, tmp_path: Path):
+    plain = plain_tokens(zipmoe_model, tiny_budget, tmp_path, PROMPTS)
+    server = Server(zipmoe_model, tiny_budget, tmp_path, "-np", "4")
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: server.complete(p)["content"], PROMPTS))
+    finally:
+        server.close()
+    assert all(plain) and got == plain
