@@ -210,11 +210,15 @@ class Creating:
 
     @staticmethod
     def _config_bytes(model_path: Path, size: int) -> bytes:
-        """The config blob: what `show` and `list` tell about the model, and the conversion's provenance."""
+        """The config blob: what `show` and `list` tell about the model, and the conversion's provenance (a plain
+        GGUF stored as it is has none: "zipmoe" null, "expert_types" its experts' ggml types)."""
+        from ..file.gguf import read_gguf, type_name
+        from ..file.metadata import is_expert_tensor
         from ..file.reader import open_zipmoe
 
-        zf = open_zipmoe(model_path)
-        kv, meta = zf.gguf.kv, zf.meta
+        g = read_gguf(model_path)
+        zf = open_zipmoe(model_path) if g.is_zipmoe else None
+        kv, tensors = g.kv, zf.source.tensors if zf is not None else g.tensors
         arch = kv["general.architecture"].value if "general.architecture" in kv else None
 
         def scalar(key: str) -> Any:
@@ -222,15 +226,19 @@ class Creating:
             return entry.value if entry is not None and isinstance(entry.value, (int, float, str)) else None
 
         config = {
-            "format": "gguf", "file_type": "zipmoe", "architecture": arch, "model_name": scalar("general.name"),
-            "parameters": sum(math.prod(t.dims) for t in zf.source.tensors),
+            "format": "gguf", "file_type": "zipmoe" if zf is not None else "plain", "architecture": arch,
+            "model_name": scalar("general.name"), "parameters": sum(math.prod(t.dims) for t in tensors),
             "context_length": scalar(f"{arch}.context_length"), "embedding_length": scalar(f"{arch}.embedding_length"),
             "block_count": scalar(f"{arch}.block_count"), "expert_count": scalar(f"{arch}.expert_count"),
             "expert_used_count": scalar(f"{arch}.expert_used_count"), "size": size,
-            "zipmoe": {"version": meta.version, "codec": meta.codec, "codec_level": meta.level,
-                       "chunk_size": meta.chunk_size, "tensors": len(meta.tensors),
-                       "source": {"sha256": meta.source_sha256, "size": meta.source_size}},
+            "expert_types": sorted({type_name(t.ggml_type) for t in tensors if is_expert_tensor(t)}),
+            "zipmoe": None,
         }
+        if zf is not None:
+            meta = zf.meta
+            config["zipmoe"] = {"version": meta.version, "codec": meta.codec, "codec_level": meta.level,
+                                "chunk_size": meta.chunk_size, "tensors": len(meta.tensors),
+                                "source": {"sha256": meta.source_sha256, "size": meta.source_size}}
         return json.dumps(config, indent=2).encode()
 
     @staticmethod

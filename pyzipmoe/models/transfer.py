@@ -154,9 +154,11 @@ class Transferring:
             return data
 
         self._parts(manifest, small)
+        from ..file.gguf import read_gguf
         from ..file.reader import open_zipmoe
 
-        open_zipmoe(path_of(manifest.model))
+        if read_gguf(path_of(manifest.model)).is_zipmoe:  # (a plain GGUF is stored as it is: its header parsed)
+            open_zipmoe(path_of(manifest.model))
 
 
 def _tarinfo(name: str, size: int, mtime: float) -> tarfile.TarInfo:

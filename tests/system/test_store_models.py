@@ -271,7 +271,10 @@ def test_create_from_a_quantized_gguf_stores_it_as_is(store: Store, typed_models
         source = typed_models[qtype]
         report = store.create(qtype.lower(), f"FROM {source}", base_dir=tmp_path)
         assert not report.converted and report.model_digest == "sha256:" + sha256(source)
-        assert store.open(qtype.lower()).model_path.read_bytes() == source.read_bytes()
+        package = store.open(qtype.lower())
+        assert package.model_path.read_bytes() == source.read_bytes()
+        assert package.config["file_type"] == "plain" and package.config["zipmoe"] is None
+        assert qtype.split("_K")[0] in " ".join(package.config["expert_types"]), package.config
 
 
 def test_create_from_a_stored_model_inherits(store: Store, tiny_model: Path, tmp_path: Path) -> None:
