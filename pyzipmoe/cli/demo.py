@@ -25,7 +25,8 @@ from typing import Any
 
 from ..errors import ZipmoeError
 from ..progress import Progress, for_terminal
-from .formatting import EXIT_OK, command, human_size, positive, print_json, render_table
+from ..runtime.memory import JOIN_AND_EXEC, make_memory_cgroup, remove_cgroup
+from .formatting import EXIT_OK, add_report_flags, command, human_size, positive, print_json, render_table
 
 PROMPT = "Once upon a time"
 BUDGET_SHARE = 0.5  # of the BF16 file: "well below its size"
@@ -71,13 +72,8 @@ def run_limited(argv: list[str], env: dict[str, str], parent: Path | None, limit
     `limit` when parent is given. ZipmoeError when it fails or runs past TIMEOUT."""
     group, name = None, Path(argv[0]).name
     if parent is not None:
-        group = parent / f"zipmoe-demo-{os.getpid()}-{time.monotonic_ns()}"
-        group.mkdir()
-        (group / "memory.limit_in_bytes").write_text(str(limit))
-        if (group / "memory.memsw.limit_in_bytes").exists():  # no swap either
-            (group / "memory.memsw.limit_in_bytes").write_text(str(limit))
-        # the shell joins the cgroup, then becomes argv (the same pid: wait4's rusage is argv's)
-        argv = ["/bin/sh", "-c", 'echo $$ > "$0" || exit 125; exec "$@"', str(group / "cgroup.procs"), *argv]
+        group = make_memory_cgroup(parent / f"zipmoe-demo-{os.getpid()}-{time.monotonic_ns()}", limit)
+        argv = [*JOIN_AND_EXEC, str(group / "cgroup.procs"), *argv]
     proc = None
     try:
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
@@ -111,14 +107,7 @@ def run_limited(argv: list[str], env: dict[str, str], parent: Path | None, limit
             except OSError:
                 pass
         if group is not None:
-            for _ in range(50):
-                try:
-                    group.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.1)  # the last task may take a moment to leave
+            remove_cgroup(group)
 
 
 def generate(model: Path, n_predict: int, budget: int | None, parent: Path | None, limit: int) -> Run:
@@ -246,5 +235,4 @@ def register(sub: Any) -> None:
     p.add_argument("--keep", action="store_true", help="keep the files, and say how to run them")
     p.add_argument("--no-cgroup", action="store_true", help="no memory cgroup even where one could be made")
     p.add_argument("--threads", type=positive, metavar="N", help="conversion threads (default: all CPUs)")
-    p.add_argument("--json", action="store_true", help="print the results as JSON")
-    p.add_argument("--quiet", action="store_true", help="no progress bars, no output")
+    add_report_flags(p, json_help="print the results as JSON", quiet_help="no progress bars, no output")

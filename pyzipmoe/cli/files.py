@@ -14,6 +14,7 @@ from ..progress import for_terminal
 from .formatting import (
     EXIT_OK,
     TABLE_NOTE,
+    add_report_flags,
     command,
     human_size,
     positive,
@@ -127,8 +128,8 @@ def register(sub: Any) -> None:
                    help="values per independently decodable chunk (default: %(default)s; raw experts: whole "
                         "rows of about the bytes as many BF16 values take)")
     add_threads(p)
-    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
-    p.add_argument("--quiet", action="store_true", help="no progress bars, no size table")
+    add_report_flags(p, json_help="print the report as JSON on stdout",
+                     quiet_help="no progress bars, no size table")
 
     p = command(
         sub, "verify", cmd_verify, help="check that a zipmoe file restores its source exactly",
@@ -139,8 +140,8 @@ def register(sub: Any) -> None:
     p.add_argument("file", metavar="FILE", help="a zipmoe GGUF")
     p.add_argument("--against", metavar="SRC", help="the GGUF it was converted from")
     add_threads(p)
-    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
-    p.add_argument("--quiet", action="store_true", help="no progress bars, no report (the exit status tells)")
+    add_report_flags(p, json_help="print the report as JSON on stdout",
+                     quiet_help="no progress bars, no report (the exit status tells)")
 
     p = command(
         sub, "inspect", cmd_inspect, help="sizes, exponent entropy and ratios of a GGUF",

@@ -100,3 +100,12 @@ def fraction(text: str) -> float:
     if not 0 <= f <= 1:
         raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {f}")
     return f
+
+
+def add_report_flags(p: argparse.ArgumentParser, *, json_help: str | None = None,
+                     quiet_help: str | None = None) -> None:
+    """--json and --quiet, each with its command's help (None: the command has not that flag)."""
+    if json_help is not None:
+        p.add_argument("--json", action="store_true", help=json_help)
+    if quiet_help is not None:
+        p.add_argument("--quiet", action="store_true", help=quiet_help)

@@ -17,7 +17,7 @@ from typing import Any
 from ..models.modelfile import PARAMETERS, ModelfileError, format_parameter
 from ..models.modelfile import parse as parse_modelfile
 from ..progress import for_terminal
-from .formatting import command, human_size, positive
+from .formatting import add_report_flags, command, human_size, positive
 from ..models.name import NAME_HELP
 from ..models.package import ModelPackage
 from ..models.directory import ModelDirectory, resolve_model
@@ -271,8 +271,7 @@ def register(sub: Any) -> None:
     p.add_argument("--chunk-size", type=positive, metavar="N",
                    help=f"BF16 values per independently decodable chunk (default: {codec.DEFAULT_CHUNK_N})")
     p.add_argument("--threads", type=positive, metavar="N", help="conversion threads (default: all CPUs)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--quiet", action="store_true", help="no progress bars, no report")
+    add_report_flags(p, json_help="print the report as JSON", quiet_help="no progress bars, no report")
     _models_option(p)
 
     for name, aliases in (("list", ["ls"]),):

@@ -9,7 +9,7 @@ import math
 import os
 import re
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -256,15 +256,23 @@ def validate_counts(counts: Any, n_layer: int, n_expert: int, label: str = "acti
     return a
 
 
+UNREADABLE = (ValueError, EOFError, zipfile.BadZipFile)  # what np.load raises for a file that is not numpy
+
+
+def load_numpy(path: str | os.PathLike[str], fail: Callable[[str], Exception]) -> Any:
+    """np.load(path) without pickles: an array, or an NpzFile to close; raises fail(why) where it cannot be read
+    (why: the system's reason, or "not a readable numpy file (...)")."""
+    try:
+        return np.load(path, allow_pickle=False)
+    except OSError as e:
+        raise fail(str(e.strerror or e)) from None
+    except UNREADABLE as e:  # not numpy, truncated, damaged, or an object array
+        raise fail(f"not a readable numpy file ({e})") from None
+
+
 def _trace_array(path: str | os.PathLike[str], expected: str) -> np.ndarray:
     """The counts array of an .npy, or of an .npz's key "counts"; PlanInputError if it cannot be read."""
-    unreadable = (ValueError, EOFError, zipfile.BadZipFile)  # not numpy, truncated, damaged, or an object array
-    try:
-        loaded = np.load(path, allow_pickle=False)
-    except OSError as e:
-        raise PlanInputError(f"trace {path}: {e.strerror or e}; {expected}") from None
-    except unreadable as e:
-        raise PlanInputError(f"trace {path}: not a readable numpy file ({e}); {expected}") from None
+    loaded = load_numpy(path, lambda why: PlanInputError(f"trace {path}: {why}; {expected}"))
     if not isinstance(loaded, np.lib.npyio.NpzFile):
         return loaded
     with loaded:
@@ -273,7 +281,7 @@ def _trace_array(path: str | os.PathLike[str], expected: str) -> np.ndarray:
                                  f"{expected}")
         try:
             return loaded["counts"]
-        except (*unreadable, OSError) as e:  # a damaged or pickled member
+        except (*UNREADABLE, OSError) as e:  # a damaged or pickled member
             raise PlanInputError(f"trace {path}: key 'counts' cannot be read ({e}); {expected}") from None
 
 

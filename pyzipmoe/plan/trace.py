@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ..atomic import replacing
-from .inputs import PlanInputError
+from .inputs import UNREADABLE, PlanInputError, load_numpy
 
 FORMAT = "zipmoe-routing"
 VERSION = 1
@@ -124,13 +124,8 @@ def is_routing_file(path: str | os.PathLike[str]) -> bool:
 
 def load(path: str | os.PathLike[str]) -> Routing:
     """Reads a recorded-routing file; RoutingFileError saying what is wrong with one that cannot be used."""
-    unreadable = (ValueError, EOFError, zipfile.BadZipFile, OSError)
-    try:
-        z = np.load(path, allow_pickle=False)
-    except OSError as e:
-        raise RoutingFileError(f"routing file {path}: {e.strerror or e}") from None
-    except unreadable as e:
-        raise RoutingFileError(f"routing file {path}: not a readable .npz ({e})") from None
+    unreadable = (*UNREADABLE, OSError)
+    z = load_numpy(path, lambda why: RoutingFileError(f"routing file {path}: {why}"))
     if not isinstance(z, np.lib.npyio.NpzFile):
         raise RoutingFileError(f"routing file {path}: a single .npy array, expected an .npz with keys "
                                f"{', '.join(KEYS)}")

@@ -230,8 +230,11 @@ def check_budget(budget: int, need: ModelMemory, given: str | int | None = None)
     """The runtime's refusal, said before a model is loaded: the budget must hold `need.minimum`. given: the budget
     as the user wrote it, which the message echoes (budget_text)."""
     if budget < need.minimum:
+        said, minimum = budget_text(given, budget), human_size(need.minimum)
+        if human_size(budget) == minimum:  # (1 byte short reads the same rounded: say the bytes)
+            said, minimum = f"{budget_text(given, budget)} ({budget} bytes)", f"{need.minimum} bytes"
         raise ZipmoeError(
-            f"memory budget {budget_text(given, budget)} is below the minimum of {human_size(need.minimum)} for "
+            f"memory budget {said} is below the minimum of {minimum} for "
             f"this model ({human_size(need.other_bytes)} of weights that are not experts{need.embd_note} + "
             f"{human_size(need.in_flight_bytes)} for the experts of one expert tensor in flight); raise "
             "--memory-budget")

@@ -154,6 +154,42 @@ def own_cgroup_dir(controller: str = "memory", *, cgroup_root: Path = CGROUP_ROO
     return dirs[0] if version == 1 and dirs else None
 
 
+# argv prefix that moves its own shell into the cgroup whose cgroup.procs follows it, then becomes the command (the
+# same pid: a parent's wait4 rusage is the command's): [*JOIN_AND_EXEC, procs_file, *argv]
+JOIN_AND_EXEC = ("/bin/sh", "-c", 'echo $$ > "$0" || exit 125; exec "$@"')
+
+
+def make_memory_cgroup(path: Path, limit: int | None) -> Path:
+    """Makes the v1 memory cgroup `path` (its parent must be one) limited to `limit` bytes of memory and of
+    memory+swap where the kernel counts swap (None: no limit). OSError if it cannot; nothing is left behind."""
+    path.mkdir()
+    try:
+        if limit is not None:
+            (path / "memory.limit_in_bytes").write_text(str(limit))
+            memsw = path / "memory.memsw.limit_in_bytes"
+            if memsw.exists():  # no swap either (memsw >= limit, so after it)
+                memsw.write_text(str(limit))
+    except OSError:
+        remove_cgroup(path)
+        raise
+    return path
+
+
+def remove_cgroup(path: Path, tries: int = 50) -> bool:
+    """Removes an empty cgroup directory, waiting up to tries x 0.1 s for its last task to leave; whether it is gone."""
+    import time
+
+    for _ in range(tries):
+        try:
+            path.rmdir()
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:
+            time.sleep(0.1)  # the last task may take a moment to leave
+    return False
+
+
 def read_int(path: Path) -> int | None:
     """A file holding one integer; None if missing, unreadable, "max" or garbled."""
     try:

@@ -86,7 +86,7 @@ def test_files_that_are_not_recorded_routing(tmp_path: Path):
     trace.save(good, sample())
     truncated = tmp_path / "truncated.npz"
     truncated.write_bytes(good.read_bytes()[:200])
-    cases = [(tmp_path / "missing.npz", "No such file"), (tmp_path / "garbage.npz", "not a readable .npz"),
+    cases = [(tmp_path / "missing.npz", "No such file"), (tmp_path / "garbage.npz", "not a readable numpy file"),
              (tmp_path / "one.npy", "a single .npy array"), (tmp_path / "counts.npz", "missing key(s) format"),
              (truncated, "routing file")]
     for path, message in cases:

@@ -251,17 +251,13 @@ class Cgroup:
     def __init__(self, parent: Path, limit: int | None, throttle: ReadThrottle | None = None) -> None:
         Cgroup.count += 1
         name = f"zipmoe-bench-{os.getpid()}-{Cgroup.count}"
-        self.path = parent / name
-        self.path.mkdir()
+        from pyzipmoe.runtime.memory import make_memory_cgroup
+
+        self.path = make_memory_cgroup(parent / name, limit)
         self.io: Path | None = None
         try:
             if throttle is not None:
                 self.io = throttle.make(name)
-            if limit is not None:
-                (self.path / "memory.limit_in_bytes").write_text(str(limit))
-                memsw = self.path / "memory.memsw.limit_in_bytes"
-                if memsw.exists():  # no swap either (memsw >= limit, so after it)
-                    memsw.write_text(str(limit))
         except OSError:
             self.remove()
             raise
@@ -288,18 +284,11 @@ class Cgroup:
         return out
 
     def remove(self) -> None:
+        from pyzipmoe.runtime.memory import remove_cgroup
+
         for path in (self.path, self.io):
-            for _ in range(50 if path else 0):
-                try:
-                    path.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.1)  # the last task may take a moment to leave
-            else:
-                if path:
-                    say(f"warning: could not remove {path}")
+            if path and not remove_cgroup(path):
+                say(f"warning: could not remove {path}")
 
 
 def run_limited(argv: list[str], env: dict[str, str], parent: Path, limit: int | None, timeout: float,
