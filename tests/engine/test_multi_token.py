@@ -130,8 +130,9 @@ def test_draft_model_speculation_gives_the_greedy_tokens_under_a_tiny_budget(zip
         from pyzipmoe.runtime.budget import model_memory
 
         tiny_budget += model_memory(draft_model).minimum  # (one budget for both models' experts)
-    server = Server(zipmoe_model, tiny_budget, tmp_path, "-np", "1", "--spec-type", "draft-simple", "-md", str(draft_model),
-                    "--spec-draft-n-max", "4", "--spec-draft-n-min", "0", "--spec-draft-p-min", "0")
+    server = Server(zipmoe_model, tiny_budget, tmp_path, "-np", "1", "--spec-type", "draft-simple",
+                    "-md", str(draft_model), "--spec-draft-n-max", "4", "--spec-draft-n-min", "0",
+                    "--spec-draft-p-min", "0")
     try:
         body = server.complete(PROMPT)
     finally:
