@@ -9,12 +9,15 @@ is shared and its speed drifts:
   single  `llama-server -np 1`: greedy generation (temperature 0, --gen tokens) of a repetitive prompt (it asks to
           repeat a passage, the passage given twice) and of an ordinary one; tokens/s from the server's own timings
           (predicted_per_second: the generation steps, not the prompt).
-  ngram   `llama-server -np 1 --spec-type ngram-simple ...` (SPEC_ARGS): the same requests, each step verifying
-          the tokens an n-gram of the context drafts, or one token when it drafts none (the backoff). Its text
-          must be single's: MATCH / DIFF (bit-exact: a speculative step computes each token's logits as a
-          single-token step does).
+  ngram   `llama-server -np 1 --spec-type ngram-simple ...` (SPECS: ngram, llama.cpp's 12-token lookup, and
+  ngram1  ngram1, a 1-token lookup): the same requests, each step verifying the tokens an n-gram of the context
+          drafts, or one token when it drafts none (the backoff).
   np4     `llama-server -np 4`: one request alone, then four concurrent requests (four different prompts);
           aggregate tokens/s = the four requests' generated tokens over the longest one's generation time.
+
+Each configuration's text must be stock llama.cpp's in the same configuration (the BF16 source, no limit, run
+once first): MATCH / DIFF. Stock's own speculative text may differ from its single-token text: llama.cpp's
+batched kernels round differently from its one-token ones, and a verification step can flip a near tie.
 
 Before the measured requests each server answers one short untimed request (its cache fills, its page cache
 warms). Ratios: ngram / single on each prompt, np4's four / its one.
@@ -24,14 +27,14 @@ text; -np 4 aggregate tg at 40 % >= 2x a single slot.
 
 The weights are SYNTHETIC (tools/dev/make_synth.py --preset PRESET, converted with `pyzipmoe convert`): random
 weights generate text that does not repeat its prompt as a real model's does (its continuation of a passage
-given twice is no copy of it), so on either prompt the n-gram finds drafts only where a single token recurs
-(SPEC_ARGS: a 1-token lookup, so that it drafts at all) and most are rejected: the ratios measure what rejected
-drafts cost under a budget (the backoff side), not what a real model's repetitive text would gain. np4's ratio
-is what steps of four accepted tokens are worth. Needs root (cgroups, drop_caches),
+given twice is no copy of it): ngram's 12-token lookup finds nothing to draft, and ngram1 drafts wherever a token
+recurs and is mostly rejected, which measures what rejected drafts cost under a budget (the backoff side), not
+what a real model's repetitive text would gain. np4's ratio is what steps of four accepted tokens are worth.
+Needs root (cgroups, drop_caches),
 as tools/bench/bench_budget.py, whose helpers it uses.
 
 Example:
-  sudo .venv/bin/python tools/bench/bench_multitoken.py --preset 1g --budgets 40,75 --repeat 2 --gen 64
+  sudo .venv/bin/python tools/bench/bench_multitoken.py --preset 1g --budgets 40,75 --repeat 2 --gen 48
 """
 
 from __future__ import annotations
@@ -59,9 +62,14 @@ from pyzipmoe.atomic import replacing  # noqa: E402
 
 REPO = bb.REPO
 DEFAULT_WORKDIR = REPO / "build" / "bench-multitoken"
-CONFIGS = ("single", "ngram", "np4")
-SPEC_ARGS = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "1", "--spec-ngram-simple-size-m", "8",
-             "--spec-ngram-simple-min-hits", "1", "--spec-draft-n-min", "0", "--spec-draft-n-max", "8"]
+# llama.cpp's n-gram lookup (12 tokens: it drafts on text that repeats) and a 1-token lookup (it drafts wherever a
+# token recurs, mostly wrong on ordinary text: what rejected drafts cost under a budget)
+SPECS = {
+    "ngram": ["--spec-type", "ngram-simple", "--spec-draft-n-max", "8"],
+    "ngram1": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "1", "--spec-ngram-simple-size-m", "8",
+               "--spec-ngram-simple-min-hits", "1", "--spec-draft-n-min", "0", "--spec-draft-n-max", "8"],
+}
+CONFIGS = ("single", *SPECS, "np4")
 PASSAGE = ("The river runs past the old mill and under the stone bridge, where the children wait for the boats "
            "to come home in the evening light.")
 PROMPTS = {
@@ -71,7 +79,8 @@ PROMPTS = {
 PARALLEL_PROMPTS = [PROMPTS["ordinary"], "The expert said hello to the world and then",
                     "Water and time are the two things that", "In the first chapter of the book, we"]
 WARMUP = "Hello"
-TARGETS = (("ngram/single repetitive at 40%", 40, "repetitive", 1.3), ("ngram/single ordinary", None, "ordinary", 0.95),
+TARGETS = (("ngram/single repetitive at 40%", 40, "ngram:repetitive", 1.3),
+           ("ngram/single ordinary", None, "ngram:ordinary", 0.95),
            ("np4/np1 aggregate at 40%", 40, "np4", 2.0))
 
 
@@ -91,7 +100,8 @@ class LimitedServer:
     """llama-server in a fresh memory cgroup (bench_budget.Cgroup), cold page cache; stopped by close(), which
     returns the cgroup's stats (peak usage, OOM kills)."""
 
-    def __init__(self, model: Path, limit: int, budget: int, parent: Path, log: Path, threads: int, ctx: int,
+    def __init__(self, model: Path, limit: int | None, budget: int | None, parent: Path, log: Path, threads: int,
+                 ctx: int,
                  args: list[str], timeout: float):
         program = REPO / "build" / "bin" / "llama-server"
         if not program.is_file():
@@ -102,7 +112,7 @@ class LimitedServer:
         self.argv = [str(program), "-m", str(model), "--port", str(port), "-t", str(threads), "-c", str(ctx),
                      "--temp", "0", *args]
         libs = os.pathsep.join(filter(None, [str(program.parent), os.environ.get("LD_LIBRARY_PATH")]))
-        env = {**os.environ, "ZIPMOE_MEMORY_BUDGET": str(budget), "LD_LIBRARY_PATH": libs}
+        env = {**os.environ, "LD_LIBRARY_PATH": libs, **({"ZIPMOE_MEMORY_BUDGET": str(budget)} if budget else {})}
         bb.drop_page_cache()
         with open(log, "wb") as err:
             # (as bench_budget.run_limited: the shell puts itself in the cgroup, then becomes the server)
@@ -154,10 +164,10 @@ def timing(body: dict[str, Any]) -> dict[str, Any]:
             "draft_accepted": t.get("draft_n_accepted", 0)}
 
 
-def run_config(config: str, model: Path, limit: int, budget: int, parent: Path, args: argparse.Namespace,
-               stem: str) -> dict[str, Any]:
-    """One server of `config` under `limit`: its requests' timings, or its failure."""
-    extra = {"single": ["-np", "1"], "ngram": ["-np", "1", *SPEC_ARGS], "np4": ["-np", "4"]}[config]
+def run_config(config: str, model: Path, limit: int | None, budget: int | None, parent: Path,
+               args: argparse.Namespace, stem: str) -> dict[str, Any]:
+    """One server of `config` under `limit` (None: none): its requests' timings, or its failure."""
+    extra = {"single": ["-np", "1"], "np4": ["-np", "4"], **{k: ["-np", "1", *v] for k, v in SPECS.items()}}[config]
     ctx = 4 * (args.gen + 256) if config == "np4" else args.gen + 256
     log = args.workdir / "logs" / f"{stem}.err"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -196,8 +206,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     parent = bb.check_environment(args.cgroup_parent)
     bf16, model = bb.ensure_models(args.workdir, args.preset, args.routing, 2, False, args.codec)
     size = bf16.stat().st_size
-    res: dict[str, Any] = {"preset": args.preset, "routing": args.routing, "model": str(model), "bf16_bytes": size,
-                           "overhead_bytes": args.overhead, "gen": args.gen, "spec_args": SPEC_ARGS,
+    # stock llama.cpp on the BF16 source, no limit: the text each configuration must give (llama.cpp's batched
+    # kernels round differently from its one-token ones, so a verified draft may change stock's text too)
+    res_stock = {}
+    for config in ("single", *SPECS):
+        bb.say(f"stock {config} (the reference text) ...")
+        r = run_config(config, bf16, None, None, parent, args, f"{args.preset}-stock-{config}")
+        if r["status"] != "ok":
+            raise bb.BenchError(f"stock llama-server {config}: {r.get('message')}")
+        res_stock[config] = {name: r[name]["content"] for name in PROMPTS}
+    res: dict[str, Any] = {"stock": res_stock, "preset": args.preset, "routing": args.routing, "model": str(model),
+                           "bf16_bytes": size, "overhead_bytes": args.overhead, "gen": args.gen, "specs": SPECS,
                            "prompts": PROMPTS, "parallel_prompts": PARALLEL_PROMPTS, "synthetic": True, "runs": []}
     for rep in range(args.repeat):
         for pct in args.budgets:
@@ -222,17 +241,20 @@ def ratios(res: dict[str, Any]) -> list[dict[str, Any]]:
             got = {r["config"]: r for r in res["runs"]
                    if r["budget_pct"] == pct and r["rep"] == rep and r["status"] == "ok"}
             row: dict[str, Any] = {"budget_pct": pct, "rep": rep}
-            single, ngram, np4 = got.get("single"), got.get("ngram"), got.get("np4")
-            for name in PROMPTS:
-                if single and ngram and single[name]["tps"] > 0:
-                    row[name] = ngram[name]["tps"] / single[name]["tps"]
-                    row[name + "_match"] = ngram[name]["content"] == single[name]["content"]
-                    row[name + "_accepted"] = f"{ngram[name]['draft_accepted']}/{ngram[name]['draft_n']}"
-                    row[name + "_tps"] = (single[name]["tps"], ngram[name]["tps"])
+            single, np4 = got.get("single"), got.get("np4")
+            stock = res.get("stock", {})
+            for spec, name in [(spec, name) for spec in res["specs"] for name in PROMPTS]:
+                sp, key = got.get(spec), f"{spec}:{name}"
+                if single and sp and single[name]["tps"] > 0:
+                    row[key] = sp[name]["tps"] / single[name]["tps"]
+                    row[key + "_match"] = (sp[name]["content"] == stock.get(spec, {}).get(name) and
+                                           single[name]["content"] == stock.get("single", {}).get(name))
+                    row[key + "_accepted"] = f"{sp[name]['draft_accepted']}/{sp[name]['draft_n']}"
+                    row[key + "_tps"] = (single[name]["tps"], sp[name]["tps"])
             if np4 and np4["one"]["tps"] > 0:
                 row["np4"] = np4["aggregate_tps"] / np4["one"]["tps"]
                 row["np4_tps"] = (np4["one"]["tps"], np4["aggregate_tps"])
-                row["np4_match"] = bool(single) and np4["one"]["content"] == single["ordinary"]["content"]
+                row["np4_match"] = np4["one"]["content"] == stock.get("single", {}).get("ordinary")
             rows.append(row)
     return rows
 
@@ -241,26 +263,33 @@ def print_report(res: dict[str, Any]) -> None:
     print(f"SYNTHETIC weights: preset {res['preset']} ({res['routing']} routing), BF16 {res['bf16_bytes'] / 2**20:.0f} "
           f"MiB, {res['gen']} tokens a request; budget = limit - {res['overhead_bytes'] / 2**20:.0f} MiB; "
           f"measured under load (shared machine)")
-    print(f"ngram: {' '.join(res['spec_args'])}")
-    print(f"{'budget':>6} {'rep':>3} | {'repetitive t/s single->ngram':>29} {'x':>5} {'acc/draft':>9} {'text':>5} | "
-          f"{'ordinary t/s single->ngram':>27} {'x':>5} {'acc/draft':>9} {'text':>5} | {'np4 t/s one->four':>18} "
-          f"{'x':>5} {'text':>5}")
+    for spec, spec_args in res["specs"].items():
+        print(f"{spec}: {' '.join(spec_args)}")
+    print("text: MATCH where zipmoe's text is stock llama.cpp's (BF16 source, no limit) in the same configuration")
+    stock = res.get("stock", {})
+    for spec, name in [(spec, name) for spec in res["specs"] for name in PROMPTS]:
+        if name in stock.get(spec, {}) and stock[spec][name] != stock["single"][name]:
+            print(f"  stock's own {name} text with {spec} is NOT its single-token text (llama.cpp's batched kernels "
+                  "round differently)")
+    print(f"{'budget':>6} {'rep':>3} {'spec':>6} | {'repetitive t/s single->spec':>28} {'x':>5} {'acc/draft':>9} "
+          f"{'text':>5} | {'ordinary t/s single->spec':>26} {'x':>5} {'acc/draft':>9} {'text':>5}")
     rows = ratios(res)
-    for row in rows:
+    for row, spec in [(row, spec) for row in rows for spec in res["specs"]]:
         cells = []
-        for name in PROMPTS:
-            if name in row:
-                a, b = row[name + "_tps"]
-                cells.append(f"{a:>13.2f} -> {b:>12.2f} {row[name]:>5.2f} {row[name + '_accepted']:>9} "
-                             f"{'MATCH' if row[name + '_match'] else 'DIFF':>5}")
+        for key in (f"{spec}:{name}" for name in PROMPTS):
+            if key in row:
+                a, b = row[key + "_tps"]
+                cells.append(f"{a:>12.2f} -> {b:>12.2f} {row[key]:>5.2f} {row[key + '_accepted']:>9} "
+                             f"{'MATCH' if row[key + '_match'] else 'DIFF':>5}")
             else:
-                cells.append(f"{'-':>29} {'-':>5} {'-':>9} {'-':>5}")
+                cells.append(f"{'-':>28} {'-':>5} {'-':>9} {'-':>5}")
+        print(f"{row['budget_pct']:>5g}% {row['rep']:>3} {spec:>6} | " + " | ".join(cells))
+    print(f"{'budget':>6} {'rep':>3} | {'np4 t/s one -> four':>20} {'x':>5} {'text':>5}")
+    for row in rows:
         if "np4" in row:
             a, b = row["np4_tps"]
-            cells.append(f"{a:>7.2f} -> {b:>7.2f} {row['np4']:>5.2f} {'MATCH' if row['np4_match'] else 'DIFF':>5}")
-        else:
-            cells.append(f"{'-':>18} {'-':>5} {'-':>5}")
-        print(f"{row['budget_pct']:>5g}% {row['rep']:>3} | " + " | ".join(cells))
+            print(f"{row['budget_pct']:>5g}% {row['rep']:>3} | {a:>8.2f} -> {b:>8.2f} {row['np4']:>5.2f} "
+                  f"{'MATCH' if row['np4_match'] else 'DIFF':>5}")
     for r in res["runs"]:
         if r["status"] != "ok":
             print(f"{r['budget_pct']:g}% {r['config']} rep {r['rep']}: {r['status']}: {r.get('message', '')[:300]}")
@@ -289,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="memory limits, %% of the BF16 file (default: 40,75)")
     p.add_argument("--overhead", type=bb._size, default=256 * bb.MIB, metavar="SIZE",
                    help="limit - budget: KV cache, compute buffers, the program (default: 256MiB)")
-    p.add_argument("--gen", type=int, default=64, help="tokens a request generates (default: %(default)s)")
+    p.add_argument("--gen", type=int, default=48, help="tokens a request generates (default: %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="llama-server -t (default: %(default)s)")
     p.add_argument("--repeat", type=int, default=2, metavar="N", help="interleaved repetitions (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=600, metavar="S", help="per server start and request")
