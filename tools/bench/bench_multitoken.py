@@ -45,6 +45,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -202,7 +203,7 @@ def run_config(config: str, model: Path, limit: int | None, budget: int | None, 
     return out
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     parent = bb.check_environment(args.cgroup_parent)
     bf16, model = bb.ensure_models(args.workdir, args.preset, args.routing, 2, False, args.codec)
     size = bf16.stat().st_size
@@ -215,7 +216,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if r["status"] != "ok":
             raise bb.BenchError(f"stock llama-server {config}: {r.get('message')}")
         res_stock[config] = {name: r[name]["content"] for name in PROMPTS}
-    res: dict[str, Any] = {"stock": res_stock, "preset": args.preset, "routing": args.routing, "model": str(model),
+    res: dict[str, Any] = {"command": result_files.command_line(result_files.script_argv(__file__, argv)),
+                           "stock": res_stock, "preset": args.preset, "routing": args.routing, "model": str(model),
                            "bf16_bytes": size, "overhead_bytes": args.overhead, "gen": args.gen, "specs": SPECS,
                            "prompts": PROMPTS, "parallel_prompts": PARALLEL_PROMPTS, "synthetic": True, "runs": []}
     for rep in range(args.repeat):
@@ -302,7 +304,7 @@ def print_report(res: dict[str, Any]) -> None:
         if not vals:
             print(f"  {label}: not measured")
             continue
-        value = vals[len(vals) // 2] if pct is not None else vals[0]
+        value = statistics.median(vals) if pct is not None else vals[0]
         what = "median" if pct is not None else "lowest"
         print(f"  {label} >= {goal}: {what} {value:.2f}x {'met' if value >= goal else 'NOT met'}")
 
@@ -332,14 +334,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.codec = args.codec or bb.default_bench_codec()
     try:
-        res = json.loads(args.report.read_text()) if args.report else run(args)
+        res = json.loads(args.report.read_text()) if args.report else run(args, argv)
     except bb.BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print_report(res)
     notes, day = None, None
     if args.report:  # the numbers were taken when the JSON was last written
-        notes = [f"the tables of {args.report}, printed by --report"]
+        notes = [f"the tables of {args.report}, printed by --report"
+                 + (f"; measured by `{res['command']}`" if "command" in res else "")]
         day = datetime.date.fromtimestamp(args.report.stat().st_mtime)
     result_files.write(args, "multitoken", result_files.printed(print_report, res),
                        weights=f"{result_files.SYNTHETIC} (tools/dev/make_synth.py, preset {res['preset']})",
