@@ -1,6 +1,6 @@
-"""Multi-token steps under a tiny budget: llama-server's n-gram speculation (a step verifies several drafted tokens)
-and parallel slots (-np 4: a step serves four requests) give the same greedy tokens as plain one-token generation,
-every tier evicting and reading again."""
+"""Multi-token steps under a tiny budget: llama-server's n-gram speculation and draft-model speculation (a step
+verifies several drafted tokens) and parallel slots (-np 4: a step serves four requests) give the same greedy tokens
+as plain one-token generation, every tier evicting and reading again."""
 
 from __future__ import annotations
 
@@ -106,6 +106,42 @@ def test_ngram_speculation_gives_the_greedy_tokens_under_a_tiny_budget(zipmoe_mo
     assert plain[0] and body["content"] == plain[0]
     timings = body.get("timings", {})
     assert timings.get("draft_n", 0) > 0, timings  # steps did verify drafted tokens
+
+
+@pytest.mark.parametrize("draft", ["same weights, BF16", "another MoE, zipmoe"])
+def test_draft_model_speculation_gives_the_greedy_tokens_under_a_tiny_budget(zipmoe_model: Path, tiny_model: Path,
+                                                                             tiny_budget: int, tmp_path: Path,
+                                                                             draft: str):
+    """A draft of the target's own weights (the BF16 source: its drafts are the greedy tokens, accepted) and a
+    draft of other weights with the same vocabulary, itself a zipmoe GGUF sharing the process's one budget (its
+    drafts mostly rejected): either way the verified tokens are plain generation's."""
+    from dataclasses import replace
+
+    from pyzipmoe import synth
+    from pyzipmoe.file import convert
+
+    plain = plain_tokens(zipmoe_model, tiny_budget, tmp_path, [PROMPT])
+    if draft.startswith("same"):
+        draft_model = tiny_model
+    else:
+        source, draft_model = tmp_path / "draft.gguf", tmp_path / "draft.zipmoe.gguf"
+        synth.write_config(source, replace(synth.PRESETS["tiny"], seed=1))
+        convert.convert(source, draft_model, threads=2)
+        from pyzipmoe.runtime.budget import model_memory
+
+        tiny_budget += model_memory(draft_model).minimum  # (one budget for both models' experts)
+    server = Server(zipmoe_model, tiny_budget, tmp_path, "-np", "1", "--spec-type", "draft-simple",
+                    "-md", str(draft_model), "--spec-draft-n-max", "4", "--spec-draft-n-min", "0",
+                    "--spec-draft-p-min", "0")
+    try:
+        body = server.complete(PROMPT)
+    finally:
+        server.close()
+    assert plain[0] and body["content"] == plain[0]
+    timings = body.get("timings", {})
+    assert timings.get("draft_n", 0) > 0, timings
+    if draft.startswith("same"):
+        assert timings.get("draft_n_accepted", 0) > 0, timings  # multi-token steps that kept their drafts
 
 
 def test_four_parallel_slots_give_each_request_its_greedy_tokens_under_a_tiny_budget(zipmoe_model: Path,
