@@ -69,9 +69,11 @@ static int64_t decode_chunk(zipmoe_store * s, const plan_item * it, int64_t c, t
     /* bytes from the file are checked; bytes already in RAM were checked when they came from it (a decode that
      * fails its check drops what it read), and checking them again cost ~20% of a decode-bound run's decoding */
     const int from_file = it->read_sm || it->read_codes;
+    /* (units: values of 2 bytes for a split type, bytes for a byte-layout one) */
+    const uint64_t unit = s->info.layout == ZIPMOE_LAYOUT_BYTES ? 1 : 2;
     return zipmoe_chunk_decode(zipmoe_tensor_codec(s->tensor), ts->ws, code, (size_t) ref.code_size, sm,
                                (size_t) ref.n, from_file, ref.checksum,
-                               place_addr(s, s->experts[it->expert].place) + ref.first);
+                               (uint8_t *) place_addr(s, s->experts[it->expert].place) + (uint64_t) ref.first * unit);
 }
 
 /* Under s->mu, by the last thread of an invocation: the planned experts are hot now; the tiers go down

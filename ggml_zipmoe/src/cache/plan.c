@@ -59,7 +59,7 @@ static void plan_expert(zipmoe_store * s, int64_t e, uint64_t tick, plan_item * 
         }
     } else {
         atomic_fetch_add(s->prefilling ? &g_stats.prefill_dummy : &g_stats.misses, 1);
-        it->read_sm    = 1;
+        it->read_sm    = s->sm_size > 0; /* (a byte-layout region is its chunks' codes: nothing before them) */
         it->read_codes = 1;
         uint8_t * region = NULL;
         if (cache_make_room(s, TIER_WARM, span.size, worth, entrant) && (region = cache_region_alloc(span.size)) != NULL) {

@@ -107,8 +107,8 @@ static int64_t init_compressed(zipmoe_store * s, const void * arg) {
         return rc;
     }
     zipmoe_tensor_get_info(s->tensor, &s->info);
-    s->hot_size    = (uint64_t) s->info.n_per_expert * 2;
-    s->sm_size     = (uint64_t) s->info.n_per_expert;
+    s->hot_size    = (uint64_t) s->info.expert_size; /* 2 bytes a value (BF16, F16), or the type's rows */
+    s->sm_size     = s->info.layout == ZIPMOE_LAYOUT_SPLIT16 ? (uint64_t) s->info.n_per_expert : 0; /* (bytes: none) */
     s->mean_region = s->info.n_expert ? (s->info.data_size + (uint64_t) s->info.n_expert - 1) / (uint64_t) s->info.n_expert : 0;
     return ZIPMOE_OK;
 }
