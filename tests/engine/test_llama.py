@@ -770,7 +770,7 @@ def test_a_mixed_type_gguf_is_budgeted_at_each_tensor_s_own_size(ours: Path, typ
     assert refused[0]["load_error"]["type"] == "ZipmoeError" and "needs at least" in refused[0]["load_error"]["message"]
 
 
-ZIPMOE_TYPES = ("F16", "Q8_0", "Q6_K", "IQ4_XS")  # zipmoe GGUFs converted from typed_models: F16 split, the rest raw
+ZIPMOE_TYPES = ("F16", "Q8_0", "Q6_K", "Q4_K_M", "IQ4_XS")  # converted from typed_models: F16 split, the rest raw
 
 
 @pytest.mark.parametrize("qtype", ZIPMOE_TYPES)

@@ -32,6 +32,7 @@ static void plan_expert(zipmoe_store * s, int64_t e, uint64_t tick, plan_item * 
     const int64_t  entrant = s->hot_limit > 0 ? ANY_COPY : e;
     memset(it, 0, sizeof *it);
     it->expert = e;
+    atomic_init(&it->chunks_left, s->info.n_chunks);
     if (x->res == RES_FULL) {
         atomic_fetch_add(s->prefilling ? &g_stats.prefill_dummy : &g_stats.hits_warm, 1);
     } else if (x->res == RES_SM) {

@@ -362,10 +362,9 @@ bool zipmoe_llama_bind(zipmoe_llama_tensor * zt, ggml_tensor * t, ggml_backend_b
     if (!repacked(buft, t, repack, err)) {
         return false;
     }
-    if (repack && !raw) {
-        // its matmul would read the experts in the repacked layout: decoded in the stored one, the logits differ
-        err = std::string("the CPU backend repacks ") + ggml_type_name(t->type) + " experts, which this build does "
-              "not do for a zipmoe GGUF's: serve the plain GGUF under a memory budget instead";
+    if (repack && !raw && info.layout != ZIPMOE_LAYOUT_BYTES) {
+        err = std::string("the CPU backend repacks ") + ggml_type_name(t->type) + " experts, which zipmoe does only "
+              "for byte-layout types";
         return false;
     }
     if (no_alloc) {
