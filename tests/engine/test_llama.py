@@ -807,6 +807,14 @@ def test_zipmoe_gguf_of_every_type_gives_the_source_s_logits(typed_logits: Calla
         runs.append({"config": CONFIGS[i], "zipmoe": {"memory_budget": str(need.minimum + 2 * expert)}})
         where.append(i)
     reports, got = run_worker(packed, ours, runs, tmp_path / "zipmoe.npz")
+    # decoded at load (prefill), and a generated token's next layer guessed and read ahead (ZIPMOE_PREDICT)
+    more = [{"config": CONFIGS[0], "zipmoe": {"memory_budget": str(need.minimum + 8 * expert), "prefill": True}},
+            *({"config": CONFIGS[i], "zipmoe": {"memory_budget": str(need.minimum + 2 * expert)}} for i in picks)]
+    more_reports, more_got = run_worker(packed, ours, more, tmp_path / "more.npz", env={"ZIPMOE_PREDICT": "1"})
+    for k, (run, i) in enumerate(zip(more, [0, *picks], strict=True)):
+        _no_error(more_reports[k])
+        assert_bit_identical(more_got[f"run{k}"], ref[f"run{i}"], f"{qtype} {run['zipmoe']} {CONFIGS[i]} predict")
+        assert more_reports[k]["generated"] == ref_reports[i]["generated"]
     for k, (run, what, stats) in enumerate(_matching_runs(runs, where, reports, got, ref_reports, ref, qtype)):
         assert reports[k]["served"] is True, what
         assert stats["stores"] == len(tensors), (what, stats)
