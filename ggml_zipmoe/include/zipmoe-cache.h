@@ -201,8 +201,9 @@ ZIPMOE_API void    zipmoe_store_free(zipmoe_store * s);
 /* How a raw store puts n_rows rows of an expert, read as stored (src), into their place (dst), instead of copying
  * them: for an engine whose compute reads weights in a layout of its own (llama.cpp's CPU backend repacks some
  * quantized types, rows interleaved in groups). Chunks then begin at multiples of row_align rows (the groups), and
- * fn runs on the decoding threads, on chunks of whole groups. Only before zipmoe_store_bind; ZIPMOE_ERR_ARG for a
- * store that is not raw or bound already, or a row_align < 1. */
+ * fn runs on the decoding threads, on chunks of whole groups. An index store of a byte-layout type (its chunks are
+ * the index's) puts each expert whole once its chunks are decoded: its ne[1] must be a multiple of row_align. Only
+ * before zipmoe_store_bind; ZIPMOE_ERR_ARG for a store of a split type, one bound already, or a row_align < 1. */
 typedef void (*zipmoe_raw_put_fn)(void * ctx, void * dst, const void * src, int64_t n_rows);
 ZIPMOE_API int64_t zipmoe_store_set_raw_put(zipmoe_store * s, zipmoe_raw_put_fn fn, void * ctx, int64_t row_align);
 /* The store's tensor info: its index's, or for a raw store codec 0, its ggml_type and shape, chunks of whole rows

@@ -771,6 +771,62 @@ def test_a_mixed_type_gguf_is_budgeted_at_each_tensor_s_own_size(ours: Path, typ
     assert "is below the minimum of" in refused[0]["load_error"]["message"], refused[0]
 
 
+ZIPMOE_TYPES = ("F16", "Q8_0", "Q6_K", "Q4_K_M", "IQ4_XS")  # converted from typed_models: F16 split, the rest raw
+
+
+@pytest.mark.parametrize("qtype", ZIPMOE_TYPES)
+def test_zipmoe_gguf_of_every_type_gives_the_source_s_logits(typed_logits: Callable, ours: Path,
+                                                            typed_models: dict[str, Path], qtype: str,
+                                                            tmp_path: Path) -> None:
+    """A zipmoe GGUF (zipmoe.version 2) converted from a plain GGUF of each type: without a budget, and under budgets
+    that keep a third of its experts or about one a store, with each policy, 1 and 2 threads, a token per batch and
+    the whole prompt in one, its logits and text are bit-identical to the source file's without a budget (stock
+    llama.cpp's code). Its experts are decoded from the file (F16 through the BF16 split, the others' checked raw
+    chunks); a raw expert is kept only decoded (its compressed copy would be the same bytes)."""
+    from pyzipmoe.file import convert
+    from pyzipmoe.runtime.budget import model_memory
+
+    src = typed_models[qtype]
+    packed = tmp_path / f"{qtype}.zipmoe.gguf"
+    convert.convert(src, packed, chunk_n=4096, threads=2)  # (several chunks an expert)
+    assert open_zipmoe(packed).meta.version == 2
+    ref_reports, ref = typed_logits(qtype)
+    need = model_memory(packed)
+    tensors = _expert_tensors(src)
+    expert = max(t.nbytes // t.dims[2] for t in tensors)
+    n_experts = sum(t.dims[2] for t in tensors)
+    raw = qtype != "F16"
+    runs: list[dict[str, Any]] = [{"config": c, "zipmoe": {}} for c in CONFIGS]
+    where = list(range(len(CONFIGS)))
+    picks = [i for i, c in enumerate(CONFIGS) if c["use_mmap"]]  # threads 1/2 x batch 1/64
+    for policy in ("tlfu", "lru", "lfu", "fifo"):
+        for i in picks:
+            runs.append({"config": CONFIGS[i], "zipmoe": {"memory_budget": str(need.minimum + n_experts // 3 * expert),
+                                                          "cache_policy": policy}})
+            where.append(i)
+    for i in picks:
+        runs.append({"config": CONFIGS[i], "zipmoe": {"memory_budget": str(need.minimum + 2 * expert)}})
+        where.append(i)
+    reports, got = run_worker(packed, ours, runs, tmp_path / "zipmoe.npz")
+    # decoded at load (prefill), and a generated token's next layer guessed and read ahead (ZIPMOE_PREDICT)
+    more = [{"config": CONFIGS[0], "zipmoe": {"memory_budget": str(need.minimum + 8 * expert), "prefill": True}},
+            *({"config": CONFIGS[i], "zipmoe": {"memory_budget": str(need.minimum + 2 * expert)}} for i in picks)]
+    more_reports, more_got = run_worker(packed, ours, more, tmp_path / "more.npz", env={"ZIPMOE_PREDICT": "1"})
+    for k, (run, i) in enumerate(zip(more, [0, *picks], strict=True)):
+        _no_error(more_reports[k])
+        assert_bit_identical(more_got[f"run{k}"], ref[f"run{i}"], f"{qtype} {run['zipmoe']} {CONFIGS[i]} predict")
+        assert more_reports[k]["generated"] == ref_reports[i]["generated"]
+    for k, (run, what, stats) in enumerate(_matching_runs(runs, where, reports, got, ref_reports, ref, qtype)):
+        assert reports[k]["served"] is True, what
+        assert stats["stores"] == len(tensors), (what, stats)
+        assert stats["misses"] > 0 and stats["chunks_decoded"] > 0 and stats["bytes_read"] > 0, (what, stats)
+        if raw:
+            assert stats["warm_bytes"] == 0 and stats["hits_warm"] == 0 and stats["sm_bytes"] == 0, (what, stats)
+        if "memory_budget" in run["zipmoe"]:
+            assert stats["evictions"] > 0, (what, stats)  # the budget held fewer experts than were used
+            assert stats["peak_hot_bytes"] <= int(run["zipmoe"]["memory_budget"]) - need.other_bytes, (what, stats)
+
+
 def test_what_a_plain_gguf_cannot_do_under_a_budget_is_refused(ours: Path, typed_models: dict[str, Path],
                                                                tmp_path: Path) -> None:
     """The planner, a routing trace and adaptation need a zipmoe GGUF: asked for with a plain one under a budget,

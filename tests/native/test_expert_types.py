@@ -419,7 +419,24 @@ def test_llama_runs_an_f16_zipmoe_exactly_or_refuses(tiny_model: Path, tmp_path:
     reply = json.loads(done.stdout.strip().splitlines()[-1])
     assert reply["reference"]["outcome"] == "loaded"  # stock-typed F16 runs
     (result,) = reply["results"]
-    assert result["class"] in ("ok", "refused"), result
+    assert result["class"] == "ok", result
+
+
+@pytest.mark.parametrize("model", ["F16", "Q8_0"])
+def test_the_planner_refuses_experts_that_are_not_bf16(model: str, typed_models: dict[str, Path], tiny_model: Path,
+                                                       tmp_path: Path) -> None:
+    """zipmoe plan / calibrate model BF16 experts (sign+mantissa planes, exponent codecs): a version 2 file is refused
+    with a message, not planned wrongly; it still runs under a budget (tests/engine/test_llama.py)."""
+    from pyzipmoe.plan.inputs import PlanInputError
+    from pyzipmoe.runtime.budget import refuse_plain
+
+    packed = tmp_path / f"{model}.zipmoe.gguf"
+    convert.convert(typed_models[model], packed, threads=2)
+    with pytest.raises(PlanInputError, match="not all BF16 .zipmoe.version 2.: zipmoe plan plans BF16 experts only"):
+        refuse_plain(packed, "zipmoe plan", PlanInputError)
+    bf16 = tmp_path / "BF16.zipmoe.gguf"
+    convert.convert(tiny_model, bf16, threads=2)
+    refuse_plain(bf16, "zipmoe plan", PlanInputError)  # an all-BF16 file is planned
 
 
 def test_format_version_says_whether_every_expert_is_bf16(tiny_model: Path, typed_models: dict[str, Path],
@@ -430,6 +447,63 @@ def test_format_version_says_whether_every_expert_is_bf16(tiny_model: Path, type
         packed = tmp_path / f"{model}.zipmoe.gguf"
         convert.convert(typed_models[model], packed, threads=2)
         assert reader.open_zipmoe(packed).meta.version == 2
+
+
+def test_an_index_store_of_a_byte_layout_type_puts_each_expert_whole(typed_models: dict[str, Path],
+                                                                      tmp_path: Path) -> None:
+    """An engine that keeps a quantized type repacked (llama.cpp's CPU backend) gets each decoded expert of a zipmoe
+    GGUF put whole, once, from its stored bytes: the index's chunks need not hold whole groups of rows. A split
+    (F16) store has nothing to put."""
+    from pyzipmoe._native import ffi, lib
+
+    packed = tmp_path / "q8.zipmoe.gguf"
+    convert.convert(typed_models["Q8_0"], packed, chunk_n=SMALL_CHUNK, threads=2)
+    ct = reader.open_zipmoe(packed).compressed[0]
+    src = format.read_gguf(typed_models["Q8_0"]).by_name[ct.name]
+    with open(typed_models["Q8_0"], "rb") as f:
+        f.seek(src.file_offset)
+        ref = np.frombuffer(f.read(src.nbytes), np.uint8).reshape(src.dims[2], -1)
+    with open(packed, "rb") as f:
+        f.seek(ct.index.file_offset)
+        index = f.read(ct.index.nbytes)
+    out = ffi.new("zipmoe_store **")
+    assert lib.zipmoe_store_open(ct.name.encode(), index, len(index), ct.data.nbytes, out) == 0
+    handle = ffi.gc(out[0], lib.zipmoe_store_free)
+    info = ffi.new("zipmoe_tensor_info *")
+    lib.zipmoe_store_get_info(handle, info)
+    rows = info.ne[1]
+    assert info.n_chunks > 1 and info.expert_size == ref.shape[1] and rows == 6
+    puts = []
+
+    @ffi.callback("void(void *, void *, const void *, int64_t)")
+    def put(ctx, dst, src_rows, n_rows):  # a layout of its own: every byte inverted
+        puts.append(n_rows)
+        data = np.frombuffer(ffi.buffer(src_rows, info.expert_size), np.uint8)
+        ffi.buffer(dst, info.expert_size)[:] = (data ^ 0xFF).tobytes()
+
+    assert lib.zipmoe_store_set_raw_put(handle, put, ffi.NULL, 4) == lib.ZIPMOE_ERR_ARG  # (6 rows: no whole groups)
+    assert lib.zipmoe_store_set_raw_put(handle, put, ffi.NULL, 3) == 0
+    dst, size = ffi.new("void **"), ffi.new("size_t *")
+    with open(packed, "rb") as f:
+        assert lib.zipmoe_store_bind(handle, f.fileno(), ct.data.file_offset, dst, size) == 0
+    weights = np.frombuffer(ffi.buffer(dst[0], info.n_expert * info.expert_size), np.uint8).reshape(info.n_expert, -1)
+    ids = np.ascontiguousarray([[0, 2], [3, 2]], np.int32)
+    where = np.full(ids.shape, -1, np.int32)
+    key = ffi.new("char[1]")
+    assert lib.zipmoe_store_materialize(handle, key, ffi.from_buffer(ids), 2, 2, 4, 8,
+                                        ffi.from_buffer("int32_t[]", where), 0, 1) >= 0
+    np.testing.assert_array_equal(weights[where], ref[ids] ^ 0xFF)
+    assert puts == [rows] * 3  # each routed expert once, whole
+
+    f16 = tmp_path / "f16.zipmoe.gguf"
+    convert.convert(typed_models["F16"], f16, threads=2)
+    ct = reader.open_zipmoe(f16).compressed[0]
+    with open(f16, "rb") as f:
+        f.seek(ct.index.file_offset)
+        index = f.read(ct.index.nbytes)
+    assert lib.zipmoe_store_open(ct.name.encode(), index, len(index), ct.data.nbytes, out) == 0
+    split = ffi.gc(out[0], lib.zipmoe_store_free)
+    assert lib.zipmoe_store_set_raw_put(split, put, ffi.NULL, 3) == lib.ZIPMOE_ERR_ARG
 
 
 def test_version_1_with_other_types_is_refused(typed_models: dict[str, Path], tmp_path: Path) -> None:

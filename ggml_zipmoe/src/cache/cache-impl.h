@@ -80,6 +80,7 @@ typedef struct {
     uint8_t   read_codes; /* the codes must be read from the file */
     uint8_t   staged;     /* the reader thread reads them (into the region or the staging buffer) */
     uint8_t   prefetched; /* read ahead before the plan (readahead.c): nothing left to read */
+    atomic_int_fast64_t chunks_left; /* an index store with a put: chunks still to decode before the expert is put */
 } plan_item;
 
 /* A buffer for bytes read ahead of a store's invocation, aligned for O_DIRECT; two in the process (the store

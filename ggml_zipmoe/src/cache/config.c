@@ -352,7 +352,9 @@ void cache_refresh_limits(zipmoe_store * s) {
         s->warm_limit = s->warm_share != UINT64_MAX ? s->warm_share : quota(s, warm_budget_now());
         s->sm_limit   = quota(s, g_cfg.sm_budget);
     }
-    if (s->raw) { /* a compressed copy of a raw expert is the expert: only the hot tier keeps it */
+    if (s->raw || s->info.layout == ZIPMOE_LAYOUT_BYTES) {
+        /* a compressed copy of a raw expert (a plain GGUF's, or a byte-layout one's) is the expert: only the hot
+         * tier keeps it */
         s->warm_limit = 0;
         s->sm_limit   = 0;
     }

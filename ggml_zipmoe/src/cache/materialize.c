@@ -69,9 +69,21 @@ static int64_t decode_chunk(zipmoe_store * s, const plan_item * it, int64_t c, t
     /* bytes from the file are checked; bytes already in RAM were checked when they came from it (a decode that
      * fails its check drops what it read), and checking them again cost ~20% of a decode-bound run's decoding */
     const int from_file = it->read_sm || it->read_codes;
+    /* (units: values of 2 bytes for a split type, bytes for a byte-layout one) */
+    const uint64_t unit = s->info.layout == ZIPMOE_LAYOUT_BYTES ? 1 : 2;
     return zipmoe_chunk_decode(zipmoe_tensor_codec(s->tensor), ts->ws, code, (size_t) ref.code_size, sm,
                                (size_t) ref.n, from_file, ref.checksum,
-                               place_addr(s, s->experts[it->expert].place) + ref.first);
+                               (uint8_t *) place_addr(s, s->experts[it->expert].place) + (uint64_t) ref.first * unit);
+}
+
+/* An index store's expert whose chunks are all decoded in its place, in the stored layout: put whole (the engine's
+ * layout), through this thread's scratch. Its last chunk's thread does it: the others' writes came before their
+ * decrements of chunks_left. */
+static int64_t put_expert(zipmoe_store * s, const plan_item * it, thread_scratch * ts) {
+    uint8_t * place = (uint8_t *) place_addr(s, s->experts[it->expert].place);
+    memcpy(ts->buf, place, (size_t) s->hot_size);
+    s->raw_put(s->raw_put_ctx, place, ts->buf, (int64_t) (s->hot_size / s->row_bytes));
+    return ZIPMOE_OK;
 }
 
 /* Under s->mu, by the last thread of an invocation: the planned experts are hot now; the tiers go down
@@ -302,8 +314,10 @@ static int64_t end_turn(zipmoe_store * s, zipmoe_turn * turn, const void * ids, 
     const plan_item * plan   = turn->plan;
     if (plan_n > 0) {
         const size_t     chunk_n = (size_t) s->info.chunk_n;
+        const size_t     bound   = s->raw ? 0 : chunk_n + zipmoe_chunk_bound(zipmoe_tensor_codec(s->tensor), chunk_n);
+        const int        put     = !s->raw && s->raw_put; /* (then an expert goes through the scratch too) */
         thread_scratch * ts = s->raw ? NULL /* (a copy needs none) */
-                                     : cache_thread_scratch(chunk_n, chunk_n + zipmoe_chunk_bound(zipmoe_tensor_codec(s->tensor), chunk_n));
+                                     : cache_thread_scratch(chunk_n, put && s->hot_size > bound ? (size_t) s->hot_size : bound);
         const uint64_t   t0 = zipmoe_now_ns();
         if (!ts && !s->raw) {
             cache_record_error(s, plan[0].expert, ZIPMOE_ERR_NOMEM);
@@ -320,6 +334,10 @@ static int64_t end_turn(zipmoe_store * s, zipmoe_turn * turn, const void * ids, 
             int64_t rc = plan[j].staged ? zipmoe_reader_wait_item(&s->job, j) : ZIPMOE_OK;
             if (rc == ZIPMOE_OK) {
                 rc = decode_chunk(s, &plan[j], c, ts);
+            }
+            /* (chunks_left is the plan's, shared by its threads as next_chunk is) */
+            if (rc >= 0 && put && atomic_fetch_sub(&((plan_item *) &plan[j])->chunks_left, 1) == 1) {
+                rc = put_expert(s, &plan[j], ts);
             }
             if (rc < 0) {
                 cache_record_error(s, plan[j].expert, rc);

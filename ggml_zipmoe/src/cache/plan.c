@@ -32,6 +32,7 @@ static void plan_expert(zipmoe_store * s, int64_t e, uint64_t tick, plan_item * 
     const int64_t  entrant = s->hot_limit > 0 ? ANY_COPY : e;
     memset(it, 0, sizeof *it);
     it->expert = e;
+    atomic_init(&it->chunks_left, s->info.n_chunks);
     if (x->res == RES_FULL) {
         atomic_fetch_add(s->prefilling ? &g_stats.prefill_dummy : &g_stats.hits_warm, 1);
     } else if (x->res == RES_SM) {
@@ -59,7 +60,7 @@ static void plan_expert(zipmoe_store * s, int64_t e, uint64_t tick, plan_item * 
         }
     } else {
         atomic_fetch_add(s->prefilling ? &g_stats.prefill_dummy : &g_stats.misses, 1);
-        it->read_sm    = 1;
+        it->read_sm    = s->sm_size > 0; /* (a byte-layout region is its chunks' codes: nothing before them) */
         it->read_codes = 1;
         uint8_t * region = NULL;
         if (cache_make_room(s, TIER_WARM, span.size, worth, entrant) && (region = cache_region_alloc(span.size)) != NULL) {

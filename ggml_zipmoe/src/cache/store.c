@@ -107,8 +107,8 @@ static int64_t init_compressed(zipmoe_store * s, const void * arg) {
         return rc;
     }
     zipmoe_tensor_get_info(s->tensor, &s->info);
-    s->hot_size    = (uint64_t) s->info.n_per_expert * 2;
-    s->sm_size     = (uint64_t) s->info.n_per_expert;
+    s->hot_size    = (uint64_t) s->info.expert_size; /* 2 bytes a value (BF16, F16), or the type's rows */
+    s->sm_size     = s->info.layout == ZIPMOE_LAYOUT_SPLIT16 ? (uint64_t) s->info.n_per_expert : 0; /* (bytes: none) */
     s->mean_region = s->info.n_expert ? (s->info.data_size + (uint64_t) s->info.n_expert - 1) / (uint64_t) s->info.n_expert : 0;
     return ZIPMOE_OK;
 }
@@ -163,12 +163,19 @@ static int64_t init_raw(zipmoe_store * s, const void * arg) {
 }
 
 int64_t zipmoe_store_set_raw_put(zipmoe_store * s, zipmoe_raw_put_fn fn, void * ctx, int64_t row_align) {
-    if (!s || !s->raw || s->fd >= 0 || row_align < 1) {
+    if (!s || (!s->raw && s->info.layout != ZIPMOE_LAYOUT_BYTES) || s->fd >= 0 || row_align < 1) {
         return ZIPMOE_ERR_ARG;
+    }
+    if (!s->raw && (s->info.ne[1] <= 0 || s->info.ne[1] % row_align != 0)) {
+        return ZIPMOE_ERR_ARG; /* (an index store's expert is put whole: whole groups) */
     }
     s->raw_put     = fn;
     s->raw_put_ctx = ctx;
-    raw_chunks(s, row_align);
+    if (s->raw) {
+        raw_chunks(s, row_align);
+    } else {
+        s->row_bytes = s->hot_size / (uint64_t) s->info.ne[1];
+    }
     return ZIPMOE_OK;
 }
 

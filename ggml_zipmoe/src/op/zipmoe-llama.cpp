@@ -165,7 +165,8 @@ zipmoe_llama_tensor_ptr zipmoe_llama_open(const char * name, const void * index,
     }
     zipmoe_tensor_info info;
     zipmoe_store_get_info(store, &info);
-    return adopt(name, store, (uint64_t) info.n_expert * (uint64_t) info.n_per_expert * 2, false);
+    // a byte-layout expert (F32, quantized) is kept as a plain GGUF's is: decoded only (its region is its bytes)
+    return adopt(name, store, (uint64_t) info.n_expert * (uint64_t) info.expert_size, info.layout == ZIPMOE_LAYOUT_BYTES);
 }
 
 zipmoe_llama_tensor_ptr zipmoe_llama_open_raw(const char * name, const ggml_tensor * meta, std::string & err) {
@@ -231,15 +232,25 @@ bool zipmoe_llama_check_meta(const zipmoe_llama_tensor * zt, const char * codec,
     zipmoe_store_get_info(zt->store, &info);
     const int want = std::strcmp(codec, "zstd") == 0 ? ZIPMOE_CODEC_ZSTD
                      : std::strcmp(codec, "huff") == 0 ? ZIPMOE_CODEC_HUFF
-                     : std::strcmp(codec, "esc") == 0 ? ZIPMOE_CODEC_ESC : -1;
+                     : std::strcmp(codec, "esc") == 0 ? ZIPMOE_CODEC_ESC
+                     : std::strcmp(codec, "raw") == 0 ? ZIPMOE_CODEC_RAW : -1;
     if (want < 0) {
         err = std::string("unknown zipmoe.codec '") + codec + "'";
         return false;
     }
+    if (info.layout == ZIPMOE_LAYOUT_BYTES) {
+        // zipmoe.codec and zipmoe.chunk_size are the split tensors'; a byte-layout one is raw, in chunks of whole
+        // rows (the index checked both)
+        if (info.codec != ZIPMOE_CODEC_RAW) {
+            err = "the index codes a byte-layout tensor with a codec other than raw";
+            return false;
+        }
+        return true;
+    }
     if (info.codec != want || info.chunk_n != (int64_t) chunk_size) {
-        static const char * names[] = { "?", "zstd", "huff", "esc" };
+        static const char * names[] = { "?", "zstd", "huff", "esc", "raw" };
         err = std::string("the index disagrees with the metadata (codec ") +
-              names[info.codec >= 1 && info.codec <= 3 ? info.codec : 0] + " vs " + codec +
+              names[info.codec >= 1 && info.codec <= 4 ? info.codec : 0] + " vs " + codec +
               ", chunk size " + std::to_string(info.chunk_n) + " vs " + std::to_string(chunk_size) + ")";
         return false;
     }
@@ -250,6 +261,12 @@ void zipmoe_llama_shape(const zipmoe_llama_tensor * zt, int64_t ne[4]) {
     zipmoe_tensor_info info;
     zipmoe_store_get_info(zt->store, &info);
     std::memcpy(ne, info.ne, sizeof info.ne);
+}
+
+ggml_type zipmoe_llama_type(const zipmoe_llama_tensor * zt) {
+    zipmoe_tensor_info info;
+    zipmoe_store_get_info(zt->store, &info);
+    return (ggml_type) info.ggml_type;
 }
 
 static int cpu_count() {
@@ -335,14 +352,19 @@ bool zipmoe_llama_bind(zipmoe_llama_tensor * zt, ggml_tensor * t, ggml_backend_b
     zipmoe_tensor_info info;
     zipmoe_store_get_info(zt->store, &info);
     const bool      raw  = zipmoe_store_is_raw(zt->store);
-    const ggml_type want = raw ? (ggml_type) info.ggml_type : GGML_TYPE_BF16;
+    const ggml_type want = (ggml_type) info.ggml_type; // (the index's: BF16, F16 or a byte-layout type)
     if (t->type != want) {
         err = "the model asks for a " + std::string(ggml_type_name(t->type)) + " tensor; zipmoe serves " +
               ggml_type_name(want);
         return false;
     }
-    bool repack = false; // (a compressed store's BF16 memory is host memory whatever buft says)
-    if (raw && !repacked(buft, t, repack, err)) {
+    bool repack = false; // (a compressed store's memory is host memory whatever buft says)
+    if (!repacked(buft, t, repack, err)) {
+        return false;
+    }
+    if (repack && !raw && info.layout != ZIPMOE_LAYOUT_BYTES) {
+        err = std::string("the CPU backend repacks ") + ggml_type_name(t->type) + " experts, which zipmoe does only "
+              "for byte-layout types";
         return false;
     }
     if (no_alloc) {

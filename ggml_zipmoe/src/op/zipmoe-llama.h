@@ -41,7 +41,8 @@ size_t zipmoe_llama_index_header_size();
 bool   zipmoe_llama_check_index_size(const void * header, size_t header_size, uint64_t index_size, uint64_t data_size,
                                      std::string & err);
 
-// The index agrees with the file's metadata: zipmoe.codec (huff, esc, zstd) and zipmoe.chunk_size.
+// The index agrees with the file's metadata: zipmoe.codec (huff, esc, zstd; raw: no split tensors) and
+// zipmoe.chunk_size, which apply to split tensors (BF16, F16); a byte-layout tensor's codec is raw.
 bool zipmoe_llama_check_meta(const zipmoe_llama_tensor * zt, const char * codec, uint32_t chunk_size,
                              std::string & err);
 
@@ -57,6 +58,9 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
 
 // The original tensor's shape, from the index.
 void zipmoe_llama_shape(const zipmoe_llama_tensor * zt, int64_t ne[4]);
+
+// The original tensor's type, from the index (BF16, F16 or a byte-layout type of a zipmoe.version 2 file).
+ggml_type zipmoe_llama_type(const zipmoe_llama_tensor * zt);
 
 // Gives t (BF16, the original shape; a raw store's: its type) its memory: a reservation that holds only materialised experts,
 // wrapped in a CPU buffer; the data companion at data_offs of the model file is read from when experts are decoded.
