@@ -61,9 +61,9 @@ class Creating:
     def create(self, name: str | ModelName, modelfile: Modelfile | str, *, base_dir: str | os.PathLike[str] = ".",
                codec: str = "auto", level: int | None = None, chunk_n: int | None = None, threads: int | None = None,
                progress: Progress | None = None) -> CreateReport:
-        """Creates (or replaces) model `name` from a Modelfile (text or parsed). FROM is a BF16 MoE GGUF (converted
-        with codec/level/chunk_n, once: a later create from the same file reuses the result), a MoE GGUF of other
-        expert types (F16, quantized: stored as it is, its experts served from the cache under a budget), a zipmoe
+        """Creates (or replaces) model `name` from a Modelfile (text or parsed). FROM is a MoE GGUF of BF16 or F16
+        experts (converted with codec/level/chunk_n, once: a later create from the same file reuses the result),
+        one of quantized experts (stored as it is, its experts served from the cache under a budget), a zipmoe
         GGUF, or a stored model (whose layers are inherited; the Modelfile's directives replace them)."""
         from ..file import codec as zcodec
 
@@ -123,16 +123,16 @@ class Creating:
         """The model layer for a GGUF file: reused when the store has it, else staged (copied or converted)."""
         from ..file import codec as zcodec
         from ..file import convert
-        from ..file.gguf import GGML_TYPE_BF16, read_gguf
+        from ..file.gguf import GGML_TYPE_BF16, GGML_TYPE_F16, read_gguf
         from ..file.metadata import is_expert_tensor
 
         g = read_gguf(source)
         source_hex, source_size = self._source_digest(source, progress)
         info: dict[str, Any] = {"source": str(source), "source_size": source_size, "converted": False,
                                 "model_reused": True, "convert": None}
-        # a GGUF whose experts are not all BF16 is stored as it is: the runtime serves such a plain GGUF's experts
-        # from its cache under a budget, and does not yet run zipmoe files of other types (zipmoe.version 2)
-        as_is = g.is_zipmoe or any(t.ggml_type != GGML_TYPE_BF16 for t in g.tensors if is_expert_tensor(t))
+        # a GGUF whose experts are all quantized (or F32) is stored as it is: conversion would save 0.5-4% of them
+        # (docs/FORMAT.md), and the runtime serves a plain GGUF's experts from its cache under a budget alike
+        as_is = g.is_zipmoe or not any(t.ggml_type in (GGML_TYPE_BF16, GGML_TYPE_F16) for t in g.tensors if is_expert_tensor(t))
         if as_is:
             if g.is_zipmoe:
                 from ..file.reader import open_zipmoe
