@@ -6,7 +6,7 @@
 # than its x86 ones, so ARM is compared to ARM).
 #   bash tools/dev/cross_arm64.sh [--install] [STEP...]   steps: build test e2e insn (default: build test e2e)
 #     build  configure and build in $ZIPMOE_ARM64_BUILD (default build-arm64; reused: a second run rebuilds what
-#            changed); e2e also builds llama.cpp's llama-simple and zipmoe-logits there
+#            changed); e2e also builds llama.cpp's llama-simple, llama-cli and zipmoe-logits there
 #     test   zipmoe-selftest under qemu-aarch64: the default CPU (NEON), -cpu max (every optional extension) and
 #            -cpu cortex-a53 (a small in-order core: ARMv8.0, NEON only)
 #     e2e    a tiny synthetic BF16 MoE (SYNTHETIC weights), converted on the host (huff and esc), run by the ARM64
@@ -92,7 +92,7 @@ if want build; then
     gen=(); [ -f "$BUILD/CMakeCache.txt" ] || { command -v ninja >/dev/null && gen=(-G Ninja); }
     cmake -S . -B "$BUILD" "${gen[@]}" "${cfg[@]}" >/dev/null
     targets=(ggml-zipmoe zipmoe-selftest)
-    [ $llama -eq 1 ] && targets+=(llama-simple zipmoe-logits)
+    [ $llama -eq 1 ] && targets+=(llama-simple llama-cli zipmoe-logits)
     cmake --build "$BUILD" -j "$JOBS" --target "${targets[@]}"
 fi
 
@@ -104,7 +104,7 @@ if want test; then
 fi
 
 if want e2e; then
-    for prog in llama-simple zipmoe-logits; do
+    for prog in llama-simple llama-cli zipmoe-logits; do
         if [ ! -x "$BUILD/bin/$prog" ]; then
             echo "cross_arm64.sh: $BUILD/bin/$prog is missing: run the build step with e2e (cross_arm64.sh build e2e)" >&2
             exit 1
@@ -135,6 +135,12 @@ EOF
         env "$@" "${QEMU[@]}" "$BUILD/bin/llama-simple" -m "$work/$model.gguf" -n 12 "$prompt" 2>"$work/$name.err" \
             >"$work/$name.txt" || { tail -20 "$work/$name.err" >&2; return 1; }
     }
+    step "llama-cli under qemu-aarch64 (it starts and knows the zipmoe flags)"
+    cli_help=$("${QEMU[@]}" "$BUILD/bin/llama-cli" --help 2>&1 || true)
+    case $cli_help in
+        *--memory-budget*) echo "  llama-cli --help: runs, lists --memory-budget" ;;
+        *) echo "cross_arm64.sh: the cross-built llama-cli does not run, or lacks --memory-budget" >&2; exit 1 ;;
+    esac
     step "BF16 model under qemu-aarch64"
     run ref bf16
     ref_size=$(stat -c %s "$work/ref.f32")
