@@ -132,7 +132,9 @@ class Creating:
                                 "model_reused": True, "convert": None}
         # a GGUF whose experts are all quantized (or F32) is stored as it is: conversion would save 0.5-4% of them
         # (docs/FORMAT.md), and the runtime serves a plain GGUF's experts from its cache under a budget alike
-        as_is = g.is_zipmoe or not any(t.ggml_type in (GGML_TYPE_BF16, GGML_TYPE_F16) for t in g.tensors if is_expert_tensor(t))
+        experts = [t for t in g.tensors if is_expert_tensor(t)]  # (none: convert says it is not a MoE model)
+        coded = (GGML_TYPE_BF16, GGML_TYPE_F16)
+        as_is = g.is_zipmoe or bool(experts) and not any(t.ggml_type in coded for t in experts)
         if as_is:
             if g.is_zipmoe:
                 from ..file.reader import open_zipmoe
