@@ -155,7 +155,7 @@ def load(path: str | os.PathLike[str]) -> Routing:
 
 def from_log(logs: dict[int, np.ndarray], tokens: np.ndarray, k: int) -> Routing:
     """A Routing from per-block routing logs (block -> bool [steps, n_expert], oldest first, all of one length, as
-    pyzipmoe.runtime.controller.live_routing reads them) and the tokens of each step."""
+    pyzipmoe.runtime.cache_control.live_routing reads them) and the tokens of each step."""
     if not logs:
         raise RoutingFileError("routing: no MoE layer logged any step")
     blocks = sorted(logs)

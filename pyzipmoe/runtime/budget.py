@@ -161,7 +161,7 @@ def model_budget(budget: str | int, need: ModelMemory) -> int:
         return parse_budget(budget)
     from .._native import ffi, lib
 
-    s = ffi.new("zipmoe_stats *")  # what the runtime holds already, as controller.resident_bytes counts it
+    s = ffi.new("zipmoe_stats *")  # what the runtime holds already, as cache_control.resident_bytes counts it
     lib.zipmoe_stats_get(s)
     held = s.hot_bytes + s.warm_bytes + s.sm_bytes + s.decoding_bytes + s.pool_bytes + s.staging_transient_bytes
     return parse_budget(budget, model_bytes=need.whole, held=int(held))

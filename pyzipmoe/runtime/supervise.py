@@ -4,7 +4,7 @@ budget, as pyzipmoe.Llama's memory monitor supervises a model in its own process
 The program's cache lives in another process, so the monitor (controller.MemoryMonitor, unchanged: the same
 `auto` formula, hysteresis and floor) talks to it through a control file (ZIPMOE_CONTROL) instead of the native
 library: `RemoteRuntime` stands in for the library, as far as the monitor uses it. A new budget is split here with
-the library's zipmoe_budget_split_tiers (controller.apply_shares, as for pyzipmoe.Llama) and written to the file; the
+the library's zipmoe_budget_split_tiers (cache_control.apply_shares, as for pyzipmoe.Llama) and written to the file; the
 program's glue (ggml_zipmoe/src/op/zipmoe-control.cpp) applies it with zipmoe_cache_apply_split where its next graph
 begins (or within 20 ms, between graphs), and writes back what its runtime holds, which the monitor counts as the
 model's. The file's layout is CONTROL_WORDS 64-bit words, described in zipmoe-control.cpp.

@@ -80,7 +80,7 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
         step()
     routing = None
     if job["routing"]:
-        from .controller import live_routing
+        from .cache_control import live_routing
         from ..plan.inputs import geometry_from_gguf
 
         routing = {int(b): [np.flatnonzero(row).tolist() for row in log]

@@ -60,7 +60,7 @@ WORKER = r"""
 import json, os, sys, time
 import numpy as np
 job = json.loads(sys.argv[1])
-from pyzipmoe.runtime import controller, memory
+from pyzipmoe.runtime import cache_control, controller, memory
 from pyzipmoe.plan import solver as planner
 from pyzipmoe.runtime.budget import model_memory
 from pyzipmoe.runtime.llama import Llama, zipmoe_stats
@@ -102,7 +102,7 @@ def fake_run(model, res):
     total = 4 << 30
     room = {"bytes": total}
     def read():
-        held = need.other_bytes + controller.resident_bytes()
+        held = need.other_bytes + cache_control.resident_bytes()
         # psutil's available counts the page cache of the mapped weights (resident here) as available too
         return memory.MemoryReading(total=total, available=max(0, room["bytes"] - held) + need.other_bytes, rss=0)
     margin = memory.safety_margin(read())

@@ -285,7 +285,7 @@ def test_escape_coded_experts_under_budgets_give_the_same_logits(logits: Callabl
     every expert is kept compressed (zipmoe_budget_default_hot_share), and the logits stay the BF16 model's."""
     from pyzipmoe.file import codec
     from pyzipmoe.runtime.budget import model_memory
-    from pyzipmoe.runtime.controller import default_hot_share, store_sizes
+    from pyzipmoe.runtime.cache_control import default_hot_share, store_sizes
 
     model = zipmoe_models[arch, "esc"]
     ref_reports, ref = logits(arch, "bf16")
@@ -606,7 +606,7 @@ def test_compressed_tiers_give_back_what_they_evict(ours: Path, tmp_path: Path) 
     assert done.returncode == 0, stderr_tail(done.stderr)
     got = json.loads(done.stdout.strip().splitlines()[-1])
     from pyzipmoe._native import ffi, lib
-    from pyzipmoe.runtime.controller import store_sizes
+    from pyzipmoe.runtime.cache_control import store_sizes
 
     sizes = store_sizes(packed)
     split = ffi.new("zipmoe_budget_split *")  # the warm tier the loader gives (beside a prompt's read room)

@@ -556,7 +556,7 @@ def test_a_budget_split_by_shares_leaves_a_prompt_s_reads_room_and_generation_al
     allowance for the tensor in flight share the rest with the largest tensor's experts, and generation's hot
     budget holds all of it; with an sm tier, no generation budget; with compressed tiers, the room holds what the
     warm tier does not keep whole and the sm tier's codes, with or without a hot tier; bad shares are refused."""
-    from pyzipmoe.runtime.controller import store_sizes
+    from pyzipmoe.runtime.cache_control import store_sizes
 
     sizes = store_sizes(zipmoe_model)
     cold = 1 - tiers / sum(b for b, _, _ in sizes)  # of every store's experts, with the tiers all hot
@@ -1124,7 +1124,7 @@ def test_the_default_split_keeps_experts_compressed_only_where_nearly_all_fit_so
     """zipmoe_budget_default_hot_share (in the library; pyzipmoe.runtime.controller asks it through cffi): every
     expert compressed (0) where the tiers hold >= 90% of the compressed bytes and < 90% of the BF16 bytes, and warm
     hits decode fast; decoded-only (1) everywhere else."""
-    from pyzipmoe.runtime.controller import default_hot_share
+    from pyzipmoe.runtime.cache_control import default_hot_share
 
     sizes = [(3000, 8, 2000), (3000, 8, 2000)]  # BF16 6000, compressed 4000
     assert [default_hot_share(t, sizes, True) for t in (3500, 3600, 4000, 5399, 5400, 9000)] == [1, 0, 0, 0, 1, 1]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pyzipmoe.runtime import controller, memory, supervise
+from pyzipmoe.runtime import cache_control, controller, memory, supervise
 from pyzipmoe.runtime.config import DEFAULT_POLICY
 
 MiB = 1 << 20
@@ -43,15 +43,15 @@ def test_a_new_budget_reaches_the_control_file_as_the_runtime_s_own_split(zipmoe
         seq = int(ctl.words[supervise.W_SEQ])
         assert seq > 0 and seq % 2 == 0  # complete
         # what the program will apply is zipmoe_budget_split_tiers' split of the new tiers
-        sizes = controller.store_sizes(zipmoe_model)
+        sizes = cache_control.store_sizes(zipmoe_model)
         out = ffi.new("zipmoe_budget_split *")
-        hot = controller.default_hot_share(target - need.minimum, sizes, controller.warm_decodes_fast(zipmoe_model))
-        assert lib.zipmoe_budget_split_tiers(controller._store_sizes_struct(sizes), len(sizes),
+        hot = cache_control.default_hot_share(target - need.minimum, sizes, cache_control.warm_decodes_fast(zipmoe_model))
+        assert lib.zipmoe_budget_split_tiers(cache_control._store_sizes_struct(sizes), len(sizes),
                                              target - need.minimum, hot, 0.0, out) == 0
         got = [int(ctl.words[w]) for w in (supervise.W_HOT, supervise.W_WARM, supervise.W_SM, supervise.W_IN_FLIGHT,
                                             supervise.W_READS, supervise.W_TOKEN_HOT)]
         assert got == [out.hot, out.warm, out.sm, out.in_flight, out.reads, out.token_hot]
-        assert int(ctl.words[supervise.W_POLICY]) == getattr(lib, controller._POLICY_IDS[DEFAULT_POLICY])
+        assert int(ctl.words[supervise.W_POLICY]) == getattr(lib, cache_control._POLICY_IDS[DEFAULT_POLICY])
         # the floor: less room than the minimum, twice
         room["bytes"] = need.minimum // 2
         mon.step()
