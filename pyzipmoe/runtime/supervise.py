@@ -35,7 +35,7 @@ from .config import BUDGET_ENV, CONTROL_ENV, split_shares
 CONTROL_WORDS = 16
 CONTROL_MAGIC = int.from_bytes(b"ZMCTL001", "little")
 (W_MAGIC, W_SEQ, W_POLICY, W_HOT, W_WARM, W_SM, W_IN_FLIGHT, W_READS, W_TOKEN_HOT, W_APPLIED, W_RESIDENT,
- W_TRANSIENT, W_CALLS, W_PID, W_POLLS) = range(15)
+ W_TRANSIENT, W_CALLS, W_PID, W_POLLS, W_PEAK_RESIDENT) = range(16)
 READY_SECONDS = 600.0  # how long the supervisor waits for the program's first report (a large model's load)
 
 
@@ -98,6 +98,7 @@ class RemoteRuntime:
         s.hot_bytes, s.warm_bytes, s.sm_bytes, s.decoding_bytes = c.value(W_RESIDENT), 0, 0, 0
         s.pool_bytes, s.staging_transient_bytes = 0, c.value(W_TRANSIENT)
         s.materialize_calls = c.value(W_CALLS)
+        s.peak_resident_bytes = c.value(W_PEAK_RESIDENT)
 
     def zipmoe_cache_apply_split(self, split: Any, policy: int) -> int:
         self.ctl.publish(split, policy)

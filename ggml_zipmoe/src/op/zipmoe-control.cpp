@@ -10,7 +10,8 @@
 //                                                                          computed it with zipmoe_budget_split_tiers)
 //   9 applied: the seq this process applied   10 resident: the runtime's kept bytes (tiers, experts being decoded,
 //   evicted experts' pages)   11 transient: the read buffers' bytes beyond what they keep   12 invocations served
-//   13 pid   14 polls
+//   13 pid   14 polls   15 peak resident: the most the tiers held at once (stays when the model is freed, so a
+//   finished program's report does not race its own teardown)
 // The split is applied with zipmoe_cache_apply_split, all at once, as the in-process monitor applies its splits.
 #include "zipmoe-control.h"
 
@@ -38,7 +39,7 @@ constexpr uint64_t CONTROL_MAGIC = 0x3130304c54434d5aull; // "ZMCTL001" as littl
 constexpr auto     THREAD_PERIOD = std::chrono::milliseconds(20);
 
 enum { W_MAGIC, W_SEQ, W_POLICY, W_HOT, W_WARM, W_SM, W_IN_FLIGHT, W_READS, W_TOKEN_HOT, W_APPLIED, W_RESIDENT,
-       W_TRANSIENT, W_CALLS, W_PID, W_POLLS };
+       W_TRANSIENT, W_CALLS, W_PID, W_POLLS, W_PEAK_RESIDENT };
 
 // Process-wide: one supervisor per process, as there is one budget per process (architecture.md).
 struct control_state {
@@ -59,6 +60,7 @@ void publish_stats() {
     store(W_RESIDENT, s.hot_bytes + s.warm_bytes + s.sm_bytes + s.decoding_bytes + s.pool_bytes);
     store(W_TRANSIENT, s.staging_transient_bytes);
     store(W_CALLS, s.materialize_calls);
+    store(W_PEAK_RESIDENT, s.peak_resident_bytes);
     store(W_POLLS, load(W_POLLS) + 1);
 }
 
