@@ -225,7 +225,7 @@ def register(sub: Any) -> None:
                     "memory budget of half its size, next to stock llama.cpp on the BF16 file in the same memory "
                     "limit (a cgroup where this process may make one). Prints tokens/s, peak memory and whether "
                     "the tokens are identical.",
-        epilog="examples:\n  zipmoe demo\n  zipmoe demo --preset 1g --keep --workdir /tmp/z")
+        examples=("zipmoe demo", "zipmoe demo --preset 1g --keep --workdir /tmp/z"))
     p.add_argument("--preset", choices=("tiny", "small", "1g"), default="small",
                    help="model size: tiny (~0.3 MB), small (~64 MB, the default) or 1g (~1 GiB, minutes)")
     p.add_argument("--arch", choices=("qwen3moe", "olmoe"), default="qwen3moe", help="model architecture")

@@ -107,14 +107,14 @@ def register(sub: Any) -> None:
     from ..file import codec
 
     p = command(
-        sub, "convert", cmd_convert, help="compress the expert tensors of a GGUF",
+        sub, "convert", cmd_convert, help="compress the expert tensors of a GGUF", examples=(
+            "zipmoe convert model-bf16.gguf model.zipmoe.gguf",
+            "zipmoe convert model-bf16.gguf model.zipmoe.gguf --codec zstd --level 3 --threads 8"),
         description="Compress every expert tensor (blk.N.ffn_{up,gate,down,gate_up}_exps.weight) of SRC "
                     "into DST, a GGUF that keeps every other tensor and key of SRC: BF16 and F16 experts entropy "
                     "coded, F32 and quantized ones (Q8_0, Q4_K, IQ4_XS, ...) stored raw, all in checksummed "
                     "chunks. SRC is read twice (statistics, then encoding); memory use does not grow with the "
-                    "model.",
-        epilog="examples:\n  zipmoe convert model-bf16.gguf model.zipmoe.gguf\n"
-               "  zipmoe convert model-bf16.gguf model.zipmoe.gguf --codec zstd --level 3 --threads 8")
+                    "model.")
     p.add_argument("src", metavar="SRC", help="a MoE GGUF")
     p.add_argument("dst", metavar="DST", help="the zipmoe GGUF to write (replaced if it exists)")
     p.add_argument("--codec", choices=("auto", "huff", "esc", "zstd"), default="auto",
@@ -131,12 +131,11 @@ def register(sub: Any) -> None:
     add_report_flags(p, json_help="print the report as JSON on stdout",
                      quiet_help="no progress bars, no size table")
 
-    p = command(
-        sub, "verify", cmd_verify, help="check that a zipmoe file restores its source exactly",
-        description="Decode every expert of FILE (each chunk's checksum is checked) and restore the source in "
-                    "memory, checking its sha256 against the one recorded at conversion. With --against, "
-                    "also compare with the source file and name the first differing value.",
-        epilog="example:\n  zipmoe verify model.zipmoe.gguf --against model-bf16.gguf")
+    p = command(sub, "verify", cmd_verify, help="check that a zipmoe file restores its source exactly",
+                examples=["zipmoe verify model.zipmoe.gguf --against model-bf16.gguf"],
+                description="Decode every expert of FILE (each chunk's checksum is checked) and restore the source "
+                            "in memory, checking its sha256 against the one recorded at conversion. With "
+                            "--against, also compare with the source file and name the first differing value.")
     p.add_argument("file", metavar="FILE", help="a zipmoe GGUF")
     p.add_argument("--against", metavar="SRC", help="the GGUF it was converted from")
     add_threads(p)
@@ -145,11 +144,11 @@ def register(sub: Any) -> None:
 
     p = command(
         sub, "inspect", cmd_inspect, help="sizes, exponent entropy and ratios of a GGUF",
+        examples=("zipmoe inspect model.zipmoe.gguf", "zipmoe inspect model-bf16.gguf --json"),
         description="For a zipmoe file: per expert tensor its type, source and compressed sizes, the entropy "
                     "of its exponents H(exp) (of its bytes for quantized types), the entropy floor and how far "
                     "the achieved ratio is above it. For a plain GGUF: its expert tensors, their measured H(exp) "
-                    "and floor.",
-        epilog="examples:\n  zipmoe inspect model.zipmoe.gguf\n  zipmoe inspect model-bf16.gguf --json")
+                    "and floor.")
     p.add_argument("file", metavar="FILE", help="a zipmoe or plain GGUF")
     p.add_argument("--json", action="store_true", help="print everything as JSON on stdout")
 
@@ -157,7 +156,7 @@ def register(sub: Any) -> None:
         sub, "unpack", cmd_unpack, help="restore the original GGUF",
         description="Write the source of FILE back, byte for byte, to OUT; its sha256 is checked before OUT "
                     "appears.",
-        epilog="example:\n  zipmoe unpack model.zipmoe.gguf model-bf16.gguf")
+        examples=["zipmoe unpack model.zipmoe.gguf model-bf16.gguf"])
     p.add_argument("file", metavar="FILE", help="a zipmoe GGUF")
     p.add_argument("out", metavar="OUT", help="where to write the restored GGUF")
     add_threads(p)

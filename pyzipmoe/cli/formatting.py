@@ -65,9 +65,14 @@ def para(text: str) -> str:
     return textwrap.fill(text, width=min(100, shutil.get_terminal_size().columns - 2))
 
 
-def command(sub: Any, name: str, run: Any, description: str, **kw: Any) -> argparse.ArgumentParser:
-    """Subcommand `name` of `zipmoe`, which `run(args)` carries out: its description wrapped by para, the line
-    breaks of its epilog (examples) kept; kw as for add_parser (help, epilog, usage...)."""
+def command(sub: Any, name: str, run: Any, description: str, examples: Sequence[str] = (),
+            **kw: Any) -> argparse.ArgumentParser:
+    """Subcommand `name` of `zipmoe`, which `run(args)` carries out: its description wrapped by para, its command
+    lines `examples` listed below the options, the line breaks of an epilog kept; kw as for add_parser (help,
+    epilog, usage...)."""
+    if examples:
+        listed = f"example{'s' if len(examples) > 1 else ''}:\n" + "\n".join("  " + line for line in examples)
+        kw["epilog"] = listed + (f"\n\n{kw['epilog']}" if kw.get("epilog") else "")
     p = sub.add_parser(name, formatter_class=argparse.RawDescriptionHelpFormatter, description=para(description), **kw)
     p.set_defaults(run=run)
     return p
