@@ -28,8 +28,7 @@ def steps_from_counts(counts: np.ndarray, k: int, seed: int) -> list[list[np.nda
     rng = np.random.default_rng(seed)
     n_prompts, n_layer, n_expert = counts.shape
     out: list[list[np.ndarray]] = [[] for _ in range(n_layer)]
-    for p in range(n_prompts):
-        tokens = int(round(counts[p].sum() / n_layer / k))
+    for p, tokens in enumerate(prompt_tokens(counts, k)):
         for i in range(n_layer):
             row = counts[p, i].astype(np.float64)
             used = np.flatnonzero(row > 0)
@@ -39,6 +38,12 @@ def steps_from_counts(counts: np.ndarray, k: int, seed: int) -> list[list[np.nda
                 else:
                     out[i].append(np.sort(rng.choice(n_expert, k, replace=False, p=row / row.sum())).astype(np.int32))
     return out
+
+
+def prompt_tokens(counts: np.ndarray, k: int) -> list[int]:
+    """How many tokens steps_from_counts gives each prompt: round(its counts / k), the mean over its layers."""
+    n_layer = counts.shape[1]
+    return [int(round(counts[p].sum() / n_layer / k)) for p in range(counts.shape[0])]
 
 
 def synthetic_steps(kind: str, n_layer: int, n_expert: int, k: int, n_steps: int, seed: int,
@@ -96,6 +101,34 @@ def belady_hits(steps: Steps, capacity: int) -> int:
             del resident[e]
         for item in kept:
             heapq.heappush(heap, item)
+    return hits
+
+
+def frequency_oracle_hits(steps: Steps, capacity: int, segments: Sequence[int]) -> int:
+    """The hits of a cache that knows how often each segment of `steps` (a prompt's tokens, in order: `segments`
+    their lengths) routes to each expert, but not in which order: demand paging as belady_hits counts it, evicting
+    after a step the residents not routed in it that the current segment routes to least (ties: the lowest id).
+    Where routing is drawn independently step by step from a segment's distribution (steps_from_counts), this is
+    the independent-reference model's optimal policy (A0) with the frequencies known exactly: what a policy that
+    does not see the order can expect at best. Belady's MIN sees the order as well."""
+    _check_capacity(capacity, steps)
+    if sum(segments) != len(steps) or any(n < 0 for n in segments):
+        raise ValueError(f"segments of {sum(segments)} steps do not cover the sequence's {len(steps)}")
+    resident: set[int] = set()
+    hits, start = 0, 0
+    for n in segments:
+        freq: dict[int, int] = {}
+        for ids in steps[start:start + n]:
+            for e in (int(x) for x in ids):
+                freq[e] = freq.get(e, 0) + 1
+        for ids in steps[start:start + n]:
+            current = {int(x) for x in ids}
+            hits += len(current & resident)
+            resident |= current
+            if len(resident) > capacity:
+                victims = sorted(resident - current, key=lambda e: (freq.get(e, 0), e))
+                resident -= set(victims[:len(resident) - capacity])
+        start += n
     return hits
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyzipmoe.plan.replay import belady_hits, lru_hits, routed_total, steps_from_counts, synthetic_steps
+from pyzipmoe.plan.replay import (belady_hits, frequency_oracle_hits, lru_hits, prompt_tokens, routed_total,
+                                  steps_from_counts, synthetic_steps)
 
 
 def seq(*steps: list[int]) -> list[np.ndarray]:
@@ -73,3 +74,32 @@ def test_steps_from_counts_refuse_a_bad_shape():
         steps_from_counts(np.zeros((2, 3, 2)), 4, seed=0)
     with pytest.raises(ValueError, match="uniform or zipf"):
         synthetic_steps("normal", 1, 8, 2, 4, 0)
+
+
+def test_the_frequency_oracle_on_sequences_counted_by_hand():
+    # capacity 1, prompts of 4 and 2 steps: 0 1 0 0 | 1 1
+    #   prompt 1 (0 used 3 times, 1 once): m m(evicts 0: 1 is routed) m(evicts 1) h     -> 1 hit
+    #   prompt 2: m(evicts 0) h                                                        -> 1 hit
+    s = seq([0], [1], [0], [0], [1], [1])
+    assert frequency_oracle_hits(s, 1, [4, 2]) == 2
+    # capacity 2, prompts of 3 and 3: 0 1 2 | 2 1 2
+    #   prompt 1 (each once): m m m(evicts 0, the lowest id of the least used) -> 0 hits, holds 1 2
+    #   prompt 2 (2 twice, 1 once): h h h                                       -> 3 hits
+    s = seq([0], [1], [2], [2], [1], [2])
+    assert frequency_oracle_hits(s, 2, [3, 3]) == 3
+    # it keeps the prompt's most used expert where LRU keeps the last: capacity 2, 0 1 0 2 1 0 (0 three times)
+    #   oracle: m m h m(evicts 1) m(evicts 2) h -> 2 hits;  LRU: m m h m(evicts 1) m(evicts 0) m -> 1 hit
+    s = seq([0], [1], [0], [2], [1], [0])
+    assert frequency_oracle_hits(s, 2, [6]) == 2 and lru_hits(s, 2) == 1 and belady_hits(s, 2) == 2
+    with pytest.raises(ValueError, match="do not cover"):
+        frequency_oracle_hits(s, 2, [3, 4])
+
+
+@pytest.mark.parametrize("capacity", [4, 8, 12])
+def test_belady_bounds_the_frequency_oracle(capacity):
+    counts = np.random.default_rng(3).integers(0, 20, size=(6, 2, 16))
+    per_layer = steps_from_counts(counts, 4, seed=1)
+    segments = prompt_tokens(counts, 4)
+    for steps in per_layer:
+        assert sum(segments) == len(steps)
+        assert frequency_oracle_hits(steps, capacity, segments) <= belady_hits(steps, capacity)

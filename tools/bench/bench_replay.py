@@ -20,6 +20,10 @@ For each source, config, budget and policy:
            all fit compressed), decoded on every use;
   hit %    routed experts found decoded (hot) or compressed in RAM (warm), per routed expert;
   belady % the most hits any cache of that many slots can have on the same sequence (pyzipmoe.plan.replay);
+  freq %   the hits of a cache that knows each prompt's expert frequencies but not their order (the prompt's most
+           used experts held through it): with tokens drawn independently within a prompt, as --trace draws them,
+           the most a policy that does not see the order can expect; a policy's distance to Belady beyond this
+           one's is what it could still gain (--synthetic and --routing: the whole sequence one prompt);
   read/tok bytes read from storage per token, decode/tok bytes decoded per token (reference expert, all layers);
   tok/s    predicted from the cost model below, per --read-rates; x stock: the same for stock llama.cpp, whose
            page cache holds the budget's share of the BF16 experts (LRU) and reads a missing expert in BF16.
@@ -69,6 +73,7 @@ class Source:
     n_expert: int
     k: int
     layers_total: int  # the model's MoE layers (the replay may take fewer): what a token's time sums over
+    segments: list[int] | None = None  # steps of each prompt, in order (None: one prompt)
 
 
 # ------------------------------------------------------------------------------------------ the store
@@ -188,7 +193,7 @@ def _null() -> Any:
 
 def trace_source(path: str, prompts: int, layers: int, k: int, seed: int) -> Source:
     from pyzipmoe.plan.inputs import PlanInputError, _trace_array
-    from pyzipmoe.plan.replay import steps_from_counts
+    from pyzipmoe.plan.replay import prompt_tokens, steps_from_counts
 
     try:
         counts = _trace_array(path, "expected an .npz with key 'counts' (n_prompts, n_layer, n_expert)")
@@ -198,9 +203,9 @@ def trace_source(path: str, prompts: int, layers: int, k: int, seed: int) -> Sou
         raise ReplayError(f"{path}: counts must be (n_prompts, n_layer, n_expert), got shape {counts.shape}")
     n_layer = counts.shape[1]
     take = np.linspace(0, n_layer - 1, min(layers, n_layer)).round().astype(int)  # spread over the depth
-    steps = steps_from_counts(counts[:prompts][:, take], k, seed)
+    taken = counts[:prompts][:, take]
     return Source(f"trace {Path(path).name} ({min(prompts, counts.shape[0])} prompts, layers {take.tolist()})",
-                  steps, counts.shape[2], k, n_layer)
+                  steps_from_counts(taken, k, seed), counts.shape[2], k, n_layer, prompt_tokens(taken, k))
 
 
 def routing_source(path: str, layers: int) -> Source:
@@ -240,7 +245,7 @@ def stock_tps(misses_per_layer: float, layers_total: int, args: argparse.Namespa
 
 
 def replay(args: argparse.Namespace, source: Source, path: Path) -> list[dict[str, Any]]:
-    from pyzipmoe.plan.replay import belady_hits, lru_hits, routed_total
+    from pyzipmoe.plan.replay import belady_hits, frequency_oracle_hits, lru_hits, routed_total
 
     rows = []
     n_layer, n = len(source.steps), source.n_expert
@@ -274,10 +279,13 @@ def replay(args: argparse.Namespace, source: Source, path: Path) -> list[dict[st
                     "ratio": ratio, "seconds": time.monotonic() - t0,
                 })
             belady = sum(belady_hits(s, slots) for s in source.steps) / routed
+            segments = source.segments or [len(source.steps[0])]
+            freq = sum(frequency_oracle_hits(s, slots, segments) for s in source.steps) / routed
             stock_cap = max(source.k, int(budget / 100 * n))
             stock_miss = 1 - sum(lru_hits(s, stock_cap) for s in source.steps) / routed
             for row in rows[-len(args.policies):]:
                 row["belady"] = belady
+                row["freq_oracle"] = freq
                 row["stock_miss_per_layer"] = stock_miss * routed / n_steps / n_layer
     return rows
 
@@ -354,7 +362,8 @@ def decode_rate_of(args: argparse.Namespace, rows: list[dict[str, Any]]) -> floa
 
 def table(rows: list[dict[str, Any]], args: argparse.Namespace, decode_rate: float) -> str:
     rates = args.read_rates
-    head = ["config", "budget", "policy", "slots", "hit %", "belady %", "vs belady", "read/tok", "decode/tok"]
+    head = ["config", "budget", "policy", "slots", "hit %", "belady %", "vs belady", "freq %", "freq vs belady",
+            "read/tok", "decode/tok"]
     for name, _ in rates:
         head += [f"tok/s@{name}", f"x stock@{name}"]
     lines = []
@@ -369,6 +378,8 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, decode_rate: flo
             decoded = layers_total * (pl["misses"] + pl["warm"]) * b
             cells = [r["config"], f"{r['budget']}%", r["policy"], str(r["slots"]), f"{100 * r['hit']:.1f}",
                      f"{100 * r['belady']:.1f}", f"{r['hit'] / r['belady']:.3f}" if r["belady"] else "-",
+                     f"{100 * r['freq_oracle']:.1f}",
+                     f"{r['freq_oracle'] / r['belady']:.3f}" if r["belady"] else "-",
                      f"{read / 1e6:.0f} MB", f"{decoded / 1e6:.0f} MB"]
             for _, rate in rates:
                 tps = predict(pl, layers_total, args, decode_rate, r["ratio"], rate)
@@ -476,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cost model: base {args.base_tps} tok/s, expert {args.expert_bytes / 1e6:.1f} MB BF16, compressed "
                   f"x{rows[0]['ratio']:.3f} (measured on the SYNTHETIC store), decode {decode_rate / 1e9:.2f} GB/s"
                   f" ({args.decode_rate}), read rates {', '.join(n for n, _ in args.read_rates)}; "
-                  f"vs belady = hit / belady")
+                  f"vs belady = hit / belady; freq vs belady = freq / belady")
     except ReplayError as e:
         print(f"bench_replay: {e}", file=sys.stderr)
         return 1
