@@ -46,7 +46,6 @@ N_CTX = 128
 CONFIGS = [{"n_threads": t, "use_mmap": m, "n_batch": b, "n_ubatch": b}
            for t, m, b in product((1, 2), (True, False), (1, 64))]
 CONFIGS.append({"n_threads": 2, "use_mmap": True, "n_batch": 64, "n_ubatch": 5})
-STOCK_BIN = Path(os.environ.get("ZIPMOE_STOCK_LLAMA_BIN", "/tmp/llama-stock/bin"))
 TIMEOUT = 600  # seconds for any one child process (a few on an idle machine; CI machines are often busy)
 
 
@@ -68,10 +67,15 @@ def _program(bin_dir: Path, name: str) -> Path:
 
 @pytest.fixture(scope="session")
 def stock() -> Path:
-    """An unpatched llama.cpp build of the same version, for comparisons; skipped when absent (also in CI)."""
-    if not (STOCK_BIN / "libllama.so").is_file():
-        pytest.skip(f"no stock llama.cpp build at {STOCK_BIN} (set ZIPMOE_STOCK_LLAMA_BIN) to compare with")
-    return STOCK_BIN
+    """Stock llama.cpp: the same sdist built without zipmoe's patches (tools/dev/build_stock.sh, which .ci/run
+    runs), for comparisons; skipped when absent."""
+    import pyzipmoe
+
+    stock_bin = Path(os.environ.get("ZIPMOE_STOCK_LLAMA_BIN", pyzipmoe.build_dir() / "llama-stock" / "bin"))
+    if not (stock_bin / "libllama.so").is_file():
+        pytest.skip(f"no stock llama.cpp build at {stock_bin} to compare with (`bash tools/dev/build_stock.sh` "
+                    "builds it; or set ZIPMOE_STOCK_LLAMA_BIN)")
+    return stock_bin
 
 
 
@@ -692,6 +696,20 @@ def typed_logits(ours: Path, typed_models: dict[str, Path], tmp_path_factory: py
         return cache[qtype]
 
     return get
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_plain_gguf_of_every_type_same_logits_as_stock_build(typed_logits: Callable, stock: Path, qtype: str,
+                                                              typed_models: dict[str, Path], tmp_path: Path) -> None:
+    """Without a budget a plain GGUF of any type runs as in stock llama.cpp: the same logits, bit for bit, in every
+    configuration (threads, mmap, batches)."""
+    reports, got = typed_logits(qtype)
+    stock_reports, stock_got = run_worker(typed_models[qtype], stock, [{"config": c} for c in CONFIGS],
+                                          tmp_path / "stock.npz")
+    for i, cfg in enumerate(CONFIGS):
+        _no_error(stock_reports[i])
+        assert_bit_identical(got[f"run{i}"], stock_got[f"run{i}"], f"{qtype} {cfg}: zipmoe build vs stock build")
+        assert reports[i]["generated"] == stock_reports[i]["generated"]
 
 
 def _expert_tensors(model: Path) -> list[Any]:

@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
-# Puts the pinned llama.cpp source, with zipmoe's patches applied, in build/llama.cpp.
+# Puts the pinned llama.cpp source, with zipmoe's patches applied, in build/llama.cpp; with --stock, without them
+# (stock llama.cpp, what tools/dev/build_stock.sh builds for the comparisons).
 #
 # llama.cpp comes from the llama-cpp-python sdist (its vendor/llama.cpp), checked by sha256; no
 # third-party source is kept in this repository. Re-running is cheap: the tree is re-made only when
 # the sdist or a patch changed (a stamp records what was applied).
-#   bash tools/dev/fetch_llama.sh [DEST]     default DEST: build/llama.cpp
+#   bash tools/dev/fetch_llama.sh [--stock] [DEST]     default DEST: build/llama.cpp (--stock: build/llama-stock-src)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
+PATCHES=patches/*.patch
+DEFAULT_DEST=build/llama.cpp
+if [ "${1:-}" = "--stock" ]; then
+    PATCHES=
+    DEFAULT_DEST=build/llama-stock-src
+    shift
+fi
+
 VERSION=0.3.36
 SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
-DEST=${1:-build/llama.cpp}
+DEST=${1:-$DEFAULT_DEST}
 CACHE=${ZIPMOE_SDIST_CACHE:-build/cache}
 SDIST=$CACHE/llama_cpp_python-$VERSION.tar.gz
 PYTHON=${PYTHON:-python3}
@@ -29,23 +38,23 @@ if ! echo "$SHA256  $SDIST" | sha256sum -c --status; then
     exit 1
 fi
 
-stamp=$( { echo "$SHA256"; cat patches/*.patch 2>/dev/null || true; } | sha256sum | cut -d' ' -f1)
+stamp=$( { echo "$SHA256"; cat $PATCHES /dev/null 2>/dev/null || true; } | sha256sum | cut -d' ' -f1)
 if [ -f "$DEST/.zipmoe-stamp" ] && [ "$(cat "$DEST/.zipmoe-stamp")" = "$stamp" ]; then
     exit 0
 fi
 
-echo "extracting llama.cpp into $DEST and applying patches/ ..."
+echo "extracting llama.cpp into $DEST${PATCHES:+ and applying patches/} ..."
 tmp=$(mktemp -d "$CACHE/extract.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 tar -xzf "$SDIST" -C "$tmp" "llama_cpp_python-$VERSION/vendor/llama.cpp"
 src=$tmp/llama_cpp_python-$VERSION/vendor/llama.cpp
-for p in patches/*.patch; do
+for p in $PATCHES; do
     [ -e "$p" ] || continue
     patch -d "$src" -p1 --quiet --forward < "$p" || { echo "fetch_llama.sh: $p does not apply" >&2; exit 1; }
 done
 # Files a patch touches now or touched before get a fresh mtime, so the build recompiles them; all
 # others keep the sdist's mtimes and are not rebuilt.
-patched=$( (sed -n 's|^+++ b/\([^[:space:]]*\).*|\1|p' patches/*.patch 2>/dev/null || true) | sort -u)
+patched=$( (sed -n 's|^+++ b/\([^[:space:]]*\).*|\1|p' $PATCHES /dev/null 2>/dev/null || true) | sort -u)
 before=$(cat "$DEST/.zipmoe-patched" 2>/dev/null || true)
 for f in $patched $before; do
     [ -f "$src/$f" ] && touch "$src/$f"

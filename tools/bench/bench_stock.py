@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""zipmoe's llama.cpp against stock llama.cpp on plain GGUFs without a budget: the same speed, measured.
+
+zipmoe patches llama.cpp (patches/); without a memory budget a plain GGUF must run as in stock llama.cpp, its graph
+unchanged (tests/engine/test_llama.py checks the logits bit for bit against the stock build). This measures the
+speed side: llama-bench of zipmoe's build (build/bin) and of stock llama.cpp, the same sdist built without the
+patches (tools/dev/build_stock.sh: build/llama-stock/bin), on the same SYNTHETIC models (a BF16 one from
+pyzipmoe.synth and llama-quantize's copies of it), nothing of zipmoe's in the environment. Per type and round, one
+run of each build, each a fresh process, their order turned around every round so that neither order nor the
+machine's drifting load favours one. The table gives each build's median pp and tg tokens/s over the rounds and the
+median of the rounds' ratios (zipmoe / stock, paired: a round's runs share the machine's load).
+
+  .venv/bin/python tools/bench/bench_stock.py                          # small preset, BF16 Q8_0 Q4_K_M, 6 rounds
+  .venv/bin/python tools/bench/bench_stock.py --preset 1g --types BF16,Q4_K_M --rounds 10 -t 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import results  # noqa: E402
+
+from pyzipmoe.runtime.config import RUNTIME_ENV  # noqa: E402
+
+BUILDS = ("stock", "zipmoe")
+
+
+class BenchError(Exception):
+    pass
+
+
+def clean_env(bin_dir: Path) -> dict[str, str]:
+    """The environment of one build's run: nothing of zipmoe's, that build's libraries first."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in RUNTIME_ENV and k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY") and not k.startswith("LLAMA_ARG_")}
+    env["LD_LIBRARY_PATH"] = os.pathsep.join([str(bin_dir), env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def ensure_models(workdir: Path, preset: str, types: list[str]) -> dict[str, Path]:
+    """workdir/PRESET.gguf (SYNTHETIC BF16) and its llama-quantize copies, made when missing, reused otherwise."""
+    from pyzipmoe import synth
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    bf16 = workdir / f"{preset}.gguf"
+    if not bf16.is_file():
+        print(f"generating {bf16} (SYNTHETIC, preset {preset}) ...", file=sys.stderr, flush=True)
+        part = workdir / f"{preset}.part.gguf"
+        synth.write_config(part, synth.PRESETS[preset])
+        part.replace(bf16)
+    models = {}
+    for qtype in types:
+        if qtype == "BF16":
+            models[qtype] = bf16
+            continue
+        path = workdir / f"{preset}-{qtype}.gguf"
+        if not path.is_file() or path.stat().st_mtime < bf16.stat().st_mtime:
+            print(f"quantizing it to {path.name} ...", file=sys.stderr, flush=True)
+            synth.quantize(bf16, path, qtype)
+        models[qtype] = path
+    return models
+
+
+def llama_bench(bin_dir: Path, model: Path, args: argparse.Namespace) -> dict[str, float]:
+    """pp and tg tokens/s of one llama-bench process (the mean of its -r passes)."""
+    argv = [str(bin_dir / "llama-bench"), "-m", str(model), "-p", str(args.pp), "-n", str(args.gen),
+            "-r", str(args.reps), "-t", str(args.threads), "-o", "json"]
+    done = subprocess.run(argv, env=clean_env(bin_dir), capture_output=True, text=True, check=False,
+                          timeout=args.timeout)
+    if done.returncode != 0:
+        raise BenchError(f"{argv[0]} on {model.name} exited with {done.returncode}: {done.stderr[-1500:]}")
+    rows = json.loads(done.stdout[done.stdout.index("["):])
+    speed = {}
+    for r in rows:
+        speed["pp" if r["n_prompt"] > 0 else "tg"] = float(r["avg_ts"])
+    return speed
+
+
+def table(measured: dict[str, dict[str, list[dict[str, float]]]]) -> str:
+    head = ["type", "stock pp", "zipmoe pp", "pp ratio", "stock tg", "zipmoe tg", "tg ratio", "rounds"]
+    body = [head]
+    for qtype, runs in measured.items():
+        cells = [qtype]
+        for test in ("pp", "tg"):
+            stock = [r[test] for r in runs["stock"]]
+            ours = [r[test] for r in runs["zipmoe"]]
+            ratios = [o / s for o, s in zip(ours, stock)]
+            cells += [f"{statistics.median(stock):.2f}", f"{statistics.median(ours):.2f}",
+                      f"{statistics.median(ratios):.3f}"]
+        cells.append(str(len(runs["stock"])))
+        body.append(cells)
+    widths = [max(len(row[i]) for row in body) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pyzipmoe import synth
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--preset", choices=sorted(synth.PRESETS), default="small",
+                   help="the SYNTHETIC model's size (default: small, ~64 MB)")
+    p.add_argument("--types", default="BF16,Q8_0,Q4_K_M",
+                   help=f"BF16 and llama-quantize types ({', '.join(synth.QUANT_TYPES)}); default BF16,Q8_0,Q4_K_M")
+    p.add_argument("--rounds", type=int, default=6, help="runs of each build per type, alternating (default 6)")
+    p.add_argument("--pp", type=int, default=128, help="llama-bench -p (default 128)")
+    p.add_argument("-n", "--gen", type=int, default=32, help="llama-bench -n (default 32)")
+    p.add_argument("-r", "--reps", type=int, default=2, help="llama-bench -r (default 2)")
+    p.add_argument("-t", "--threads", type=int, default=2, help="llama-bench -t (default 2)")
+    p.add_argument("--stock-bin", type=Path, default=REPO / "build" / "llama-stock" / "bin",
+                   help="stock llama.cpp's programs (default build/llama-stock/bin: tools/dev/build_stock.sh)")
+    p.add_argument("--zipmoe-bin", type=Path, default=REPO / "build" / "bin", help="zipmoe's (default build/bin)")
+    p.add_argument("--workdir", type=Path, default=REPO / "build" / "bench-stock")
+    p.add_argument("--timeout", type=int, default=900, help="seconds one llama-bench run may take (default 900)")
+    p.add_argument("--json", type=Path, help="write every run's speeds here")
+    p.add_argument("--note", action="append", default=[], help="a line for the result file, e.g. the machine's load")
+    results.add_arguments(p)
+    args = p.parse_args(argv)
+    types = [t for t in args.types.split(",") if t]
+    if unknown := [t for t in types if t != "BF16" and t not in synth.QUANT_TYPES]:
+        p.error(f"unknown types {unknown}; known: BF16, {', '.join(synth.QUANT_TYPES)}")
+    bins = {"stock": args.stock_bin, "zipmoe": args.zipmoe_bin}
+    for name, d in bins.items():
+        if not (d / "llama-bench").is_file():
+            hint = "bash tools/dev/build_stock.sh" if name == "stock" else "bash tools/setup.sh"
+            p.error(f"{d / 'llama-bench'} is missing: `{hint}` builds it")
+    try:
+        models = ensure_models(args.workdir, args.preset, types)
+        measured: dict[str, dict[str, list[dict[str, float]]]] = {}
+        for qtype, model in models.items():
+            measured[qtype] = {b: [] for b in BUILDS}
+            for i in range(args.rounds):
+                for build in (BUILDS if i % 2 == 0 else BUILDS[::-1]):
+                    measured[qtype][build].append(llama_bench(bins[build], model, args))
+                print(f"{qtype} round {i + 1}/{args.rounds}", file=sys.stderr, flush=True)
+    except BenchError as e:
+        print(f"bench_stock: {e}", file=sys.stderr)
+        return 1
+    with results.Tee() as tee:
+        print(f"SYNTHETIC models (preset {args.preset}) without a memory budget: llama-bench -p {args.pp} -n "
+              f"{args.gen} -r {args.reps} -t {args.threads} of stock llama.cpp ({args.stock_bin}) and of zipmoe's "
+              f"build ({args.zipmoe_bin}), alternating")
+        print(table(measured))
+        print("tokens/s: medians over the rounds; ratio: zipmoe / stock, the median of the rounds' ratios")
+    if args.json:
+        args.json.write_text(json.dumps(measured, indent=1))
+    results.write(args, "stock", tee.text, argv=results.script_argv("tools/bench/bench_stock.py", argv),
+                  json_path=args.json, weights=f"{results.SYNTHETIC}, preset {args.preset}", notes=args.note)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
