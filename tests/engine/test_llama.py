@@ -663,16 +663,21 @@ def test_a_token_embedding_read_by_rows_is_charged_for_a_batch_of_rows(tied: boo
     assert short.returncode != 0 and "is below the minimum of" in short.stderr, short.stderr[-2000:]
 
 
+def assert_same_as_stock(ours: tuple[list[dict[str, Any]], dict], model: Path, stock: Path, out: Path,
+                         what: str) -> None:
+    """`ours` (every CONFIGS run of `model` in zipmoe's build) has the stock build's logits and tokens."""
+    reports, got = ours
+    stock_reports, stock_got = run_worker(model, stock, [{"config": c} for c in CONFIGS], out)
+    for i, cfg in enumerate(CONFIGS):
+        _no_error(stock_reports[i])
+        assert_bit_identical(got[f"run{i}"], stock_got[f"run{i}"], f"{what} {cfg}: zipmoe build vs stock build")
+        assert reports[i]["generated"] == stock_reports[i]["generated"]
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_plain_gguf_same_logits_as_stock_build(logits: Callable, stock: Path, arch: str, tiny_models: dict[str, Path],
                                                tmp_path: Path) -> None:
-    reports, got = logits(arch, "bf16")
-    stock_reports, stock_got = run_worker(tiny_models[arch], stock, [{"config": c} for c in CONFIGS],
-                                          tmp_path / "stock.npz")
-    for i, cfg in enumerate(CONFIGS):
-        _no_error(stock_reports[i])
-        assert_bit_identical(got[f"run{i}"], stock_got[f"run{i}"], f"{arch} {cfg}: zipmoe build vs stock build")
-        assert reports[i]["generated"] == stock_reports[i]["generated"]
+    assert_same_as_stock(logits(arch, "bf16"), tiny_models[arch], stock, tmp_path / "stock.npz", arch)
 
 
 # ----------------------------------------------------------------- plain GGUFs of every type under a budget
@@ -703,13 +708,7 @@ def test_plain_gguf_of_every_type_same_logits_as_stock_build(typed_logits: Calla
                                                               typed_models: dict[str, Path], tmp_path: Path) -> None:
     """Without a budget a plain GGUF of any type runs as in stock llama.cpp: the same logits, bit for bit, in every
     configuration (threads, mmap, batches)."""
-    reports, got = typed_logits(qtype)
-    stock_reports, stock_got = run_worker(typed_models[qtype], stock, [{"config": c} for c in CONFIGS],
-                                          tmp_path / "stock.npz")
-    for i, cfg in enumerate(CONFIGS):
-        _no_error(stock_reports[i])
-        assert_bit_identical(got[f"run{i}"], stock_got[f"run{i}"], f"{qtype} {cfg}: zipmoe build vs stock build")
-        assert reports[i]["generated"] == stock_reports[i]["generated"]
+    assert_same_as_stock(typed_logits(qtype), typed_models[qtype], stock, tmp_path / "stock.npz", qtype)
 
 
 def _expert_tensors(model: Path) -> list[Any]:
