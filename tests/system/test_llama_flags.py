@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 
 import helpers
 from pyzipmoe.runtime.budget import human_size, model_memory
-from pyzipmoe.runtime.config import OPENMP_SPIN, RUNTIME_ENV
+from pyzipmoe.runtime.config import BUDGET_ENV, OPENMP_SPIN, RUNTIME_ENV
 
 PROMPT = "The expert"
 TIMEOUT = 120
@@ -156,6 +157,46 @@ def test_bench_flag_and_variable_agree(llama_lib_dir: Path, zipmoe_model: Path) 
     assert refused.returncode != 0 and "ZIPMOE_CACHE_POLICY=nope is not a policy" in refused.stderr
     missing = bench(llama_lib_dir, zipmoe_model, ["--memory-budget"], clean_env(llama_lib_dir))
     assert missing.returncode != 0
+
+
+def stand_in_build(lib_dir: Path, root: Path) -> Path:
+    """A build directory for ZIPMOE_BUILD_DIR whose bin/ is lib_dir's, but for llama-bench: a script that keeps the
+    environment it was started with (child.env) and runs the real llama-bench with -v, its stderr in child.err."""
+    bin_dir = root / "build" / "bin"
+    bin_dir.mkdir(parents=True)
+    for f in lib_dir.iterdir():
+        if f.name != "llama-bench":
+            (bin_dir / f.name).symlink_to(f)
+    script = bin_dir / "llama-bench"
+    script.write_text(f"#!/bin/sh\ncat /proc/$$/environ > '{root}/child.env'\n"
+                      f"exec '{program(lib_dir, 'llama-bench')}' \"$@\" -v 2> '{root}/child.err'\n")
+    script.chmod(0o755)
+    return root / "build"
+
+
+def test_zipmoe_bench_configures_the_runtime_as_the_flag_does(llama_lib_dir: Path, zipmoe_model: Path,
+                                                              tmp_path: Path) -> None:
+    """`zipmoe bench --memory-budget B` starts llama-bench with the runtime set up as bare `llama-bench
+    --memory-budget B` sets it up: the same load note (the budget and its split between the tiers, and that
+    nothing supervises it), the budget the only runtime variable, and OpenMP's short spin. Timing differences
+    between the two (tools/bench/bench_flags.py) are then not the cache's configuration."""
+    budget = budget_for(zipmoe_model)
+    build = stand_in_build(llama_lib_dir, tmp_path)
+    done = subprocess.run([sys.executable, "-m", "pyzipmoe", "bench", str(zipmoe_model), "--memory-budget", budget,
+                           "--no-planner", "-p", "0", "-n", "4", "-r", "1", "-t", "2", "--json"],
+                          env=clean_env(llama_lib_dir, ZIPMOE_BUILD_DIR=str(build)), capture_output=True, text=True,
+                          errors="surrogateescape", timeout=TIMEOUT, stdin=subprocess.DEVNULL, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    raw = (tmp_path / "child.env").read_bytes().decode(errors="replace")
+    child = dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)
+    runtime = {k: v for k, v in child.items() if k in RUNTIME_ENV}
+    assert runtime.keys() == {BUDGET_ENV}, runtime
+    assert child[OPENMP_SPIN[0]] == OPENMP_SPIN[1]
+    bare = bench(llama_lib_dir, zipmoe_model, ["--memory-budget", budget], clean_env(llama_lib_dir))
+    assert bare.returncode == 0, bare.stderr[-2000:]
+    wrapped = zipmoe_lines((tmp_path / "child.err").read_text(errors="replace"))
+    assert wrapped == zipmoe_lines(bare.stderr) and any(ln.startswith("zipmoe: memory budget ") for ln in wrapped), \
+        (wrapped, zipmoe_lines(bare.stderr))
 
 
 class Server:

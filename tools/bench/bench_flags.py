@@ -12,11 +12,17 @@ first of two runs measured slower on a loaded machine, and load drifts), so that
   spin     bare, with GOMP_SPINCOUNT=300000, libgomp's own default, set by hand: what a bare program ran like
            before it set the spin itself
 
+Every run starts --settle seconds after the previous one ended, so that the variants start alike: without the
+pause bare llama-bench started within milliseconds of the previous run's exit, the wrapper's llama-bench about a
+second later (Python's start-up). The two configure the cache identically (tests/system/test_llama_flags.py checks
+it) and, run for run, count the same hits, misses, evictions and bytes read, so what remains between them is how
+and when the program starts.
+
 Budgets are percentages of the BF16 file's size, as in bench_budget.py. The speed of each run is llama-bench's tg
 tokens/s; the table gives each variant's median over the rounds and the median over the rounds of bare / zipmoe
 within a round (paired: a round's runs share the machine's load). --spin adds the third variant.
 
-  .venv/bin/python tools/bench/bench_flags.py --preset 1g --budgets 75,93 --rounds 6 -n 64 -t 2 [--spin]
+  .venv/bin/python tools/bench/bench_flags.py --preset 1g --budgets 75,93 --rounds 6 -n 64 -t 2 [--spin] [--settle 3]
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -81,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spin", action="store_true", help="also run bare with libgomp's default spin (slow)")
     p.add_argument("-n", "--n-gen", type=int, default=32)
     p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--settle", type=float, default=3.0,
+                   help="seconds between a run's end and the next run's start (default: %(default)s)")
     p.add_argument("--json", type=Path, help="write every run's speed here")
     p.add_argument("--note", action="append", default=[], help="a line for the result file (e.g. the load)")
     results.add_arguments(p)
@@ -111,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         for pct in args.budgets.split(","):
             budget = f"{int(bf16_size * float(pct) / 100) // 2**20}MiB"
             for variant in order:
+                time.sleep(args.settle)
                 tps = run(variant, bin_dir(), model, budget, args.n_gen, args.threads, args.repetitions)
                 speeds.setdefault(pct, {}).setdefault(variant, []).append(tps)
                 print(f"round {r + 1} budget {pct}% ({budget}) {variant}: {tps:.2f} tokens/s", file=sys.stderr,
@@ -124,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"{pct + '%':>8}  {med['bare']:>18.2f}  {med['zipmoe']:>14.2f}  {paired:>13.3f}"
                      + (f"  {med['spin']:>18.2f}" if args.spin else ""))
     table = "\n".join(lines) + (f"\n\ntg{args.n_gen} tokens/s (llama-bench -r {args.repetitions}), median of "
-                                f"{args.rounds} interleaved rounds, {args.threads} threads; budgets as % of the BF16 "
-                                "file; bare / zipmoe: the median of the rounds' ratios")
+                                f"{args.rounds} interleaved rounds, {args.threads} threads, {args.settle:g} s between "
+                                "runs; budgets as % of the BF16 file; bare / zipmoe: the median of the rounds' ratios")
     print(table)
     if args.json:
         args.json.write_text(json.dumps({"speeds": speeds, "bf16_bytes": bf16_size}, indent=2))
