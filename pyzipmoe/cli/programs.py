@@ -224,13 +224,12 @@ def register(sub: Any) -> None:
                          "llama-cpp-python and the same libllama), as `ollama run MODEL PROMPT` answers once. MODEL "
                          "may be a stored model's name, a zipmoe GGUF or a plain one. Arguments after -- go to "
                          "llama-cli.",
-        epilog="examples:\n"
-               "  zipmoe run model.zipmoe.gguf                                  chat (llama-cli)\n"
-               "  zipmoe run mymoe 'Why is the sky blue?'                       one-shot completion\n"
-               "  zipmoe run model.zipmoe.gguf -p 'Once upon a time' -n 64      raw completion\n"
-               "  zipmoe run model.zipmoe.gguf -p 'The capital of France is' --temp 0 --stats\n"
-               "  zipmoe run model.zipmoe.gguf -- -st -p 'Why is the sky blue?'  one chat turn (llama-cli)\n"
-               "  zipmoe run model.zipmoe.gguf -t 8 -- --jinja -sys 'Answer briefly.'")
+        examples=("zipmoe run model.zipmoe.gguf                                  chat (llama-cli)",
+                  "zipmoe run mymoe 'Why is the sky blue?'                       one-shot completion",
+                  "zipmoe run model.zipmoe.gguf -p 'Once upon a time' -n 64      raw completion",
+                  "zipmoe run model.zipmoe.gguf -p 'The capital of France is' --temp 0 --stats",
+                  "zipmoe run model.zipmoe.gguf -- -st -p 'Why is the sky blue?'  one chat turn (llama-cli)",
+                  "zipmoe run model.zipmoe.gguf -t 8 -- --jinja -sys 'Answer briefly.'"))
     p.add_argument("model", metavar="MODEL", help="a stored model's name, a zipmoe GGUF or a plain GGUF")
     p.add_argument("prompt_text", nargs="?", metavar="PROMPT",
                    help="complete PROMPT once and exit (as -p PROMPT)")
@@ -247,12 +246,12 @@ def register(sub: Any) -> None:
         sub, "serve", cmd_serve, usage="zipmoe serve [options] MODEL [-- LLAMA_SERVER_ARGS ...]",
         help="serve a model over HTTP (llama-server)",
         description="Run llama-server from zipmoe's build of llama.cpp on MODEL: an OpenAI-compatible HTTP API "
-                         "and a web UI. Arguments after -- go to llama-server.",
-        epilog="examples:\n"
-               "  zipmoe serve model.zipmoe.gguf                     http://127.0.0.1:8080\n"
-               "  zipmoe serve model.zipmoe.gguf --host 0.0.0.0 --port 9000 -t 8\n"
-               "  zipmoe serve model.zipmoe.gguf -- -np 4 --jinja\n"
-               "  curl http://127.0.0.1:8080/completion -d '{\"prompt\": \"Hello\", \"n_predict\": 16}'")
+                         "(without llama.cpp's web UI, which the offline build does not embed). Arguments after -- "
+                         "go to llama-server.",
+        examples=("zipmoe serve model.zipmoe.gguf                     http://127.0.0.1:8080",
+                  "zipmoe serve model.zipmoe.gguf --host 0.0.0.0 --port 9000 -t 8",
+                  "zipmoe serve model.zipmoe.gguf -- -np 4 --jinja",
+                  "curl http://127.0.0.1:8080/completion -d '{\"prompt\": \"Hello\", \"n_predict\": 16}'"))
     p.add_argument("model", metavar="MODEL", help="a zipmoe GGUF (or a plain GGUF)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=positive, default=8080, help="port (default: %(default)s)")
@@ -266,11 +265,10 @@ def register(sub: Any) -> None:
                          "its zipmoe GGUF. llama-bench's warmup run decodes most experts, so by default this measures "
                          "a warm expert cache; --no-warmup measures the first run after loading. Arguments after -- "
                          "go to llama-bench.",
-        epilog="examples:\n"
-               "  zipmoe bench model.zipmoe.gguf\n"
-               "  zipmoe bench model-bf16.gguf model.zipmoe.gguf -p 256 -n 64 -t 8\n"
-               "  zipmoe bench model.zipmoe.gguf --cache none --json\n"
-               "  zipmoe bench model.zipmoe.gguf -- -ub 1,512")
+        examples=("zipmoe bench model.zipmoe.gguf",
+                  "zipmoe bench model-bf16.gguf model.zipmoe.gguf -p 256 -n 64 -t 8",
+                  "zipmoe bench model.zipmoe.gguf --cache none --json",
+                  "zipmoe bench model.zipmoe.gguf -- -ub 1,512"))
     p.add_argument("models", nargs="+", metavar="MODEL", help="one or more GGUFs (zipmoe or plain)")
     p.add_argument("-p", "--n-prompt", type=nonnegative, default=512, metavar="N",
                    help="prompt tokens of the pp test, 0 for none (default: %(default)s)")
