@@ -19,7 +19,7 @@ from ..plan.measure import DEFAULT_READ_BYTES, LATENCY_PROBES
 
 __all__ = ["EXIT_STATUS", "calibration_table", "register"]
 
-EXIT_STATUS = "exit status: 0 success; 1 no such file, or not a zipmoe file; 2 bad usage; 130 interrupted."
+EXIT_STATUS = "exit status: 0 success; 1 no such file, or not a MoE GGUF; 2 bad usage; 130 interrupted."
 
 
 # ------------------------------------------------------------------------------------------ formatting
@@ -47,28 +47,41 @@ def calibration_table(cal: Calibration, cache_path: Path | None = None) -> str:
     """What `zipmoe calibrate` prints: a heading, one row per cost with its unit and what it means, the cache."""
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(cal.measured_at))
     source = "from the cache" if cal.from_cache else f"measured in {cal.seconds:.1f} s"
-    rows = [
-        ("cores", str(cal.cores), "usable by this process (CPU affinity, cgroup CPU quota)"),
-        ("t_decode", duration(cal.t_decode),
-         (f"core time: one expert of layer {cal.layer} ({cal.expert_tensors} tensors, {cal.expert_values} values, "
-          f"{human_size(cal.expert_compressed_bytes)}) from RAM, through the runtime on every core")),
-        ("t_read_sm", duration(cal.t_read_sm), "wall time per expert, exponent codes read from disk (sm tier)"),
-        ("t_read_cold", duration(cal.t_read_cold), "wall time per expert, whole region read from disk (cold)"),
-        ("decode, fresh", duration(cal.t_decode_fresh), "the decoder alone into freshly mapped pages"),
-    ]
+    expert = (f"one expert of layer {cal.layer} ({cal.expert_tensors} tensors, {cal.expert_values} values, "
+              f"{human_size(cal.expert_compressed_bytes)})")
+    raw = cal.t_read_sm is None  # stored raw: no decode, no compressed tier
+    rows = [("cores", str(cal.cores), "usable by this process (CPU affinity, cgroup CPU quota)")]
+    if raw:
+        rows += [("t_decode", duration(cal.t_decode) if cal.t_decode else "0",
+                  f"{expert}: stored raw, kept decoded or read as stored, never decoded"),
+                 ("t_read_cold", duration(cal.t_read_cold), "wall time per expert read from disk into place (cold)")]
+    else:
+        rows += [("t_decode", duration(cal.t_decode),
+                  f"core time: {expert} from RAM, through the runtime on every core"),
+                 ("t_read_sm", duration(cal.t_read_sm),
+                  "wall time per expert, exponent codes read from disk (sm tier)"),
+                 ("t_read_cold", duration(cal.t_read_cold), "wall time per expert, whole region read from disk (cold)")]
+    if cal.t_decode_fresh is not None:
+        rows.append(("decode, fresh", duration(cal.t_decode_fresh), "the decoder alone into freshly mapped pages"))
     for name, v in sorted(cal.decode_values_per_second.items(), key=lambda kv: kv[0] != cal.codec):
         how = "the file's codec" if name == cal.codec else "the same expert re-encoded"
         rows.append((f"decode {name}", _values_per_second(v), f"one core, checksums checked; {how}"))
+    if cal.merge_seconds_per_value is not None and cal.split_seconds_per_value is not None:
+        rows += [
+            ("merge", f"{cal.merge_seconds_per_value * 1e9:.3f} ns/value",
+             "exponent + sign/mantissa planes into BF16/F16"),
+            ("split", f"{cal.split_seconds_per_value * 1e9:.3f} ns/value", "BF16/F16 into the two planes"),
+        ]
     rows += [
-        ("merge", f"{cal.merge_seconds_per_value * 1e9:.3f} ns/value", "exponent + sign/mantissa planes into BF16"),
-        ("split", f"{cal.split_seconds_per_value * 1e9:.3f} ns/value", "BF16 into the two planes"),
         ("read latency", duration(cal.read_latency), f"cold read of one page, median of up to {LATENCY_PROBES}"),
         ("disk bandwidth", f"{human_size(cal.disk_bandwidth)}/s",
          f"cold, {cal.reads} expert regions of ~{human_size(cal.read_size)} ({human_size(cal.bytes_read)}), net of latency"),
         ("base time/token", duration(cal.base_seconds_per_token) if cal.base_seconds_per_token else "-",
          "given" if cal.base_seconds_per_token else "not measured: it needs the model running"),
     ]
-    lines = [f"calibration of {cal.model['path']} ({cal.codec} codec) on {cal.machine['cpu']}, {when}, {source}",
+    what = ("a plain GGUF, experts served as stored" if cal.plain else
+            "experts stored raw" if cal.codec == "raw" else f"{cal.codec} codec")
+    lines = [f"calibration of {cal.model['path']} ({what}) on {cal.machine['cpu']}, {when}, {source}",
              "", _table(rows)]
     if not cal.page_cache_dropped:
         lines += ["", "note: the page cache could not be dropped here, so the disk reads may have been warm"]
@@ -83,10 +96,6 @@ def calibration_table(cal: Calibration, cache_path: Path | None = None) -> str:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from ..plan.measure import calibrate
     from ..progress import for_terminal
-    from ..plan.calibration import CalibrationError
-    from ..runtime.budget import refuse_plain
-
-    refuse_plain(args.model, "zipmoe calibrate", CalibrationError)
 
     cal = calibrate(args.model, force=args.force, progress=for_terminal(args.json), read_bytes=args.read,
                     engine=not args.no_engine)
@@ -117,11 +126,14 @@ def register(sub: Any) -> None:
         sub, "calibrate", cmd_calibrate,
         help="measure what decoding and reading experts cost on this machine",
         description=(
-            "Measure, for MODEL (a zipmoe GGUF) on this machine, what the memory-budget planner predicts with: "
+            "Measure, for MODEL (a zipmoe GGUF, or a plain GGUF of any expert type) on this machine, what the "
+            "memory-budget planner predicts with: "
             "the time a generated token takes with every expert decoded (base time/token) and what one expert of "
             "a layer adds when it comes from each tier: decoded from RAM (t_decode), its exponent codes read from "
-            "disk (sm), all of it read from disk (cold). These are measured through the engine, by generating "
-            "with the model four times (some tens of seconds on a 3 GB model). Also, for information: each "
+            "disk (sm), all of it read from disk (cold). An expert stored raw (every expert of a plain GGUF, a "
+            "zipmoe file's quantized ones) is never decoded: it is kept decoded or read as stored, so its cold read "
+            "is what is measured. These are measured through the engine, by generating with the model six times "
+            "(three for experts stored raw; some tens of seconds on a 3 GB model). Also, for information: each "
             "codec's decode speed, the cost of merging BF16 planes, and cold reads of the file (latency, "
             "bandwidth; the file is dropped from the page cache first and after). The result is cached per "
             "machine and model file under $XDG_CACHE_HOME/zipmoe/calibration (default "
@@ -129,9 +141,10 @@ def register(sub: Any) -> None:
         epilog="examples:\n"
                "  zipmoe calibrate model.zipmoe.gguf\n"
                "  zipmoe calibrate model.zipmoe.gguf --force --read 1GiB   measure again, reading more of the file\n"
-               "  zipmoe calibrate model.zipmoe.gguf --json | jq .costs\n\n"
+               "  zipmoe calibrate model.zipmoe.gguf --json | jq .costs\n"
+               "  zipmoe calibrate model-Q4_K_M.gguf                  a plain GGUF: its experts' reads\n\n"
                f"{EXIT_STATUS}")
-    p.add_argument("model", metavar="MODEL", help="a zipmoe GGUF (zipmoe convert makes one)")
+    p.add_argument("model", metavar="MODEL", help="a zipmoe GGUF (zipmoe convert makes one), or a plain GGUF")
     p.add_argument("--force", action="store_true", help="measure again even if a calibration is cached")
     p.add_argument("--read", type=_read_size, default=DEFAULT_READ_BYTES, metavar="SIZE",
                    help="how much of the file the disk measurement reads (default: 256MiB, or all of the experts "

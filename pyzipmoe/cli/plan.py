@@ -25,7 +25,10 @@ __all__ = ["register"]
 DESCRIPTION = (
     "Plan how many experts of each MoE layer of MODEL to keep hot (decoded), warm (compressed in RAM) or sm (sign and "
     "mantissa in RAM, exponent codes read from disk) within SIZE bytes, the rest cold (read from disk when routed), "
-    "so that generation is fastest. SIZE is the model's whole budget, as `zipmoe run --memory-budget` takes it: "
+    "so that generation is fastest. MODEL is a zipmoe GGUF or a plain GGUF of any expert type (BF16, F16, Q8_0, "
+    "Q4_K_M, ...): experts stored raw (every expert of a plain GGUF, a zipmoe file's quantized ones) are hot or cold "
+    "only, each tensor counted at its own size, and a cold one costs its read (no decode). SIZE is the model's "
+    "whole budget, as `zipmoe run --memory-budget` takes it: "
     "the weights that are not experts and the experts of the expert tensor in flight come first, the tiers get the "
     "rest (the KV cache and compute buffers are not counted). Routing frequencies come from --trace (without it "
     "every expert is equally likely); costs from the model's calibration, --costs, or else a conservative estimate "
@@ -39,6 +42,7 @@ DESCRIPTION = (
 EPILOG = """\
 examples:
   zipmoe plan model.zipmoe.gguf --memory-budget 6GiB
+  zipmoe plan model-Q4_K_M.gguf --memory-budget 3GiB
   zipmoe plan model.zipmoe.gguf --memory-budget 40% --trace routing.npz
   zipmoe plan model.zipmoe.gguf --memory-budget 6GiB --costs costs.json --json
 
@@ -119,10 +123,17 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 def _report(model_path: str, geometry: inputs.ModelGeometry, costs: inputs.Costs, costs_source: str,
             trace: str | None, plan: planner.Plan) -> str:
     g, c = geometry, costs
+    raw = [i for i in range(len(g.layers)) if not g.has_tiers(i)]
+    if not raw:
+        sizes = (f"an expert is {_mean_size(g.hot_bytes)} hot, {_mean_size(g.warm_bytes)} warm, "
+                 f"{_mean_size(g.sm_bytes)} sm")
+    else:
+        which = "every layer's" if len(raw) == len(g.layers) else f"{len(raw)} layers'"
+        sizes = (f"an expert is {_mean_size(g.hot_bytes)} hot; {which} experts are stored raw: hot or cold only, a "
+                 f"cold one read as stored ({_mean_size([g.warm_bytes[i] for i in raw])}), not decoded")
     lines = [
         (f"model:        {model_path}: {len(g.layers)} MoE layers of {g.n_expert} experts, {g.n_expert_used} "
-         f"routed per token; an expert is {_mean_size(g.hot_bytes)} hot, {_mean_size(g.warm_bytes)} warm, "
-         f"{_mean_size(g.sm_bytes)} sm"),
+         f"routed per token; {sizes}"),
         f"budget:       {human_size(plan.budget)} for the expert tiers (all hot: {human_size(g.all_hot_bytes)})",
         f"frequencies:  {_frequencies(trace)}",
         (f"costs:        {costs_source}: {c.cores} cores, decode {_ms(c.t_decode)} ms per expert per core, disk "
@@ -151,7 +162,8 @@ def _to_json(model_path: str, geometry: inputs.ModelGeometry, costs: inputs.Cost
         "costs": asdict(costs), "costs_source": costs_source,
         "geometry": {"n_layer": g.n_layer, "n_expert": g.n_expert, "n_expert_used": g.n_expert_used,
                      "layers": list(g.layers), "hot_bytes": list(g.hot_bytes), "warm_bytes": list(g.warm_bytes),
-                     "sm_bytes": list(g.sm_bytes), "all_hot_bytes": g.all_hot_bytes},
+                     "sm_bytes": list(g.sm_bytes), "all_hot_bytes": g.all_hot_bytes,
+                     "tiered": [g.has_tiers(i) for i in range(len(g.layers))]},
         **plan.to_dict(), "all_hot_tokens_per_second": 1.0 / plan.base_seconds_per_token, "env": plan.to_env(),
     }
 
@@ -160,15 +172,14 @@ def _to_json(model_path: str, geometry: inputs.ModelGeometry, costs: inputs.Cost
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from ..runtime.budget import AUTO, check_budget, model_memory, parse_budget, refuse_plain
+    from ..runtime.budget import AUTO, check_budget, model_memory, parse_budget
     from ..models.directory import resolve_model
 
     if str(args.plan_budget).strip().lower() != AUTO:
         parse_budget(args.plan_budget)  # a usage error (exit 2) before any file is read
     path, _ = resolve_model(args.model)
-    refuse_plain(path, "zipmoe plan", inputs.PlanInputError)
     model_path = str(path)
-    geometry = inputs.geometry_from_gguf(path)
+    geometry = inputs.geometry_from_gguf(path)  # (a zipmoe or plain GGUF; PlanInputError for anything else)
     need = model_memory(path)
     budget = parse_budget(args.plan_budget, model_bytes=need.whole)
     check_budget(budget, need)
@@ -195,7 +206,7 @@ def register(sub: Any) -> None:
     """Adds `plan` to the `zipmoe` command's subparsers."""
     p = command(sub, "plan", cmd_plan, DESCRIPTION, help="plan the expert tiers of each layer for a memory budget",
                 epilog=EPILOG)
-    p.add_argument("model", metavar="MODEL", help="a zipmoe GGUF, or the name of a stored model")
+    p.add_argument("model", metavar="MODEL", help="a zipmoe or plain GGUF, or the name of a stored model")
     p.add_argument("--memory-budget", dest="plan_budget", required=True, metavar="SIZE",
                    help="the model's whole budget: 6GiB, 512MiB, 1000000, a percentage of the memory (60%%) or "
                         "auto (what this process could allocate now, less a margin)")

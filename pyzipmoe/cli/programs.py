@@ -173,11 +173,14 @@ def _cache_settings(args: argparse.Namespace, model: str, package: Any = None) -
     if budget is None and package is not None:
         budget = package.parameters.get("memory_budget")
     is_zipmoe = bool(is_zipmoe_file(model))
-    if not is_zipmoe and budget is not None and (args.planner or args.trace is not None):
-        raise ZipmoeError(f"{model} is a plain GGUF: under --memory-budget its experts are served as stored, by the "
-                          "eviction policy alone; --planner and --trace need a zipmoe GGUF (zipmoe convert)")
-    use_planner = args.planner if args.planner is not None else planner_by_default(
-        model, budget=budget, hot_share=args.hot_share, sm_share=args.sm_share, is_zipmoe=is_zipmoe)
+    if not is_zipmoe and budget is not None and args.trace is not None and args.planner is False:
+        raise ZipmoeError(f"{model}: --trace is what the planner plans from, and --no-planner turns it off")
+    if args.planner is not None:
+        use_planner = args.planner
+    elif not is_zipmoe:
+        use_planner = args.trace is not None  # a plain GGUF is planned when asked or given a trace, as by Llama
+    else:
+        use_planner = planner_by_default(model, budget=budget, hot_share=args.hot_share, sm_share=args.sm_share)
     return runtime_environment(model, budget=budget, policy=args.policy, hot_share=args.hot_share,
                                sm_share=args.sm_share, trace=args.trace, is_zipmoe=is_zipmoe, use_planner=use_planner)
 

@@ -41,19 +41,21 @@ class Calibration:
     machine: dict[str, Any]  # cpu, cpu_count, memory: the machine measured on
     measured_at: float  # Unix time
     seconds: float  # how long measuring took
-    codec: str  # the model's exponent codec
-    chunk_size: int  # values per chunk
-    layer: int  # the layer whose expert was decoded
+    codec: str  # the model's exponent codec; "raw" for a model whose experts are all stored raw (a plain GGUF's)
+    chunk_size: int  # values per chunk (0: no split experts)
+    layer: int  # the layer whose experts were timed
     expert_tensors: int  # expert tensors in that layer (gate, up, down: 3)
-    expert_values: int  # BF16 values of one expert over those tensors
-    expert_compressed_bytes: int  # their regions' bytes in the file
-    t_decode: float  # core-seconds the runtime spends to decode one expert of a layer from RAM (wall x cores)
-    t_decode_fresh: float  # the decoder alone into freshly mapped memory, one core (page faults included)
-    t_read_sm: float  # wall seconds per expert when the exponent codes come from disk (page cache dropped)
-    t_read_cold: float  # ... when the whole region comes from disk (read and decode overlapping)
+    expert_values: int  # values of one expert over those tensors
+    expert_compressed_bytes: int  # their regions' bytes in the file (a raw expert's: its bytes)
+    t_decode: float  # core-seconds the runtime spends to decode one expert of a layer from RAM (wall x cores); 0
+    #                  where the layer's experts are stored raw: they are read, never decoded
+    t_decode_fresh: float | None  # the decoder alone into freshly mapped memory, one core (page faults included)
+    t_read_sm: float | None  # wall seconds per expert when the exponent codes come from disk (page cache dropped)
+    t_read_cold: float  # ... when the whole region comes from disk (read and decode overlapping; a raw one: read)
     decode_values_per_second: dict[str, float]  # per codec, one core, checksum + exponents + merge
-    merge_seconds_per_value: float  # exponent and sign+mantissa planes into BF16, one core
-    split_seconds_per_value: float  # the reverse
+    merge_seconds_per_value: float | None  # exponent and sign+mantissa planes into BF16/F16, one core
+    split_seconds_per_value: float | None  # the reverse
+    # (None, and no decode speeds: a model with no expert stored through the split codec, no sm tier)
     disk_bandwidth: float  # bytes/s, cold, one region per read, one read in flight, net of read_latency
     read_latency: float  # seconds, median cold one-page read
     read_size: int  # bytes, median region size read
@@ -64,6 +66,7 @@ class Calibration:
     base_seconds_per_token: float | None = None  # measured through the engine, or given by the caller, or None
     t_layer: float | None = None  # wall seconds a layer adds per token whenever it reads (engine only)
     tier_source: str = "stores"  # "engine": tier costs and base from generating; "stores": the stores alone
+    plain: bool = False  # a plain GGUF (not zipmoe), its experts served as stored
     from_cache: bool = field(default=False, compare=False)  # not stored
 
     def as_costs_dict(self) -> dict[str, Any]:
@@ -82,11 +85,18 @@ class Calibration:
         """ValueError, KeyError or TypeError when `data` is not a sane calibration (a damaged cache file)."""
         names = {f.name for f in fields(cls)} - {"from_cache"}
         cal = cls(**{k: data[k] for k in names if k in data})
-        positive = [cal.t_decode, cal.t_decode_fresh, cal.disk_bandwidth, cal.read_latency, cal.merge_seconds_per_value,
-                    cal.split_seconds_per_value, *cal.decode_values_per_second.values()]
-        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in positive):
+        decoder = [cal.t_decode_fresh, cal.merge_seconds_per_value, cal.split_seconds_per_value]
+        positive = [cal.disk_bandwidth, cal.read_latency, cal.t_read_cold, *cal.decode_values_per_second.values(),
+                    *(v for v in decoder if v is not None)]
+        if cal.t_read_sm is not None:
+            positive.append(cal.t_read_sm)
+        if not all(_number(v) and v > 0 for v in positive) or not (_number(cal.t_decode) and cal.t_decode >= 0):
             raise ValueError("calibration numbers must be positive and finite")
         return cal
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 # ------------------------------------------------------------------------------------------ identity

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
@@ -85,6 +84,11 @@ class ModelGeometry:
     # per MoE layer: the largest expert tensor's share of the layer's compressed bytes (a store reads one tensor;
     # gate, up and down: about 1/3); empty: one tensor a layer
     tensor_shares: tuple[float, ...] = ()
+    # per MoE layer: whether its experts have the compressed tiers (warm, sm): every expert tensor of the layer is
+    # stored through the split codec. False: some are stored raw (a plain GGUF's, a quantized zipmoe tensor's),
+    # which the runtime keeps decoded or reads from the file: the layer is planned hot and cold only. Empty: all
+    # layers have them. (A raw layer has sm_bytes 0: it has no value to decode, see decode_share.)
+    tiered: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_expert_used <= self.n_expert:
@@ -98,6 +102,9 @@ class ModelGeometry:
             sizes = getattr(self, name)
             if len(sizes) != len(self.layers) or any(s < 0 for s in sizes):
                 raise ZipmoeError(f"{name} must give one size (>= 0) for each of the {len(self.layers)} MoE layers")
+        if self.tiered and len(self.tiered) != len(self.layers):
+            raise ZipmoeError(f"tiered must say for each of the {len(self.layers)} MoE layers whether it has the "
+                              "compressed tiers")
         if self.tensor_shares and (len(self.tensor_shares) != len(self.layers)
                                    or not all(0 < f <= 1 for f in self.tensor_shares)):
             raise ZipmoeError(f"tensor_shares must give one fraction in (0, 1] for each of the {len(self.layers)} "
@@ -114,6 +121,17 @@ class ModelGeometry:
         """What an sm-tier expert of MoE layer i reads from disk: its exponent codes."""
         return max(0, self.warm_bytes[i] - self.sm_bytes[i])
 
+    def has_tiers(self, i: int) -> bool:
+        """Whether MoE layer i may keep experts warm or sm (see `tiered`)."""
+        return self.tiered[i] if self.tiered else True
+
+    def decode_share(self, i: int) -> float:
+        """What decoding an expert of MoE layer i costs against one of the first layer with values to decode: by
+        their values stored through the split codec (sm_bytes, a byte a value); 0 for a layer stored raw, whose
+        experts are read as stored and not decoded. 1 for every layer of a model whose layers are alike."""
+        ref = next((s for s in self.sm_bytes if s > 0), 0)
+        return self.sm_bytes[i] / ref if ref else 0.0
+
     def tensor_share(self, i: int) -> float:
         """The largest expert tensor's share of MoE layer i's bytes."""
         return self.tensor_shares[i] if self.tensor_shares else 1.0
@@ -122,9 +140,6 @@ class ModelGeometry:
     def all_hot_bytes(self) -> int:
         """The budget that keeps every expert decoded."""
         return self.n_expert * sum(self.hot_bytes)
-
-
-_BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
 def _llama_int(kv: Mapping[str, Any], key: str, label: str) -> int:
@@ -136,63 +151,68 @@ def _llama_int(kv: Mapping[str, Any], key: str, label: str) -> int:
 
 
 def geometry_from_gguf(path: ZipmoeFile | str | os.PathLike[str]) -> ModelGeometry:
-    """The geometry of a zipmoe GGUF: llama.cpp's expert counts and block count, sizes from each expert's region.
+    """The geometry of a zipmoe or plain GGUF: llama.cpp's expert counts and block count, and the sizes of each
+    layer's experts as the runtime serves them (pyzipmoe.plan.experts): decoded, each tensor in its own type (a
+    Q4_K_M file's Q6_K ffn_down_exps at Q6_K's size); as stored (a compressed region, or a raw expert's bytes); and
+    the sign+mantissa plane of the values stored through the split codec (none for raw tensors, whose layers have
+    no compressed tiers: `tiered`).
 
-    Loads the native library (the indexes are validated by it). Raises PlanInputError for a file that is no zipmoe
-    GGUF or whose expert tensors disagree with its metadata.
+    Loads the native library (a zipmoe file's indexes are validated by it). Raises PlanInputError for a file that
+    is no GGUF, has no expert tensors, or whose expert tensors disagree with its metadata.
     """
-    from ..file.metadata import DATA_SUFFIX, INDEX_SUFFIX, SOURCE_HEADER
-    from ..file.reader import ZipmoeFile, as_zipmoe
+    from ..file.reader import ZipmoeFile
+    from .experts import model_experts
 
     label = str(path.path if isinstance(path, ZipmoeFile) else path)
     try:
-        z = as_zipmoe(path)
+        m = model_experts(path)
     except (FormatError, UnsupportedError) as e:
         raise PlanInputError(str(e)) from None
     except OSError as e:
         raise PlanInputError(f"{label}: {e.strerror or e}") from None
-    arch_kv = z.gguf.kv.get("general.architecture")
+    kv = m.gguf.kv
+    arch_kv = kv.get("general.architecture")
     if arch_kv is None or not isinstance(arch_kv.value, str):
         raise PlanInputError(f"{label}: metadata key general.architecture is missing")
     arch = arch_kv.value
-    n_layer = _llama_int(z.gguf.kv, f"{arch}.block_count", label)
-    n_expert = _llama_int(z.gguf.kv, f"{arch}.expert_count", label)
-    n_used = _llama_int(z.gguf.kv, f"{arch}.expert_used_count", label)
+    n_layer = _llama_int(kv, f"{arch}.block_count", label)
+    n_expert = _llama_int(kv, f"{arch}.expert_count", label)
+    n_used = _llama_int(kv, f"{arch}.expert_used_count", label)
 
     by_layer: dict[int, list[Any]] = {}
-    for t in z.compressed:
-        m = _BLOCK.match(t.name)
-        block = int(m.group(1)) if m else -1
-        if not 0 <= block < n_layer or t.expert.info.n_expert != n_expert:
+    for t in m.tensors:
+        if not 0 <= t.block < n_layer or t.n_expert != n_expert:
             raise PlanInputError(f"{label}: expert tensor {t.name} does not fit {arch}.block_count = {n_layer} and "
                                  f"{arch}.expert_count = {n_expert}")
-        by_layer.setdefault(block, []).append(t)
+        by_layer.setdefault(t.block, []).append(t)
     if not by_layer:
-        raise PlanInputError(f"{label}: no compressed expert tensors: nothing to plan")
+        raise PlanInputError(f"{label}: no expert tensors: nothing to plan")
 
     layers = tuple(sorted(by_layer))
-    values = [sum(t.expert.info.n_per_expert for t in by_layer[i]) for i in layers]
-    tensor_regions = [[sum(t.expert.span(e).size for e in range(n_expert)) for t in by_layer[i]] for i in layers]
+    tensor_regions = [[t.stored_bytes for t in by_layer[i]] for i in layers]
     regions = [sum(r) for r in tensor_regions]
-    # what a prompt reads of a layer's experts is read one tensor at a time: the largest compressed one's share
+    # what a prompt reads of a layer's experts is read one tensor at a time: the largest stored one's share
     shares = [max(r) / sum(r) if sum(r) else 1.0 for r in tensor_regions]
-    companion = (DATA_SUFFIX, INDEX_SUFFIX)
-    dense = sum(t.nbytes for t in z.gguf.tensors if not t.name.endswith(companion) and t.name != SOURCE_HEADER)
     return ModelGeometry(n_layer=n_layer, n_expert=n_expert, n_expert_used=n_used, layers=layers,
-                         hot_bytes=tuple(2 * v for v in values),
+                         hot_bytes=tuple(sum(t.expert_size for t in by_layer[i]) for i in layers),
                          warm_bytes=tuple(-(-r // n_expert) for r in regions),
-                         sm_bytes=tuple(values), dense_bytes=dense, tensor_shares=tuple(shares))
+                         sm_bytes=tuple(sum(t.n_values for t in by_layer[i] if t.split) for i in layers),
+                         dense_bytes=m.dense_bytes, tensor_shares=tuple(shares),
+                         tiered=tuple(all(t.split for t in by_layer[i]) for i in layers))
 
 
 def default_costs(geometry: ModelGeometry, cores: int | None = None) -> Costs:
     """A conservative guess for a machine nobody measured (see the DEFAULT_* constants): decoding at 0.5 GB/s of BF16
-    per core, a 0.5 GB/s disk with 0.1 ms per read, and a base token that streams the dense tensors and the k routed
-    experts of every layer at 10 GB/s."""
+    (or F16) per core, a 0.5 GB/s disk with 0.1 ms per read, and a base token that streams the dense tensors and the
+    k routed experts of every layer at 10 GB/s."""
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    mean_hot = sum(geometry.hot_bytes) / len(geometry.hot_bytes)
+    # the layers with values to decode (tier_seconds scales them by decode_share); 0 for a model stored raw, whose
+    # experts are only read
+    decoding = [h for h, s in zip(geometry.hot_bytes, geometry.sm_bytes) if s > 0]
+    decoded = sum(decoding) / len(decoding) if decoding else 0.0
     active = geometry.dense_bytes + geometry.n_expert_used * sum(geometry.hot_bytes)
-    return Costs(cores=cores, t_decode=mean_hot / DEFAULT_DECODE_RATE, disk_bandwidth=DEFAULT_DISK_BANDWIDTH,
+    return Costs(cores=cores, t_decode=decoded / DEFAULT_DECODE_RATE, disk_bandwidth=DEFAULT_DISK_BANDWIDTH,
                  read_latency=DEFAULT_READ_LATENCY,
                  base_seconds_per_token=max(active / DEFAULT_MEMORY_BANDWIDTH, 1e-6))
 

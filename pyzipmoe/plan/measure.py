@@ -32,6 +32,10 @@ from the page cache (posix_fadvise DONTNEED, after fdatasync so that freshly wri
 dropped) and without readahead (POSIX_FADV_RANDOM: each read fetches its region, as the runtime's reads of
 single experts do); pages another process keeps mapped stay cached, so a model that is being served reads warm.
 
+A model whose experts are stored raw (a plain GGUF, a zipmoe file of quantized experts) decodes nothing: it is
+timed hot and cold only (three engine runs: all experts hot in the cache, k and half of them), t_decode is 0, and
+there is no sm cost nor decode speed. F16 experts decode through the split codec as BF16 ones do.
+
 The results are kept per machine and model file (pyzipmoe.plan.calibration).
 """
 
@@ -108,22 +112,24 @@ def _pread(fd: int, size: int, offset: int, label: str) -> np.ndarray:
 
 
 def _reencoded(values: np.ndarray, info: Any, codec_name: str, name: str) -> tuple[Any, np.ndarray]:
-    """One expert's values encoded with another codec, as a one-expert tensor: (ExpertTensor, region)."""
+    """One expert's values encoded with another codec, as a one-expert tensor of its type (BF16 or F16):
+    (ExpertTensor, region)."""
     from ..file import codec
     from ..file.metadata import build_index
 
+    typed = {"ggml_type": info.ggml_type}
     if codec_name == "huff":
-        coder = codec.Codec("huff", lengths=codec.huff_lengths(codec.exponent_histogram(values)))
+        coder = codec.Codec("huff", lengths=codec.huff_lengths(codec.exponent_histogram(values)), **typed)
     elif codec_name == "esc":
-        coder = codec.Codec("esc", lengths=codec.esc_classes(codec.exponent_histogram(values)))
+        coder = codec.Codec("esc", lengths=codec.esc_classes(codec.exponent_histogram(values)), **typed)
     else:
-        coder = codec.Codec("zstd", level=codec.DEFAULT_ZSTD_LEVEL)
+        coder = codec.Codec("zstd", level=codec.DEFAULT_ZSTD_LEVEL, **typed)
     enc = coder.encode_expert(values, info.chunk_n)
     size = enc.region.size
     index = build_index(codec_name=codec_name, level=coder.level, dims=(info.ne[0], info.ne[1], 1),
                         chunk_n=info.chunk_n, data_size=size, lengths=coder.lengths,
                         regions=np.array([[0, size]], np.uint64), chunk_ends=enc.chunk_ends[None],
-                        checksums=enc.checksums[None])
+                        checksums=enc.checksums[None], ggml_type=info.ggml_type)
     return codec.ExpertTensor(index, size, name=f"{name} ({codec_name})"), enc.region
 
 
@@ -137,12 +143,13 @@ class DecodeCosts:
 
 def measure_decode(fd: int, tensors: Sequence[Any], expert: int, file_codec: str, *, min_seconds: float,
                    label: str, progress: Progress) -> DecodeCosts:
-    """Decodes expert `expert` of every tensor in `tensors` (the CompressedTensors of one layer) on this thread."""
+    """Decodes expert `expert` of every tensor in `tensors` (one layer's CompressedTensors stored through the split
+    codec, BF16 or F16) on this thread."""
     from ..file import codec
     from .._native import ffi, lib
 
     regions = [_pread(fd, c.expert.span(expert).size, c.region_file_offset(expert), label) for c in tensors]
-    outs = [np.empty(c.expert.info.n_per_expert, np.uint16) for c in tensors]
+    outs = [np.empty(c.expert.info.n_per_expert, np.uint16) for c in tensors]  # (2-byte values: BF16 or F16)
     n_values = sum(o.size for o in outs)
     progress.start("calibrate: decode", n_values * 2 * len(codec.CODECS))
 
@@ -196,9 +203,10 @@ def _into_fresh_memory(experts: Sequence[Any], inputs: Sequence[np.ndarray], ind
 class TierCosts:
     """Wall seconds, on all cores, to make one expert of a layer (every tensor) decoded."""
 
-    warm: float  # from its compressed region in RAM: decoding (into pages an evicted expert left)
-    sm: float  # from its sign+mantissa plane in RAM, the exponent codes read from disk
+    warm: float | None  # from its compressed region in RAM: decoding (into pages an evicted expert left)
+    sm: float | None  # from its sign+mantissa plane in RAM, the exponent codes read from disk
     cold: float  # from disk
+    # (warm and sm None: a layer stored raw, which has no such tiers; its cold experts are read, not decoded)
 
 
 class _LayerStores:
@@ -207,15 +215,25 @@ class _LayerStores:
     def __init__(self, fd: int, tensors: Sequence[Any], label: str) -> None:
         from .._native import ffi, lib
 
+        from ..file.reader import CompressedTensor
+
         self.ffi, self.lib, self.handles, self.keys, self.elapsed = ffi, lib, [], [], 0.0
-        for c in tensors:
-            index = _pread(fd, c.index.nbytes, c.index.file_offset, label).tobytes()
+        for t in tensors:  # (StoredExperts)
             out = ffi.new("zipmoe_store **")
-            if lib.zipmoe_store_open(c.name.encode(), index, len(index), c.data.nbytes, out) < 0:
-                raise CalibrationError(f"{label}: {c.name}: the runtime refused its index")
+            c = t.source
+            if isinstance(c, CompressedTensor):  # a zipmoe file's: through its index
+                index = _pread(fd, c.index.nbytes, c.index.file_offset, label).tobytes()
+                opened = lib.zipmoe_store_open(t.name.encode(), index, len(index), c.data.nbytes, out)
+                offset = c.data.file_offset
+            else:  # a plain GGUF's, served as stored (as the loader opens it: zipmoe_llama_open_raw)
+                ne = ffi.new("int64_t[4]", [*t.ne, 1])
+                opened = lib.zipmoe_store_open_raw(t.name.encode(), t.ggml_type, ne, t.expert_size // t.ne[1], out)
+                offset = c.file_offset
+            if opened < 0:
+                raise CalibrationError(f"{label}: {t.name}: the runtime refused to serve it")
             handle = ffi.gc(out[0], lib.zipmoe_store_free)
-            if lib.zipmoe_store_bind(handle, fd, c.data.file_offset, ffi.new("void **"), ffi.new("size_t *")) < 0:
-                raise CalibrationError(f"{label}: {c.name}: the runtime cannot read its data")
+            if lib.zipmoe_store_bind(handle, fd, offset, ffi.new("void **"), ffi.new("size_t *")) < 0:
+                raise CalibrationError(f"{label}: {t.name}: the runtime cannot read its data")
             self.handles.append(handle)
 
     def materialize(self, experts: Sequence[int], threads: int) -> float:
@@ -259,14 +277,16 @@ def measure_tiers(fd: int, tensors: Sequence[Any], n_expert: int, n_used: int, *
     from .._native import lib
 
     unbounded = (1 << 64) - 1
-    layer_bytes = sum(c.expert.info.n_per_expert * 2 for c in tensors) * n_expert
+    layer_bytes = sum(t.expert_size for t in tensors) * n_expert
     lib.zipmoe_cache_set_reserve(layer_bytes)  # as a model loads: evicted pages are reused, as in a run
     n_used = max(1, min(n_used, n_expert))
     groups = [[(t * n_used + i) % n_expert for i in range(n_used)] for t in range(max(1, min(tokens, n_expert // n_used)))]
-    progress.start("calibrate: tiers", 5 * len(groups))
+    tiered = all(t.split for t in tensors)  # else cold only: the runtime keeps no compressed copy of a raw expert
+    tiers = (("cold", 0, 0), ("warm", unbounded, 0), ("sm", 0, unbounded)) if tiered else (("cold", 0, 0),)
+    progress.start("calibrate: tiers", (2 * len(tiers) - 1) * len(groups))
     times: dict[str, float] = {}
     try:
-        for tier, warm, sm in (("cold", 0, 0), ("warm", unbounded, 0), ("sm", 0, unbounded)):
+        for tier, warm, sm in tiers:
             lib.zipmoe_cache_configure(0, warm, sm, lib.ZIPMOE_POLICY_LRU)  # hot 0: every use decodes
             stores = _LayerStores(fd, tensors, label)
             if tier != "cold":  # a first pass puts them in the tier
@@ -284,6 +304,8 @@ def measure_tiers(fd: int, tensors: Sequence[Any], n_expert: int, n_used: int, *
     finally:
         lib.zipmoe_cache_configure(unbounded, 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
         lib.zipmoe_cache_set_reserve(0)
+    if not tiered:
+        return TierCosts(warm=None, sm=None, cold=times["cold"])
     return TierCosts(warm=times["warm"], sm=max(times["sm"], times["warm"]), cold=max(times["cold"], times["warm"]))
 
 
@@ -294,8 +316,8 @@ class EngineCosts:
 
     base: float
     layer: float  # once per layer that reads at all, per token
-    warm: float
-    sm: float
+    warm: float | None  # None: a model stored raw (no compressed tiers)
+    sm: float | None
     cold: float
 
 
@@ -317,8 +339,9 @@ def measure_engine(model_path: Path, *, threads: int, expert_tensors: int, first
     need = model_memory(model_path)
     budget = str(need.whole)  # room for every plan below
     k, n = geometry.n_expert_used, geometry.n_expert
-    if 2 * k > n:
-        return None
+    tiered = [geometry.has_tiers(i) for i in range(len(geometry.layers))]
+    if 2 * k > n or (any(tiered) and not all(tiered)):
+        return None  # (a model mixing raw and compressed layers: its tiers are timed through the stores)
 
     def timed(hot: int | None, warm: int = 0, sm: int = 0) -> dict[str, Any]:
         llama: dict[str, Any] = {}  # no budget: every expert stays decoded
@@ -339,10 +362,12 @@ def measure_engine(model_path: Path, *, threads: int, expert_tensors: int, first
         """Experts of a layer per generated token (the runtime counts every expert tensor: gate, up, down)."""
         return float(run["stats"][key]) / expert_tensors / ENGINE_TOKENS
 
+    half = n // 2
+    if not any(tiered):
+        return _raw_engine_costs(timed, per_token, n, k, half, first_read, progress)
     progress.start("calibrate: engine", 6)
     # all decoded; k hot slots and the rest cold, warm or sm; half the experts hot and the rest cold or warm
     # (fewer experts per layer that reads: what tells the wait for a layer's first read from its experts')
-    half = n // 2
     runs = [timed(None), timed(k), timed(k, n - k), timed(k, 0, n - k), timed(half), timed(half, n - half)]
     # every run's seconds per token = base + t_layer * layers that read + warm, sm and cold experts times their
     # costs, per token: six runs, four unknowns, least squares (the all-decoded run still meets a few experts for
@@ -362,6 +387,25 @@ def measure_engine(model_path: Path, *, threads: int, expert_tensors: int, first
     tiny = 1e-7  # no tier may look free: every split would tie
     warm = max(warm, tiny)
     return EngineCosts(base=max(base, tiny), layer=max(layer, 0.0), warm=warm, sm=max(sm, warm), cold=max(cold, warm))
+
+
+def _raw_engine_costs(timed: Callable[..., dict[str, Any]], per_token: Callable[[dict[str, Any], str], float],
+                      n: int, k: int, half: int, first_read: float, progress: Progress) -> EngineCosts | None:
+    """measure_engine for a model stored raw (a plain GGUF, a quantized zipmoe file): its experts are hot or read
+    from the file, so three runs (all n experts hot; k hot slots; half of them hot) determine the base and what a
+    cold expert costs (its read and its copy into place, no decode); t_layer is the disk's, as for compressed ones.
+    The base is timed through the cache too, all of it hot: without a budget a plain GGUF runs stock llama.cpp's
+    graph, which is not what the other runs add their reads to."""
+    progress.start("calibrate: engine", 3)
+    runs = [timed(n), timed(k), timed(half)]
+    counts = np.array([[1.0, per_token(r, "misses")] for r in runs])
+    seconds = np.array([r["seconds"] / ENGINE_TOKENS for r in runs])
+    reading = np.array([per_token(r, "reading_calls") for r in runs])
+    if min(counts[1, 1], counts[2, 1]) <= 0:
+        return None  # no run read an expert
+    base, cold = (float(v) for v in np.linalg.lstsq(counts, seconds - first_read * reading, rcond=None)[0])
+    tiny = 1e-7  # a read is never free
+    return EngineCosts(base=max(base, tiny), layer=max(first_read, 0.0), warm=None, sm=None, cold=max(cold, tiny))
 
 
 @dataclass(frozen=True)
@@ -464,7 +508,8 @@ def measure_disk(path: Path, regions: Sequence[tuple[int, int]], read_bytes: int
 
 
 def _open_model(model_path: str | os.PathLike[str]) -> Any:
-    from ..file.reader import open_zipmoe
+    """The model's expert tensors (pyzipmoe.plan.experts): a zipmoe GGUF's or a plain GGUF's."""
+    from .experts import model_experts
 
     path = Path(model_path).expanduser()
     if not path.exists():
@@ -472,28 +517,27 @@ def _open_model(model_path: str | os.PathLike[str]) -> Any:
     if not path.is_file():
         raise CalibrationError(f"{path}: not a file")
     try:
-        zf = open_zipmoe(path)
+        m = model_experts(path)
     except (FormatError, UnsupportedError) as e:
         raise CalibrationError(str(e)) from None
-    if not zf.compressed:
-        raise CalibrationError(f"{path}: no compressed expert tensors to measure")
-    return zf
+    if not m.tensors:
+        raise CalibrationError(f"{path}: no expert tensors to measure (not a MoE model)")
+    return m
 
 
-def _experts_used(zf: Any) -> int:
+def _experts_used(m: Any) -> int:
     """The model's experts per token (<arch>.expert_used_count), or 1 if it does not say."""
-    for key, kv in zf.gguf.kv.items():
+    for key, kv in m.gguf.kv.items():
         if key.endswith(".expert_used_count"):
             return int(kv.value)
     return 1
 
 
-def _first_layer(compressed: Sequence[Any]) -> tuple[int, list[Any]]:
-    """The lowest layer number with compressed expert tensors, and those tensors."""
+def _first_layer(tensors: Sequence[Any]) -> tuple[int, list[Any]]:
+    """The lowest layer number with expert tensors, and those tensors (StoredExperts)."""
     layers: dict[int, list[Any]] = {}
-    for c in compressed:
-        m = _LAYER.match(c.name)
-        layers.setdefault(int(m.group(1)) if m else -1, []).append(c)
+    for t in tensors:
+        layers.setdefault(t.block, []).append(t)
     layer = min(layers)
     return layer, layers[layer]
 
@@ -501,8 +545,13 @@ def _first_layer(compressed: Sequence[Any]) -> tuple[int, list[Any]]:
 def calibrate(model_path: str | os.PathLike[str], *, force: bool = False, progress: Progress | None = None,
               read_bytes: int = DEFAULT_READ_BYTES, min_seconds: float = DEFAULT_MIN_SECONDS,
               base_seconds_per_token: float | None = None, engine: bool = True) -> Calibration:
-    """The costs of running the zipmoe model at `model_path` on this machine: from the cache when it holds a
-    calibration of this very file on this machine (unless `force`), else measured (a few seconds) and cached.
+    """The costs of running the model at `model_path` (a zipmoe GGUF, or a plain GGUF that runs under a budget) on
+    this machine: from the cache when it holds a calibration of this very file on this machine (unless `force`),
+    else measured (a few seconds) and cached.
+
+    Experts stored through the split codec (BF16, F16) are decoded; experts stored raw (a plain GGUF's, a zipmoe
+    file's quantized ones) have no decode to measure: what they cost is their read (t_read_cold), and t_decode is
+    0 for a model with no other experts. The decoder's figures (decode speeds, split and merge) are then absent.
 
     read_bytes: how much of the file the disk measurement reads (everything if the file's experts hold less).
     min_seconds: CPU time spent on each decode timing (there are four: two codecs, split, merge).
@@ -524,27 +573,30 @@ def calibrate(model_path: str | os.PathLike[str], *, force: bool = False, progre
             cached = replace(cached, base_seconds_per_token=base_seconds_per_token)
             _save_quietly(cached, cache_file(path, cached.machine))
         return cached
-    zf = _open_model(path)
+    m = _open_model(path)
     fingerprint, machine = model_fingerprint(path), calibration.machine_id()  # before measuring: a change during it shows later
     started, t0 = time.time(), time.perf_counter()
-    layer, tensors = _first_layer(zf.compressed)
+    layer, tensors = _first_layer(m.tensors)
+    split = [t for t in m.tensors if t.split]
     expert = 0
     label = str(path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        decode = measure_decode(fd, tensors, expert, zf.meta.codec, min_seconds=min_seconds, label=label,
-                                progress=progress)
-    finally:
-        os.close(fd)
-    regions = [(c.region_file_offset(e), c.expert.span(e).size)
-               for c in zf.compressed for e in range(c.expert.info.n_expert)]
+    decode = None
+    if split:  # the first layer with values to decode (the planner scales the others by their values)
+        _, decoding = _first_layer(split)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            decode = measure_decode(fd, [t.source for t in decoding], expert, m.codec, min_seconds=min_seconds,
+                                    label=label, progress=progress)
+        finally:
+            os.close(fd)
+    regions = [r for t in m.tensors for r in t.regions]
     disk = measure_disk(path, regions, read_bytes, progress=progress)
     measured = None
     if engine:
         from ..runtime.timing import TimingError
 
         try:
-            region = sum(c.expert.span(expert).size for c in tensors) / len(tensors)  # a layer's first read
+            region = sum(t.regions[expert][1] for t in tensors) / len(tensors)  # a layer's first read
             measured = measure_engine(path, threads=usable_cores(), expert_tensors=len(tensors),
                                       first_read=disk.latency + region / disk.bandwidth, progress=progress)
         except TimingError as e:
@@ -555,25 +607,27 @@ def calibrate(model_path: str | os.PathLike[str], *, force: bool = False, progre
     else:
         fd = os.open(path, os.O_RDONLY)
         try:
-            tiers = measure_tiers(fd, tensors, tensors[0].expert.info.n_expert, _experts_used(zf),
-                                  threads=usable_cores(), label=label, progress=progress)
+            tiers = measure_tiers(fd, tensors, tensors[0].n_expert, _experts_used(m), threads=usable_cores(),
+                                  label=label, progress=progress)
         finally:
             os.close(fd)
     progress.close()
     cal = Calibration(
         model=fingerprint, machine=machine, measured_at=started, seconds=time.perf_counter() - t0,
-        codec=zf.meta.codec, chunk_size=zf.meta.chunk_size, layer=layer, expert_tensors=len(tensors),
-        expert_values=sum(c.expert.info.n_per_expert for c in tensors),
-        expert_compressed_bytes=sum(c.expert.span(expert).size for c in tensors),
+        codec=m.codec, chunk_size=m.chunk_size, layer=layer, expert_tensors=len(tensors),
+        expert_values=sum(t.n_values for t in tensors),
+        expert_compressed_bytes=sum(t.regions[expert][1] for t in tensors),
         # the planner's layer delay is max(decodes * t_decode / cores, sm * t_read_sm + cold * t_read_cold): with
-        # these, a token all in one tier costs what it was measured to cost
-        t_decode=tiers.warm * usable_cores(), t_decode_fresh=decode.t_decode, t_read_sm=tiers.sm,
-        t_read_cold=tiers.cold, decode_values_per_second=decode.values_per_second,
-        merge_seconds_per_value=decode.merge_seconds_per_value, split_seconds_per_value=decode.split_seconds_per_value,
+        # these, a token all in one tier costs what it was measured to cost. A layer stored raw decodes nothing
+        t_decode=tiers.warm * usable_cores() if tiers.warm is not None else 0.0,
+        t_decode_fresh=decode.t_decode if decode else None, t_read_sm=tiers.sm, t_read_cold=tiers.cold,
+        decode_values_per_second=decode.values_per_second if decode else {},
+        merge_seconds_per_value=decode.merge_seconds_per_value if decode else None,
+        split_seconds_per_value=decode.split_seconds_per_value if decode else None,
         disk_bandwidth=disk.bandwidth, read_latency=disk.latency, read_size=disk.read_size, reads=disk.reads,
         bytes_read=disk.bytes_read, page_cache_dropped=disk.page_cache_dropped, cores=usable_cores(),
         base_seconds_per_token=base_seconds_per_token, tier_source="engine" if measured is not None else "stores",
-        t_layer=measured.layer if measured is not None else None,
+        t_layer=measured.layer if measured is not None else None, plain=m.plain,
     )
     _save_quietly(cal, cache_file(path, machine))
     return cal

@@ -429,13 +429,14 @@ class TierSeconds:
 
 
 def tier_seconds(geometry: ModelGeometry, costs: Costs, i: int) -> TierSeconds:
-    """The costs of MoE layer i (its index in geometry.layers)."""
+    """The costs of MoE layer i (its index in geometry.layers). A layer stored raw decodes nothing: a routed expert
+    that is not hot costs its read (decode_share 0)."""
     def read(nbytes: int, measured: float | None, measured_bytes: int) -> float:
         if measured is not None:  # measured through the runtime on the first MoE layer: scaled by size
             return measured * nbytes / max(1, measured_bytes)
         return nbytes / costs.disk_bandwidth + costs.read_latency
 
-    return TierSeconds(decode=costs.t_decode / costs.cores,
+    return TierSeconds(decode=costs.t_decode / costs.cores * geometry.decode_share(i),
                        read_sm=read(geometry.read_sm_bytes(i), costs.t_read_sm, geometry.read_sm_bytes(0)),
                        read_cold=read(geometry.warm_bytes[i], costs.t_read_cold, geometry.warm_bytes[0]),
                        layer=costs.t_layer or 0.0,

@@ -9,6 +9,9 @@ Tiers, exclusive, with a number of slots per tier in each layer:
     sm    sign+mantissa plane resident, exponent codes on disk    one decode + reading the codes
     cold  nothing resident                                        one decode + reading the whole region
 
+Experts stored raw (a plain GGUF's, a zipmoe file's quantized ones: ModelGeometry.tiered) have no compressed copy:
+their layers are planned hot and cold only, and a cold one costs its read, no decode (routing.tier_seconds).
+
 The runtime's eviction keeps the most used experts in the highest tiers, so the model is by rank: within a layer,
 experts sorted by routing frequency fill the hot slots, then the warm ones, then the sm ones; the rest are cold.
 
@@ -76,9 +79,13 @@ class LayerTable:
 
 
 def layer_table(design: LayerDesign | RecencyDesign, seconds: TierSeconds, hot_bytes: int, warm_bytes: int,
-                sm_bytes: int) -> LayerTable:
-    """The Pareto frontier (bytes, delay) of a layer's splits; its first entry costs no bytes (no slots)."""
+                sm_bytes: int, tiered: bool = True) -> LayerTable:
+    """The Pareto frontier (bytes, delay) of a layer's splits; its first entry costs no bytes (no slots). Not
+    `tiered` (experts stored raw): the splits with hot and cold experts only, the runtime keeping no other."""
     hot, warm, sm, delay = design.split_delays(seconds)
+    if not tiered:
+        only = (warm == 0) & (sm == 0)
+        hot, warm, sm, delay = hot[only], warm[only], sm[only], delay[only]
     nbytes = hot.astype(np.int64) * hot_bytes + warm.astype(np.int64) * warm_bytes + sm.astype(np.int64) * sm_bytes
     order = np.argsort(nbytes)  # splits of equal bytes come in any order: the last kept of each is their best
     d = delay[order]
@@ -125,7 +132,8 @@ def cost_model(geometry: ModelGeometry, costs: Costs, counts: np.ndarray | None 
         return recent if recent is not None else layer_design(counts[block], g.n_expert_used)
 
     designs = pool_designs([design(block) for block in g.layers])  # short logs: shrunk toward all layers
-    tables = tuple(layer_table(designs[i], tier_seconds(g, costs, i), g.hot_bytes[i], g.warm_bytes[i], g.sm_bytes[i])
+    tables = tuple(layer_table(designs[i], tier_seconds(g, costs, i), g.hot_bytes[i], g.warm_bytes[i], g.sm_bytes[i],
+                               g.has_tiers(i))
                    for i in range(len(g.layers)))
     return CostModel(g, costs, designs, tables)
 
@@ -228,11 +236,14 @@ def fixed_split_plan(model: CostModel, budget: int, hot_share: float, warm_share
     left = g.n_expert
     slots = []
     for share, sizes in zip(shares, (g.hot_bytes, g.warm_bytes, g.sm_bytes)):
-        per_slot = sum(sizes)  # one slot in every layer
+        # one slot in every layer that has the tier (a layer stored raw has hot slots only)
+        per_slot = sum(size for i, size in enumerate(sizes) if not slots or g.has_tiers(i))
         n = left if per_slot == 0 else min(left, int(share * budget) // per_slot)
         slots.append(n)
         left -= n
-    return _plan_from_splits(model, [tuple(slots)] * len(g.layers), budget)  # type: ignore[list-item]
+    hot, warm, sm = slots
+    return _plan_from_splits(model, [(hot, warm, sm) if g.has_tiers(i) else (hot, 0, 0) for i in range(len(g.layers))],
+                             budget)
 
 
 DIRECT_ALIGN = 4096  # the reader's O_DIRECT block (ZIPMOE_DIRECT_ALIGN)

@@ -179,25 +179,6 @@ def plain_experts(path: str | os.PathLike[str]) -> list[tuple[str, int]] | None:
     return [(t.name, t.nbytes) for t in g.tensors if EXPERT_NAME.fullmatch(t.name)]
 
 
-def refuse_plain(path: str | os.PathLike[str], what: str, error: type[ZipmoeError] = ZipmoeError) -> None:
-    """`error` for a plain GGUF where `what` (the planner's commands) needs a zipmoe GGUF, saying that a plain one
-    does run under a budget; and for a zipmoe GGUF whose experts are not all BF16 (zipmoe.version 2), which the
-    planner's model (sign+mantissa planes, exponent codecs) does not describe."""
-    from ..file import gguf as format
-
-    try:
-        g = format.read_gguf(path)
-    except (ZipmoeError, OSError):
-        return  # (the command's own reading says what is wrong)
-    if not g.is_zipmoe:
-        raise error(f"{path}: not a zipmoe file but a plain GGUF: {what} needs a zipmoe GGUF (`zipmoe convert`); a plain "
-                    "one runs under --memory-budget as it is, its experts served as stored by the eviction policy alone")
-    if g.kv["zipmoe.version"].value != 1:
-        raise error(f"{path}: its experts are not all BF16 (zipmoe.version {g.kv['zipmoe.version'].value}): {what} "
-                    "plans BF16 experts only; this file runs under --memory-budget, its experts served by the "
-                    "eviction policy alone")
-
-
 def model_memory(model: ZipmoeFile | str | os.PathLike[str], *, mapped: bool = True) -> ModelMemory:
     """The runtime's own accounting (zipmoe_budget_need_of, as the loader calls it) for a zipmoe GGUF, from its
     header and indexes, or for a plain GGUF, whose expert tensors the runtime serves as stored (each at its own

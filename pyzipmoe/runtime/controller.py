@@ -119,12 +119,15 @@ def runtime_environment(model: ZipmoeFile | str | os.PathLike[str], *, budget: s
     if budget is None:
         return RuntimeConfig(None, policy, hot_share, sm_share).to_env()
     if not is_zipmoe:
-        # a plain GGUF: the runtime serves its expert tensors as stored, decoded only (the shares do not apply)
+        # a plain GGUF: the runtime serves its expert tensors as stored, decoded only (the shares do not apply). The
+        # planner's hot slots per layer (from the trace, else uniform: no monitor re-plans a plain GGUF's run)
         need = model_memory(model, mapped=mapped)
         nbytes = model_budget(budget, need)
         check_budget(nbytes, need)
         if plan is not None:
             planner.decode_plan(plan)
+        elif use_planner:
+            plan = plan_model(model, nbytes, trace=trace, need=need).plan.encode()
         return RuntimeConfig(nbytes, policy, hot_share, sm_share, plan=plan).to_env()
     from ..file.reader import as_zipmoe
 

@@ -281,7 +281,9 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
     planner: let the planner split the cache per layer (pyzipmoe/plan/), from this machine's calibration
         (`zipmoe calibrate`) and the routing (`trace`, then the order in which the run's tokens routed). None
         (default): on under a budget without shares or a plan, once the model has a calibration measured through
-        the engine; else the cache keeps decoded experts (docs/cache-and-planner.md).
+        the engine; else the cache keeps decoded experts (docs/cache-and-planner.md). A plain GGUF under a budget
+        (its experts stored raw: hot or read from the file) gets the planner's hot slots per layer at load, from
+        `trace` (on when a trace is given) or uniform routing; nothing re-plans it while it runs.
     trace: activation counts for the planner (.npz with "counts" [prompts, layers, experts]); default uniform.
     plan: slots per tier per layer, as `zipmoe plan` prints them ("0:12,4,0;1:..."), instead of planning.
     adapt: re-plan while running (pyzipmoe.runtime.controller.MemoryMonitor): when the memory available changes ("auto"
@@ -325,6 +327,8 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
             from ..file.reader import open_zipmoe
 
             model = open_zipmoe(model_path)
+        if planner is None and self.zipmoe_served and not self.is_zipmoe:
+            planner = trace is not None  # a plain GGUF plans its hot slots from a trace given (nothing re-plans it)
         if planner is None:
             planner = planner_by_default(model_path, budget=memory_budget, hot_share=hot_share, sm_share=sm_share,
                                          plan=plan, is_zipmoe=self.is_zipmoe)
@@ -351,6 +355,8 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
                 raise ValueError(f"record_routing needs a zipmoe GGUF; {model_path} is not one")
             self._recorder = RoutingRecorder(model_path, self.context_params.n_ubatch)
             counted.append(self._recorder.note_decode)
+        if not self.is_zipmoe and self.zipmoe_served and planner and plan is None:
+            self._give_generation_room(model_path, int(cache_env[BUDGET_ENV]), mapped)
         if adapt is None:
             adapt = memory_budget is not None
         if adapt and self.is_zipmoe and memory_budget is not None and plan is None:  # (not for a plain GGUF yet)
@@ -369,6 +375,16 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
             before_decode.append(self.zipmoe_monitor.check_floor)
 
     @staticmethod
+    def _give_generation_room(path: str, budget: int, mapped: bool) -> None:
+        """A plain GGUF's planned slots get generation's room beyond them, as a zipmoe model's monitor gives a
+        planned run (controller.MemoryMonitor.give_generation_room): a token's misses need neither the allowance
+        for the tensor in flight nor a prompt's read buffers, which then hold decoded experts too."""
+        from .._native import lib
+        from .budget import model_memory
+
+        lib.zipmoe_cache_set_token_room(budget - model_memory(path, mapped=mapped).other_bytes)
+
+    @staticmethod
     def _check_plain_budget(path: str, planner: bool | None, trace: str | None, adapt: bool | None) -> bool:
         """Whether the runtime serves a plain GGUF's experts under its budget (it has some): what it cannot do for
         one is refused here, never ignored."""
@@ -384,10 +400,13 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
             raise UnsupportedError(
                 f"a memory budget on {path} needs zipmoe's libllama, and the one in use ({loaded_library()}) was not "
                 f"built with zipmoe; build it with `bash tools/setup.sh`, or load the model without a budget")
-        if planner or trace is not None or adapt:
+        if adapt:
             raise UnsupportedError(
-                f"{path} is a plain GGUF: under a memory budget its experts are served as stored, by the eviction "
-                f"policy alone; the planner, a routing trace and adaptation need a zipmoe GGUF (`zipmoe convert`)")
+                f"{path} is a plain GGUF: under a memory budget its experts are served as stored, with the budget "
+                f"fixed for the run; adaptation (re-planning while running) needs a zipmoe GGUF (`zipmoe convert`)")
+        if trace is not None and planner is False:
+            raise UnsupportedError(f"a routing trace is what the planner plans from: {path} was given one with "
+                                   "planner=False")
         return True
 
     def _load_error(self, path: str, e: Exception, logged: str) -> ZipmoeLoadError:

@@ -220,9 +220,9 @@ def test_cache_dir_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
 # ------------------------------------------------------------------------------------------ bad input
 
 
-def test_bad_models_are_one_line_errors(tmp_path: Path, tiny_model: Path, not_gguf: Path) -> None:
+def test_bad_models_are_one_line_errors(tmp_path: Path, non_moe_gguf: Path, not_gguf: Path) -> None:
     cases = [(tmp_path / "missing.gguf", "no such file"), (tmp_path, "not a file"),
-             (tiny_model, "not a zipmoe file"), (not_gguf, "not a GGUF file")]
+             (non_moe_gguf, "no expert tensors"), (not_gguf, "not a GGUF file")]
     for path, says in cases:
         with pytest.raises(CalibrationError, match=says) as e:
             calibrate(path, **FAST)
@@ -321,8 +321,8 @@ def test_command_help_has_examples(monkeypatch, capsys) -> None:
     assert code == 0 and "examples:" in out and "zipmoe calibrate model.zipmoe.gguf" in out and "exit status" in out
 
 
-def test_command_errors_are_one_line(tmp_path: Path, tiny_model: Path, monkeypatch, capsys) -> None:
-    for target, says in ((tmp_path / "missing.gguf", "no such file"), (tiny_model, "not a zipmoe file")):
+def test_command_errors_are_one_line(tmp_path: Path, tiny_model: Path, non_moe_gguf: Path, monkeypatch, capsys) -> None:
+    for target, says in ((tmp_path / "missing.gguf", "no such file"), (non_moe_gguf, "no expert tensors")):
         code, out, err = zipmoe(["calibrate", str(target)], monkeypatch, capsys)
         assert code == 1 and out == ""
         assert err.startswith("zipmoe: error: ") and says in err and err.count("\n") == 1

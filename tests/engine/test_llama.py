@@ -846,13 +846,14 @@ def test_zipmoe_gguf_of_every_type_gives_the_source_s_logits(typed_logits: Calla
 
 def test_what_a_plain_gguf_cannot_do_under_a_budget_is_refused(ours: Path, typed_models: dict[str, Path],
                                                                tmp_path: Path) -> None:
-    """The planner, a routing trace and adaptation need a zipmoe GGUF: asked for with a plain one under a budget,
-    they are refused with a message, never ignored."""
+    """Adaptation (re-planning while running) needs a zipmoe GGUF, and a trace is what the planner plans from:
+    asked for with a plain one under a budget (adaptation; a trace with the planner off), they are refused with a
+    message, never ignored. (The planner itself plans a plain GGUF: tests/system/test_plan_plain.py.)"""
     runs = [{"config": CONFIGS[0], "zipmoe": {"memory_budget": "64MiB", **extra}}
-            for extra in ({"planner": True}, {"adapt": True})]
+            for extra in ({"adapt": True}, {"trace": str(tmp_path / "counts.npz"), "planner": False})]
     reports, _ = run_worker(typed_models["Q8_0"], ours, runs, tmp_path / "refused.npz")
-    for r in reports:
-        assert r["load_error"]["type"] == "UnsupportedError" and "plain GGUF" in r["load_error"]["message"], r
+    for r, says in zip(reports, ("plain GGUF", "planner=False"), strict=True):
+        assert r["load_error"]["type"] == "UnsupportedError" and says in r["load_error"]["message"], r
 
 
 # ------------------------------------------------------------------------------ damaged and foreign files
@@ -1110,21 +1111,26 @@ def test_zipmoe_run_prompt_same_output(ours: Path, tiny_models: dict[str, Path],
 
 def test_zipmoe_run_plain_gguf_under_a_budget_same_output(ours: Path, typed_models: dict[str, Path]) -> None:
     """`zipmoe run` on a plain GGUF takes --memory-budget: its experts come from the cache (the stats say so), the
-    text is the same as without one; and `zipmoe plan` says why it does not plan a plain GGUF."""
+    text is the same as without one, planned (--planner) or not; and `zipmoe plan` plans it: hot and cold experts
+    only (they are stored raw)."""
     from pyzipmoe.runtime.budget import model_memory
 
     model = typed_models["Q4_K_M"]
     budget = str(model_memory(model).minimum + (256 << 10))
     outs = {}
-    for label, extra in (("stock", []), ("budget", ["--memory-budget", budget])):
+    for label, extra in (("stock", []), ("budget", ["--memory-budget", budget]),
+                         ("planner", ["--memory-budget", budget, "--planner"])):
         done = _run([sys.executable, "-m", "pyzipmoe", "run", model, "-p", PROMPT, "-n", "12", "--temp", "0", "-t", "1",
                      "--stats", *extra], worker_env(ours))
         outs[label] = done.stdout
-        assert ("[zipmoe: 6 expert tensors" in done.stderr) == (label == "budget"), done.stderr
-    assert outs["stock"].strip() and outs["budget"] == outs["stock"], outs
+        assert ("[zipmoe: 6 expert tensors" in done.stderr) == (label != "stock"), done.stderr
+    assert outs["stock"].strip() and outs["budget"] == outs["stock"] == outs["planner"], outs
     plan = subprocess.run([sys.executable, "-m", "pyzipmoe", "plan", model, "--memory-budget", budget],
                           env=worker_env(ours), capture_output=True, text=True, timeout=TIMEOUT, check=False)
-    assert plan.returncode == 1 and "plain GGUF" in plan.stderr and "--memory-budget" in plan.stderr, plan.stderr
+    assert plan.returncode == 0, plan.stderr
+    line = next(x for x in plan.stdout.splitlines() if x.startswith("ZIPMOE_PLAN="))
+    slots = [entry.split(":")[1].split(",") for entry in line.split("=", 1)[1].split(";")]
+    assert len(slots) == 2 and all(warm == sm == "0" for _, warm, sm in slots), line
 
 
 def test_zipmoe_bench_json(ours: Path, zipmoe_models: dict[tuple[str, str], Path], tiny_models: dict[str, Path]

@@ -422,23 +422,6 @@ def test_llama_runs_an_f16_zipmoe_exactly_or_refuses(tiny_model: Path, tmp_path:
     assert result["class"] == "ok", result
 
 
-@pytest.mark.parametrize("model", ["F16", "Q8_0"])
-def test_the_planner_refuses_experts_that_are_not_bf16(model: str, typed_models: dict[str, Path], tiny_model: Path,
-                                                       tmp_path: Path) -> None:
-    """zipmoe plan / calibrate model BF16 experts (sign+mantissa planes, exponent codecs): a version 2 file is refused
-    with a message, not planned wrongly; it still runs under a budget (tests/engine/test_llama.py)."""
-    from pyzipmoe.plan.inputs import PlanInputError
-    from pyzipmoe.runtime.budget import refuse_plain
-
-    packed = tmp_path / f"{model}.zipmoe.gguf"
-    convert.convert(typed_models[model], packed, threads=2)
-    with pytest.raises(PlanInputError, match="not all BF16 .zipmoe.version 2.: zipmoe plan plans BF16 experts only"):
-        refuse_plain(packed, "zipmoe plan", PlanInputError)
-    bf16 = tmp_path / "BF16.zipmoe.gguf"
-    convert.convert(tiny_model, bf16, threads=2)
-    refuse_plain(bf16, "zipmoe plan", PlanInputError)  # an all-BF16 file is planned
-
-
 def test_format_version_says_whether_every_expert_is_bf16(tiny_model: Path, typed_models: dict[str, Path],
                                                           tmp_path: Path) -> None:
     convert.convert(tiny_model, tmp_path / "bf16.zipmoe.gguf", threads=2)

@@ -14,7 +14,6 @@ from pyzipmoe.cli import main as zipmoe_main
 from pyzipmoe.cli import plan as cli_plan
 from pyzipmoe.plan import inputs
 from pyzipmoe.plan import solver as planner
-from pyzipmoe.plan.inputs import PlanInputError
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +35,13 @@ def test_geometry_from_a_zipmoe_file(tiny_zipmoe: Path):
                                                                   tuple(range(tiny.n_layer)))
     assert g.hot_bytes == (2 * values,) * tiny.n_layer and g.sm_bytes == (values,) * tiny.n_layer
     assert all(values < w < 2 * values for w in g.warm_bytes)
-    assert g.dense_bytes > 0
-    with pytest.raises(PlanInputError, match="not a zipmoe file"):
-        inputs.geometry_from_gguf(tiny_zipmoe.with_name("tiny.gguf"))
+    assert g.dense_bytes > 0 and g.tiered == (True,) * tiny.n_layer
+    # its plain source: the same experts decoded, stored raw (read as they are: no warm or sm tier)
+    plain = inputs.geometry_from_gguf(tiny_zipmoe.with_name("tiny.gguf"))
+    assert (plain.n_layer, plain.n_expert, plain.n_expert_used, plain.layers) == (g.n_layer, g.n_expert,
+                                                                                  g.n_expert_used, g.layers)
+    assert plain.hot_bytes == plain.warm_bytes == g.hot_bytes and plain.sm_bytes == (0,) * tiny.n_layer
+    assert plain.tiered == (False,) * tiny.n_layer and plain.dense_bytes == g.dense_bytes
 
 
 @pytest.fixture
@@ -114,8 +117,10 @@ def test_cli_bad_files(tiny_zipmoe: Path, tmp_path: Path, capsys: pytest.Capture
     for extra, message in cases:
         code, out, err = run_plan(capsys, str(tiny_zipmoe), "--memory-budget", "1MiB", *extra)
         assert code == 1 and out == "" and message in err and err.count("\n") == 1, err
-    code, _, err = run_plan(capsys, str(tiny_zipmoe.with_name("tiny.gguf")), "--memory-budget", "1MiB")
-    assert code == 1 and "not a zipmoe file" in err and "Traceback" not in err
+    not_gguf = tmp_path / "notes.gguf"
+    not_gguf.write_text("not weights\n")
+    code, _, err = run_plan(capsys, str(not_gguf), "--memory-budget", "1MiB")
+    assert code == 1 and "not a GGUF file" in err and "Traceback" not in err and err.count("\n") == 1, err
 
 
 def test_cli_usage(capsys: pytest.CaptureFixture[str], tiny_zipmoe: Path):

@@ -614,3 +614,60 @@ def test_a_run_takes_a_plan_only_for_a_clear_saving(small_model: planner.CostMod
         found[clear] = True
     assert all(found.values()), found  # both cases occur in this sweep
     assert planner.runtime_plan(small_model, 100, margin=0.0).encode() == planner.plan_for_budget(small_model, 100).encode()
+
+
+# ------------------------------------------------------------------------------ experts stored raw
+
+
+def raw_geometry(tiered: tuple[bool, bool] = (False, False)) -> ModelGeometry:
+    """Two layers of 4 experts, 1 routed: layer 1's experts larger (a Q4_K_M file's Q6_K ffn_down_exps), stored as
+    they are (a cold one reads its decoded bytes); sm_bytes only where a layer is stored through the split codec."""
+    sm = tuple(150 if t else 0 for t in tiered)
+    warm = tuple(200 if t else h for t, h in zip(tiered, (300, 420)))
+    return ModelGeometry(n_layer=2, n_expert=4, n_expert_used=1, layers=(0, 1), hot_bytes=(300, 420),
+                         warm_bytes=warm, sm_bytes=sm, tiered=tiered)
+
+
+RAW_COSTS = Costs(cores=2, t_decode=1.0, disk_bandwidth=1e6, read_latency=1e-3, base_seconds_per_token=0.01)
+
+
+def test_a_raw_expert_costs_its_read_and_no_decode():
+    g = raw_geometry()
+    for i, size in enumerate((300, 420)):
+        s = plan_routing.tier_seconds(g, RAW_COSTS, i)
+        assert s.decode == 0 and s.read_cold == pytest.approx(size / 1e6 + 1e-3)
+    assert inputs.default_costs(g, cores=2).t_decode == 0  # nothing to decode
+    mixed = raw_geometry((True, False))
+    assert plan_routing.tier_seconds(mixed, RAW_COSTS, 0).decode == pytest.approx(0.5)  # t_decode / cores
+    assert plan_routing.tier_seconds(mixed, RAW_COSTS, 1).decode == 0
+    with pytest.raises(ZipmoeError, match="tiered"):
+        ModelGeometry(2, 4, 1, (0, 1), (300, 420), (300, 420), (0, 0), tiered=(False,))
+
+
+@pytest.mark.parametrize("budget,hot", [(720, (1, 1)), (719, (2, 0)), (599, (0, 1)), (299, (0, 0)),
+                                        (4 * 720, (4, 4))])
+def test_layers_stored_raw_are_planned_hot_and_cold_at_their_own_sizes(budget: int, hot: tuple[int, int]):
+    """Hand-checked: with uniform routing a hot slot saves a quarter of a cold read, 1.3 ms in layer 0 (300 bytes),
+    1.42 ms in layer 1 (420 bytes): 599 bytes buy layer 1's slot (0.355 ms) over layer 0's (0.325 ms), 719 two of
+    layer 0 (one each takes 720). A plan never keeps a raw expert warm or sm, and its bytes are each layer's hot
+    slots at that layer's size."""
+    model = planner.cost_model(raw_geometry(), RAW_COSTS)
+    plan = planner.plan_for_budget(model, budget)
+    assert tuple(lp.hot for lp in plan.layers) == hot
+    reads = (300 / 1e6 + 1e-3, 420 / 1e6 + 1e-3)
+    for lp, size, read in zip(plan.layers, (300, 420), reads):
+        assert (lp.warm, lp.sm, lp.cold) == (0, 0, 4 - lp.hot) and lp.nbytes == lp.hot * size
+        assert lp.delay == pytest.approx((4 - lp.hot) / 4 * read)
+        assert lp.hit_rates[1] == lp.hit_rates[2] == 0
+    assert plan.nbytes <= budget
+
+
+def test_only_layers_with_compressed_tiers_get_warm_or_sm_slots():
+    model = planner.cost_model(raw_geometry((True, False)), RAW_COSTS)
+    fixed = planner.fixed_split_plan(model, 2000, 0.2, 0.5, 0.3)
+    assert fixed.layers[0].warm > 0 and (fixed.layers[1].warm, fixed.layers[1].sm) == (0, 0)
+    for budget in range(0, 2000, 50):
+        raw_layer = planner.plan_for_budget(model, budget).layers[1]
+        assert (raw_layer.warm, raw_layer.sm) == (0, 0)
+    table = model.tables[1]
+    assert not table.warm.any() and not table.sm.any()
