@@ -15,7 +15,8 @@ from typing import Any
 from .formatting import command, human_size
 
 from ..plan.calibration import Calibration, cache_file
-from ..plan.measure import DEFAULT_READ_BYTES, LATENCY_PROBES
+from ..plan.disk import LATENCY_PROBES
+from ..plan.measure import DEFAULT_READ_BYTES
 
 __all__ = ["EXIT_STATUS", "calibration_table", "register"]
 
@@ -138,12 +139,11 @@ def register(sub: Any) -> None:
             "bandwidth; the file is dropped from the page cache first and after). The result is cached per "
             "machine and model file under $XDG_CACHE_HOME/zipmoe/calibration (default "
             "~/.cache/zipmoe/calibration) and measured again when either changes."),
-        epilog="examples:\n"
-               "  zipmoe calibrate model.zipmoe.gguf\n"
-               "  zipmoe calibrate model.zipmoe.gguf --force --read 1GiB   measure again, reading more of the file\n"
-               "  zipmoe calibrate model.zipmoe.gguf --json | jq .costs\n"
-               "  zipmoe calibrate model-Q4_K_M.gguf                  a plain GGUF: its experts' reads\n\n"
-               f"{EXIT_STATUS}")
+        examples=("zipmoe calibrate model.zipmoe.gguf",
+                  "zipmoe calibrate model.zipmoe.gguf --force --read 1GiB   measure again, reading more of the file",
+                  "zipmoe calibrate model.zipmoe.gguf --json | jq .costs",
+                  "zipmoe calibrate model-Q4_K_M.gguf                  a plain GGUF: its experts' reads"),
+        epilog=EXIT_STATUS)
     p.add_argument("model", metavar="MODEL", help="a zipmoe GGUF (zipmoe convert makes one), or a plain GGUF")
     p.add_argument("--force", action="store_true", help="measure again even if a calibration is cached")
     p.add_argument("--read", type=_read_size, default=DEFAULT_READ_BYTES, metavar="SIZE",
