@@ -708,9 +708,9 @@ def test_generation_keeps_the_allowance_decoded_and_a_batch_takes_it_back_first(
     """While every store of a graph is routed no more experts than it keeps decoded (a token's top-k), each miss
     takes its victim's place and the allowance for the tensor in flight can hold decoded experts too
     (zipmoe_cache_set_token_hot; for a planner's slots zipmoe_cache_set_token_room, the same bytes beyond the
-    rules' as extra hot slots). A graph that may route more (a prompt's batch) gets the smaller hot tier back
-    before its first store decodes beyond its share, so it peaks where it always did. Not with an sm tier, whose
-    misses do not evict first."""
+    rules' as extra hot slots). A graph that may route every expert of a store (a prompt's batch) gets the smaller
+    hot tier back before its first store decodes beyond its share, so it peaks where it always did. Not with an sm
+    tier, whose misses do not evict first."""
     zf = zreader.open_zipmoe(zipmoe_model)
     stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
     size, n_expert = expert_bytes(zf.compressed[0]), zf.compressed[0].source.dims[2]
@@ -745,7 +745,7 @@ def test_generation_keeps_the_allowance_decoded_and_a_batch_takes_it_back_first(
             run(np.array([[t, (t + 3) % n_expert]]))
         assert stats()["hot_bytes"] == (batch if sm_tier else batch + excess) * size
         configure()  # as another model's load (or the monitor) configures it: still token-sized until the next graph
-        lib.zipmoe_cache_begin_graph(5)  # more than the stores that keep 4 experts decoded in generation
+        lib.zipmoe_cache_begin_graph(n_expert)  # a batch that may route every expert of a store (a prompt's)
         assert stats()["hot_bytes"] == batch * size
         lib.zipmoe_stats_reset()
         run(np.arange(n_expert).reshape(1, -1))
@@ -756,6 +756,55 @@ def test_generation_keeps_the_allowance_decoded_and_a_batch_takes_it_back_first(
         assert stats()["hot_bytes"] == (batch if sm_tier else batch + excess) * size
         assert stats()["peak_hot_bytes"] == (batch + excess) * size
         assert stats()["decoding_bytes"] == 0  # (counted from the plan's places to its publish)
+    finally:
+        lib.zipmoe_cache_set_slots(ffi.NULL, 0, 0, 0)
+
+
+@pytest.mark.parametrize("how", ["shares", "plan"])
+def test_a_step_of_a_few_tokens_stays_in_generation_s_tier_within_the_budget(zipmoe_model, tiny_model, stats, how):
+    """A step that verifies drafted tokens or serves parallel slots routes a few tokens' top-k, more than some stores
+    keep decoded in generation. It stays in generation's tier, which holds back what one store decodes beyond its
+    slots (only one store at a time does), and keeps holding it back for the steps that follow: no trim to a batch's
+    tier between steps and single tokens, every value exact, and the decoded bytes within generation's budget."""
+    zf = zreader.open_zipmoe(zipmoe_model)
+    stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
+    size, n_expert = expert_bytes(zf.compressed[0]), zf.compressed[0].source.dims[2]
+    assert all(expert_bytes(ct) == size and ct.source.dims[2] == n_expert for ct in zf.compressed)
+    refs = [source_experts(tiny_model, ct) for ct in zf.compressed]
+    batch, tokens = 2 * len(stores), 5 * len(stores)  # a step of 3 tokens (top-2) routes up to 6 experts a store
+    layers = sorted({ct.name[: ct.name.index(".", 4) + 1] for ct in zf.compressed})
+    if how == "plan":  # every store 2 hot slots, and generation's room beyond them (apply_plan)
+        for prefix in layers:
+            assert lib.zipmoe_cache_set_slots(prefix.encode(), 2, 0, 0) == 0
+        lib.zipmoe_cache_set_token_room(tokens * size + len(stores))  # (the shares are rounded down)
+    else:
+        lib.zipmoe_cache_configure(batch * size, 0, 0, POLICIES["lfuda"])
+        lib.zipmoe_cache_set_token_hot(tokens * size + len(stores))
+    lib.zipmoe_cache_set_reserve((n_expert - 2) * size)
+    rng = np.random.default_rng(7)
+
+    def step(n_tokens: int) -> int:
+        ids = np.array([rng.choice(n_expert, 2, replace=False) for _ in range(n_tokens)])
+        lib.zipmoe_cache_begin_graph(min(2 * n_tokens, n_expert))  # as the glue counts a graph's routing
+        for k, st in enumerate(stores):
+            assert all(r >= 0 for r in st.materialize(ids, 2))
+            np.testing.assert_array_equal(st.weights[st.where], refs[k][ids])
+        return stats()["hot_bytes"]
+
+    try:
+        for _ in range(4 * n_expert):  # single tokens fill generation's tier
+            step(1)
+        assert stats()["hot_bytes"] == tokens * size
+        lib.zipmoe_stats_reset()
+        held = step(3)  # the first step holds back one store's experts beyond its slots, once
+        assert batch * size < held < tokens * size
+        kept = [step(n) for n in [1, 2, 3, 1, 1, 3, 2, 1, 2, 3] * 4]
+        # 6 routed of a store that keeps 5 goes 1 beyond; holding 1 back leaves a store 4 (the shares carry whole
+        # experts), so 2 are held back, once: never trimmed further (a batch's tier would be batch * size)
+        assert min(kept) >= (tokens - 2) * size
+        assert stats()["peak_resident_bytes"] <= tokens * size
+        assert stats()["peak_hot_bytes"] <= tokens * size
+        assert stats()["decoding_bytes"] == 0
     finally:
         lib.zipmoe_cache_set_slots(ffi.NULL, 0, 0, 0)
 
