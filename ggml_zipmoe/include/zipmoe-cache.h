@@ -78,9 +78,10 @@ ZIPMOE_API uint64_t zipmoe_cache_rules_bytes(void);
 
 /* Before computing a graph (one at a time) whose stores may each be routed up to `routed` distinct experts: the
  * hot budget for it, generation's (zipmoe_cache_set_token_hot's shares, or a planner's rules plus the extra slots
- * of zipmoe_cache_set_token_room) where every store keeps at least `routed` experts decoded under it, else the
- * batch's (zipmoe_cache_configure's, the rules'); going back to the smaller one, every store is evicted down to it
- * first. In generation evicted experts' pages are not kept (zipmoe_cache_set_reserve): a miss takes its victim's
+ * of zipmoe_cache_set_token_room) where every store keeps at least `routed` experts decoded under it, or, for a step
+ * of a few tokens (`routed` below every store's experts), generation's less what one store decodes beyond its slots,
+ * held back for the steps that follow; else the batch's (zipmoe_cache_configure's, the rules'); going back to a
+ * smaller one, every store is evicted down to it first. In generation evicted experts' pages are not kept (zipmoe_cache_set_reserve): a miss takes its victim's
  * place, and the reserve's room is the hot tier's. Without a hot tier (every expert kept compressed: no sm budget,
  * no rules), a graph whose misses fit the reserve, `routed` experts of the largest store, is generation too: the
  * reserve keeps only their pages and the warm tier grows by the rest, back again for a larger graph. */

@@ -894,6 +894,42 @@ def test_generation_without_a_hot_tier_lends_the_allowance_to_the_warm_tier(zipm
         lib.zipmoe_cache_set_reserve(0)
 
 
+def test_steps_of_a_few_tokens_without_a_hot_tier_keep_the_warm_tier_they_grew(zipmoe_model, tiny_model, stats):
+    """Without a hot tier, generation's warm tier holds the allowance beyond what a graph's misses decode into. A step
+    of two tokens decodes into more than a token: its need is held for the steps that follow, so that single tokens
+    and steps in turns never take warm experts back at a graph's start (each time, every compressed copy given up
+    would be read from disk again)."""
+    zf = zreader.open_zipmoe(zipmoe_model)
+    stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
+    size, n_expert = expert_bytes(zf.compressed[0]), zf.compressed[0].source.dims[2]
+    refs = [source_experts(tiny_model, ct) for ct in zf.compressed]
+    data = sum(ct.data.nbytes for ct in zf.compressed)
+    warm, reserve = data // 4, n_expert * size
+    rng = np.random.default_rng(3)
+
+    def step(n_tokens: int) -> int:
+        before = stats()["warm_bytes"]
+        lib.zipmoe_cache_begin_graph(2 * n_tokens)
+        trimmed = before - stats()["warm_bytes"]
+        ids = np.array([rng.choice(n_expert, 2, replace=False) for _ in range(n_tokens)])
+        for k, st in enumerate(stores):
+            assert all(r >= 0 for r in st.materialize(ids, 2))
+            np.testing.assert_array_equal(st.weights[st.where], refs[k][ids])
+        return trimmed
+
+    try:
+        lib.zipmoe_cache_configure(0, warm, 0, POLICIES["lfuda"])
+        lib.zipmoe_cache_set_reserve(reserve)
+        for _ in range(3 * n_expert):
+            step(1)
+        assert stats()["warm_bytes"] > warm  # generation's tier grew into the allowance
+        step(2)  # the first step takes its room once
+        assert [step(n) for n in [1, 2, 1, 1, 2, 2, 1, 2] * 4] == [0] * 32
+        assert warm < stats()["warm_bytes"] <= warm + reserve - 4 * size
+    finally:
+        lib.zipmoe_cache_set_reserve(0)
+
+
 def test_warm_shares_carry_what_a_store_cannot_use_to_the_next(zipmoe_model, tiny_model, stats):
     """A store's share of the warm budget holds whole regions; what it holds beyond them goes to the next store, as
     the hot tier's slots do: a budget a quarter of a region a store short of every region leaves out about a

@@ -636,8 +636,9 @@ std::unique_lock<std::mutex> zipmoe_llama_compute_turn(const ggml_cgraph * gf) {
     if (g_registry_size.load(std::memory_order_relaxed) == 0) {
         return {};
     }
-    // the most experts one store of the graph may be routed: a token's top-k in generation, which lets the hot
-    // tier hold the allowance for the tensor in flight too (zipmoe_cache_begin_graph)
+    // the most experts one store of the graph may be routed: a token's top-k in generation, a few tokens' in a
+    // step of speculation or parallel slots, which let the hot tier hold the allowance for the tensor in flight too;
+    // every expert of a store in a prompt's batch (zipmoe_cache_begin_graph)
     int64_t routed = -1;
     for (int i = 0; i < ggml_graph_n_nodes(const_cast<ggml_cgraph *>(gf)); i++) {
         const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(gf), i);
