@@ -78,14 +78,20 @@ ZIPMOE_API uint64_t zipmoe_cache_rules_bytes(void);
 
 /* Before computing a graph (one at a time) whose stores may each be routed up to `routed` distinct experts: the
  * hot budget for it, generation's (zipmoe_cache_set_token_hot's shares, or a planner's rules plus the extra slots
- * of zipmoe_cache_set_token_room) where every store keeps at least `routed` experts decoded under it, or, for a step
- * of a few tokens (`routed` below every store's experts), generation's less what one store decodes beyond its slots,
- * held back for the steps that follow; else the batch's (zipmoe_cache_configure's, the rules'); going back to a
- * smaller one, every store is evicted down to it first. In generation evicted experts' pages are not kept (zipmoe_cache_set_reserve): a miss takes its victim's
+ * of zipmoe_cache_set_token_room) where every store keeps at least `routed` experts decoded under it, else the
+ * batch's (zipmoe_cache_configure's, the rules'); going back to the smaller one, every store is evicted down to it
+ * first. In generation evicted experts' pages are not kept (zipmoe_cache_set_reserve): a miss takes its victim's
  * place, and the reserve's room is the hot tier's. Without a hot tier (every expert kept compressed: no sm budget,
  * no rules), a graph whose misses fit the reserve, `routed` experts of the largest store, is generation too: the
  * reserve keeps only their pages and the warm tier grows by the rest, back again for a larger graph. */
 ZIPMOE_API void    zipmoe_cache_begin_graph(int64_t routed);
+/* The same for a step: a graph every token of which has its logits wanted (a token, speculation verifying drafted
+ * tokens, parallel slots' tokens). It may route more experts than some stores keep decoded in generation, and is
+ * generation still: its tier less what one store decodes beyond its slots (only one store at a time does), held back
+ * for the steps that follow until 64 graphs in a row need less; the batch's where that would leave no more than the
+ * batch's decoded. A zipmoe_cache_begin_graph graph (a prompt's batch) is generation where what is held back covers
+ * it. A new budget holds nothing back. */
+ZIPMOE_API void    zipmoe_cache_begin_step(int64_t routed);
 
 /* Whether stores bound from now on read around the page cache (O_DIRECT) where the file system allows it.
  * Default 1; 0 reads through the page cache and drops what was read from it (for file systems whose O_DIRECT

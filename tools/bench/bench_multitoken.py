@@ -98,6 +98,7 @@ TARGETS = (("ngram/single repetitive at 40%", 40, "ngram:repetitive", 1.3),
            ("synth/single at 40% (accepted steps of 3 tokens, standing in for repetitive text)", 40,
             "synth:repetitive", 1.3),
            ("ngram/single ordinary", None, "ngram:ordinary", 0.95),
+           ("ngram1/single ordinary (drafts wherever a token recurs, no backoff)", None, "ngram1:ordinary", 0.95),
            ("np4/np1 aggregate at 40%", 40, "np4", 2.0))
 
 

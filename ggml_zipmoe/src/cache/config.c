@@ -242,9 +242,10 @@ static uint64_t warm_budget_now(void) {
 /* Evicted experts' pages are kept for a batch's decodes beyond the limits; in token mode a miss takes its victim's
  * place instead, and the room the reserve would keep is generation's hot tier's: pages kept there would come on
  * top of a full tier (after a shrink in generation, by up to the whole reserve). Generation's warm tier keeps the
- * pages of a token's misses, and the rest go back at once: the tier grows into them. */
+ * pages of the graph's misses (not of the step it holds room for: a token's, then, not a step's), and the rest go
+ * back at once: the tier grows into them. */
 static void keep_reserve(void) {
-    zipmoe_slots_set_keep(!g_cfg.token_mode ? g_cfg.reserve : g_cfg.token_warm ? g_cfg.token_need : 0);
+    zipmoe_slots_set_keep(!g_cfg.token_mode ? g_cfg.reserve : g_cfg.token_warm ? g_cfg.token_pages : 0);
     if (g_cfg.token_mode && g_cfg.token_warm) {
         zipmoe_slots_trim();
     }
@@ -460,48 +461,55 @@ static uint64_t hold_step(uint64_t need, uint64_t held, int fits) {
  * the expert it evicts (place_plan), and one exists in its own store while the store is routed no more experts
  * than it keeps decoded. So generation's stores keep more decoded: the shares of zipmoe_cache_set_token_hot's
  * budget, or a planner's rules plus the extra slots of zipmoe_cache_set_token_room's. Not with an sm tier
- * (place_plan does not evict first there). A step of a few tokens (speculation verifying drafts, parallel slots)
- * is generation too, its tier less what its stores decode beyond their slots (step_need), held back for the steps
- * that follow (hold_step); a graph that may route every expert of a store is a prompt's batch. Back to a smaller
- * budget, every store gives up what it holds beyond its limits now, before any store of the graph decodes beyond
- * its own. */
-void zipmoe_cache_begin_graph(int64_t routed) {
+ * (place_plan does not evict first there). A step (`step`: every token of the graph is one whose logits are
+ * wanted: a token, speculation verifying drafts, parallel slots' tokens) is generation too, its tier less what its
+ * stores decode beyond their slots (step_need), held back for the steps that follow (hold_step); another graph (a
+ * prompt's batch) is generation only where what is held back already covers it. Without a hot tier, generation's
+ * warm tier leaves the pages of a step's misses, held alike. Back to a smaller budget, every store gives up what it
+ * holds beyond its limits now, before any store of the graph decodes beyond its own. */
+static void begin(int64_t routed, int step) {
     atomic_fetch_add(&g_open.op_seq, 1); /* a graph's first invocation of a store is never a late sibling of its last one */
     pthread_mutex_lock(&g_open.mu);
     uint64_t largest = 0;
-    int64_t  fewest  = INT64_MAX; /* experts of the store with the fewest */
     for (const zipmoe_store * o = g_open.list; o; o = o->next) {
         largest = o->hot_size > largest ? o->hot_size : largest;
-        fewest  = o->hot_size > 0 && o->info.n_expert < fewest ? o->info.n_expert : fewest;
     }
     pthread_mutex_lock(&g_cfg.mu);
-    /* (g_cfg.token_slots >= 0: generation's hot budget is larger than a batch's, and shared out) */
-    const uint64_t step        = g_cfg.token_slots >= 0 && routed > 0 ? step_need(routed) : UINT64_MAX;
-    const int      hot_tokens  = step == 0 || (step != UINT64_MAX && routed < fewest);
+    /* (g_cfg.token_slots >= 0: generation's hot budget is larger than a batch's, and shared out; step_room is what
+     * generation holds back for steps, in the hot tier or, without one, in the warm tier) */
+    const int      possible    = g_cfg.token_slots >= 0 && routed > 0;
+    const uint64_t held        = g_cfg.step_room;
+    const int      fits        = possible && step_beyond(held, routed) <= held;
+    const uint64_t step_room   = possible && step ? step_need(routed) : UINT64_MAX;
+    const int      hot_tokens  = step ? step_room != UINT64_MAX : fits;
     const uint64_t need        = routed > 0 ? slots_bytes(routed, largest) : UINT64_MAX;
     const int      warm_tokens = !hot_tokens && warm_tokens_possible() && need < g_cfg.reserve;
     const int      tokens      = hot_tokens || warm_tokens;
     const int      was_tokens  = g_cfg.token_mode;
     const uint64_t warm_before = warm_budget_now();
-    const uint64_t room_before = g_cfg.step_room;
-    uint64_t       room        = g_cfg.step_room, token_need = 0;
-    if (hot_tokens) {
-        room = hold_step(step, room, step_beyond(room, routed) <= room);
+    uint64_t       room        = held, token_need = 0;
+    if (hot_tokens && step) {
+        room = hold_step(step_room, held, fits);
+    } else if (warm_tokens && step) {
+        room = token_need = hold_step(need, held, held < g_cfg.reserve);
     } else if (warm_tokens) {
-        const uint64_t held = g_cfg.token_warm ? g_cfg.token_need : 0;
-        token_need          = hold_step(need, held, held < g_cfg.reserve);
+        token_need = held > need && held < g_cfg.reserve ? held : need;
     }
     if (tokens != g_cfg.token_mode || warm_tokens != g_cfg.token_warm || (warm_tokens && token_need != g_cfg.token_need) ||
         room != g_cfg.step_room) {
-        g_cfg.token_mode = tokens;
-        g_cfg.token_warm = warm_tokens;
-        g_cfg.token_need = warm_tokens ? token_need : 0;
-        g_cfg.step_room  = room;
-        g_cfg.hot_budget = tokens ? token_hot_now() : g_cfg.hot_batch;
+        g_cfg.token_mode  = tokens;
+        g_cfg.token_warm  = warm_tokens;
+        g_cfg.token_need  = warm_tokens ? token_need : 0;
+        g_cfg.token_pages = warm_tokens ? need : 0;
+        g_cfg.step_room   = room;
+        g_cfg.hot_budget  = tokens ? token_hot_now() : g_cfg.hot_batch;
         cache_share_hot_slots();
         keep_reserve();
+    } else if (warm_tokens && need != g_cfg.token_pages) {
+        g_cfg.token_pages = need; /* (within what the warm tier leaves: need <= token_need) */
+        keep_reserve();
     }
-    const int shrink = (was_tokens && !tokens) || (was_tokens && tokens && g_cfg.step_room > room_before) ||
+    const int shrink = (was_tokens && !tokens) || (was_tokens && hot_tokens && g_cfg.step_room > held) ||
                        warm_budget_now() < warm_before;
     pthread_mutex_unlock(&g_cfg.mu);
     for (zipmoe_store * o = shrink ? g_open.list : NULL; o; o = o->next) {
@@ -523,3 +531,6 @@ void zipmoe_cache_begin_graph(int64_t routed) {
     pthread_mutex_unlock(&g_open.mu);
 }
 
+void zipmoe_cache_begin_graph(int64_t routed) { begin(routed, 0); }
+
+void zipmoe_cache_begin_step(int64_t routed) { begin(routed, 1); }
