@@ -86,8 +86,8 @@ ZIPMOE_API uint64_t zipmoe_cache_rules_bytes(void);
  * reserve keeps only their pages and the warm tier grows by the rest, back again for a larger graph. */
 ZIPMOE_API void    zipmoe_cache_begin_graph(int64_t routed);
 /* The same for a step: a graph every token of which has its logits wanted (a token, speculation verifying drafted
- * tokens, parallel slots' tokens). It may route more experts than some stores keep decoded in generation, and is
- * generation still: its tier less what one store decodes beyond its slots (only one store at a time does), held back
+ * tokens, parallel slots' tokens) and whose `routed` is below every store's experts (else it is a batch: a whole
+ * prompt's logits). It may route more experts than some stores keep decoded in generation, and is generation still: its tier less what one store decodes beyond its slots (only one store at a time does), held back
  * for the steps that follow until 64 graphs in a row need less; the batch's where that would leave no more than the
  * batch's decoded. A zipmoe_cache_begin_graph graph (a prompt's batch) is generation where what is held back covers
  * it. A new budget holds nothing back. */

@@ -16,6 +16,8 @@ is shared and its speed drifts:
           1-token lookup drafts up to 4 tokens and a seeded coin accepts them, 3 tokens a step on average, whatever
           the model says. The steps are real verification steps of accepted drafts, as repetitive text gives them;
           the text is not the model's greedy text (stock's, under the same seed, is the reference).
+  dsynth  the same with a draft model (a tiny SYNTHETIC BF16 MoE of the preset's vocabulary, DRAFT_SHAPE), which
+          drafts 4 tokens at every step: every step verifies 5 tokens and keeps 3 on average.
   np4     `llama-server -np 4`: one request alone, then four concurrent requests (four different prompts);
           aggregate tokens/s = the four requests' generated tokens over the longest one's generation time.
 
@@ -83,7 +85,14 @@ SPECS = {
     "synth": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "1", "--spec-ngram-simple-size-m", "4",
               "--spec-ngram-simple-min-hits", "1", "--spec-draft-n-min", "0", "--spec-draft-n-max", "4",
               "--spec-synth-len", "3"],
+    # the same acceptance with a draft model ({draft}: DRAFT_SHAPE of the preset, a tiny BF16 MoE of the same
+    # vocabulary), which drafts 4 tokens at every step: every step verifies 5 tokens and keeps 3 on average
+    "dsynth": ["--spec-type", "draft-simple", "-md", "{draft}", "--spec-draft-n-max", "4", "--spec-draft-n-min", "0",
+               "--spec-draft-p-min", "0", "--spec-synth-len", "3"],
 }
+# the draft model's shape beside its preset's vocabulary and experts (as many: a store of fewer experts would make
+# every step of the target route "all of a store's experts", a batch's)
+DRAFT_SHAPE = {"n_layer": 1, "n_embd": 128, "n_ff_exp": 64, "n_head": 2, "n_head_kv": 1, "head_dim": 64, "seed": 1}
 CONFIGS = ("single", *SPECS, "np4")
 PASSAGE = ("The river runs past the old mill and under the stone bridge, where the children wait for the boats "
            "to come home in the evening light.")
@@ -97,6 +106,8 @@ WARMUP = "Hello"
 TARGETS = (("ngram/single repetitive at 40%", 40, "ngram:repetitive", 1.3),
            ("synth/single at 40% (accepted steps of 3 tokens, standing in for repetitive text)", 40,
             "synth:repetitive", 1.3),
+           ("dsynth/single at 40% (draft model, 3 of 5 tokens kept a step, standing in for repetitive text)", 40,
+            "dsynth:repetitive", 1.3),
            ("ngram/single ordinary", None, "ngram:ordinary", 0.95),
            ("ngram1/single ordinary (drafts wherever a token recurs, no backoff)", None, "ngram1:ordinary", 0.95),
            ("np4/np1 aggregate at 40%", 40, "np4", 2.0))
@@ -185,7 +196,9 @@ def run_config(config: str, model: Path, limit: int | None, budget: int | None, 
                args: argparse.Namespace, stem: str, bin_dir: Path = REPO / "build" / "bin") -> dict[str, Any]:
     """One server of `config` under `limit` (None: none), the programs of bin_dir: its requests' timings, or its
     failure."""
-    extra = {"single": ["-np", "1"], "np4": ["-np", "4"], **{k: ["-np", "1", *v] for k, v in SPECS.items()}}[config]
+    draft = str(args.workdir / f"{args.preset}-draft.gguf")
+    extra = {"single": ["-np", "1"], "np4": ["-np", "4"],
+             **{k: ["-np", "1", *(a.replace("{draft}", draft) for a in v)] for k, v in SPECS.items()}}[config]
     ctx = 4 * (args.gen + 256) if config == "np4" else args.gen + 256
     log = args.workdir / "logs" / f"{stem}.err"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -220,6 +233,20 @@ def run_config(config: str, model: Path, limit: int | None, budget: int | None, 
     return out
 
 
+def ensure_draft(workdir: Path, preset: str) -> Path:
+    """workdir/PRESET-draft.gguf, the draft model (SYNTHETIC: the preset's vocabulary and experts, DRAFT_SHAPE)."""
+    from dataclasses import replace
+
+    from pyzipmoe import synth
+
+    path = workdir / f"{preset}-draft.gguf"
+    if not path.is_file():
+        part = path.with_name(path.name + ".part")
+        synth.write_config(part, replace(synth.PRESETS[preset], **DRAFT_SHAPE))
+        part.replace(path)
+    return path
+
+
 def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     parent = bb.check_environment(args.cgroup_parent)
     bf16, model = bb.ensure_models(args.workdir, args.preset, args.routing, 2, False, args.codec)
@@ -228,6 +255,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     # kernels round differently from its one-token ones, so a verified draft may change stock's text too)
     res_stock = {}
     specs = [c for c in args.configs if c in SPECS]
+    if "dsynth" in specs:
+        ensure_draft(args.workdir, args.preset)
     for config in ("single", *specs):
         bb.say(f"stock {config} (the reference text) ...")
         r = run_config(config, bf16, None, None, parent, args, f"{args.preset}-stock-{config}")
@@ -306,9 +335,9 @@ def print_report(res: dict[str, Any]) -> None:
     stock = res.get("stock", {})
     for spec, name in [(spec, name) for spec in res["specs"] for name in PROMPTS]:
         if name in stock.get(spec, {}) and stock[spec][name] != stock["single"][name]:
+            synthetic = ", and synthetic acceptance keeps drafts the model would not" if "synth" in spec else ""
             print(f"  stock's own {name} text with {spec} is NOT its single-token text (llama.cpp's batched kernels "
-                  "round differently" + (", and synthetic acceptance keeps drafts the model would not)" if spec == "synth"
-                                         else ")"))
+                  f"round differently{synthetic})")
     tables = {v: ratios(res, v) for v in variants(res)}
     print(f"{'build':>6} {'budget':>6} {'rep':>3} {'spec':>6} | {'repetitive t/s single->spec':>28} {'x':>5} "
           f"{'acc/draft':>9} {'text':>5} | {'ordinary t/s single->spec':>26} {'x':>5} {'acc/draft':>9} {'text':>5}")

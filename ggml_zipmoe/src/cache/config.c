@@ -476,9 +476,13 @@ static void begin(int64_t routed, int step) {
     atomic_fetch_add(&g_open.op_seq, 1); /* a graph's first invocation of a store is never a late sibling of its last one */
     pthread_mutex_lock(&g_open.mu);
     uint64_t largest = 0;
+    int64_t  fewest  = INT64_MAX; /* experts of the store with the fewest */
     for (const zipmoe_store * o = g_open.list; o; o = o->next) {
         largest = o->hot_size > largest ? o->hot_size : largest;
+        fewest  = o->hot_size > 0 && o->info.n_expert < fewest ? o->info.n_expert : fewest;
     }
+    /* a graph that may route every expert of a store is a batch whatever logits it wants (a whole prompt's) */
+    step = step && routed < fewest;
     pthread_mutex_lock(&g_cfg.mu);
     /* (g_cfg.token_slots >= 0: generation's hot budget is larger than a batch's, and shared out; step_room is what
      * generation holds back for steps, in the hot tier or, without one, in the warm tier) */
