@@ -804,6 +804,11 @@ def test_a_step_of_a_few_tokens_stays_in_generation_s_tier_within_the_budget(zip
         # 6 routed of a store that keeps 5 goes 1 beyond; holding 1 back leaves a store 4 (the shares carry whole
         # experts), so 2 are held back, once: never trimmed further (a batch's tier would be batch * size)
         assert min(kept) >= (tokens - 2) * size
+        before = stats()["hot_bytes"]
+        lib.zipmoe_cache_begin_graph(6)  # a short prompt (its last token's logits) that the room held back covers
+        assert stats()["hot_bytes"] == before
+        lib.zipmoe_cache_begin_step(n_expert)  # a whole prompt's logits: a batch, which takes the batch's tier back
+        assert stats()["hot_bytes"] == batch * size
         assert stats()["peak_resident_bytes"] <= tokens * size
         assert stats()["peak_hot_bytes"] <= tokens * size
         assert stats()["decoding_bytes"] == 0
