@@ -428,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
                         "configuration also runs on it, interleaved with this build's")
     p.add_argument("--json", type=Path, metavar="FILE", help="every run's raw results (rewritten after each run)")
     p.add_argument("--report", type=Path, metavar="FILE", help="print the tables of an earlier --json, no runs")
+    p.add_argument("--note", action="append", default=[], metavar="TEXT",
+                   help="a line for the result file's notes (what the builds were, what the machine did); repeatable")
     result_files.add_arguments(p)
     args = p.parse_args(argv)
     args.codec = args.codec or bb.default_bench_codec()
@@ -442,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         notes = [f"the tables of {args.report}, printed by --report"
                  + (f"; measured by `{res['command']}`" if "command" in res else "")]
         day = datetime.date.fromtimestamp(args.report.stat().st_mtime)
+    notes = (notes or []) + args.note or None
     result_files.write(args, "multitoken", result_files.printed(print_report, res),
                        weights=f"{result_files.SYNTHETIC} (tools/dev/make_synth.py, preset {res['preset']})",
                        json_path=args.report or args.json, notes=notes, day=day,
