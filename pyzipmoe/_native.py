@@ -115,6 +115,7 @@ void    zipmoe_cache_set_reserve(uint64_t bytes);
 void    zipmoe_cache_set_token_hot(uint64_t hot_bytes);
 void    zipmoe_cache_set_token_room(uint64_t bytes);
 void    zipmoe_cache_begin_graph(int64_t routed);
+void    zipmoe_cache_begin_step(int64_t routed);
 void    zipmoe_cache_set_direct_io(int enabled);
 void    zipmoe_cache_set_read_buffer(uint64_t bytes);
 void    zipmoe_cache_set_read_room(uint64_t bytes);

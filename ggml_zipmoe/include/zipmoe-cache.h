@@ -85,6 +85,13 @@ ZIPMOE_API uint64_t zipmoe_cache_rules_bytes(void);
  * no rules), a graph whose misses fit the reserve, `routed` experts of the largest store, is generation too: the
  * reserve keeps only their pages and the warm tier grows by the rest, back again for a larger graph. */
 ZIPMOE_API void    zipmoe_cache_begin_graph(int64_t routed);
+/* The same for a step: a graph every token of which has its logits wanted (a token, speculation verifying drafted
+ * tokens, parallel slots' tokens) and whose `routed` is below every store's experts (else it is a batch: a whole
+ * prompt's logits). It may route more experts than some stores keep decoded in generation, and is generation still: its tier less what one store decodes beyond its slots (only one store at a time does), held back
+ * for the steps that follow until 64 graphs in a row need less; the batch's where that would leave no more than the
+ * batch's decoded. A zipmoe_cache_begin_graph graph (a prompt's batch) is generation where what is held back covers
+ * it. A new budget holds nothing back. */
+ZIPMOE_API void    zipmoe_cache_begin_step(int64_t routed);
 
 /* Whether stores bound from now on read around the page cache (O_DIRECT) where the file system allows it.
  * Default 1; 0 reads through the page cache and drops what was read from it (for file systems whose O_DIRECT

@@ -760,6 +760,62 @@ def test_generation_keeps_the_allowance_decoded_and_a_batch_takes_it_back_first(
         lib.zipmoe_cache_set_slots(ffi.NULL, 0, 0, 0)
 
 
+@pytest.mark.parametrize("how", ["shares", "plan"])
+def test_a_step_of_a_few_tokens_stays_in_generation_s_tier_within_the_budget(zipmoe_model, tiny_model, stats, how):
+    """A step that verifies drafted tokens or serves parallel slots routes a few tokens' top-k, more than some stores
+    keep decoded in generation. It stays in generation's tier, which holds back what one store decodes beyond its
+    slots (only one store at a time does), and keeps holding it back for the steps that follow: no trim to a batch's
+    tier between steps and single tokens, every value exact, and the decoded bytes within generation's budget."""
+    zf = zreader.open_zipmoe(zipmoe_model)
+    stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
+    size, n_expert = expert_bytes(zf.compressed[0]), zf.compressed[0].source.dims[2]
+    assert all(expert_bytes(ct) == size and ct.source.dims[2] == n_expert for ct in zf.compressed)
+    refs = [source_experts(tiny_model, ct) for ct in zf.compressed]
+    batch, tokens = 2 * len(stores), 5 * len(stores)  # a step of 3 tokens (top-2) routes up to 6 experts a store
+    layers = sorted({ct.name[: ct.name.index(".", 4) + 1] for ct in zf.compressed})
+    if how == "plan":  # every store 2 hot slots, and generation's room beyond them (apply_plan)
+        for prefix in layers:
+            assert lib.zipmoe_cache_set_slots(prefix.encode(), 2, 0, 0) == 0
+        lib.zipmoe_cache_set_token_room(tokens * size + len(stores))  # (the shares are rounded down)
+    else:
+        lib.zipmoe_cache_configure(batch * size, 0, 0, POLICIES["lfuda"])
+        lib.zipmoe_cache_set_token_hot(tokens * size + len(stores))
+    lib.zipmoe_cache_set_reserve((n_expert - 2) * size)
+    rng = np.random.default_rng(7)
+
+    def step(n_tokens: int) -> int:
+        ids = np.array([rng.choice(n_expert, 2, replace=False) for _ in range(n_tokens)])
+        lib.zipmoe_cache_begin_step(min(2 * n_tokens, n_expert))  # as the glue counts a step's routing
+        for k, st in enumerate(stores):
+            assert all(r >= 0 for r in st.materialize(ids, 2))
+            np.testing.assert_array_equal(st.weights[st.where], refs[k][ids])
+            s = stats()  # the pages kept for the decodes beyond a store's slots are within the room held back
+            assert s["hot_bytes"] + s["pool_bytes"] <= tokens * size + len(stores), s
+        return stats()["hot_bytes"]
+
+    try:
+        for _ in range(4 * n_expert):  # single tokens fill generation's tier
+            step(1)
+        assert stats()["hot_bytes"] == tokens * size
+        lib.zipmoe_stats_reset()
+        held = step(3)  # the first step holds back one store's experts beyond its slots, once
+        assert batch * size < held < tokens * size
+        kept = [step(n) for n in [1, 2, 3, 1, 1, 3, 2, 1, 2, 3] * 4]
+        # 6 routed of a store that keeps 5 goes 1 beyond; holding 1 back leaves a store 4 (the shares carry whole
+        # experts), so 2 are held back, once: never trimmed further (a batch's tier would be batch * size)
+        assert min(kept) >= (tokens - 2) * size
+        before = stats()["hot_bytes"]
+        lib.zipmoe_cache_begin_graph(6)  # a short prompt (its last token's logits) that the room held back covers
+        assert stats()["hot_bytes"] == before
+        lib.zipmoe_cache_begin_step(n_expert)  # a whole prompt's logits: a batch, which takes the batch's tier back
+        assert stats()["hot_bytes"] == batch * size
+        assert stats()["peak_resident_bytes"] <= tokens * size
+        assert stats()["peak_hot_bytes"] <= tokens * size
+        assert stats()["decoding_bytes"] == 0
+    finally:
+        lib.zipmoe_cache_set_slots(ffi.NULL, 0, 0, 0)
+
+
 def test_a_shrink_in_generation_keeps_no_evicted_pages_beside_the_full_tier(zipmoe_model, tiny_model, stats):
     """In generation (token mode) a miss takes its victim's place, so the pages of experts a shrink evicts are not
     kept for the next decodes (zipmoe_cache_set_reserve's pool): generation's hot tier holds that room already, and
@@ -841,6 +897,42 @@ def test_generation_without_a_hot_tier_lends_the_allowance_to_the_warm_tier(zipm
         lib.zipmoe_cache_begin_graph(routed)
         tokens(5)
         assert warm < stats()["warm_bytes"] <= warm + reserve - need
+    finally:
+        lib.zipmoe_cache_set_reserve(0)
+
+
+def test_steps_of_a_few_tokens_without_a_hot_tier_keep_the_warm_tier_they_grew(zipmoe_model, tiny_model, stats):
+    """Without a hot tier, generation's warm tier holds the allowance beyond what a graph's misses decode into. A step
+    of two tokens decodes into more than a token: its need is held for the steps that follow, so that single tokens
+    and steps in turns never take warm experts back at a graph's start (each time, every compressed copy given up
+    would be read from disk again)."""
+    zf = zreader.open_zipmoe(zipmoe_model)
+    stores = [Store(zipmoe_model, ct) for ct in zf.compressed]
+    size, n_expert = expert_bytes(zf.compressed[0]), zf.compressed[0].source.dims[2]
+    refs = [source_experts(tiny_model, ct) for ct in zf.compressed]
+    data = sum(ct.data.nbytes for ct in zf.compressed)
+    warm, reserve = data // 4, n_expert * size
+    rng = np.random.default_rng(3)
+
+    def step(n_tokens: int) -> int:
+        before = stats()["warm_bytes"]
+        lib.zipmoe_cache_begin_step(2 * n_tokens)
+        trimmed = before - stats()["warm_bytes"]
+        ids = np.array([rng.choice(n_expert, 2, replace=False) for _ in range(n_tokens)])
+        for k, st in enumerate(stores):
+            assert all(r >= 0 for r in st.materialize(ids, 2))
+            np.testing.assert_array_equal(st.weights[st.where], refs[k][ids])
+        return trimmed
+
+    try:
+        lib.zipmoe_cache_configure(0, warm, 0, POLICIES["lfuda"])
+        lib.zipmoe_cache_set_reserve(reserve)
+        for _ in range(3 * n_expert):
+            step(1)
+        assert stats()["warm_bytes"] > warm  # generation's tier grew into the allowance
+        step(2)  # the first step takes its room once
+        assert [step(n) for n in [1, 2, 1, 1, 2, 2, 1, 2] * 4] == [0] * 32
+        assert warm < stats()["warm_bytes"] <= warm + reserve - 4 * size
     finally:
         lib.zipmoe_cache_set_reserve(0)
 

@@ -12,8 +12,17 @@ is shared and its speed drifts:
   ngram   `llama-server -np 1 --spec-type ngram-simple ...` (SPECS: ngram, llama.cpp's 12-token lookup, and
   ngram1  ngram1, a 1-token lookup): the same requests, each step verifying the tokens an n-gram of the context
           drafts, or one token when it drafts none (the backoff).
+  synth   `llama-server -np 1` with llama.cpp's synthetic acceptance (--spec-synth-len 3, benchmarking only): a
+          1-token lookup drafts up to 4 tokens and a seeded coin accepts them, 3 tokens a step on average, whatever
+          the model says. The steps are real verification steps of accepted drafts, as repetitive text gives them;
+          the text is not the model's greedy text (stock's, under the same seed, is the reference).
+  dsynth  the same with a draft model (a tiny SYNTHETIC BF16 MoE of the preset's vocabulary, DRAFT_SHAPE), which
+          drafts 4 tokens at every step: every step verifies 5 tokens and keeps 3 on average.
   np4     `llama-server -np 4`: one request alone, then four concurrent requests (four different prompts);
           aggregate tokens/s = the four requests' generated tokens over the longest one's generation time.
+
+--configs picks configurations. --before DIR runs each one also on the programs of DIR (a build of the code before
+a change), back to back with this build's, in turns, and reports after / before.
 
 Each configuration's text must be stock llama.cpp's in the same configuration (the BF16 source, no limit, run
 once first): MATCH / DIFF. Stock's own speculative text may differ from its single-token text: llama.cpp's
@@ -29,7 +38,8 @@ The weights are SYNTHETIC (tools/dev/make_synth.py --preset PRESET, converted wi
 weights generate text that does not repeat its prompt as a real model's does (its continuation of a passage
 given twice is no copy of it): ngram's 12-token lookup finds nothing to draft, and ngram1 drafts wherever a token
 recurs and is mostly rejected, which measures what rejected drafts cost under a budget (the backoff side), not
-what a real model's repetitive text would gain. np4's ratio is what steps of four accepted tokens are worth.
+what a real model's repetitive text would gain: synth stands in for that. np4's ratio is what steps of four
+accepted tokens are worth.
 Needs root (cgroups, drop_caches),
 as tools/bench/bench_budget.py, whose helpers it uses.
 
@@ -69,7 +79,20 @@ SPECS = {
     "ngram": ["--spec-type", "ngram-simple", "--spec-draft-n-max", "8"],
     "ngram1": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "1", "--spec-ngram-simple-size-m", "8",
                "--spec-ngram-simple-min-hits", "1", "--spec-draft-n-min", "0", "--spec-draft-n-max", "8"],
+    # llama.cpp's synthetic acceptance (benchmarking only): a 1-token lookup drafts up to 4 tokens and a seeded coin
+    # accepts them, 3 tokens a step on average, whatever the model says: the steps a repetitive text's accepted drafts
+    # make, which this SYNTHETIC model's own text never gives; its text is not the model's greedy text
+    "synth": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "1", "--spec-ngram-simple-size-m", "4",
+              "--spec-ngram-simple-min-hits", "1", "--spec-draft-n-min", "0", "--spec-draft-n-max", "4",
+              "--spec-synth-len", "3"],
+    # the same acceptance with a draft model ({draft}: DRAFT_SHAPE of the preset, a tiny BF16 MoE of the same
+    # vocabulary), which drafts 4 tokens at every step: every step verifies 5 tokens and keeps 3 on average
+    "dsynth": ["--spec-type", "draft-simple", "-md", "{draft}", "--spec-draft-n-max", "4", "--spec-draft-n-min", "0",
+               "--spec-draft-p-min", "0", "--spec-synth-len", "3"],
 }
+# the draft model's shape beside its preset's vocabulary and experts (as many: a store of fewer experts would make
+# every step of the target route "all of a store's experts", a batch's)
+DRAFT_SHAPE = {"n_layer": 1, "n_embd": 128, "n_ff_exp": 64, "n_head": 2, "n_head_kv": 1, "head_dim": 64, "seed": 1}
 CONFIGS = ("single", *SPECS, "np4")
 PASSAGE = ("The river runs past the old mill and under the stone bridge, where the children wait for the boats "
            "to come home in the evening light.")
@@ -81,7 +104,12 @@ PARALLEL_PROMPTS = [PROMPTS["ordinary"], "The expert said hello to the world and
                     "Water and time are the two things that", "In the first chapter of the book, we"]
 WARMUP = "Hello"
 TARGETS = (("ngram/single repetitive at 40%", 40, "ngram:repetitive", 1.3),
+           ("synth/single at 40% (accepted steps of 3 tokens, standing in for repetitive text)", 40,
+            "synth:repetitive", 1.3),
+           ("dsynth/single at 40% (draft model, 3 of 5 tokens kept a step, standing in for repetitive text)", 40,
+            "dsynth:repetitive", 1.3),
            ("ngram/single ordinary", None, "ngram:ordinary", 0.95),
+           ("ngram1/single ordinary (drafts wherever a token recurs, no backoff)", None, "ngram1:ordinary", 0.95),
            ("np4/np1 aggregate at 40%", 40, "np4", 2.0))
 
 
@@ -102,9 +130,8 @@ class LimitedServer:
     returns the cgroup's stats (peak usage, OOM kills)."""
 
     def __init__(self, model: Path, limit: int | None, budget: int | None, parent: Path, log: Path, threads: int,
-                 ctx: int,
-                 args: list[str], timeout: float):
-        program = REPO / "build" / "bin" / "llama-server"
+                 ctx: int, args: list[str], timeout: float, bin_dir: Path = REPO / "build" / "bin"):
+        program = bin_dir / "llama-server"
         if not program.is_file():
             raise bb.BenchError(f"{program} was not built")
         self.cg = bb.Cgroup(parent, limit)
@@ -166,15 +193,18 @@ def timing(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_config(config: str, model: Path, limit: int | None, budget: int | None, parent: Path,
-               args: argparse.Namespace, stem: str) -> dict[str, Any]:
-    """One server of `config` under `limit` (None: none): its requests' timings, or its failure."""
-    extra = {"single": ["-np", "1"], "np4": ["-np", "4"], **{k: ["-np", "1", *v] for k, v in SPECS.items()}}[config]
+               args: argparse.Namespace, stem: str, bin_dir: Path = REPO / "build" / "bin") -> dict[str, Any]:
+    """One server of `config` under `limit` (None: none), the programs of bin_dir: its requests' timings, or its
+    failure."""
+    draft = str(args.workdir / f"{args.preset}-draft.gguf")
+    extra = {"single": ["-np", "1"], "np4": ["-np", "4"],
+             **{k: ["-np", "1", *(a.replace("{draft}", draft) for a in v)] for k, v in SPECS.items()}}[config]
     ctx = 4 * (args.gen + 256) if config == "np4" else args.gen + 256
     log = args.workdir / "logs" / f"{stem}.err"
     log.parent.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {"config": config, "limit_bytes": limit, "budget_bytes": budget, "log": str(log)}
     try:
-        server = LimitedServer(model, limit, budget, parent, log, args.threads, ctx, extra, args.timeout)
+        server = LimitedServer(model, limit, budget, parent, log, args.threads, ctx, extra, args.timeout, bin_dir)
     except bb.BenchError as e:
         return {**out, "status": "failed", "message": str(e)}
     out["argv"] = server.argv
@@ -203,6 +233,20 @@ def run_config(config: str, model: Path, limit: int | None, budget: int | None, 
     return out
 
 
+def ensure_draft(workdir: Path, preset: str) -> Path:
+    """workdir/PRESET-draft.gguf, the draft model (SYNTHETIC: the preset's vocabulary and experts, DRAFT_SHAPE)."""
+    from dataclasses import replace
+
+    from pyzipmoe import synth
+
+    path = workdir / f"{preset}-draft.gguf"
+    if not path.is_file():
+        part = path.with_name(path.name + ".part")
+        synth.write_config(part, replace(synth.PRESETS[preset], **DRAFT_SHAPE))
+        part.replace(path)
+    return path
+
+
 def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     parent = bb.check_environment(args.cgroup_parent)
     bf16, model = bb.ensure_models(args.workdir, args.preset, args.routing, 2, False, args.codec)
@@ -210,7 +254,10 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     # stock llama.cpp on the BF16 source, no limit: the text each configuration must give (llama.cpp's batched
     # kernels round differently from its one-token ones, so a verified draft may change stock's text too)
     res_stock = {}
-    for config in ("single", *SPECS):
+    specs = [c for c in args.configs if c in SPECS]
+    if "dsynth" in specs:
+        ensure_draft(args.workdir, args.preset)
+    for config in ("single", *specs):
         bb.say(f"stock {config} (the reference text) ...")
         r = run_config(config, bf16, None, None, parent, args, f"{args.preset}-stock-{config}")
         if r["status"] != "ok":
@@ -218,30 +265,44 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         res_stock[config] = {name: r[name]["content"] for name in PROMPTS}
     res: dict[str, Any] = {"command": result_files.command_line(result_files.script_argv(__file__, argv)),
                            "stock": res_stock, "preset": args.preset, "routing": args.routing, "model": str(model),
-                           "bf16_bytes": size, "overhead_bytes": args.overhead, "gen": args.gen, "specs": SPECS,
+                           "bf16_bytes": size, "overhead_bytes": args.overhead, "gen": args.gen,
+                           "specs": {k: SPECS[k] for k in specs}, "before": str(args.before) if args.before else None,
                            "prompts": PROMPTS, "parallel_prompts": PARALLEL_PROMPTS, "synthetic": True, "runs": []}
+    # with --before, each configuration runs on both builds back to back, in turns (before first, then after first)
+    variants = [("this", REPO / "build" / "bin")] if not args.before else [("before", args.before),
+                                                                           ("after", REPO / "build" / "bin")]
+    n = 0
     for rep in range(args.repeat):
         for pct in args.budgets:
             limit = int(size * pct / 100)
-            for config in CONFIGS:
-                bb.say(f"[{rep + 1}/{args.repeat}] {pct:g}% {config} ...")
-                r = run_config(config, model, limit, limit - args.overhead, parent, args,
-                               f"{args.preset}-{pct:g}-{config}-{rep}")
-                r.update(rep=rep, budget_pct=pct)
-                res["runs"].append(r)
-                if args.json:  # (after each run: a stopped benchmark keeps what it measured)
-                    with replacing(args.json, 0o644, "w") as f:
-                        f.write(json.dumps(res, indent=1) + "\n")
+            for config in args.configs:
+                for variant, bin_dir in variants if n % 2 == 0 else variants[::-1]:
+                    bb.say(f"[{rep + 1}/{args.repeat}] {pct:g}% {config} {variant} ...")
+                    r = run_config(config, model, limit, limit - args.overhead, parent, args,
+                                   f"{args.preset}-{pct:g}-{config}-{rep}-{variant}", bin_dir)
+                    r.update(rep=rep, budget_pct=pct, variant=variant)
+                    res["runs"].append(r)
+                    if args.json:  # (after each run: a stopped benchmark keeps what it measured)
+                        with replacing(args.json, 0o644, "w") as f:
+                            f.write(json.dumps(res, indent=1) + "\n")
+                n += 1
     return res
 
 
-def ratios(res: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per budget and repetition: ngram / single per prompt (and whether the text matched), np4 four / one."""
+def variants(res: dict[str, Any]) -> list[str]:
+    """The builds measured, in the order the report gives them (before, after; or this build alone)."""
+    names = {r.get("variant", "this") for r in res["runs"]}
+    return [v for v in ("before", "after", "this") if v in names]
+
+
+def ratios(res: dict[str, Any], variant: str = "this") -> list[dict[str, Any]]:
+    """Per budget and repetition, for one build: spec / single per prompt (and whether the text matched), np4 four
+    / one."""
     rows = []
     for pct in sorted({r["budget_pct"] for r in res["runs"]}):
         for rep in sorted({r["rep"] for r in res["runs"]}):
-            got = {r["config"]: r for r in res["runs"]
-                   if r["budget_pct"] == pct and r["rep"] == rep and r["status"] == "ok"}
+            got = {r["config"]: r for r in res["runs"] if r["budget_pct"] == pct and r["rep"] == rep and
+                   r["status"] == "ok" and r.get("variant", "this") == variant}
             row: dict[str, Any] = {"budget_pct": pct, "rep": rep}
             single, np4 = got.get("single"), got.get("np4")
             stock = res.get("stock", {})
@@ -267,46 +328,78 @@ def print_report(res: dict[str, Any]) -> None:
           f"measured under load (shared machine)")
     for spec, spec_args in res["specs"].items():
         print(f"{spec}: {' '.join(spec_args)}")
+    if res.get("before"):
+        print(f"before: the programs of {res['before']}; after: this build; each configuration ran on both back to "
+              "back, in turns")
     print("text: MATCH where zipmoe's text is stock llama.cpp's (BF16 source, no limit) in the same configuration")
     stock = res.get("stock", {})
     for spec, name in [(spec, name) for spec in res["specs"] for name in PROMPTS]:
         if name in stock.get(spec, {}) and stock[spec][name] != stock["single"][name]:
+            synthetic = ", and synthetic acceptance keeps drafts the model would not" if "synth" in spec else ""
             print(f"  stock's own {name} text with {spec} is NOT its single-token text (llama.cpp's batched kernels "
-                  "round differently)")
-    print(f"{'budget':>6} {'rep':>3} {'spec':>6} | {'repetitive t/s single->spec':>28} {'x':>5} {'acc/draft':>9} "
-          f"{'text':>5} | {'ordinary t/s single->spec':>26} {'x':>5} {'acc/draft':>9} {'text':>5}")
-    rows = ratios(res)
-    for row, spec in [(row, spec) for row in rows for spec in res["specs"]]:
-        cells = []
-        for key in (f"{spec}:{name}" for name in PROMPTS):
-            if key in row:
-                a, b = row[key + "_tps"]
-                cells.append(f"{a:>12.2f} -> {b:>12.2f} {row[key]:>5.2f} {row[key + '_accepted']:>9} "
-                             f"{'MATCH' if row[key + '_match'] else 'DIFF':>5}")
-            else:
-                cells.append(f"{'-':>28} {'-':>5} {'-':>9} {'-':>5}")
-        print(f"{row['budget_pct']:>5g}% {row['rep']:>3} {spec:>6} | " + " | ".join(cells))
-    print(f"{'budget':>6} {'rep':>3} | {'np4 t/s one -> four':>20} {'x':>5} {'text':>5}")
-    for row in rows:
-        if "np4" in row:
-            a, b = row["np4_tps"]
-            print(f"{row['budget_pct']:>5g}% {row['rep']:>3} | {a:>8.2f} -> {b:>8.2f} {row['np4']:>5.2f} "
-                  f"{'MATCH' if row['np4_match'] else 'DIFF':>5}")
+                  f"round differently{synthetic})")
+    tables = {v: ratios(res, v) for v in variants(res)}
+    print(f"{'build':>6} {'budget':>6} {'rep':>3} {'spec':>6} | {'repetitive t/s single->spec':>28} {'x':>5} "
+          f"{'acc/draft':>9} {'text':>5} | {'ordinary t/s single->spec':>26} {'x':>5} {'acc/draft':>9} {'text':>5}")
+    for variant, rows in tables.items():
+        for row, spec in [(row, spec) for row in rows for spec in res["specs"]]:
+            cells = []
+            for key in (f"{spec}:{name}" for name in PROMPTS):
+                if key in row:
+                    a, b = row[key + "_tps"]
+                    cells.append(f"{a:>12.2f} -> {b:>12.2f} {row[key]:>5.2f} {row[key + '_accepted']:>9} "
+                                 f"{'MATCH' if row[key + '_match'] else 'DIFF':>5}")
+                else:
+                    cells.append(f"{'-':>28} {'-':>5} {'-':>9} {'-':>5}")
+            print(f"{variant:>6} {row['budget_pct']:>5g}% {row['rep']:>3} {spec:>6} | " + " | ".join(cells))
+    print(f"{'build':>6} {'budget':>6} {'rep':>3} | {'np4 t/s one -> four':>20} {'x':>5} {'text':>5}")
+    for variant, rows in tables.items():
+        for row in rows:
+            if "np4" in row:
+                a, b = row["np4_tps"]
+                print(f"{variant:>6} {row['budget_pct']:>5g}% {row['rep']:>3} | {a:>8.2f} -> {b:>8.2f} "
+                      f"{row['np4']:>5.2f} {'MATCH' if row['np4_match'] else 'DIFF':>5}")
+    if "before" in tables and "after" in tables:
+        print("after / before tokens/s, median over repetitions (single: both prompts; spec: both prompts; np4: "
+              "the four requests' aggregate):")
+        for pct in sorted({r["budget_pct"] for r in res["runs"]}):
+            cells = []
+            for config in dict.fromkeys(r["config"] for r in res["runs"]):
+                vals = {v: [] for v in ("before", "after")}
+                for r in res["runs"]:
+                    if r["budget_pct"] == pct and r["config"] == config and r["status"] == "ok" and \
+                            r.get("variant") in vals:
+                        vals[r["variant"]] += ([r["aggregate_tps"]] if config == "np4" else
+                                               [r[name]["tps"] for name in PROMPTS])
+                if vals["before"] and vals["after"]:
+                    b, a = statistics.median(vals["before"]), statistics.median(vals["after"])
+                    cells.append(f"{config} {b:.2f} -> {a:.2f} ({a / b:.2f}x)" if b > 0 else f"{config} -")
+            print(f"  {pct:g}%: " + ", ".join(cells))
     for r in res["runs"]:
         if r["status"] != "ok":
-            print(f"{r['budget_pct']:g}% {r['config']} rep {r['rep']}: {r['status']}: {r.get('message', '')[:300]}")
-    peaks = [f"{r['budget_pct']:g}% {r['config']} {r.get('peak_bytes', 0) / 2**20:.0f}/{r['limit_bytes'] / 2**20:.0f}"
-             for r in res["runs"] if r["rep"] == 0]
+            print(f"{r.get('variant', 'this')} {r['budget_pct']:g}% {r['config']} rep {r['rep']}: {r['status']}: "
+                  f"{r.get('message', '')[:300]}")
+    peaks = [f"{r.get('variant', 'this')} {r['budget_pct']:g}% {r['config']} {r.get('peak_bytes', 0) / 2**20:.0f}/"
+             f"{r['limit_bytes'] / 2**20:.0f}" for r in res["runs"] if r["rep"] == 0]
     print("peak/limit MiB (rep 0): " + ", ".join(peaks))
-    print("targets (median over repetitions):")
-    for label, pct, key, goal in TARGETS:
-        vals = sorted(row[key] for row in rows if key in row and (pct is None or row["budget_pct"] == pct))
-        if not vals:
-            print(f"  {label}: not measured")
-            continue
-        value = statistics.median(vals) if pct is not None else vals[0]
-        what = "median" if pct is not None else "lowest"
-        print(f"  {label} >= {goal}: {what} {value:.2f}x {'met' if value >= goal else 'NOT met'}")
+    for variant, rows in tables.items():
+        print(f"targets, {variant} (median over repetitions):")
+        for label, pct, key, goal in TARGETS:
+            vals = sorted(row[key] for row in rows if key in row and (pct is None or row["budget_pct"] == pct))
+            if not vals:
+                print(f"  {label}: not measured")
+                continue
+            value = statistics.median(vals) if pct is not None else vals[0]
+            what = "median" if pct is not None else "lowest"
+            print(f"  {label} >= {goal}: {what} {value:.2f}x {'met' if value >= goal else 'NOT met'}")
+
+
+def _configs(text: str) -> list[str]:
+    names = [c for c in text.split(",") if c]
+    bad = [c for c in names if c not in CONFIGS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown configuration(s) {bad}; choose from {','.join(CONFIGS)}")
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -328,8 +421,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--codec", choices=("huff", "esc", "zstd"), default=None,
                    help="the converter's codec (default: esc where SIMD decodes it, else huff)")
     p.add_argument("--cgroup-parent", metavar="PATH", help="memory cgroup to make the runs' cgroups in")
+    p.add_argument("--configs", type=_configs, default=list(CONFIGS), metavar="C,C,...",
+                   help=f"configurations to run, of {','.join(CONFIGS)} (default: all)")
+    p.add_argument("--before", type=Path, metavar="DIR",
+                   help="a build's bin directory (llama-server and its libraries) of the code before a change: every "
+                        "configuration also runs on it, interleaved with this build's")
     p.add_argument("--json", type=Path, metavar="FILE", help="every run's raw results (rewritten after each run)")
     p.add_argument("--report", type=Path, metavar="FILE", help="print the tables of an earlier --json, no runs")
+    p.add_argument("--note", action="append", default=[], metavar="TEXT",
+                   help="a line for the result file's notes (what the builds were, what the machine did); repeatable")
     result_files.add_arguments(p)
     args = p.parse_args(argv)
     args.codec = args.codec or bb.default_bench_codec()
@@ -344,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         notes = [f"the tables of {args.report}, printed by --report"
                  + (f"; measured by `{res['command']}`" if "command" in res else "")]
         day = datetime.date.fromtimestamp(args.report.stat().st_mtime)
+    notes = (notes or []) + args.note or None
     result_files.write(args, "multitoken", result_files.printed(print_report, res),
                        weights=f"{result_files.SYNTHETIC} (tools/dev/make_synth.py, preset {res['preset']})",
                        json_path=args.report or args.json, notes=notes, day=day,

@@ -194,11 +194,14 @@ typedef struct {
     uint64_t         hot_tokens;  /* zipmoe_cache_set_token_hot's, at least hot_batch */
     int              token_mode;  /* hot_budget is hot_tokens (zipmoe_cache_begin_graph) */
     _Atomic uint64_t read_room;   /* a prompt's read buffers' (zipmoe_cache_set_read_room) */
-    int64_t          token_slots; /* the fewest hot slots a store has in generation; -1: no token mode */
+    int64_t          token_slots; /* the fewest hot slots a store has in generation, nothing held back; -1: none */
+    uint64_t         step_room;   /* what generation's hot tier holds back for a multi-token step (begin_graph) */
+    int              step_quiet;  /* token graphs in a row that needed less than step_room */
     uint64_t         rule_room;   /* zipmoe_cache_set_token_room's: what ruled stores hold in generation */
     uint64_t         reserve;     /* zipmoe_cache_set_reserve's: evicted experts' pages kept, outside token mode */
     int              token_warm;  /* token mode is generation's larger warm tier (no hot tier: warm_budget_now) */
-    uint64_t         token_need;  /* then: the pages a token's misses decode into, kept (routed x largest expert) */
+    uint64_t         token_need;  /* then: the pages a step's misses decode into (routed x largest expert), held */
+    uint64_t         token_pages; /* then: the pages the graph's own misses decode into, kept */
     uint64_t         warm_budget;
     uint64_t         sm_budget;
     zipmoe_policy    policy;

@@ -57,15 +57,25 @@ static uint64_t slots_bytes(int64_t slots, uint64_t size) {
     return (uint64_t) slots > UINT64_MAX / (size ? size : 1) ? UINT64_MAX : (uint64_t) slots * size;
 }
 
+/* The bytes a store of `slots` hot slots decodes beyond them when it is routed `routed` distinct experts. */
+static uint64_t beyond_slots(const zipmoe_store * o, int64_t slots, int64_t routed) {
+    const int64_t n = routed < o->info.n_expert ? routed : o->info.n_expert;
+    return n > slots ? slots_bytes(n - slots, o->hot_size) : 0;
+}
+
 /* Under g_open.mu and g_cfg.mu (in that order): each store that no rule sets gets the whole experts of its share
  * of a hot budget, and what its share holds beyond them goes on to the next store in the list. Rounded down store
  * by store, every share would leave up to one expert's bytes unused: 0.97 of an expert on each of the 24 stores of
  * the 2.8g model at 75%, whose LFU caches of 20 slots miss 10% more often than of 21 (its routing log, simulated).
  * The total stays within the budget. Sets the stores' hot_slots when `set`; returns the fewest slots of a store it
- * shares to, or -1 when it shares to none. */
-static int64_t shared_slots(uint64_t budget, int set) {
+ * shares to, or -1 when it shares to none. *beyond (if not NULL): the most bytes one of those stores decodes beyond
+ * its slots when routed `routed` experts. */
+static int64_t shared_slots(uint64_t budget, int set, int64_t routed, uint64_t * beyond) {
     uint64_t carry  = 0;
     int64_t  fewest = -1;
+    if (beyond) {
+        *beyond = 0;
+    }
     for (zipmoe_store * o = g_open.list; o; o = o->next) {
         if (set) {
             o->hot_slots = -1;
@@ -81,17 +91,24 @@ static int64_t shared_slots(uint64_t budget, int set) {
         }
         fewest = fewest < 0 || (int64_t) slots < fewest ? (int64_t) slots : fewest;
         carry  = share - slots * o->hot_size;
+        if (beyond && beyond_slots(o, (int64_t) slots, routed) > *beyond) {
+            *beyond = beyond_slots(o, (int64_t) slots, routed);
+        }
     }
     return fewest;
 }
 
 /* Under g_open.mu and g_cfg.mu: generation's room beside a planner's rules (zipmoe_cache_set_token_room, less the
- * bytes the rules' slots take) shared out as extra hot slots among the stores, in whole experts carried from store
- * to store as shared_slots does; in token mode they are the stores' extra_slots (`set`; 0 otherwise). Only when
- * every store has a rule without an sm tier (place_plan does not evict first there). Returns the fewest hot slots
- * a store then has in generation, or -1 when the rules get no room. */
-static int64_t rule_slots(int set) {
+ * bytes the rules' slots take, less `held`: what a multi-token step holds back) shared out as extra hot slots among
+ * the stores, in whole experts carried from store to store as shared_slots does; in token mode they are the stores'
+ * extra_slots (`set`; 0 otherwise). Only when every store has a rule without an sm tier (place_plan does not evict
+ * first there). Returns the fewest hot slots a store then has in generation, or -1 when the rules get no room;
+ * *beyond as shared_slots'. */
+static int64_t rule_slots(int set, uint64_t held, int64_t routed, uint64_t * beyond) {
     uint64_t rules = 0;
+    if (beyond) {
+        *beyond = 0;
+    }
     int      every = g_open.list != NULL && g_cfg.rule_room > 0;
     for (zipmoe_store * o = g_open.list; o; o = o->next) {
         const slot_rule * rule = find_rule(o->name);
@@ -103,10 +120,10 @@ static int64_t rule_slots(int set) {
             rules = add_sat(rules, add_sat(slots_bytes(rule->hot, o->hot_size), slots_bytes(rule->warm, o->mean_region)));
         }
     }
-    if (!every || rules >= g_cfg.rule_room) {
+    if (!every || add_sat(rules, held) >= g_cfg.rule_room) {
         return -1;
     }
-    const uint64_t room   = g_cfg.rule_room - rules;
+    const uint64_t room   = g_cfg.rule_room - rules - held;
     uint64_t       carry  = 0;
     int64_t        fewest = -1;
     for (zipmoe_store * o = g_open.list; o; o = o->next) {
@@ -120,6 +137,9 @@ static int64_t rule_slots(int set) {
         }
         fewest = fewest < 0 || rule->hot + extra < fewest ? rule->hot + extra : fewest;
         carry  = share - (uint64_t) extra * o->hot_size;
+        if (beyond && beyond_slots(o, rule->hot + extra, routed) > *beyond) {
+            *beyond = beyond_slots(o, rule->hot + extra, routed);
+        }
     }
     return fewest;
 }
@@ -148,24 +168,44 @@ static void shared_warm(uint64_t budget) {
  * budget in force, and the fewest a store would have in generation's; the warm tier's shares. Every store
  * refreshes its limits at its next invocation (g_cfg.gen). */
 void cache_share_hot_slots(void) {
-    shared_slots(g_cfg.hot_budget, 1);
+    shared_slots(g_cfg.hot_budget, 1, 0, NULL);
     shared_warm(warm_budget_now());
-    const int64_t ruled = rule_slots(1);
+    rule_slots(1, g_cfg.step_room, 0, NULL);
     if (g_cfg.n_rules > 0) {
-        g_cfg.token_slots = ruled;
+        g_cfg.token_slots = rule_slots(0, 0, 0, NULL);
     } else {
         g_cfg.token_slots = g_cfg.sm_budget == 0 && g_cfg.hot_tokens != UINT64_MAX && g_cfg.hot_tokens > g_cfg.hot_batch
-                            ? shared_slots(g_cfg.hot_tokens, 0)
+                            ? shared_slots(g_cfg.hot_tokens, 0, 0, NULL)
                             : -1;
     }
     atomic_fetch_add(&g_cfg.gen, 1);
 }
 
+/* Under g_cfg.mu: generation's hot budget less what it holds back for a multi-token step (zipmoe_cache_begin_graph),
+ * never below a batch's. */
+static uint64_t token_hot_now(void) {
+    if (g_cfg.hot_tokens == UINT64_MAX) {
+        return UINT64_MAX;
+    }
+    return g_cfg.hot_tokens - g_cfg.hot_batch > g_cfg.step_room ? g_cfg.hot_tokens - g_cfg.step_room : g_cfg.hot_batch;
+}
+
+/* Under g_cfg.mu: a new budget holds nothing back for multi-token steps until one needs it (begin_graph): what an
+ * earlier step needed was of other slots. */
+static void keep_reserve(void);
+
+static void forget_steps(void) {
+    g_cfg.step_room  = 0;
+    g_cfg.step_quiet = 0;
+    keep_reserve();
+}
+
 /* Under g_open.mu and g_cfg.mu: the tier budgets, generation's hot budget (tokens, at least hot) and the policy. */
 static void set_budgets(uint64_t hot, uint64_t tokens, uint64_t warm, uint64_t sm, zipmoe_policy policy) {
+    forget_steps();
     g_cfg.hot_batch   = hot;
     g_cfg.hot_tokens  = tokens > hot ? tokens : hot;
-    g_cfg.hot_budget  = g_cfg.token_mode ? g_cfg.hot_tokens : g_cfg.hot_batch; /* (begin_graph decides again at the next graph) */
+    g_cfg.hot_budget  = g_cfg.token_mode ? token_hot_now() : g_cfg.hot_batch; /* (begin_graph decides again at the next graph) */
     g_cfg.warm_budget = warm;
     g_cfg.sm_budget   = sm;
     g_cfg.policy      = policy;
@@ -204,10 +244,13 @@ static uint64_t warm_budget_now(void) {
 
 /* Evicted experts' pages are kept for a batch's decodes beyond the limits; in token mode a miss takes its victim's
  * place instead, and the room the reserve would keep is generation's hot tier's: pages kept there would come on
- * top of a full tier (after a shrink in generation, by up to the whole reserve). Generation's warm tier keeps the
- * pages of a token's misses, and the rest go back at once: the tier grows into them. */
+ * top of a full tier (after a shrink in generation, by up to the whole reserve). The room held back for a step's
+ * decodes beyond a store's slots keeps their pages: given back and faulted in again at every step, they cost more
+ * than the decoding (a 4-token step at 40% of the 1g model: 14 experts a store, every store). Generation's warm
+ * tier keeps the pages of the graph's misses (not of the step it holds room for: a token's, then, not a step's),
+ * and the rest go back at once: the tier grows into them. */
 static void keep_reserve(void) {
-    zipmoe_slots_set_keep(!g_cfg.token_mode ? g_cfg.reserve : g_cfg.token_warm ? g_cfg.token_need : 0);
+    zipmoe_slots_set_keep(!g_cfg.token_mode ? g_cfg.reserve : g_cfg.token_warm ? g_cfg.token_pages : g_cfg.step_room);
     if (g_cfg.token_mode && g_cfg.token_warm) {
         zipmoe_slots_trim();
     }
@@ -227,8 +270,9 @@ void zipmoe_cache_set_token_hot(uint64_t hot_bytes) {
     pthread_mutex_lock(&g_open.mu);
     pthread_mutex_lock(&g_cfg.mu);
     g_cfg.hot_tokens = hot_bytes > g_cfg.hot_batch ? hot_bytes : g_cfg.hot_batch;
+    forget_steps();
     if (g_cfg.token_mode) {
-        g_cfg.hot_budget = g_cfg.hot_tokens;
+        g_cfg.hot_budget = token_hot_now();
     }
     cache_share_hot_slots();
     pthread_mutex_unlock(&g_cfg.mu);
@@ -239,6 +283,7 @@ void zipmoe_cache_set_token_room(uint64_t bytes) {
     pthread_mutex_lock(&g_open.mu);
     pthread_mutex_lock(&g_cfg.mu);
     g_cfg.rule_room = bytes;
+    forget_steps();
     cache_share_hot_slots();
     pthread_mutex_unlock(&g_cfg.mu);
     pthread_mutex_unlock(&g_open.mu);
@@ -306,6 +351,7 @@ int64_t zipmoe_cache_set_slots(const char * prefix, int64_t hot, int64_t warm, i
     pthread_mutex_lock(&g_open.mu);
     pthread_mutex_lock(&g_cfg.mu);
     int64_t rc = ZIPMOE_OK;
+    forget_steps();
     if (!prefix) {
         g_cfg.n_rules   = 0;
         g_cfg.rule_room = 0; /* (the room was the rules') */
@@ -365,36 +411,115 @@ void cache_refresh_limits(zipmoe_store * s) {
     pthread_mutex_unlock(&g_cfg.mu);
 }
 
+/* Graphs in a row that need less than generation holds back for a multi-token step before it holds less. */
+#define STEP_HOLD 64
+
+/* Under g_open.mu and g_cfg.mu: the most bytes one store decodes beyond its hot slots in generation when it holds
+ * back `held` and each store is routed `routed` experts; UINT64_MAX when generation would keep no more decoded than
+ * a batch. */
+static uint64_t step_beyond(uint64_t held, int64_t routed) {
+    uint64_t beyond = 0;
+    if (g_cfg.n_rules > 0) {
+        return rule_slots(0, held, routed, &beyond) < 0 ? UINT64_MAX : beyond;
+    }
+    if (held >= g_cfg.hot_tokens - g_cfg.hot_batch) {
+        return UINT64_MAX;
+    }
+    shared_slots(g_cfg.hot_tokens - held, 0, routed, &beyond);
+    return beyond;
+}
+
+/* Under g_open.mu and g_cfg.mu: the least generation's hot tier holds back so that a graph whose stores are each
+ * routed up to `routed` experts stays within its budget, or UINT64_MAX. A miss takes the place of the expert it
+ * evicts while its store has one that the graph did not route; beyond its slots a store decodes into free places,
+ * and only one store at a time (the others are trimmed to their limits before a store plans: cache_trim_others),
+ * so the most any store decodes beyond its slots is all it needs. Holding it back lowers every store's slots, which
+ * may raise that most: the least fixed point, from below. 0 for a token's top-k where every store keeps them. */
+static uint64_t step_need(int64_t routed) {
+    uint64_t held = 0;
+    for (int i = 0; i < 4096; i++) {
+        const uint64_t beyond = step_beyond(held, routed);
+        if (beyond <= held || beyond == UINT64_MAX) {
+            return beyond == UINT64_MAX ? UINT64_MAX : held;
+        }
+        held = beyond;
+    }
+    return UINT64_MAX;
+}
+
+/* Under g_cfg.mu: what generation holds back for a step now, given this graph's `need` and what it holds (`held`,
+ * enough for this graph when `fits`): more at once, less only after STEP_HOLD graphs in a row that needed less, so
+ * that the steps of speculation or parallel slots among single tokens do not trim and regrow the tier each time. */
+static uint64_t hold_step(uint64_t need, uint64_t held, int fits) {
+    if (need > held || !fits || need == held) {
+        g_cfg.step_quiet = 0;
+        return need > held || !fits ? need : held;
+    }
+    if (++g_cfg.step_quiet >= STEP_HOLD) {
+        g_cfg.step_quiet = 0;
+        return need;
+    }
+    return held;
+}
+
 /* Generation's hot budget needs no room for the tensor in flight (nor a prompt's reads): a miss takes the place of
  * the expert it evicts (place_plan), and one exists in its own store while the store is routed no more experts
  * than it keeps decoded. So generation's stores keep more decoded: the shares of zipmoe_cache_set_token_hot's
  * budget, or a planner's rules plus the extra slots of zipmoe_cache_set_token_room's. Not with an sm tier
- * (place_plan does not evict first there). Back to the smaller budget, every store gives up what it holds beyond
- * its limits now, before any store of the graph decodes beyond its own. */
-void zipmoe_cache_begin_graph(int64_t routed) {
+ * (place_plan does not evict first there). A step (`step`: every token of the graph is one whose logits are
+ * wanted: a token, speculation verifying drafts, parallel slots' tokens) is generation too, its tier less what its
+ * stores decode beyond their slots (step_need), held back for the steps that follow (hold_step); another graph (a
+ * prompt's batch) is generation only where what is held back already covers it. Without a hot tier, generation's
+ * warm tier leaves the pages of a step's misses, held alike. Back to a smaller budget, every store gives up what it
+ * holds beyond its limits now, before any store of the graph decodes beyond its own. */
+static void begin(int64_t routed, int step) {
     atomic_fetch_add(&g_open.op_seq, 1); /* a graph's first invocation of a store is never a late sibling of its last one */
     pthread_mutex_lock(&g_open.mu);
     uint64_t largest = 0;
+    int64_t  fewest  = INT64_MAX; /* experts of the store with the fewest */
     for (const zipmoe_store * o = g_open.list; o; o = o->next) {
         largest = o->hot_size > largest ? o->hot_size : largest;
+        fewest  = o->hot_size > 0 && o->info.n_expert < fewest ? o->info.n_expert : fewest;
     }
+    /* a graph that may route every expert of a store is a batch whatever logits it wants (a whole prompt's) */
+    step = step && routed < fewest;
     pthread_mutex_lock(&g_cfg.mu);
-    /* (g_cfg.token_slots >= 0: generation's hot budget is larger than a batch's, and shared out) */
-    const int      hot_tokens  = g_cfg.token_slots >= 0 && routed <= g_cfg.token_slots;
+    /* (g_cfg.token_slots >= 0: generation's hot budget is larger than a batch's, and shared out; step_room is what
+     * generation holds back for steps, in the hot tier or, without one, in the warm tier) */
+    const int      possible    = g_cfg.token_slots >= 0 && routed > 0;
+    const uint64_t held        = g_cfg.step_room;
+    const int      fits        = possible && step_beyond(held, routed) <= held;
+    const uint64_t step_room   = possible && step ? step_need(routed) : UINT64_MAX;
+    const int      hot_tokens  = step ? step_room != UINT64_MAX : fits;
     const uint64_t need        = routed > 0 ? slots_bytes(routed, largest) : UINT64_MAX;
     const int      warm_tokens = !hot_tokens && warm_tokens_possible() && need < g_cfg.reserve;
     const int      tokens      = hot_tokens || warm_tokens;
     const int      was_tokens  = g_cfg.token_mode;
     const uint64_t warm_before = warm_budget_now();
-    if (tokens != g_cfg.token_mode || warm_tokens != g_cfg.token_warm || (warm_tokens && need != g_cfg.token_need)) {
-        g_cfg.token_mode = tokens;
-        g_cfg.token_warm = warm_tokens;
-        g_cfg.token_need = warm_tokens ? need : 0;
-        g_cfg.hot_budget = tokens ? g_cfg.hot_tokens : g_cfg.hot_batch;
+    uint64_t       room        = held, token_need = 0;
+    if (hot_tokens && step) {
+        room = hold_step(step_room, held, fits);
+    } else if (warm_tokens && step) {
+        room = token_need = hold_step(need, held, held < g_cfg.reserve);
+    } else if (warm_tokens) {
+        token_need = held > need && held < g_cfg.reserve ? held : need;
+    }
+    if (tokens != g_cfg.token_mode || warm_tokens != g_cfg.token_warm || (warm_tokens && token_need != g_cfg.token_need) ||
+        room != g_cfg.step_room) {
+        g_cfg.token_mode  = tokens;
+        g_cfg.token_warm  = warm_tokens;
+        g_cfg.token_need  = warm_tokens ? token_need : 0;
+        g_cfg.token_pages = warm_tokens ? need : 0;
+        g_cfg.step_room   = room;
+        g_cfg.hot_budget  = tokens ? token_hot_now() : g_cfg.hot_batch;
         cache_share_hot_slots();
         keep_reserve();
+    } else if (warm_tokens && need != g_cfg.token_pages) {
+        g_cfg.token_pages = need; /* (within what the warm tier leaves: need <= token_need) */
+        keep_reserve();
     }
-    const int shrink = (was_tokens && !tokens) || warm_budget_now() < warm_before;
+    const int shrink = (was_tokens && !tokens) || (was_tokens && hot_tokens && g_cfg.step_room > held) ||
+                       warm_budget_now() < warm_before;
     pthread_mutex_unlock(&g_cfg.mu);
     for (zipmoe_store * o = shrink ? g_open.list : NULL; o; o = o->next) {
         /* (a read-ahead into o holds its lock while it reads: it takes no other store's lock but by trying, and a
@@ -415,3 +540,6 @@ void zipmoe_cache_begin_graph(int64_t routed) {
     pthread_mutex_unlock(&g_open.mu);
 }
 
+void zipmoe_cache_begin_graph(int64_t routed) { begin(routed, 0); }
+
+void zipmoe_cache_begin_step(int64_t routed) { begin(routed, 1); }

@@ -637,13 +637,19 @@ std::unique_lock<std::mutex> zipmoe_llama_compute_turn(const ggml_cgraph * gf) {
         return {};
     }
     // the most experts one store of the graph may be routed: a token's top-k in generation, which lets the hot
-    // tier hold the allowance for the tensor in flight too (zipmoe_cache_begin_graph)
-    int64_t routed = -1;
+    // tier hold the allowance for the tensor in flight too (zipmoe_cache_begin_graph); and whether every token of
+    // the graph has its logits wanted (the rows of result_output; llama.cpp computes the last layer for those
+    // only): a step of generation, speculation's verification or parallel slots' tokens, not a prompt's batch
+    // (zipmoe_cache_begin_step)
+    int64_t routed = -1, tokens = 0, outputs = -1;
     for (int i = 0; i < ggml_graph_n_nodes(const_cast<ggml_cgraph *>(gf)); i++) {
         const ggml_tensor * node = ggml_graph_node(const_cast<ggml_cgraph *>(gf), i);
         if (materialised_by(node)) {
             const ggml_tensor * ids = node->src[0];
             routed = std::max(routed, std::min<int64_t>(ids->ne[0] * ids->ne[1], materialised_by(node)->tensor->ne[2]));
+            tokens = std::max<int64_t>(tokens, ids->ne[1]);
+        } else if (std::strcmp(node->name, "result_output") == 0) {
+            outputs = node->ne[1];
         }
     }
     if (routed < 0) {
@@ -651,7 +657,11 @@ std::unique_lock<std::mutex> zipmoe_llama_compute_turn(const ggml_cgraph * gf) {
     }
     std::unique_lock<std::mutex> lock(turn);
     zipmoe_control_poll(); // a supervisor's new budget, before the graph's budget is chosen (zipmoe-control.cpp)
-    zipmoe_cache_begin_graph(routed);
+    if (outputs >= tokens) {
+        zipmoe_cache_begin_step(routed);
+    } else {
+        zipmoe_cache_begin_graph(routed);
+    }
     return lock;
 }
 
