@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 from importlib.util import find_spec
@@ -98,12 +97,9 @@ def stderr_tail(stderr: str) -> str:
 
 def kill_group(proc: subprocess.Popen) -> None:
     """Kills a child started with start_new_session=True and all it started, and reaps it."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait(10)
+    from pyzipmoe.runtime.runner import stop_group
+
+    stop_group(proc, grace=0)
 
 
 def write_atomic(path: Path, text: str) -> None:

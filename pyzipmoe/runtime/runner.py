@@ -88,6 +88,22 @@ def run_foreground(argv: Sequence[str], env: Mapping[str, str],
     return 128 - rc if rc < 0 else rc
 
 
+def stop_group(proc: subprocess.Popen[Any], grace: float = 10.0) -> None:
+    """Stops a program started in a session of its own (start_new_session=True) and all it started: SIGTERM, up to
+    `grace` seconds to exit (llama-server finishes its requests), then SIGKILL to the whole group; reaped."""
+    if grace > 0 and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
+
+
 def _last_error_line(stderr: str) -> str:
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
     for ln in reversed(lines):

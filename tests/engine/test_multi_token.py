@@ -4,8 +4,6 @@ as plain one-token generation, every tier evicting and reading again."""
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import subprocess
 import time
@@ -64,17 +62,9 @@ class Server:
         return body
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(10)
+        from pyzipmoe.runtime.runner import stop_group
+
+        stop_group(self.proc)
 
 
 @pytest.fixture

@@ -392,13 +392,9 @@ class Server:
                 re.finditer(r"memory budget now (\d+) MiB .*?cache holds (\d+) MiB", self.log.read_text())]
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                pass
-        kill_group(self.proc)
+        from pyzipmoe.runtime.runner import stop_group
+
+        stop_group(self.proc, grace=15)
 
 
 def test_serve_gives_way_to_a_growing_neighbour_with_a_request_in_flight(llama_lib_dir: Path, cgroup_parent: Path,

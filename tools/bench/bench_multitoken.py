@@ -53,7 +53,6 @@ import argparse
 import datetime
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -169,17 +168,9 @@ class LimitedServer:
                                                "cache_prompt": False}, timeout)
 
     def close(self) -> dict[str, int]:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(10)
+        from pyzipmoe.runtime.runner import stop_group
+
+        stop_group(self.proc)
         stats = self.cg.stats()
         self.cg.remove()
         return stats
