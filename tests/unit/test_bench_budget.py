@@ -101,7 +101,7 @@ def test_pp_without_repack_says_so_to_llama_bench():
     assert bench.engines_of(False, True) == ("stock", "zipmoe", "stock", "variant")
 
 
-def test_measured_overhead_is_the_peak_above_the_budget_at_the_minimum(monkeypatch: pytest.MonkeyPatch,
+def test_measured_overhead_is_the_resident_set_above_the_budget_at_the_minimum(monkeypatch: pytest.MonkeyPatch,
                                                                        tmp_path: Path):
     calls: list[tuple[str, int | None]] = []
 
@@ -110,15 +110,15 @@ def test_measured_overhead_is_the_peak_above_the_budget_at_the_minimum(monkeypat
         calls.append((env["ZIPMOE_MEMORY_BUDGET"], limit))
         if budget < 44 * MIB:
             return {"status": "too-small", "min_budget": "44MiB", "message": "needs at least 44 MiB", "log": "x"}
-        return {"status": "ok", "peak_bytes": budget + 57 * MIB, "log": "y"}
+        return {"status": "ok", "maxrss_bytes": budget + 57 * MIB, "peak_bytes": budget + 300 * MIB, "log": "y"}
 
     monkeypatch.setattr(bench, "run_limited", fake)
     got = bench.measure_overhead(["p"], {}, tmp_path, 10, tmp_path / "o")
     assert got["min_budget_bytes"] == 44 * MIB and got["budget_bytes"] == 44 * MIB + bench.CALIBRATION_SLACK
-    assert got["overhead_bytes"] == 57 * MIB + bench.OVERHEAD_MARGIN
+    assert got["overhead_bytes"] == 57 * MIB + bench.OVERHEAD_MARGIN  # not the cgroup's peak: its page cache
     assert [limit for _, limit in calls] == [None, None]  # both without a limit
 
-    monkeypatch.setattr(bench, "run_limited", lambda *a, **k: {"status": "ok", "peak_bytes": 1, "log": "z"})
+    monkeypatch.setattr(bench, "run_limited", lambda *a, **k: {"status": "ok", "maxrss_bytes": 1, "log": "z"})
     with pytest.raises(bench.BenchError, match="was not refused"):
         bench.measure_overhead(["p"], {}, tmp_path, 10, tmp_path / "o")
 
@@ -140,3 +140,20 @@ def test_a_stock_that_timed_out_bounds_the_ratio_by_whole_runs(capsys: pytest.Ca
     bench.print_report(res)
     out = capsys.readouterr().out
     assert ">6.00x (t/o)" in out and "whole-run bound" in out
+
+
+def test_zipmoe_is_matched_with_stock_as_it_is_and_also_judged_against_it(capsys: pytest.CaptureFixture[str]):
+    """--no-repack computes Q4_K with other kernels: stock-nr's text may differ from stock's, zipmoe's must not."""
+    runs = [run(None, "stock", "tg", tps=100), run(None, "zipmoe", "tg", tps=100),
+            {**run(None, "stock-nr", "tg", tps=50), "text": "other"},
+            run(40, "stock", "tg", "oom"), run(40, "zipmoe", "tg", tps=6), {**run(40, "stock-nr", "tg", tps=2),
+                                                                            "text": "other"}]
+    res = report(runs, [40])
+    rows = {r["budget_pct"]: r for r in res["rows"]["uniform"]}
+    assert rows[40]["match"] is True and rows[40]["stock_nr_same_text"] is False
+    assert target(res, ">= 4x at ~40%")["met"] is False  # 3x against stock-nr
+    alone = next(t for t in res["targets_stock"]["uniform"] if t["target"] == ">= 4x at ~40%")
+    assert (alone["met"], alone.get("stock_oom")) == (True, True)  # stock as it is could not run
+    bench.print_report(res)
+    out = capsys.readouterr().out
+    assert "stock-nr generated other text than stock" in out and "against stock as it is" in out

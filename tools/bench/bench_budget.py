@@ -31,7 +31,7 @@ that exceeds --timeout as timeout; the benchmark goes on.
 zipmoe is told its budget with ZIPMOE_MEMORY_BUDGET = limit - --overhead (default 256 MiB: KV cache, compute
 buffers, the program, allocator slack; printed with the results). --overhead auto measures it per test before the
 runs instead: zipmoe refuses a 1 MiB budget with its minimum M, then runs cold without a limit at a budget of M + 16
-MiB, which its cache fills; the overhead is that run's cgroup peak less its budget, + 8 MiB. A limit that leaves
+MiB, which its cache fills; the overhead is that run's peak resident set less its budget, + 8 MiB. A limit that leaves
 zipmoe less than M after the overhead is named in a warning (the model is too small for it: --synth). The budget means everything the model keeps
 resident (non-expert weights, expert cache tiers, one expert tensor's working set); a budget the runtime refuses as too
 small is reported as such. --zipmoe-env passes more variables (policy, tier shares, a plan) to zipmoe runs.
@@ -568,7 +568,9 @@ def measure_overhead(argv: list[str], env: dict[str, str], parent: Path, timeout
                      margin: int = OVERHEAD_MARGIN) -> dict[str, Any]:
     """What one zipmoe process needs besides its budget, measured: a run with a 1 MiB budget, which the runtime
     refuses with its minimum M, then a cold run without a limit and a budget of M + CALIBRATION_SLACK, which the
-    cache fills; overhead = its cgroup peak (anonymous memory and page cache) - that budget + margin. BenchError if
+    cache fills; overhead = its peak resident set (anonymous memory and the mapped weights) - that budget + margin.
+    Not the cgroup's peak: without a limit it keeps every page the process read through the page cache, which a
+    limit reclaims (a plain Q8_0 GGUF's pp measured 378 MiB of cgroup peak against 126 MiB resident). BenchError if
     either run does not go as planned."""
     probe = run_limited(argv, {**env, "ZIPMOE_MEMORY_BUDGET": str(MIB)}, parent, None, timeout,
                         log_stem.with_name(log_stem.name + "-min"), drop_cache=False)
@@ -579,11 +581,12 @@ def measure_overhead(argv: list[str], env: dict[str, str], parent: Path, timeout
     budget = minimum + CALIBRATION_SLACK
     one = run_limited(argv, {**env, "ZIPMOE_MEMORY_BUDGET": str(budget)}, parent, None, timeout,
                       log_stem.with_name(log_stem.name + "-peak"))
-    if one["status"] != "ok" or not one.get("peak_bytes"):
+    if one["status"] != "ok" or not one.get("maxrss_bytes"):
         raise BenchError(f"--overhead auto: the run at zipmoe's minimum budget did not complete ({one['status']}: "
                          f"{one.get('message', '')}; log {one['log']}.err)")
-    return {"min_budget_bytes": minimum, "budget_bytes": budget, "peak_bytes": one["peak_bytes"], "margin_bytes": margin,
-            "overhead_bytes": max(0, one["peak_bytes"] - budget) + margin}
+    return {"min_budget_bytes": minimum, "budget_bytes": budget, "maxrss_bytes": one["maxrss_bytes"],
+            "peak_bytes": one.get("peak_bytes"), "margin_bytes": margin,
+            "overhead_bytes": max(0, one["maxrss_bytes"] - budget) + margin}
 
 
 def engines_of(no_repack: bool, variant: bool) -> tuple[str, ...]:
@@ -609,6 +612,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             p for p in (str(args.variant_lib.resolve()), os.environ.get("LD_LIBRARY_PATH", "")) if p)
     engines = engines_of(args.stock_no_repack, variant)
     tag = model_tag(args.preset, args.synth)
+    # the logs' names: one grid's logs must not overwrite another type's or another read rate's
+    run_tag = tag + ("" if args.type == "BF16" else f"-{args.type}{'-conv' if args.convert else ''}") \
+        + (f"-read{args.read_rate // MIB}M" if args.read_rate else "")
     logdir = args.workdir / "logs"
     logdir.mkdir(parents=True, exist_ok=True)
     if swap_total() and not (parent / "memory.memsw.limit_in_bytes").exists():
@@ -642,7 +648,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     throttle = ReadThrottle(args.read_rate, Path(next(iter(models.values()))["bf16"])) if args.read_rate else None
     runs: list[dict[str, Any]] = []
-    res = {"synthetic": True, "preset": tag, "synth_overrides": dict(args.synth), "codec": args.codec,
+    res = {"synthetic": True, "command": result_files.command_line(result_files.script_argv(__file__, args.argv)),
+           "notes": list(args.note), "preset": tag, "synth_overrides": dict(args.synth), "codec": args.codec,
            "type": args.type, "converted": args.type == "BF16" or args.convert, "models": models,
            "budgets_pct": args.budgets, "read_rate_bytes": args.read_rate,
            "overhead_bytes": args.overhead, "gen_tokens": args.gen, "pp_tokens": args.pp, "pp_reps": args.pp_reps,
@@ -659,9 +666,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for test in args.tests:
             say(f"measuring zipmoe's overhead for {test} (at its minimum budget, no limit) ...")
             got = measure_overhead(argv_of("zipmoe", test, m["zipmoe"]), {**stock_env, **zipmoe_extra}, parent,
-                                   args.timeout, logdir / f"{tag}-overhead-{test}")
+                                   args.timeout, logdir / f"{run_tag}-overhead-{test}")
             res["overhead_measured"][test] = got
-            say(f"  minimum budget {got['min_budget_bytes'] / MIB:.0f} MiB; peak {got['peak_bytes'] / MIB:.0f} MiB "
+            say(f"  minimum budget {got['min_budget_bytes'] / MIB:.0f} MiB; resident {got['maxrss_bytes'] / MIB:.0f} MiB "
                 f"with a budget of {got['budget_bytes'] / MIB:.0f} MiB: overhead {got['overhead_bytes'] / MIB:.0f} "
                 f"MiB (with {got['margin_bytes'] / MIB:.0f} MiB of margin)")
         res["overhead_bytes"] = {t: g["overhead_bytes"] for t, g in res["overhead_measured"].items()}
@@ -709,7 +716,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             continue
                         env["ZIPMOE_MEMORY_BUDGET"] = str(zbudget)
                 argv = argv_of(engine, test, model)
-                stem = logdir / f"{tag}-{routing}-{label.rstrip('%')}-{engine}-{test}-{rep}-{slot}"
+                stem = logdir / f"{run_tag}-{routing}-{label.rstrip('%')}-{engine}-{test}-{rep}-{slot}"
                 lost = False
                 for attempt in range(2):
                     one = run_limited(argv, env, parent, limit, args.timeout,
@@ -770,24 +777,24 @@ def summarize(res: dict[str, Any]) -> None:
 
             row: dict[str, Any] = {"budget_pct": budget}
             for test in ("tg", "pp"):
-                stocks = [r for r in (get(e, test) for e in STOCK_ENGINES) if r]
-                best = max((r for r in stocks if r["status"] == "ok" and r.get("tps")), key=lambda r: r["tps"],
-                           default=None)
                 zt = get("zipmoe", test)
+                stocks = [r for r in (get(e, test) for e in STOCK_ENGINES) if r]
+                best, row[f"{test}_stock_oom"], bound = against(zt, stocks, res["timeout_s"])
                 row[f"{test}_ratio"] = ratio(zt, best)
+                if bound is not None:
+                    row[f"{test}_timeout_bound"] = bound
                 if best is not None and len(stocks) > 1:
                     row[f"{test}_stock_best"] = best["engine"]
-                # zipmoe ran where no stock could: no ratio, and no stock speed to fall short of
-                z_ok = bool(stocks and zt and zt["status"] == "ok")
-                row[f"{test}_stock_oom"] = z_ok and all(r["status"] == "oom" for r in stocks)
-                # where a stock that was not OOM-killed ran out of time, the ratio's bound from whole runs: stock's
-                # took longer than the timeout, zipmoe's (load, prompt, generation) its wall time
-                if z_ok and best is None and zt.get("wall_s") and any(r["status"] == "timeout" for r in stocks) \
-                        and all(r["status"] in ("oom", "timeout") for r in stocks):
-                    row[f"{test}_timeout_bound"] = res["timeout_s"] / zt["wall_s"]
+                alone = [r for r in (get("stock", test),) if r]  # stock as it is, without stock-nr
+                _, row[f"{test}_stock_oom_alone"], row[f"{test}_timeout_bound_alone"] = \
+                    against(zt, alone, res["timeout_s"])
+                row[f"{test}_ratio_stock"] = ratio(zt, alone[0] if alone else None)
             z = get("zipmoe", "tg")
-            refs = [r for r in (*(get(e, "tg") for e in STOCK_ENGINES), get("stock", "tg", None))
-                    if r and r["status"] == "ok"]
+            # compared with stock as it is: --no-repack computes the repacked types with other kernels, other logits
+            refs = [r for r in (get("stock", "tg"), get("stock", "tg", None)) if r and r["status"] == "ok"]
+            nr, s_free = get("stock-nr", "tg"), get("stock", "tg", None)
+            if nr and s_free and nr["status"] == s_free["status"] == "ok":
+                row["stock_nr_same_text"] = nr["text"] == s_free["text"]
             if z is None or z["status"] != "ok" or not refs:
                 row["match"] = None
             else:
@@ -807,6 +814,28 @@ def summarize(res: dict[str, Any]) -> None:
             rows.append(row)
         res["rows"][routing] = rows
         res["targets"][routing] = check_targets(rows, res["budgets_pct"], not converted(res))
+        if "stock-nr" in (res.get("engines") or ()):  # the same against stock as it is (zipmoe's logits are its)
+            alone = [{**r, **{f"{t}_ratio": r.get(f"{t}_ratio_stock") for t in ("tg", "pp")},
+                      **{f"{t}_stock_oom": bool(r.get(f"{t}_stock_oom_alone")) for t in ("tg", "pp")},
+                      **{f"{t}_timeout_bound": r.get(f"{t}_timeout_bound_alone") for t in ("tg", "pp")}}
+                     for r in rows]
+            res.setdefault("targets_stock", {})[routing] = check_targets(alone, res["budgets_pct"], not converted(res))
+
+
+def against(z: dict[str, Any] | None, stocks: list[dict[str, Any]],
+            timeout: float) -> tuple[dict[str, Any] | None, bool, float | None]:
+    """zipmoe's run against the stock runs of one limit and test: the fastest stock that ran; whether zipmoe ran and
+    every stock was OOM-killed (no ratio, and no stock speed to fall short of); and where the stocks that were not
+    OOM-killed ran past the timeout, the bound on the ratio from whole runs: stock's took longer than the timeout,
+    zipmoe's (load, prompt, generation) its wall time."""
+    best = max((r for r in stocks if r["status"] == "ok" and r.get("tps")), key=lambda r: r["tps"], default=None)
+    z_ok = bool(stocks and z and z["status"] == "ok")
+    oom = z_ok and all(r["status"] == "oom" for r in stocks)
+    bound = None
+    if z_ok and best is None and z.get("wall_s") and any(r["status"] == "timeout" for r in stocks) \
+            and all(r["status"] in ("oom", "timeout") for r in stocks):
+        bound = timeout / z["wall_s"]
+    return best, oom, bound
 
 
 def converted(res: dict[str, Any]) -> bool:
@@ -887,7 +916,7 @@ def tg_program(res: dict[str, Any]) -> str:
 def print_report(res: dict[str, Any]) -> None:
     runs = res["runs"]
     qtype = res.get("type", "BF16")
-    nr = "stock-nr" in res.get("engines", ())
+    nr = "stock-nr" in (res.get("engines") or ())
     if qtype != "BF16" and converted(res):
         print(f"SYNTHETIC models (random weights, preset {res['preset']}, {qtype} by llama-quantize): stock llama.cpp "
               f"({qtype} GGUF, mmap) vs zipmoe (that GGUF converted, codec {res.get('codec', 'auto')}), same build, "
@@ -911,10 +940,15 @@ def print_report(res: dict[str, Any]) -> None:
               f"slower storage than this machine's disk")
     measured = res.get("overhead_measured")
     if measured:
-        how = ", ".join(f"{t} {g['overhead_bytes'] / MIB:.0f} MiB (peak {g['peak_bytes'] / MIB:.0f} MiB at a budget of "
-                        f"{g['budget_bytes'] / MIB:.0f} MiB, zipmoe's minimum {g['min_budget_bytes'] / MIB:.0f} MiB + "
-                        f"{(g['budget_bytes'] - g['min_budget_bytes']) / MIB:.0f}, no limit; + "
-                        f"{g['margin_bytes'] / MIB:.0f} MiB margin)" for t, g in measured.items())
+        def one(t: str, g: dict[str, Any]) -> str:
+            seen = (f"resident {g['maxrss_bytes'] / MIB:.0f} MiB" if g.get("maxrss_bytes") else
+                    f"cgroup peak {g['peak_bytes'] / MIB:.0f} MiB")
+            return (f"{t} {g['overhead_bytes'] / MIB:.0f} MiB ({seen} at a budget of {g['budget_bytes'] / MIB:.0f} "
+                    f"MiB, zipmoe's minimum {g['min_budget_bytes'] / MIB:.0f} MiB + "
+                    f"{(g['budget_bytes'] - g['min_budget_bytes']) / MIB:.0f}, no limit; + "
+                    f"{g['margin_bytes'] / MIB:.0f} MiB margin)")
+
+        how = ", ".join(one(t, g) for t, g in measured.items())
         overhead = f"overhead measured before the runs: {how}"
     elif isinstance(res["overhead_bytes"], dict):
         overhead = "overhead " + ", ".join(f"{t} {o / MIB:.0f} MiB" for t, o in res["overhead_bytes"].items())
@@ -1001,27 +1035,18 @@ def print_report(res: dict[str, Any]) -> None:
                          for test in res["tests"]]
                 same = {None: "-", True: "same text", False: "DIFFERENT TEXT"}[row.get("variant_match")]
                 print(f"  {'unconstrained' if b is None else f'{b:g}%':<13} {'; '.join(parts)}; {same}")
-        print("targets (zipmoe / stock, tg unless stated)"
+        nr_differs = [row["budget_pct"] for row in res["rows"][routing] if row.get("stock_nr_same_text") is False]
+        if nr_differs:
+            print("stock-nr generated other text than stock (--no-repack computes the repacked types with other "
+                  "kernels: other logits); match compares zipmoe with stock as it is")
+        print("targets (zipmoe / stock, tg unless stated"
+              + (", against the faster of stock and stock-nr" if nr else "") + ")"
               + (": set for this machine's own disk, not for throttled reads" if res.get("read_rate_bytes") else "")
               + ":")
-        for t in res["targets"][routing]:
-            verdict = {None: "not measured", True: "met", False: "NOT met"}[t["met"]]
-            at = "" if t["budget_pct"] is None else f" at {t['budget_pct']:g}%"
-            if t["target"].startswith("zipmoe keeps"):
-                value = "" if t["ratio"] is None else f": {t['ratio']:.0%}"
-                print(f"  {t['target']:<32} {verdict}{value}{at}")
-            elif t["target"].startswith("never slower"):
-                worst = "" if t["ratio"] is None else f" (lowest {t['ratio']:.2f}x{at if t['met'] is False else ''}" \
-                    + (", where stock timed out: a bound" if t.get("bounded") else "") + ")"
-                print(f"  {t['target']:<32} {verdict}{worst}")
-            elif t.get("stock_oom"):
-                print(f"  {t['target']:<32} {verdict}: zipmoe ran, stock was OOM-killed{at}")
-            elif t.get("timeout_bound"):
-                print(f"  {t['target']:<32} {verdict}: > {t['ratio']:.2f}x{at} (stock did not finish within the "
-                      f"timeout: whole-run bound)")
-            else:
-                value = "" if t["ratio"] is None else f": {t['ratio']:.2f}x"
-                print(f"  {t['target']:<32} {verdict}{value}{at}")
+        print_targets(res["targets"][routing])
+        if res.get("targets_stock"):
+            print("the same against stock as it is (llama.cpp's defaults, repacking: the logits zipmoe's must equal):")
+            print_targets(res["targets_stock"][routing])
     problems = [r for r in runs if r["status"] != "ok"]
     if problems:
         print()
@@ -1036,6 +1061,27 @@ def print_report(res: dict[str, Any]) -> None:
             print(f"  {r['routing']} {b} {r['engine']} {r['test']}: {cell(r, '')}{note}{log}")
         for text, n in messages.items():
             print(f"  [{n}] {text}")
+
+
+def print_targets(targets: list[dict[str, Any]]) -> None:
+    for t in targets:
+        verdict = {None: "not measured", True: "met", False: "NOT met"}[t["met"]]
+        at = "" if t["budget_pct"] is None else f" at {t['budget_pct']:g}%"
+        if t["target"].startswith("zipmoe keeps"):
+            value = "" if t["ratio"] is None else f": {t['ratio']:.0%}"
+            print(f"  {t['target']:<32} {verdict}{value}{at}")
+        elif t["target"].startswith("never slower"):
+            worst = "" if t["ratio"] is None else f" (lowest {t['ratio']:.2f}x{at if t['met'] is False else ''}" \
+                + (", where stock timed out: a bound" if t.get("bounded") else "") + ")"
+            print(f"  {t['target']:<32} {verdict}{worst}")
+        elif t.get("stock_oom"):
+            print(f"  {t['target']:<32} {verdict}: zipmoe ran, stock was OOM-killed{at}")
+        elif t.get("timeout_bound"):
+            print(f"  {t['target']:<32} {verdict}: > {t['ratio']:.2f}x{at} (stock did not finish within the "
+                  f"timeout: whole-run bound)")
+        else:
+            value = "" if t["ratio"] is None else f": {t['ratio']:.2f}x"
+            print(f"  {t['target']:<32} {verdict}{value}{at}")
 
 
 def plot(res: dict[str, Any], path: Path) -> bool:
@@ -1148,9 +1194,10 @@ def write_result_file(args: argparse.Namespace, res: dict[str, Any], json_path: 
     synthetic = res.get("synthetic", True)
     weights = (f"{result_files.SYNTHETIC} (tools/dev/make_synth.py, preset {res.get('preset')})" if synthetic
                else "as in the JSON")
-    notes, day = None, None
+    notes, day = [*res.get("notes", []), *(n for n in args.note if n not in res.get("notes", []))], None
     if args.report:  # the numbers were taken when the JSON was last written
-        notes = [f"the tables of {json_path}, printed by --report"]
+        notes.append(f"the tables of {json_path}, printed by --report"
+                     + (f"; measured by `{res['command']}`" if res.get("command") else ""))
         day = datetime.date.fromtimestamp(args.report.stat().st_mtime)
     result_files.write(args, "budget", result_files.printed(print_report, res), weights=weights,
                        json_path=json_path, notes=notes, day=day, argv=result_files.script_argv(__file__, argv))
@@ -1172,7 +1219,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overhead", type=_overhead, default=256 * MIB, metavar="SIZE|auto",
                    help="what the process needs besides the model (KV cache, compute buffers, program, slack): "
                         "zipmoe's budget is the limit minus this (default: 256MiB); auto: measured per test before "
-                        "the runs, zipmoe's cgroup peak at its minimum budget less that budget, + 8 MiB")
+                        "the runs, zipmoe's peak resident set at its minimum budget less that budget, + 8 MiB")
     p.add_argument("--synth", type=_synth_pair, action="append", default=[], metavar="FIELD=N",
                    help="override a field of the preset (make_synth.py's, e.g. n_layer=16, n_vocab=4096; "
                         "repeatable): a model whose experts outweigh the rest more, so that a 40%% limit leaves "
@@ -1229,8 +1276,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", type=Path, metavar="FILE.png", help="draw tokens/s against the limit (needs matplotlib)")
     p.add_argument("--report", type=Path, metavar="FILE",
                    help="run nothing: print the tables (and --plot) from a FILE written by --json")
+    p.add_argument("--note", action="append", default=[], metavar="TEXT",
+                   help="a line for the result file (repeatable), e.g. what else ran on the machine; kept in the JSON")
     result_files.add_arguments(p)
     args = p.parse_args(argv)
+    args.argv = argv
     if args.codec is None and not args.report:
         # another type converted: the converter's own choice (zstd for F16, whose code bytes esc does not fit)
         args.codec = "auto" if args.type != "BF16" else default_bench_codec()
