@@ -157,3 +157,15 @@ def test_zipmoe_is_matched_with_stock_as_it_is_and_also_judged_against_it(capsys
     bench.print_report(res)
     out = capsys.readouterr().out
     assert "stock-nr generated other text than stock" in out and "against stock as it is" in out
+
+
+def test_the_overhead_is_the_larger_of_the_programs_and_is_printed_so(capsys: pytest.CaptureFixture[str]):
+    measured = {t: {"min_budget_bytes": 70 * MIB, "budget_bytes": 86 * MIB, "maxrss_bytes": (86 + o) * MIB,
+                    "peak_bytes": 400 * MIB, "margin_bytes": 8 * MIB, "overhead_bytes": (o + 8) * MIB}
+                for t, o in (("tg", 12), ("pp", 83))}
+    assert bench.overhead_of(measured) == 91 * MIB
+    runs = [run(75, "stock", "tg", tps=1), {**run(75, "zipmoe", "tg", tps=5), "zipmoe_budget_bytes": 300 * MIB}]
+    res = report(runs, [75], overhead_bytes=91 * MIB, overhead_measured=measured)
+    bench.print_report(res)
+    out = capsys.readouterr().out
+    assert "overhead 91 MiB, measured before the runs, the larger of: tg 20 MiB (resident 98 MiB" in out
