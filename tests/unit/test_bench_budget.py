@@ -169,3 +169,12 @@ def test_the_overhead_is_the_larger_of_the_programs_and_is_printed_so(capsys: py
     bench.print_report(res)
     out = capsys.readouterr().out
     assert "overhead 91 MiB, measured before the runs, the larger of: tg 20 MiB (resident 98 MiB" in out
+
+
+@pytest.mark.parametrize("argv,words", [(["--stock-no-repack"], "needs --tg-threads"),
+                                        (["--convert"], "--convert is for --type other than BF16"),
+                                        (["--synth", "n_layer=0"], "must be at least 1")])
+def test_options_that_cannot_work_are_refused(argv: list[str], words: str, capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--no-results", *argv])
+    assert e.value.code == 2 and words in capsys.readouterr().err
