@@ -29,7 +29,11 @@ pages it reads are charged to its own limit. A run killed by the kernel's OOM ki
 that exceeds --timeout as timeout; the benchmark goes on.
 
 zipmoe is told its budget with ZIPMOE_MEMORY_BUDGET = limit - --overhead (default 256 MiB: KV cache, compute
-buffers, the program, allocator slack; printed with the results). The budget means everything the model keeps
+buffers, the program, allocator slack; printed with the results). --overhead auto measures it before the
+runs instead: zipmoe refuses a 1 MiB budget with its minimum M, then runs cold without a limit at a budget of M + 16
+MiB, with tg's program and with pp's; the overhead is the larger of the two runs' peak resident set less that
+budget, + 8 MiB (not the cgroup's peak, which without a limit keeps the page cache of every read). A limit that leaves
+zipmoe less than M after the overhead is named in a warning (the model is too small for it: --synth). The budget means everything the model keeps
 resident (non-expert weights, expert cache tiers, one expert tensor's working set); a budget the runtime refuses as too
 small is reported as such. --zipmoe-env passes more variables (policy, tier shares, a plan) to zipmoe runs.
 Stock runs get no ZIPMOE_* variables.
@@ -38,6 +42,19 @@ Stock runs get no ZIPMOE_* variables.
 zipmoe, stock, variant at each limit and repetition) and reported against the first: an option or an older
 libggml-zipmoe.so (--variant-lib: a directory put first on LD_LIBRARY_PATH) compared where the machine's drift
 and the host's disk cache cannot take sides. A change's A/B belongs here, not in separate benchmark runs.
+
+Plain GGUFs of another type (--type Q4_K_M, Q8_0, F16, ...: llama-quantize's copy of the synthetic BF16 model):
+both engines run that file, zipmoe serving its experts as stored under the budget; with --convert zipmoe runs its
+`pyzipmoe convert` instead (--codec auto by default: the converter's choice per type, e.g. zstd for F16) and the
+targets are a converted model's. Limits are then % of that type's file. Stock llama.cpp repacks Q4_K and Q8_0
+weights at load into anonymous CPU_REPACK buffers (its log's "CPU_REPACK model buffer size"), which a limit cannot
+page out as it can the mmap: below about the file's size it is OOM-killed. --stock-no-repack also runs stock with
+llama.cpp's own --no-repack (llama-bench --repack 0) in the same alternation, column stock-nr; ratios are against the
+faster stock that ran. A limit where no stock ran (OOM) and zipmoe did is reported as such ("stock OOM", the target
+met: zipmoe runs where stock cannot); where the stocks that were not OOM-killed ran past --timeout, the ratio is
+bounded by whole runs, > timeout / zipmoe's wall time. --synth FIELD=N changes the preset's shape (make_synth.py's
+overrides, e.g. n_layer=16 n_vocab=4096: experts a larger share of the file, so that 40 % of a quantized file still
+leaves zipmoe its minimum); the models' names carry the overrides.
 
 --read-rate BYTES/S throttles every run's reads from the models' disk (a cgroup v1 blkio throttle, stock's and
 zipmoe's alike, direct and buffered reads): an edge device's eMMC, UFS or SD card instead of this machine's disk,
@@ -59,8 +76,11 @@ are made under this process's own memory cgroup (--cgroup-parent to choose anoth
 zipmoe-bench-<pid>-<n>, and removed after each run.
 
 The issue's targets (tg, zipmoe / stock at the same limit): >= 5x at ~75 %, >= 4x at ~60 %, >= 2x at ~40 %,
->= 1.5x at ~93 %, within 3 % at 150 % (at least 0.97x), never slower (>= 1x below 150 %; pp shown too).
-Each is checked at the measured budget nearest to it (within 7 points) and printed as met / NOT met.
+>= 1.5x at ~93 %, within 3 % at 150 % (at least 0.97x), never slower (>= 1x below 150 %; pp shown too); a
+converted model of another type (--convert) has the same. A plain GGUF's, at % of its own file: >= 4x at ~40 %,
+>= 2.5x at ~60 %, >= 1.5x at ~75 %, >= 1x at ~100 %, within 3 % at 150 %, never slower. Each is checked at the
+measured budget nearest to it (within 7 points) and printed as met / NOT met; with --stock-no-repack against the
+faster stock, and again against stock as it is (whose logits zipmoe's equal).
 
 Examples:
   sudo .venv/bin/python tools/bench/bench_budget.py                        # 2.8g preset, both routings, about an hour
@@ -71,6 +91,11 @@ Examples:
   sudo .venv/bin/python tools/bench/bench_budget.py --budgets 60,75 --tests tg --read-rate 400MiB \
       --variant-env ZIPMOE_HOT_SHARE=0                                 # slow storage: decoded-only against warm-only
   sudo .venv/bin/python tools/bench/bench_budget.py --preset small --overhead 16MiB --gen 16 --pp 64   # smoke, ~1 min
+  sudo .venv/bin/python tools/bench/bench_budget.py --preset 1g --synth n_layer=16 --synth n_vocab=4096 \
+      --type Q4_K_M --routings uniform --budgets 40,60,75,100,150 --tg-threads 2 --stock-no-repack --overhead auto
+      # a plain Q4_K_M GGUF, stock with and without repacking
+  sudo .venv/bin/python tools/bench/bench_budget.py --preset 1g --synth n_layer=16 --synth n_vocab=4096 \
+      --type F16 --convert --routings uniform --tg-threads 2 --overhead auto     # F16, converted
   .venv/bin/python tools/bench/bench_budget.py --report budget.json --plot budget.png   # the tables again, no runs
 """
 
@@ -103,11 +128,14 @@ MIB = 1 << 20
 SPEEDUP_TARGETS = ((75, 5.0), (60, 4.0), (40, 2.0), (93, 1.5))
 # a plain GGUF of another type (--type), served as stored, no conversion: (budget % of its file, least tg speed-up)
 PLAIN_TARGETS = ((40, 4.0), (60, 2.5), (75, 1.5), (100, 1.0))
+STOCK_ENGINES = ("stock", "stock-nr")  # stock llama.cpp as it is, and with --no-repack (--stock-no-repack)
 PARITY_BUDGET, PARITY_TOLERANCE = 150, 0.03  # "within 3 % at 150 %": at least 0.97x
 TARGET_SLACK = 7  # a target at ~P % is checked at the measured budget nearest to P, if within this many points
 KEEP_BUDGET, KEEP_SHARE = 75, 0.5  # "at ~75 % it should keep at least half of the unconstrained tokens/s"
 TG_LINE = re.compile(r"decoded (\d+) tokens in ([0-9.]+) s, speed: ([0-9.]+) t/s")
 PERF_LINE = re.compile(r"(prompt eval|eval) time =\s*([0-9.]+) ms /\s*(\d+) (?:tokens|runs)")
+OVERHEAD_MARGIN = 8 * MIB  # --overhead auto: on top of the measured peak, for run-to-run variation of the allocator
+CALIBRATION_SLACK = 16 * MIB  # --overhead auto measures at zipmoe's minimum budget + this (the message rounds it)
 MIN_SIZE = re.compile(r"(?:min(?:imum)?|at least|needs?|requires?)\D{0,24}?(\d+(?:\.\d+)?)\s*([KMGT]i?B|bytes|B)?",
                       re.IGNORECASE)
 
@@ -379,6 +407,11 @@ def default_bench_codec() -> str:
     return "esc" if codec.esc_simd_level() > 0 else "huff"
 
 
+def model_tag(preset: str, synth: list[tuple[str, int]] | None = None) -> str:
+    """The models' name stem for a preset with make_synth overrides: 1g+n_layer16+n_vocab4096."""
+    return preset + "".join(f"+{k}{v}" for k, v in sorted(synth or []))
+
+
 def ensure_plain(workdir: Path, bf16: Path, qtype: str, regenerate: bool) -> Path:
     """llama-quantize's `qtype` copy of the synthetic model `bf16` (PRESET-ROUTING.QTYPE.gguf), made when missing,
     older than it, or asked to: the plain GGUF that both engines run under --type, zipmoe without converting it."""
@@ -394,15 +427,19 @@ def ensure_plain(workdir: Path, bf16: Path, qtype: str, regenerate: bool) -> Pat
     return plain
 
 
-def ensure_models_bf16(workdir: Path, preset: str, routing: str, regenerate: bool) -> Path:
-    """workdir/PRESET-ROUTING.gguf, the synthetic BF16 model, made when missing (or asked to), reused otherwise."""
+def ensure_models_bf16(workdir: Path, preset: str, routing: str, regenerate: bool,
+                       synth: list[tuple[str, int]] | None = None) -> Path:
+    """workdir/TAG-ROUTING.gguf, the synthetic BF16 model (TAG: model_tag, the preset and make_synth's overrides),
+    made when missing (or asked to), reused otherwise."""
     workdir.mkdir(parents=True, exist_ok=True)
-    bf16 = workdir / f"{preset}-{routing}.gguf"
+    tag = model_tag(preset, synth)
+    bf16 = workdir / f"{tag}-{routing}.gguf"
     if regenerate or not bf16.is_file():
-        part = workdir / f"{preset}-{routing}.part.gguf"
-        say(f"generating {bf16} (synthetic, preset {preset}, {routing} routing) ...")
+        part = workdir / f"{tag}-{routing}.part.gguf"
+        say(f"generating {bf16} (synthetic, preset {tag}, {routing} routing) ...")
         t = time.monotonic()
-        _tool([sys.executable, str(REPO / "tools" / "dev" / "make_synth.py"), "--preset", preset,
+        overrides = [a for k, v in sorted(synth or []) for a in (f"--{k.replace('_', '-')}", str(v))]
+        _tool([sys.executable, str(REPO / "tools" / "dev" / "make_synth.py"), "--preset", preset, *overrides,
                "--routing", routing, "--quiet", str(part)])
         part.replace(bf16)
         say(f"  {bf16.stat().st_size / 2**30:.2f} GiB in {time.monotonic() - t:.0f} s")
@@ -410,11 +447,18 @@ def ensure_models_bf16(workdir: Path, preset: str, routing: str, regenerate: boo
 
 
 def ensure_models(workdir: Path, preset: str, routing: str, threads: int, regenerate: bool,
-                  codec: str = "huff") -> tuple[Path, Path]:
-    """workdir/PRESET-ROUTING.gguf and its zipmoe GGUF in `codec` (PRESET-ROUTING.zipmoe.gguf for huff, the name
-    of earlier runs, else PRESET-ROUTING.CODEC.zipmoe.gguf), made when missing (or asked to), reused otherwise."""
-    bf16 = ensure_models_bf16(workdir, preset, routing, regenerate)
-    packed = workdir / (f"{preset}-{routing}.zipmoe.gguf" if codec == "huff" else f"{preset}-{routing}.{codec}.zipmoe.gguf")
+                  codec: str = "huff", synth: list[tuple[str, int]] | None = None) -> tuple[Path, Path]:
+    """workdir/TAG-ROUTING.gguf and its zipmoe GGUF in `codec` (TAG-ROUTING.zipmoe.gguf for huff, the name
+    of earlier runs, else TAG-ROUTING.CODEC.zipmoe.gguf), made when missing (or asked to), reused otherwise."""
+    bf16 = ensure_models_bf16(workdir, preset, routing, regenerate, synth)
+    return bf16, ensure_converted(bf16, threads, regenerate, codec)
+
+
+def ensure_converted(src: Path, threads: int, regenerate: bool, codec: str) -> Path:
+    """`pyzipmoe convert --codec CODEC` of src beside it (STEM.zipmoe.gguf for huff, else STEM.CODEC.zipmoe.gguf),
+    made when missing, older than src, or asked to."""
+    bf16 = src
+    packed = src.with_name(f"{src.stem}.zipmoe.gguf" if codec == "huff" else f"{src.stem}.{codec}.zipmoe.gguf")
     if regenerate or not packed.is_file() or packed.stat().st_mtime < bf16.stat().st_mtime:
         part = packed.with_name(packed.name.replace(".zipmoe.gguf", ".zipmoe.part.gguf"))
         say(f"converting it to {packed} ({codec}) ...")
@@ -423,7 +467,7 @@ def ensure_models(workdir: Path, preset: str, routing: str, threads: int, regene
                str(bf16), str(part)])
         part.replace(packed)
         say(f"  {packed.stat().st_size / 2**30:.2f} GiB in {time.monotonic() - t:.0f} s")
-    return bf16, packed
+    return packed
 
 
 def _tool(argv: list[str]) -> None:
@@ -512,6 +556,56 @@ def tg_argv(program: Path, model: str, gen: int, prompt: str, threads: int | Non
             "--no-warmup", "-t", str(threads), "-c", ctx, "-b", ctx, "-ub", ctx]
 
 
+def pp_argv(program: Path, model: str, pp: int, reps: int, threads: int, repack: bool = True) -> list[str]:
+    """llama-bench's pp test; repack False: --repack 0, stock's weights kept in its mmap (stock-nr)."""
+    return [str(program), "-m", model, "-p", str(pp), "-n", "0", "-r", str(reps), "-t", str(threads), "-o", "json",
+            "-v", *([] if repack else ["--repack", "0"])]
+
+
+def overhead_for(res: dict[str, Any], test: str) -> int:
+    """The overhead of one test's runs: --overhead's size, or what measure_overhead found for that test."""
+    o = res["overhead_bytes"]
+    return o[test] if isinstance(o, dict) else o
+
+
+def measure_overhead(argv: list[str], env: dict[str, str], parent: Path, timeout: float, log_stem: Path,
+                     margin: int = OVERHEAD_MARGIN) -> dict[str, Any]:
+    """What one zipmoe process needs besides its budget, measured: a run with a 1 MiB budget, which the runtime
+    refuses with its minimum M, then a cold run without a limit and a budget of M + CALIBRATION_SLACK, which the
+    cache fills; overhead = its peak resident set (anonymous memory and the mapped weights) - that budget + margin.
+    Not the cgroup's peak: without a limit it keeps every page the process read through the page cache, which a
+    limit reclaims (a plain Q8_0 GGUF's pp measured 378 MiB of cgroup peak against 126 MiB resident). BenchError if
+    either run does not go as planned."""
+    probe = run_limited(argv, {**env, "ZIPMOE_MEMORY_BUDGET": str(MIB)}, parent, None, timeout,
+                        log_stem.with_name(log_stem.name + "-min"), drop_cache=False)
+    if probe["status"] != "too-small" or not probe.get("min_budget"):
+        raise BenchError(f"--overhead auto: a 1 MiB budget was not refused with a minimum ({probe['status']}: "
+                         f"{probe.get('message', '')}; log {probe['log']}.err)")
+    minimum = parse_size(probe["min_budget"])
+    budget = minimum + CALIBRATION_SLACK
+    one = run_limited(argv, {**env, "ZIPMOE_MEMORY_BUDGET": str(budget)}, parent, None, timeout,
+                      log_stem.with_name(log_stem.name + "-peak"))
+    if one["status"] != "ok" or not one.get("maxrss_bytes"):
+        raise BenchError(f"--overhead auto: the run at zipmoe's minimum budget did not complete ({one['status']}: "
+                         f"{one.get('message', '')}; log {one['log']}.err)")
+    return {"min_budget_bytes": minimum, "budget_bytes": budget, "maxrss_bytes": one["maxrss_bytes"],
+            "peak_bytes": one.get("peak_bytes"), "margin_bytes": margin,
+            "overhead_bytes": max(0, one["maxrss_bytes"] - budget) + margin}
+
+
+def overhead_of(measured: dict[str, dict[str, Any]]) -> int:
+    """The one overhead of every run, from measure_overhead's per program: the largest. A tg run leaves rooms of the
+    budget (a prompt's reads, a tensor in flight) partly unfilled at the minimum, so its own figure understates
+    what the process needs beyond a budget it fills: a plain Q8_0 GGUF's tg measured 20 MiB, pp 91, and with 20
+    zipmoe thrashed its mapped weights at 40 and 60 % (7-8 GB read for 16 tokens)."""
+    return max(g["overhead_bytes"] for g in measured.values())
+
+
+def engines_of(no_repack: bool, variant: bool) -> tuple[str, ...]:
+    """The engines of one limit, in the order they alternate."""
+    return ("stock", "zipmoe", *(("stock-nr",) if no_repack else ()), *(("stock", "variant") if variant else ()))
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from pyzipmoe.runtime import runner
     from pyzipmoe.runtime.config import RUNTIME_ENV
@@ -528,7 +622,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.variant_lib:
         variant_extra["LD_LIBRARY_PATH"] = os.pathsep.join(
             p for p in (str(args.variant_lib.resolve()), os.environ.get("LD_LIBRARY_PATH", "")) if p)
-    engines = ("stock", "zipmoe", "stock", "variant") if variant else ("stock", "zipmoe")
+    engines = engines_of(args.stock_no_repack, variant)
+    tag = model_tag(args.preset, args.synth)
+    # the logs' names: one grid's logs must not overwrite another type's or another read rate's
+    run_tag = tag + ("" if args.type == "BF16" else f"-{args.type}{'-conv' if args.convert else ''}") \
+        + (f"-read{args.read_rate // MIB}M" if args.read_rate else "")
     logdir = args.workdir / "logs"
     logdir.mkdir(parents=True, exist_ok=True)
     if swap_total() and not (parent / "memory.memsw.limit_in_bytes").exists():
@@ -537,13 +635,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     models: dict[str, dict[str, Any]] = {}
     for routing in args.routings:
-        if args.type != "BF16":  # a plain GGUF of that type for both engines: zipmoe serves its experts as stored
-            bf16 = ensure_models_bf16(args.workdir, args.preset, routing, args.regenerate)
-            plain = str(ensure_plain(args.workdir, bf16, args.type, args.regenerate))
-            size = Path(plain).stat().st_size
-            models[routing] = {"bf16": plain, "bf16_bytes": size, "zipmoe": plain, "zipmoe_bytes": size}
+        if args.type != "BF16":  # a GGUF of that type for stock; zipmoe serves its experts as stored, or converted
+            bf16 = ensure_models_bf16(args.workdir, args.preset, routing, args.regenerate, args.synth)
+            plain = ensure_plain(args.workdir, bf16, args.type, args.regenerate)
+            packed = ensure_converted(plain, args.threads, args.regenerate, args.codec) if args.convert else plain
+            models[routing] = {"bf16": str(plain), "bf16_bytes": plain.stat().st_size, "zipmoe": str(packed),
+                               "zipmoe_bytes": packed.stat().st_size}
             continue
-        bf16, packed = ensure_models(args.workdir, args.preset, routing, args.threads, args.regenerate, args.codec)
+        bf16, packed = ensure_models(args.workdir, args.preset, routing, args.threads, args.regenerate, args.codec,
+                                     args.synth)
         models[routing] = {"bf16": str(bf16), "bf16_bytes": bf16.stat().st_size, "zipmoe": str(packed),
                            "zipmoe_bytes": packed.stat().st_size}
     largest = max(int(m["bf16_bytes"] * max(args.budgets) / 100) for m in models.values())
@@ -552,17 +652,45 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         say(f"warning: a cgroup above {parent} limits memory to {above / MIB:.0f} MiB, less than the largest "
             f"limit here ({largest / MIB:.0f} MiB): those runs are limited by it")
 
+    def argv_of(engine: str, test: str, model: str) -> list[str]:
+        if test == "tg":
+            argv = tg_argv(completion or simple, model, args.gen, args.prompt, args.tg_threads)
+            return argv + (["--no-repack"] if engine == "stock-nr" else [])
+        return pp_argv(bench, model, args.pp, args.pp_reps, args.threads, repack=engine != "stock-nr")
+
     throttle = ReadThrottle(args.read_rate, Path(next(iter(models.values()))["bf16"])) if args.read_rate else None
     runs: list[dict[str, Any]] = []
-    res = {"synthetic": True, "preset": args.preset, "codec": args.codec, "type": args.type, "models": models, "budgets_pct": args.budgets,
-           "read_rate_bytes": args.read_rate,
+    res = {"synthetic": True, "command": result_files.command_line(result_files.script_argv(__file__, args.argv)),
+           "notes": list(args.note), "preset": tag, "synth_overrides": dict(args.synth), "codec": args.codec,
+           "type": args.type, "converted": args.type == "BF16" or args.convert, "models": models,
+           "budgets_pct": args.budgets, "read_rate_bytes": args.read_rate,
            "overhead_bytes": args.overhead, "gen_tokens": args.gen, "pp_tokens": args.pp, "pp_reps": args.pp_reps,
            "prompt": args.prompt,
            "threads_llama_bench": args.threads, "tg_threads": args.tg_threads,
            "timeout_s": args.timeout, "zipmoe_env": zipmoe_extra, "tests": args.tests, "repeat": args.repeat,
+           "engines": list(dict.fromkeys(engines)),
            "variant": {"env": dict(args.variant_env), "lib": str(args.variant_lib or "")} if variant else None,
            "cgroup_parent": str(parent), "swap_bytes": swap_total(), "cpus": os.cpu_count(),
            "bin_dir": str(runner.bin_dir()), "runs": runs}
+    if args.overhead is None:  # --overhead auto: on the first routing's model (the same shape for all)
+        m = next(iter(models.values()))
+        res["overhead_measured"] = {}
+        for test in ("tg", "pp"):  # both, whatever --tests: the overhead is their largest (overhead_of)
+            say(f"measuring zipmoe's overhead with {test}'s program (at its minimum budget, no limit) ...")
+            got = measure_overhead(argv_of("zipmoe", test, m["zipmoe"]), {**stock_env, **zipmoe_extra}, parent,
+                                   args.timeout, logdir / f"{run_tag}-overhead-{test}")
+            res["overhead_measured"][test] = got
+            say(f"  minimum budget {got['min_budget_bytes'] / MIB:.0f} MiB; resident {got['maxrss_bytes'] / MIB:.0f} "
+                f"MiB with a budget of {got['budget_bytes'] / MIB:.0f} MiB: {got['overhead_bytes'] / MIB:.0f} MiB "
+                f"(with {got['margin_bytes'] / MIB:.0f} MiB of margin)")
+        res["overhead_bytes"] = overhead_of(res["overhead_measured"])
+        minimum = max(g["min_budget_bytes"] for g in res["overhead_measured"].values())
+        for routing, m in models.items():
+            short = [b for b in args.budgets if m["bf16_bytes"] * b / 100 - res["overhead_bytes"] < minimum]
+            if short:
+                say(f"warning: {routing}: the limits at {', '.join(f'{b:g}%' for b in short)} leave zipmoe less than "
+                    f"its minimum budget ({minimum / MIB:.0f} MiB) after the overhead: a larger model (--synth) or "
+                    f"higher limits")
 
     def checkpoint() -> None:
         """--json FILE holds the runs so far (a long benchmark stopped half-way keeps them)."""
@@ -577,38 +705,43 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # stock and zipmoe alternate, also across repetitions: this machine's virtual disk is cached by its host,
             # and a run right after a run of the same file reads it from the host's memory
             for test, rep, (slot, engine) in product(args.tests, range(args.repeat), enumerate(engines)):
-                model = m["bf16"] if engine == "stock" else m["zipmoe"]
+                model = m["bf16"] if engine.startswith("stock") else m["zipmoe"]
                 label = "unconstrained" if budget is None else f"{budget:g}%"
                 rec: dict[str, Any] = {"routing": routing, "budget_pct": budget, "engine": engine, "test": test,
                                        "rep": rep}
                 env = dict(stock_env)
-                if engine != "stock":
+                if not engine.startswith("stock"):
                     env.update(variant_extra if engine == "variant" else zipmoe_extra)
                     if limit is not None:
-                        zbudget = limit - args.overhead
+                        overhead = overhead_for(res, test)
+                        zbudget = limit - overhead
                         rec["zipmoe_budget_bytes"] = zbudget
                         if zbudget <= 0:
                             rec.update(status="skipped", short="limit < overhead",
-                                       message=f"the limit ({limit / MIB:.0f} MiB) is not above --overhead "
-                                               f"({args.overhead / MIB:.0f} MiB)", limit_bytes=limit)
+                                       message=f"the limit ({limit / MIB:.0f} MiB) is not above the overhead "
+                                               f"({overhead / MIB:.0f} MiB)", limit_bytes=limit)
                             runs.append(rec)
                             checkpoint()
                             say(f"[{len(runs)}/{n_total}] {routing} {label} {engine} {test}: skipped, "
                                 f"{rec['message']}")
                             continue
                         env["ZIPMOE_MEMORY_BUDGET"] = str(zbudget)
-                if test == "tg":
-                    argv = tg_argv(completion or simple, model, args.gen, args.prompt, args.tg_threads)
-                else:
-                    argv = [str(bench), "-m", model, "-p", str(args.pp), "-n", "0", "-r", str(args.pp_reps),
-                            "-t", str(args.threads), "-o", "json", "-v"]
-                stem = logdir / f"{args.preset}-{routing}-{label.rstrip('%')}-{engine}-{test}-{rep}-{slot}"
-                one = run_limited(argv, env, parent, limit, args.timeout, stem, throttle=throttle)
-                if test == "tg":
-                    parse_tg(one, completion=completion is not None)
-                else:
-                    parse_pp(one, args.pp)
-                rec.update(one)
+                argv = argv_of(engine, test, model)
+                stem = logdir / f"{run_tag}-{routing}-{label.rstrip('%')}-{engine}-{test}-{rep}-{slot}"
+                lost = False
+                for attempt in range(2):
+                    one = run_limited(argv, env, parent, limit, args.timeout,
+                                      stem if attempt == 0 else stem.with_name(stem.name + "-again"), throttle=throttle)
+                    if test == "tg":
+                        parse_tg(one, completion=completion is not None)
+                    else:
+                        parse_pp(one, args.pp)
+                    # llama-completion's log thread sometimes loses its last lines at exit on a loaded machine
+                    # (exit 0, no perf lines): that says nothing of the run, which is made once more
+                    if not (one["status"] == "failed" and one.get("exit_code") == 0) or attempt:
+                        break
+                    lost = True
+                rec.update(one, **({"lost_output_once": True} if lost else {}))
                 rec["env"] = {k: v for k, v in env.items() if k.startswith("ZIPMOE_") or k == "LD_LIBRARY_PATH"}
                 runs.append(rec)
                 checkpoint()
@@ -655,9 +788,24 @@ def summarize(res: dict[str, Any]) -> None:
 
             row: dict[str, Any] = {"budget_pct": budget}
             for test in ("tg", "pp"):
-                row[f"{test}_ratio"] = ratio(get("zipmoe", test), get("stock", test))
+                zt = get("zipmoe", test)
+                stocks = [r for r in (get(e, test) for e in STOCK_ENGINES) if r]
+                best, row[f"{test}_stock_oom"], bound = against(zt, stocks, res["timeout_s"])
+                row[f"{test}_ratio"] = ratio(zt, best)
+                if bound is not None:
+                    row[f"{test}_timeout_bound"] = bound
+                if best is not None and len(stocks) > 1:
+                    row[f"{test}_stock_best"] = best["engine"]
+                alone = [r for r in (get("stock", test),) if r]  # stock as it is, without stock-nr
+                _, row[f"{test}_stock_oom_alone"], row[f"{test}_timeout_bound_alone"] = \
+                    against(zt, alone, res["timeout_s"])
+                row[f"{test}_ratio_stock"] = ratio(zt, alone[0] if alone else None)
             z = get("zipmoe", "tg")
+            # compared with stock as it is: --no-repack computes the repacked types with other kernels, other logits
             refs = [r for r in (get("stock", "tg"), get("stock", "tg", None)) if r and r["status"] == "ok"]
+            nr, s_free = get("stock-nr", "tg"), get("stock", "tg", None)
+            if nr and s_free and nr["status"] == s_free["status"] == "ok":
+                row["stock_nr_same_text"] = nr["text"] == s_free["text"]
             if z is None or z["status"] != "ok" or not refs:
                 row["match"] = None
             else:
@@ -676,7 +824,34 @@ def summarize(res: dict[str, Any]) -> None:
                     v["text"] == z["text"]
             rows.append(row)
         res["rows"][routing] = rows
-        res["targets"][routing] = check_targets(rows, res["budgets_pct"], res.get("type", "BF16") != "BF16")
+        res["targets"][routing] = check_targets(rows, res["budgets_pct"], not converted(res))
+        if "stock-nr" in (res.get("engines") or ()):  # the same against stock as it is (zipmoe's logits are its)
+            alone = [{**r, **{f"{t}_ratio": r.get(f"{t}_ratio_stock") for t in ("tg", "pp")},
+                      **{f"{t}_stock_oom": bool(r.get(f"{t}_stock_oom_alone")) for t in ("tg", "pp")},
+                      **{f"{t}_timeout_bound": r.get(f"{t}_timeout_bound_alone") for t in ("tg", "pp")}}
+                     for r in rows]
+            res.setdefault("targets_stock", {})[routing] = check_targets(alone, res["budgets_pct"], not converted(res))
+
+
+def against(z: dict[str, Any] | None, stocks: list[dict[str, Any]],
+            timeout: float) -> tuple[dict[str, Any] | None, bool, float | None]:
+    """zipmoe's run against the stock runs of one limit and test: the fastest stock that ran; whether zipmoe ran and
+    every stock was OOM-killed (no ratio, and no stock speed to fall short of); and where the stocks that were not
+    OOM-killed ran past the timeout, the bound on the ratio from whole runs: stock's took longer than the timeout,
+    zipmoe's (load, prompt, generation) its wall time."""
+    best = max((r for r in stocks if r["status"] == "ok" and r.get("tps")), key=lambda r: r["tps"], default=None)
+    z_ok = bool(stocks and z and z["status"] == "ok")
+    oom = z_ok and all(r["status"] == "oom" for r in stocks)
+    bound = None
+    if z_ok and best is None and z.get("wall_s") and any(r["status"] == "timeout" for r in stocks) \
+            and all(r["status"] in ("oom", "timeout") for r in stocks):
+        bound = timeout / z["wall_s"]
+    return best, oom, bound
+
+
+def converted(res: dict[str, Any]) -> bool:
+    """Whether zipmoe ran a converted model (BF16 always; another type with --convert) or the plain GGUF."""
+    return res.get("converted", res.get("type", "BF16") == "BF16")
 
 
 def check_targets(rows: list[dict[str, Any]], budgets: list[float], plain: bool = False) -> list[dict[str, Any]]:
@@ -688,27 +863,37 @@ def check_targets(rows: list[dict[str, Any]], budgets: list[float], plain: bool 
         return near[0] if near and abs(near[0] - pct) <= TARGET_SLACK else None
 
     out = []
+    def verdict(b: float | None, least: float) -> dict[str, Any]:
+        """ratio and met at budget b; where every stock run was OOM-killed and zipmoe ran: met, stock_oom."""
+        row = {} if b is None else by_budget[b]
+        r = row.get("tg_ratio")
+        if r is None and row.get("tg_stock_oom"):
+            return {"ratio": None, "met": True, "stock_oom": True}
+        if r is None and row.get("tg_timeout_bound") is not None:
+            bound = row["tg_timeout_bound"]
+            return {"ratio": bound, "met": bound >= least, "timeout_bound": True}
+        return {"ratio": r, "met": None if r is None else r >= least}
+
     for pct, least in PLAIN_TARGETS if plain else SPEEDUP_TARGETS:
         b = nearest(pct)
-        r = None if b is None else by_budget[b]["tg_ratio"]
-        out.append({"target": f">= {least:g}x at ~{pct}%", "budget_pct": b, "ratio": r,
-                    "met": None if r is None else r >= least})
+        out.append({"target": f">= {least:g}x at ~{pct}%", "budget_pct": b, **verdict(b, least)})
     b = None if plain else nearest(KEEP_BUDGET)
     r = None if b is None else by_budget[b].get("zipmoe_keeps")
     out.append({"target": f"zipmoe keeps >= {KEEP_SHARE:.0%} of its unconstrained tg at ~{KEEP_BUDGET}%",
                 "budget_pct": b, "ratio": r, "met": None if r is None else r >= KEEP_SHARE})
     b = nearest(PARITY_BUDGET)
-    r = None if b is None else by_budget[b]["tg_ratio"]
-    out.append({"target": f"within {PARITY_TOLERANCE:.0%} at ~{PARITY_BUDGET}%", "budget_pct": b, "ratio": r,
-                "met": None if r is None else r >= 1 - PARITY_TOLERANCE})
+    out.append({"target": f"within {PARITY_TOLERANCE:.0%} at ~{PARITY_BUDGET}%", "budget_pct": b,
+                **verdict(b, 1 - PARITY_TOLERANCE)})
     for test in ("tg", "pp"):
-        measured = [(row["budget_pct"], row[f"{test}_ratio"]) for row in rows
+        measured = [(row["budget_pct"], row[f"{test}_ratio"] if row[f"{test}_ratio"] is not None
+                     else row[f"{test}_timeout_bound"]) for row in rows
                     if row["budget_pct"] is not None and row["budget_pct"] < PARITY_BUDGET - TARGET_SLACK
-                    and row[f"{test}_ratio"] is not None]
+                    and (row[f"{test}_ratio"] is not None or row.get(f"{test}_timeout_bound") is not None)]
         at, lowest = min(measured, key=lambda bx: bx[1], default=(None, None))  # one row's budget and ratio
         met = None if lowest is None else lowest >= 1
+        bounded = at is not None and by_budget[at][f"{test}_ratio"] is None  # the lowest is a timeout's bound
         out.append({"target": f"never slower ({test}, below ~{PARITY_BUDGET}%)",
-                    "budget_pct": at if met is False else None, "ratio": lowest, "met": met})
+                    "budget_pct": at if met is False else None, "ratio": lowest, "met": met, "bounded": bounded})
     return out
 
 
@@ -742,7 +927,12 @@ def tg_program(res: dict[str, Any]) -> str:
 def print_report(res: dict[str, Any]) -> None:
     runs = res["runs"]
     qtype = res.get("type", "BF16")
-    if qtype != "BF16":
+    nr = "stock-nr" in (res.get("engines") or ())
+    if qtype != "BF16" and converted(res):
+        print(f"SYNTHETIC models (random weights, preset {res['preset']}, {qtype} by llama-quantize): stock llama.cpp "
+              f"({qtype} GGUF, mmap) vs zipmoe (that GGUF converted, codec {res.get('codec', 'auto')}), same build, "
+              f"same cgroup v1 memory limit, cold page cache; limits are % of the {qtype} file")
+    elif qtype != "BF16":
         print(f"SYNTHETIC models (random weights, preset {res['preset']}, quantized by llama-quantize): stock llama.cpp "
               f"vs zipmoe on the same plain {qtype} GGUF (no conversion: its experts served as stored under the "
               f"budget), same build, same cgroup v1 memory limit, cold page cache; limits are % of the {qtype} file")
@@ -759,19 +949,44 @@ def print_report(res: dict[str, Any]) -> None:
     if res.get("read_rate_bytes"):
         print(f"reads throttled to {res['read_rate_bytes'] / MIB:.0f} MiB/s (cgroup v1 blkio, stock and zipmoe alike): "
               f"slower storage than this machine's disk")
-    print(f"zipmoe: ZIPMOE_MEMORY_BUDGET = limit - overhead, overhead = {res['overhead_bytes'] / MIB:.0f} MiB"
+    measured = res.get("overhead_measured")
+    if measured:
+        def one(t: str, g: dict[str, Any]) -> str:
+            seen = (f"resident {g['maxrss_bytes'] / MIB:.0f} MiB" if g.get("maxrss_bytes") else
+                    f"cgroup peak {g['peak_bytes'] / MIB:.0f} MiB")
+            return (f"{t} {g['overhead_bytes'] / MIB:.0f} MiB ({seen} at a budget of {g['budget_bytes'] / MIB:.0f} "
+                    f"MiB, zipmoe's minimum {g['min_budget_bytes'] / MIB:.0f} MiB + "
+                    f"{(g['budget_bytes'] - g['min_budget_bytes']) / MIB:.0f}, no limit; + "
+                    f"{g['margin_bytes'] / MIB:.0f} MiB margin)")
+
+        how = ", ".join(one(t, g) for t, g in measured.items())
+        overhead = (f"overhead {res['overhead_bytes'] / MIB:.0f} MiB, measured before the runs, the larger of: {how}"
+                    if isinstance(res["overhead_bytes"], int) else f"overhead measured before the runs, per test: {how}")
+    elif isinstance(res["overhead_bytes"], dict):
+        overhead = "overhead " + ", ".join(f"{t} {o / MIB:.0f} MiB" for t, o in res["overhead_bytes"].items())
+    else:
+        overhead = f"overhead = {res['overhead_bytes'] / MIB:.0f} MiB"
+    print(f"zipmoe: ZIPMOE_MEMORY_BUDGET = limit - overhead, {overhead}"
           + (f"; also {' '.join(f'{k}={v}' for k, v in res['zipmoe_env'].items())}" if res["zipmoe_env"] else ""))
+    if nr:
+        print("stock-nr: stock llama.cpp with --no-repack (llama-bench --repack 0): its weights stay in the mmap instead "
+              "of anonymous CPU_REPACK buffers; ratios are zipmoe / the faster stock that ran at that limit (* marks "
+              "stock-nr)")
     if res.get("partial"):
         print("PARTIAL: the benchmark stopped before every run was made")
     for routing, model in res["models"].items():
         print()
-        if qtype != "BF16":
+        if qtype != "BF16" and converted(res):
+            print(f"== {routing} routing (synthetic): {qtype} {model['bf16_bytes'] / MIB:.0f} MiB, zipmoe "
+                  f"{model['zipmoe_bytes'] / MIB:.0f} MiB ({model['zipmoe_bytes'] / model['bf16_bytes']:.1%})")
+        elif qtype != "BF16":
             print(f"== {routing} routing (synthetic): plain {qtype} GGUF {model['bf16_bytes'] / MIB:.0f} MiB")
         else:
             print(f"== {routing} routing (synthetic): BF16 {model['bf16_bytes'] / MIB:.0f} MiB, zipmoe "
                   f"{model['zipmoe_bytes'] / MIB:.0f} MiB ({model['zipmoe_bytes'] / model['bf16_bytes']:.1%})")
-        header = ("budget", "limit MiB", "zipmoe budget", "stock tg", "zipmoe tg", "tg ratio", "stock pp",
-                  "zipmoe pp", "pp ratio", "wall stock", "wall zipmoe", "peak stock", "peak zipmoe", "disk/tok stock",
+        header = ("budget", "limit MiB", "zipmoe budget", "stock tg", *(("stock-nr tg",) if nr else ()), "zipmoe tg",
+                  "tg ratio", "stock pp", *(("stock-nr pp",) if nr else ()), "zipmoe pp", "pp ratio", "wall stock",
+                  "wall zipmoe", "peak stock", *(("peak stock-nr",) if nr else ()), "peak zipmoe", "disk/tok stock",
                   "disk/tok zipmoe", "match")
         lines = []
         for row in res["rows"][routing]:
@@ -781,27 +996,42 @@ def print_report(res: dict[str, Any]) -> None:
                 return _find(runs, rt, b, engine, test)
 
             peaks = {e: [r.get("peak_bytes") for r in (get(e, "tg"), get(e, "pp")) if r and r.get("peak_bytes")]
-                     for e in ("stock", "zipmoe")}
-            z = get("zipmoe", "tg") or get("zipmoe", "pp")
-            zb = z.get("zipmoe_budget_bytes") if z else None
+                     for e in ("stock", "stock-nr", "zipmoe")}
+            zbs = list(dict.fromkeys(r.get("zipmoe_budget_bytes") for r in (get("zipmoe", "tg"), get("zipmoe", "pp"))
+                                     if r and r.get("zipmoe_budget_bytes") is not None))
+
+            def peak(e: str) -> str:
+                return f"{max(peaks[e]) / MIB:.0f}" if peaks[e] else "-"
+
+            def rat(test: str) -> str:
+                if row.get(f"{test}_stock_oom"):
+                    return "stock OOM"
+                if row.get(f"{test}_timeout_bound") is not None:
+                    return f">{row[f'{test}_timeout_bound']:.2f}x (t/o)"
+                star = "*" if row.get(f"{test}_stock_best") == "stock-nr" else ""
+                return _fmt_ratio(row[f"{test}_ratio"]) + star
             match = {None: "-", True: "MATCH", False: "DIFF"}[row["match"]]
             if row.get("stock_differs_from_unconstrained"):
                 match += " (stock differs from unconstrained!)"
             lines.append((
                 "unconstrained" if b is None else f"{b:g}%",
                 "-" if b is None else f"{int(model['bf16_bytes'] * b / 100) / MIB:.0f}",
-                "unbounded" if b is None else ("-" if zb is None or zb <= 0 else f"{zb / MIB:.0f}"),
-                _fmt_tps(get("stock", "tg")), _fmt_tps(get("zipmoe", "tg")), _fmt_ratio(row["tg_ratio"]),
-                _fmt_tps(get("stock", "pp")), _fmt_tps(get("zipmoe", "pp")), _fmt_ratio(row["pp_ratio"]),
+                "unbounded" if b is None else ("-" if not zbs or min(zbs) <= 0 else
+                                               "/".join(f"{zb / MIB:.0f}" for zb in zbs)),
+                _fmt_tps(get("stock", "tg")), *((_fmt_tps(get("stock-nr", "tg")),) if nr else ()),
+                _fmt_tps(get("zipmoe", "tg")), rat("tg"),
+                _fmt_tps(get("stock", "pp")), *((_fmt_tps(get("stock-nr", "pp")),) if nr else ()),
+                _fmt_tps(get("zipmoe", "pp")), rat("pp"),
                 _wall(get("stock", "tg")), _wall(get("zipmoe", "tg")),
-                f"{max(peaks['stock']) / MIB:.0f}" if peaks["stock"] else "-",
-                f"{max(peaks['zipmoe']) / MIB:.0f}" if peaks["zipmoe"] else "-",
+                peak("stock"), *((peak("stock-nr"),) if nr else ()), peak("zipmoe"),
                 _per_token(get("stock", "tg")), _per_token(get("zipmoe", "tg")), match))
         widths = [max(len(x[i]) for x in [header, *lines]) for i in range(len(header))]
         for line in [header, *lines]:
             print("  ".join([f"{line[0]:<{widths[0]}}", *(f"{c:>{w}}" for c, w in zip(line[1:-1], widths[1:-1])),
                              line[-1]]))
-        print("tg, pp: tokens/s; ratio: zipmoe / stock; wall: seconds of the whole tg process (load, which for "
+        print("tg, pp: tokens/s; ratio: zipmoe / stock (stock OOM: zipmoe ran, no stock could; >Nx (t/o): no stock "
+              "finished within the timeout, N = timeout / zipmoe's whole run, a bound on whole-run time); zipmoe budget: "
+              "tg's/pp's where their overheads differ; wall: seconds of the whole tg process (load, which for "
               "zipmoe includes filling its cache, prompt and generation); peak: the cgroup's max usage (anonymous + "
               "page cache) over the tg and pp runs, MiB; disk/tok: MiB read from disk per generated token (load and prompt "
               "included); match: zipmoe's generated text against stock's at that limit and without a limit")
@@ -817,21 +1047,18 @@ def print_report(res: dict[str, Any]) -> None:
                          for test in res["tests"]]
                 same = {None: "-", True: "same text", False: "DIFFERENT TEXT"}[row.get("variant_match")]
                 print(f"  {'unconstrained' if b is None else f'{b:g}%':<13} {'; '.join(parts)}; {same}")
-        print("targets (zipmoe / stock, tg unless stated)"
+        nr_differs = [row["budget_pct"] for row in res["rows"][routing] if row.get("stock_nr_same_text") is False]
+        if nr_differs:
+            print("stock-nr generated other text than stock (--no-repack computes the repacked types with other "
+                  "kernels: other logits); match compares zipmoe with stock as it is")
+        print("targets (zipmoe / stock, tg unless stated"
+              + (", against the faster of stock and stock-nr" if nr else "") + ")"
               + (": set for this machine's own disk, not for throttled reads" if res.get("read_rate_bytes") else "")
               + ":")
-        for t in res["targets"][routing]:
-            verdict = {None: "not measured", True: "met", False: "NOT met"}[t["met"]]
-            at = "" if t["budget_pct"] is None else f" at {t['budget_pct']:g}%"
-            if t["target"].startswith("zipmoe keeps"):
-                value = "" if t["ratio"] is None else f": {t['ratio']:.0%}"
-                print(f"  {t['target']:<32} {verdict}{value}{at}")
-            elif t["target"].startswith("never slower"):
-                worst = "" if t["ratio"] is None else f" (lowest {t['ratio']:.2f}x{at if t['met'] is False else ''})"
-                print(f"  {t['target']:<32} {verdict}{worst}")
-            else:
-                value = "" if t["ratio"] is None else f": {t['ratio']:.2f}x"
-                print(f"  {t['target']:<32} {verdict}{value}{at}")
+        print_targets(res["targets"][routing])
+        if res.get("targets_stock"):
+            print("the same against stock as it is (llama.cpp's defaults, repacking: the logits zipmoe's must equal):")
+            print_targets(res["targets_stock"][routing])
     problems = [r for r in runs if r["status"] != "ok"]
     if problems:
         print()
@@ -848,6 +1075,27 @@ def print_report(res: dict[str, Any]) -> None:
             print(f"  [{n}] {text}")
 
 
+def print_targets(targets: list[dict[str, Any]]) -> None:
+    for t in targets:
+        verdict = {None: "not measured", True: "met", False: "NOT met"}[t["met"]]
+        at = "" if t["budget_pct"] is None else f" at {t['budget_pct']:g}%"
+        if t["target"].startswith("zipmoe keeps"):
+            value = "" if t["ratio"] is None else f": {t['ratio']:.0%}"
+            print(f"  {t['target']:<32} {verdict}{value}{at}")
+        elif t["target"].startswith("never slower"):
+            worst = "" if t["ratio"] is None else f" (lowest {t['ratio']:.2f}x{at if t['met'] is False else ''}" \
+                + (", where stock timed out: a bound" if t.get("bounded") else "") + ")"
+            print(f"  {t['target']:<32} {verdict}{worst}")
+        elif t.get("stock_oom"):
+            print(f"  {t['target']:<32} {verdict}: zipmoe ran, stock was OOM-killed{at}")
+        elif t.get("timeout_bound"):
+            print(f"  {t['target']:<32} {verdict}: > {t['ratio']:.2f}x{at} (stock did not finish within the "
+                  f"timeout: whole-run bound)")
+        else:
+            value = "" if t["ratio"] is None else f": {t['ratio']:.2f}x"
+            print(f"  {t['target']:<32} {verdict}{value}{at}")
+
+
 def plot(res: dict[str, Any], path: Path) -> bool:
     try:
         import matplotlib
@@ -862,18 +1110,18 @@ def plot(res: dict[str, Any], path: Path) -> bool:
     fig, axes = plt.subplots(1, len(tests), figsize=(6.5 * len(tests), 4.5), squeeze=False)
     for ax, test in zip(axes[0], tests):
         for i, routing in enumerate(res["models"]):
-            for engine, style in (("stock", "--"), ("zipmoe", "-")):
+            for engine, style in (("stock", "--"), ("stock-nr", "-."), ("zipmoe", "-")):
                 medians = [_find(res["runs"], routing, b, engine, test) for b in res["budgets_pct"]]
                 pts = sorted((r["budget_pct"], r["tps"]) for r in medians if r and r["status"] == "ok")
                 color = f"C{i}"
                 if pts:
-                    ax.plot(*zip(*pts), style, marker="s" if engine == "stock" else "o", color=color,
+                    ax.plot(*zip(*pts), style, marker="o" if engine == "zipmoe" else "s", color=color,
                             label=f"{engine}, {routing}")
                 free = _find(res["runs"], routing, None, engine, test)
                 if free and free["status"] == "ok":
-                    ax.axhline(free["tps"], linestyle=":", color=color, alpha=0.5 if engine == "stock" else 0.9,
+                    ax.axhline(free["tps"], linestyle=":", color=color, alpha=0.9 if engine == "zipmoe" else 0.5,
                                linewidth=1)
-        ax.set_xlabel("memory limit, % of the BF16 model file")
+        ax.set_xlabel(f"memory limit, % of the {res.get('type', 'BF16')} model file")
         ax.set_ylabel("tokens/s")
         ax.set_yscale("log")
         ax.set_title(f"{test}: {tg_program(res) if test == 'tg' else 'llama-bench pp' + str(res['pp_tokens'])}")
@@ -920,6 +1168,29 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _overhead(text: str) -> int | None:
+    """--overhead: a size, or auto (None: measured before the runs)."""
+    return None if text.strip().lower() == "auto" else _size(text)
+
+
+def _synth_pair(text: str) -> tuple[str, int]:
+    """--synth FIELD=N: one of make_synth.py's integer overrides."""
+    from pyzipmoe.synth import SynthConfig
+
+    key, eq, value = text.partition("=")
+    key = key.strip().replace("-", "_")
+    fields = {f for f, t in SynthConfig.__annotations__.items() if t in (int, "int")}
+    if not eq or key not in fields:
+        raise argparse.ArgumentTypeError(f"{text!r}: give FIELD=N with FIELD one of {', '.join(sorted(fields))}")
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: {value!r} is not an integer") from None
+    if n < 1 and key != "seed":
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
+    return key, n
+
+
 def _env_pair(text: str) -> tuple[str, str]:
     key, eq, value = text.partition("=")
     if not eq or not key:
@@ -935,9 +1206,10 @@ def write_result_file(args: argparse.Namespace, res: dict[str, Any], json_path: 
     synthetic = res.get("synthetic", True)
     weights = (f"{result_files.SYNTHETIC} (tools/dev/make_synth.py, preset {res.get('preset')})" if synthetic
                else "as in the JSON")
-    notes, day = None, None
+    notes, day = [*res.get("notes", []), *(n for n in args.note if n not in res.get("notes", []))], None
     if args.report:  # the numbers were taken when the JSON was last written
-        notes = [f"the tables of {json_path}, printed by --report"]
+        notes.append(f"the tables of {json_path}, printed by --report"
+                     + (f"; measured by `{res['command']}`" if res.get("command") else ""))
         day = datetime.date.fromtimestamp(args.report.stat().st_mtime)
     result_files.write(args, "budget", result_files.printed(print_report, res), weights=weights,
                        json_path=json_path, notes=notes, day=day, argv=result_files.script_argv(__file__, argv))
@@ -956,9 +1228,23 @@ def main(argv: list[str] | None = None) -> int:
                    metavar="R,R", help="uniform, skewed or both (default: both)")
     p.add_argument("--tests", type=_choices(("tg", "pp")), default=["tg", "pp"], metavar="T,T",
                    help="tg, pp or both (default: both)")
-    p.add_argument("--overhead", type=_size, default=256 * MIB, metavar="SIZE",
+    p.add_argument("--overhead", type=_overhead, default=256 * MIB, metavar="SIZE|auto",
                    help="what the process needs besides the model (KV cache, compute buffers, program, slack): "
-                        "zipmoe's budget is the limit minus this (default: 256MiB)")
+                        "zipmoe's budget is the limit minus this (default: 256MiB); auto: measured before "
+                        "the runs, zipmoe's peak resident set at its minimum budget less that budget (the larger of tg's and "
+                        "pp's), + 8 MiB")
+    p.add_argument("--synth", type=_synth_pair, action="append", default=[], metavar="FIELD=N",
+                   help="override a field of the preset (make_synth.py's, e.g. n_layer=16, n_vocab=4096; "
+                        "repeatable): a model whose experts outweigh the rest more, so that a 40%% limit leaves "
+                        "zipmoe its minimum; the models' names carry the overrides")
+    p.add_argument("--stock-no-repack", action="store_true",
+                   help="also run stock with llama.cpp's own --no-repack (llama-bench --repack 0), in the same "
+                        "alternation: stock repacks Q4_K/Q8_0 weights into anonymous CPU_REPACK buffers that a limit "
+                        "cannot page out, and without them its mmap can shrink. The ratios are against the faster "
+                        "stock that ran (needs --tg-threads: llama-simple has no such option)")
+    p.add_argument("--convert", action="store_true",
+                   help="with --type other than BF16: zipmoe runs `pyzipmoe convert` of that GGUF (e.g. F16's own "
+                        "lossless split), stock the GGUF; the targets are a converted model's (as BF16's)")
     p.add_argument("--zipmoe-env", type=_env_pair, action="append", default=[], metavar="KEY=VAL",
                    help="an environment variable for zipmoe runs, e.g. ZIPMOE_CACHE_POLICY=lru (repeatable)")
     p.add_argument("--variant-env", type=_env_pair, action="append", default=[], metavar="KEY=VAL",
@@ -992,7 +1278,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="BF16 (default): stock runs the BF16 GGUF, zipmoe its conversion; another type: both run "
                         "llama-quantize's copy of it, a plain GGUF, zipmoe without converting it (its experts served "
                         "as stored), limits in %% of that file")
-    p.add_argument("--codec", choices=("huff", "esc", "zstd"), default=None,
+    p.add_argument("--codec", choices=("auto", "huff", "esc", "zstd"), default=None,
                    help="the zipmoe model's exponent codec (default: esc where this CPU decodes it with SIMD, else "
                         "huff; the file is kept per codec)")
     p.add_argument("--cgroup-parent", metavar="PATH",
@@ -1003,10 +1289,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", type=Path, metavar="FILE.png", help="draw tokens/s against the limit (needs matplotlib)")
     p.add_argument("--report", type=Path, metavar="FILE",
                    help="run nothing: print the tables (and --plot) from a FILE written by --json")
+    p.add_argument("--note", action="append", default=[], metavar="TEXT",
+                   help="a line for the result file (repeatable), e.g. what else ran on the machine; kept in the JSON")
     result_files.add_arguments(p)
     args = p.parse_args(argv)
+    args.argv = argv
     if args.codec is None and not args.report:
-        args.codec = default_bench_codec()
+        # another type converted: the converter's own choice (zstd for F16, whose code bytes esc does not fit)
+        args.codec = "auto" if args.type != "BF16" else default_bench_codec()
+    if args.convert and args.type == "BF16":
+        p.error("--convert is for --type other than BF16 (a BF16 model is always converted)")
+    if args.stock_no_repack and not args.tg_threads and "tg" in args.tests:
+        p.error("--stock-no-repack needs --tg-threads N (llama-simple has no --no-repack)")
     if args.variant_lib and not args.variant_lib.is_dir():
         p.error(f"--variant-lib {args.variant_lib}: not a directory (give the one that holds the libraries)")
     if args.report:
