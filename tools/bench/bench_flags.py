@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.bf16_size is None:
             p.error("--model needs --bf16-size")
         model, bf16_size = args.model, args.bf16_size
-        weights = str(model)
+        weights = f"{results.SYNTHETIC}, {model}" if results.synthetic_gguf(model) else str(model)
     speeds: dict[str, dict[str, list[float]]] = {}
     variants = VARIANTS if args.spin else VARIANTS[:2]
     order = list(variants)
