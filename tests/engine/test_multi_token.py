@@ -83,16 +83,21 @@ def plain_tokens(zipmoe_model: Path, budget: int, tmp_path: Path, prompts: list[
         server.close()
 
 
+def complete_once(model: Path, budget: int, tmp_path: Path, *server_args: str) -> dict:
+    """PROMPT completed once by a llama-server started with server_args, stopped after."""
+    server = Server(model, budget, tmp_path, *server_args)
+    try:
+        return server.complete(PROMPT)
+    finally:
+        server.close()
+
+
 def test_ngram_speculation_gives_the_greedy_tokens_under_a_tiny_budget(zipmoe_model: Path, tiny_budget: int,
                                                                        tmp_path: Path):
     plain = plain_tokens(zipmoe_model, tiny_budget, tmp_path, [PROMPT])
-    server = Server(zipmoe_model, tiny_budget, tmp_path, "-np", "1", "--spec-type", "ngram-simple",
-                    "--spec-ngram-simple-size-n", "1", "--spec-ngram-simple-size-m", "4",
-                    "--spec-ngram-simple-min-hits", "1", "--spec-draft-n-min", "0", "--spec-draft-n-max", "8")
-    try:
-        body = server.complete(PROMPT)
-    finally:
-        server.close()
+    body = complete_once(zipmoe_model, tiny_budget, tmp_path, "-np", "1", "--spec-type", "ngram-simple",
+                         "--spec-ngram-simple-size-n", "1", "--spec-ngram-simple-size-m", "4",
+                         "--spec-ngram-simple-min-hits", "1", "--spec-draft-n-min", "0", "--spec-draft-n-max", "8")
     assert plain[0] and body["content"] == plain[0]
     timings = body.get("timings", {})
     assert timings.get("draft_n", 0) > 0, timings  # steps did verify drafted tokens
@@ -120,13 +125,9 @@ def test_draft_model_speculation_gives_the_greedy_tokens_under_a_tiny_budget(zip
         from pyzipmoe.runtime.budget import model_memory
 
         tiny_budget += model_memory(draft_model).minimum  # (one budget for both models' experts)
-    server = Server(zipmoe_model, tiny_budget, tmp_path, "-np", "1", "--spec-type", "draft-simple",
-                    "-md", str(draft_model), "--spec-draft-n-max", "4", "--spec-draft-n-min", "0",
-                    "--spec-draft-p-min", "0")
-    try:
-        body = server.complete(PROMPT)
-    finally:
-        server.close()
+    body = complete_once(zipmoe_model, tiny_budget, tmp_path, "-np", "1", "--spec-type", "draft-simple",
+                         "-md", str(draft_model), "--spec-draft-n-max", "4", "--spec-draft-n-min", "0",
+                         "--spec-draft-p-min", "0")
     assert plain[0] and body["content"] == plain[0]
     timings = body.get("timings", {})
     assert timings.get("draft_n", 0) > 0, timings
