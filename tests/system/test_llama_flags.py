@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -121,13 +122,21 @@ def answer(stdout: str) -> str:
     return after[1].split("[ Prompt:", 1)[0]
 
 
+def flag_and_variable(run: Callable[..., subprocess.CompletedProcess[str]], lib_dir: Path, model: Path,
+                      flags: list[str], **variables: str) -> tuple[subprocess.CompletedProcess[str], ...]:
+    """`run` (a program of lib_dir on model) once with `flags`, once with the same settings as `variables`; both
+    must succeed."""
+    by_flag = run(lib_dir, model, flags, clean_env(lib_dir))
+    by_var = run(lib_dir, model, [], clean_env(lib_dir, **variables))
+    assert by_flag.returncode == 0 and by_var.returncode == 0, by_flag.stderr[-2000:]
+    return by_flag, by_var
+
+
 def test_cli_flag_and_variable_agree(llama_lib_dir: Path, zipmoe_model: Path) -> None:
     budget = budget_for(zipmoe_model)
-    by_flag = cli(llama_lib_dir, zipmoe_model, ["--memory-budget", budget, "--cache-policy", "lru"],
-                  clean_env(llama_lib_dir))
-    by_var = cli(llama_lib_dir, zipmoe_model, [],
-                 clean_env(llama_lib_dir, ZIPMOE_MEMORY_BUDGET=budget, ZIPMOE_CACHE_POLICY="lru"))
-    assert by_flag.returncode == 0 and by_var.returncode == 0, by_flag.stderr[-2000:]
+    by_flag, by_var = flag_and_variable(cli, llama_lib_dir, zipmoe_model, ["--memory-budget", budget,
+                                                                           "--cache-policy", "lru"],
+                                        ZIPMOE_MEMORY_BUDGET=budget, ZIPMOE_CACHE_POLICY="lru")
     assert answer(by_flag.stdout) == answer(by_var.stdout) and answer(by_flag.stdout).strip()
     refused = cli(llama_lib_dir, zipmoe_model, ["--memory-budget", "100KiB"], clean_env(llama_lib_dir))
     need = model_memory(zipmoe_model)
@@ -147,11 +156,9 @@ def test_bench_flag_and_variable_agree(llama_lib_dir: Path, zipmoe_model: Path) 
     """llama-bench has its own parser: the flag reaches the runtime as the variable does (its load note), a
     refused value is refused the same way, and a missing value is a usage error."""
     budget = budget_for(zipmoe_model)
-    by_flag = bench(llama_lib_dir, zipmoe_model, ["--memory-budget", budget, "--hot-share", "0.5"],
-                    clean_env(llama_lib_dir))
-    by_var = bench(llama_lib_dir, zipmoe_model, [],
-                   clean_env(llama_lib_dir, ZIPMOE_MEMORY_BUDGET=budget, ZIPMOE_HOT_SHARE="0.5"))
-    assert by_flag.returncode == 0 and by_var.returncode == 0, by_flag.stderr[-2000:]
+    by_flag, by_var = flag_and_variable(bench, llama_lib_dir, zipmoe_model, ["--memory-budget", budget,
+                                                                             "--hot-share", "0.5"],
+                                        ZIPMOE_MEMORY_BUDGET=budget, ZIPMOE_HOT_SHARE="0.5")
     assert zipmoe_lines(by_flag.stderr) == zipmoe_lines(by_var.stderr) and zipmoe_lines(by_flag.stderr)
     refused = bench(llama_lib_dir, zipmoe_model, ["--cache-policy", "nope"], clean_env(llama_lib_dir))
     assert refused.returncode != 0 and "ZIPMOE_CACHE_POLICY=nope is not a policy" in refused.stderr
