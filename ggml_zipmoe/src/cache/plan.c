@@ -418,7 +418,7 @@ void cache_schedule_reads(zipmoe_store * s) {
         it->staged = 1;
     }
     s->job.fd      = s->fd;
-    s->job.dfd     = s->dfd;
+    s->job.dfd     = cache_direct_fd(s);
     s->job.base    = s->data_offset;
     s->job.n_items = s->plan_n; /* (with nothing to read: only the read-ahead for the next store) */
     if (zipmoe_reader_submit(&s->job) != ZIPMOE_OK) {

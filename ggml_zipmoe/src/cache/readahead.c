@@ -218,7 +218,7 @@ static void read_ahead(zipmoe_store * s, const zipmoe_store * like, int predicte
         if (used + taken > need) {
             break; /* the buffer is full */
         }
-        const int    rc   = zipmoe_pread_uncached(s->fd, s->dfd, s->data_offset + span.offset + from,
+        const int    rc   = zipmoe_pread_uncached(s->fd, cache_direct_fd(s), s->data_offset + span.offset + from,
                                                   b->data + used + pad, size);
         if (rc == ZIPMOE_OK) { /* else s reads it for itself, and reports what fails */
             s->pf_at[e]   = (int64_t) (used + pad);
