@@ -178,3 +178,18 @@ def test_options_that_cannot_work_are_refused(argv: list[str], words: str, capsy
     with pytest.raises(SystemExit) as e:
         bench.main(["--no-results", *argv])
     assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_stock_runs_on_a_stock_build_only_where_one_has_every_program(tmp_path, capsys):
+    for name in ("llama-simple", "llama-bench"):
+        (tmp_path / name).write_text("#!/bin/sh\n")
+        (tmp_path / name).chmod(0o755)
+    assert bench.stock_programs(tmp_path) is None  # no llama-completion: not a whole build
+    assert bench.stock_programs(None) is None
+    (tmp_path / "llama-completion").write_text("#!/bin/sh\n")
+    (tmp_path / "llama-completion").chmod(0o755)
+    assert bench.stock_programs(tmp_path) == tmp_path.resolve()
+    runs = [run(None, "stock", "tg", tps=10.0), run(None, "zipmoe", "tg", tps=10.0)]
+    for build, says in (("stock", "without zipmoe's patches"), ("same", "same build")):
+        bench.print_report(report(runs, [], engines=["stock", "zipmoe"], stock_build=build))
+        assert says in capsys.readouterr().out.splitlines()[0]

@@ -22,6 +22,11 @@ without a limit, for a model with uniform and one with skewed routing, and measu
       under a limit that thrashes a little vary by up to 1.7x within one process: one pass a run measured that
       spread, not the engines.
 
+Stock is llama.cpp built from the same sdist without zipmoe's patches (--stock-bin, default build/llama-stock/bin
+from tools/dev/build_stock.sh), its programs loading its own libraries; zipmoe runs this build's. Without a stock
+build, stock runs on zipmoe's build with no budget (the tests show it gives stock's logits, and bench_stock its
+speed), and the report says which it was.
+
 and, for every run, the cgroup's peak usage (memory.max_usage_in_bytes: anonymous memory and page cache
 charged to it) and the bytes read from disk (the child's rusage ru_inblock x 512), shown per generated token.
 Every run starts cold: `sync; echo 1 > /proc/sys/vm/drop_caches` before it, in a fresh cgroup, so the file
@@ -616,6 +621,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     completion = runner.program("llama-completion") if args.tg_threads else None
     base = {k: v for k, v in os.environ.items() if k not in RUNTIME_ENV}
     stock_env = runner.environment(base=base)
+    stock_bin = stock_programs(args.stock_bin)
+    if stock_bin:  # stock's own libraries first: its programs load stock's libllama and ggml, not zipmoe's
+        stock_env["LD_LIBRARY_PATH"] = os.pathsep.join([str(stock_bin), stock_env.get("LD_LIBRARY_PATH", "")])
+    else:
+        say(f"warning: no stock build in {args.stock_bin} (tools/dev/build_stock.sh): stock runs on zipmoe's build "
+            "without a budget, which the tests show gives stock's logits and speed")
     zipmoe_extra = dict(args.zipmoe_env)
     variant = bool(args.variant_env or args.variant_lib)
     variant_extra = dict(zipmoe_extra, **dict(args.variant_env))
@@ -653,10 +664,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"limit here ({largest / MIB:.0f} MiB): those runs are limited by it")
 
     def argv_of(engine: str, test: str, model: str) -> list[str]:
+        def program(path: Path) -> Path:
+            return stock_bin / path.name if stock_bin and engine.startswith("stock") else path
+
         if test == "tg":
-            argv = tg_argv(completion or simple, model, args.gen, args.prompt, args.tg_threads)
+            argv = tg_argv(program(completion or simple), model, args.gen, args.prompt, args.tg_threads)
             return argv + (["--no-repack"] if engine == "stock-nr" else [])
-        return pp_argv(bench, model, args.pp, args.pp_reps, args.threads, repack=engine != "stock-nr")
+        return pp_argv(program(bench), model, args.pp, args.pp_reps, args.threads, repack=engine != "stock-nr")
 
     throttle = ReadThrottle(args.read_rate, Path(next(iter(models.values()))["bf16"])) if args.read_rate else None
     runs: list[dict[str, Any]] = []
@@ -671,7 +685,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "engines": list(dict.fromkeys(engines)),
            "variant": {"env": dict(args.variant_env), "lib": str(args.variant_lib or "")} if variant else None,
            "cgroup_parent": str(parent), "swap_bytes": swap_total(), "cpus": os.cpu_count(),
-           "bin_dir": str(runner.bin_dir()), "runs": runs}
+           "bin_dir": str(runner.bin_dir()), "stock_bin_dir": str(stock_bin or runner.bin_dir()),
+           "stock_build": "stock" if stock_bin else "same", "runs": runs}
     if args.overhead is None:  # --overhead auto: on the first routing's model (the same shape for all)
         m = next(iter(models.values()))
         res["overhead_measured"] = {}
@@ -924,21 +939,36 @@ def tg_program(res: dict[str, Any]) -> str:
     return f"llama-completion -t {threads}" if threads else "llama-simple (4 threads, llama.cpp's default)"
 
 
+def stock_programs(directory: Path | None) -> Path | None:
+    """directory if it holds a stock llama.cpp build's programs (tools/dev/build_stock.sh), else None."""
+    names = ("llama-simple", "llama-bench", "llama-completion")
+    if directory and all(os.access(directory / n, os.X_OK) for n in names):
+        return directory.resolve()
+    return None
+
+
+def builds(res: dict[str, Any]) -> str:
+    """Which llama.cpp each side ran, for the report's first line."""
+    if res.get("stock_build") == "stock":
+        return "stock: llama.cpp built from the same sdist without zipmoe's patches"
+    return "same build (stock: zipmoe's without a budget)"
+
+
 def print_report(res: dict[str, Any]) -> None:
     runs = res["runs"]
     qtype = res.get("type", "BF16")
     nr = "stock-nr" in (res.get("engines") or ())
     if qtype != "BF16" and converted(res):
         print(f"SYNTHETIC models (random weights, preset {res['preset']}, {qtype} by llama-quantize): stock llama.cpp "
-              f"({qtype} GGUF, mmap) vs zipmoe (that GGUF converted, codec {res.get('codec', 'auto')}), same build, "
+              f"({qtype} GGUF, mmap) vs zipmoe (that GGUF converted, codec {res.get('codec', 'auto')}), {builds(res)}, "
               f"same cgroup v1 memory limit, cold page cache; limits are % of the {qtype} file")
     elif qtype != "BF16":
         print(f"SYNTHETIC models (random weights, preset {res['preset']}, quantized by llama-quantize): stock llama.cpp "
               f"vs zipmoe on the same plain {qtype} GGUF (no conversion: its experts served as stored under the "
-              f"budget), same build, same cgroup v1 memory limit, cold page cache; limits are % of the {qtype} file")
+              f"budget), {builds(res)}, same cgroup v1 memory limit, cold page cache; limits are % of the {qtype} file")
     else:
         print(f"SYNTHETIC models (random weights, preset {res['preset']}): stock llama.cpp (BF16 GGUF, mmap) vs zipmoe "
-              f"(converted GGUF, codec {res.get('codec', 'huff')}), same build, same cgroup v1 memory limit, cold page "
+              f"(converted GGUF, codec {res.get('codec', 'huff')}), {builds(res)}, same cgroup v1 memory limit, cold page "
               f"cache")
     print(f"tg: {tg_program(res)} -n {res['gen_tokens']} {res['prompt']!r}; "
           f"pp: llama-bench -p {res['pp_tokens']} -n 0 -r {res.get('pp_reps', 1)} -t {res['threads_llama_bench']} "
@@ -1237,6 +1267,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="override a field of the preset (make_synth.py's, e.g. n_layer=16, n_vocab=4096; "
                         "repeatable): a model whose experts outweigh the rest more, so that a 40%% limit leaves "
                         "zipmoe its minimum; the models' names carry the overrides")
+    p.add_argument("--stock-bin", type=Path, default=REPO / "build" / "llama-stock" / "bin", metavar="DIR",
+                   help="stock llama.cpp's programs: the same sdist built without zipmoe's patches (default "
+                        "build/llama-stock/bin, made by tools/dev/build_stock.sh); where it has none, stock runs on "
+                        "zipmoe's build without a budget")
     p.add_argument("--stock-no-repack", action="store_true",
                    help="also run stock with llama.cpp's own --no-repack (llama-bench --repack 0), in the same "
                         "alternation: stock repacks Q4_K/Q8_0 weights into anonymous CPU_REPACK buffers that a limit "
