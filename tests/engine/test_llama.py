@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -920,6 +921,25 @@ def test_stock_build_refuses_zipmoe_gguf(stock: Path, zipmoe_model: Path, tmp_pa
     reports, _ = run_worker(zipmoe_model, stock, [{"config": CONFIGS[0]}], tmp_path / "s.npz")
     err = reports[0]["load_error"]
     assert err["type"] == "UnsupportedError" and "not built with zipmoe" in err["message"], err
+
+
+GRAPH_LINES = re.compile(r"(graph\w*: nodes = .*|\w+ (?:model|compute) buffer size = .*)")
+
+
+@pytest.mark.parametrize("qtype", ["BF16", "Q4_K_M"])
+def test_plain_gguf_without_a_budget_builds_stock_s_graph(ours: Path, stock: Path, qtype: str,
+                                                          typed_models: dict[str, Path]) -> None:
+    """Without a budget a plain GGUF takes none of zipmoe's paths: llama.cpp reports the same graph (nodes,
+    splits) and the same buffers (the model's, CPU_REPACK's, the compute buffers) in both builds."""
+    def shape(bin_dir: Path) -> list[str]:
+        env = worker_env(bin_dir)
+        env.pop("ZIPMOE_MEMORY_BUDGET", None)
+        done = _run([_program(bin_dir, "llama-simple"), "-m", typed_models[qtype], "-n", "2", PROMPT], env)
+        return [m.group(1).strip() for m in GRAPH_LINES.finditer(done.stderr)]
+
+    got = shape(ours)
+    assert any("nodes = " in line for line in got), got
+    assert got == shape(stock)
 
 
 # --------------------------------------------------------------------------------- llama.cpp programs
