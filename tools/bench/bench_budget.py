@@ -620,7 +620,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     simple, bench = runner.program("llama-simple"), runner.program("llama-bench")
     completion = runner.program("llama-completion") if args.tg_threads else None
     base = {k: v for k, v in os.environ.items() if k not in RUNTIME_ENV}
-    stock_env = runner.environment(base=base)
+    zipmoe_base = runner.environment(base=base)  # zipmoe's libraries first
+    stock_env = dict(zipmoe_base)
     stock_bin = stock_programs(args.stock_bin)
     if stock_bin:  # stock's own libraries first: its programs load stock's libllama and ggml, not zipmoe's
         stock_env["LD_LIBRARY_PATH"] = os.pathsep.join([str(stock_bin), stock_env.get("LD_LIBRARY_PATH", "")])
@@ -692,7 +693,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["overhead_measured"] = {}
         for test in ("tg", "pp"):  # both, whatever --tests: the overhead is their largest (overhead_of)
             say(f"measuring zipmoe's overhead with {test}'s program (at its minimum budget, no limit) ...")
-            got = measure_overhead(argv_of("zipmoe", test, m["zipmoe"]), {**stock_env, **zipmoe_extra}, parent,
+            got = measure_overhead(argv_of("zipmoe", test, m["zipmoe"]), {**zipmoe_base, **zipmoe_extra}, parent,
                                    args.timeout, logdir / f"{run_tag}-overhead-{test}")
             res["overhead_measured"][test] = got
             say(f"  minimum budget {got['min_budget_bytes'] / MIB:.0f} MiB; resident {got['maxrss_bytes'] / MIB:.0f} "
@@ -724,7 +725,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 label = "unconstrained" if budget is None else f"{budget:g}%"
                 rec: dict[str, Any] = {"routing": routing, "budget_pct": budget, "engine": engine, "test": test,
                                        "rep": rep}
-                env = dict(stock_env)
+                env = dict(stock_env if engine.startswith("stock") else zipmoe_base)
                 if not engine.startswith("stock"):
                     env.update(variant_extra if engine == "variant" else zipmoe_extra)
                     if limit is not None:
