@@ -1,6 +1,7 @@
 """Multi-token steps under a tiny budget: llama-server's n-gram speculation and draft-model speculation (a step
 verifies several drafted tokens) and parallel slots (-np 4: a step serves four requests) give the same greedy tokens
-as plain one-token generation, every tier evicting and reading again."""
+as plain one-token generation, every tier evicting and reading again; --spec-backoff (patches/0011) drafts less
+after rejected drafts and changes nothing else."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ TIMEOUT = 600
 PROMPT = "one two three four five, one two three four five. " + "abcdefghijklmnopqrstuvwxyz0123456789!?%&/ " * 4
 PROMPTS = [PROMPT, "the expert said hello to the world", "water and time and water and time and", "hello hello"]
 N_PREDICT = 24
+# a 1-token n-gram lookup: it drafts wherever a token recurs, and the tiny random model rejects most of it
+NGRAM1 = ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "1", "--spec-ngram-simple-size-m", "8",
+          "--spec-ngram-simple-min-hits", "1", "--spec-draft-n-min", "0", "--spec-draft-n-max", "8")
 
 
 def _free_port() -> int:
@@ -28,15 +32,17 @@ def _free_port() -> int:
 
 
 class Server:
-    """llama-server on 127.0.0.1 with a zipmoe model under `budget`; killed on close."""
+    """llama-server on 127.0.0.1 with a zipmoe model under `budget` (None: none), `env` added to its environment;
+    killed on close."""
 
-    def __init__(self, model: Path, budget: int, tmp_path: Path, *args: str):
+    def __init__(self, model: Path, budget: int | None, tmp_path: Path, *args: str, env: dict[str, str] | None = None):
         program = llama_bin_dir() / "llama-server"
         if not program.is_file():
             unavailable(f"{program} was not built")
         port = _free_port()
         self.log = tmp_path / f"server-{port}.log"
-        env = {**worker_env(llama_bin_dir()), "ZIPMOE_MEMORY_BUDGET": str(budget)}
+        env = {**worker_env(llama_bin_dir()), **({"ZIPMOE_MEMORY_BUDGET": str(budget)} if budget else {}),
+               **(env or {})}
         with open(self.log, "wb") as err:
             self.proc = subprocess.Popen([str(program), "-m", str(model), "--port", str(port), "-t", "2", "-c", "1024",
                                           *args], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -83,9 +89,10 @@ def plain_tokens(zipmoe_model: Path, budget: int, tmp_path: Path, prompts: list[
         server.close()
 
 
-def complete_once(model: Path, budget: int, tmp_path: Path, *server_args: str) -> dict:
-    """PROMPT completed once by a llama-server started with server_args, stopped after."""
-    server = Server(model, budget, tmp_path, *server_args)
+def complete_once(model: Path, budget: int | None, tmp_path: Path, *server_args: str,
+                  env: dict[str, str] | None = None) -> dict:
+    """PROMPT completed once by a llama-server started with server_args (and env), stopped after."""
+    server = Server(model, budget, tmp_path, *server_args, env=env)
     try:
         return server.complete(PROMPT)
     finally:
@@ -145,3 +152,44 @@ def test_four_parallel_slots_give_each_request_its_greedy_tokens_under_a_tiny_bu
     finally:
         server.close()
     assert all(plain) and got == plain
+
+
+def drafted(body: dict) -> tuple[str, int, int]:
+    """A completion's text, its drafted tokens and how many of them were accepted."""
+    timings = body.get("timings", {})
+    return body["content"], timings.get("draft_n", 0), timings.get("draft_n_accepted", 0)
+
+
+def test_spec_backoff_drafts_less_and_gives_the_tokens_of_the_bf16_source(tiny_model: Path, zipmoe_model: Path,
+                                                                           tiny_budget: int, tmp_path: Path):
+    """With the 1-token lookup most drafts are rejected: --spec-backoff 16 verifies fewer drafted tokens, yet still
+    some, and gives the greedy text; the zipmoe GGUF under a tiny budget gives the patched build's text and drafts
+    on the BF16 source (no budget) with the same flags, and the flag's LLAMA_ARG_SPEC_BACKOFF twin does as the
+    flag does."""
+    plain = plain_tokens(zipmoe_model, tiny_budget, tmp_path, [PROMPT])[0]
+    always = drafted(complete_once(zipmoe_model, tiny_budget, tmp_path, "-np", "1", *NGRAM1))
+    backoff = drafted(complete_once(zipmoe_model, tiny_budget, tmp_path, "-np", "1", *NGRAM1, "--spec-backoff", "16"))
+    source = drafted(complete_once(tiny_model, None, tmp_path, "-np", "1", *NGRAM1, "--spec-backoff", "16"))
+    twin = drafted(complete_once(zipmoe_model, tiny_budget, tmp_path, "-np", "1", *NGRAM1,
+                                 env={"LLAMA_ARG_SPEC_BACKOFF": "16"}))
+    assert plain and always[0] == plain and backoff[0] == plain
+    assert always[1] > always[2], always  # rejected drafts, which the backoff acts on
+    assert 0 < backoff[1] < always[1], (backoff, always)
+    assert source == backoff and twin == backoff
+
+
+def test_spec_backoff_0_is_off_and_the_flag_is_in_the_help(zipmoe_model: Path, tiny_budget: int, tmp_path: Path):
+    """--spec-backoff 0 drafts and verifies as without the flag; the flag and its twin are in llama-server --help,
+    and a negative value is refused."""
+    always = drafted(complete_once(zipmoe_model, tiny_budget, tmp_path, "-np", "1", *NGRAM1))
+    off = drafted(complete_once(zipmoe_model, tiny_budget, tmp_path, "-np", "1", *NGRAM1, "--spec-backoff", "0"))
+    assert off == always and always[1] > 0
+    program = str(llama_bin_dir() / "llama-server")
+    env = worker_env(llama_bin_dir())
+    shown = subprocess.run([program, "--help"], env=env, capture_output=True, text=True, errors="replace",
+                           timeout=TIMEOUT, stdin=subprocess.DEVNULL, check=False)
+    assert shown.returncode == 0, stderr_tail(shown.stderr)
+    assert "--spec-backoff N" in shown.stdout and "LLAMA_ARG_SPEC_BACKOFF" in shown.stdout
+    refused = subprocess.run([program, "-m", str(zipmoe_model), "--spec-backoff", "-1"], env=env, capture_output=True,
+                             text=True, errors="replace", timeout=TIMEOUT, stdin=subprocess.DEVNULL, check=False)
+    assert refused.returncode != 0 and "--spec-backoff" in refused.stderr, stderr_tail(refused.stderr)
