@@ -22,7 +22,7 @@ def req(content: str, tps: float, n: int = 48, draft: tuple[int, int] = (0, 0)) 
 
 def report() -> dict:
     stock = {"single": {"repetitive": "r", "ordinary": "o"}, "ngram": {"repetitive": "r", "ordinary": "o"},
-             "ngram1": {"repetitive": "r", "ordinary": "o-batched"}}
+             "ngram1": {"repetitive": "r", "ordinary": "o-batched"}, "ngram1b": {"repetitive": "r", "ordinary": "o"}}
     runs = [
         {"config": "single", "status": "ok", "rep": 0, "budget_pct": 40, "limit_bytes": 1 << 30,
          "repetitive": req("r", 4.0), "ordinary": req("o", 5.0)},
@@ -30,6 +30,8 @@ def report() -> dict:
          "repetitive": req("r", 6.0, draft=(16, 12)), "ordinary": req("o", 4.5)},
         {"config": "ngram1", "status": "ok", "rep": 0, "budget_pct": 40, "limit_bytes": 1 << 30,
          "repetitive": req("r", 2.0, draft=(20, 1)), "ordinary": req("o", 2.5, draft=(20, 0))},
+        {"config": "ngram1b", "status": "ok", "rep": 0, "budget_pct": 40, "limit_bytes": 1 << 30,
+         "repetitive": req("r", 3.9, draft=(6, 1)), "ordinary": req("o", 4.9, draft=(5, 0))},
         {"config": "np4", "status": "ok", "rep": 0, "budget_pct": 40, "limit_bytes": 1 << 30,
          "one": req("o", 5.0), "aggregate_tps": 12.5},
     ]
@@ -44,6 +46,7 @@ def test_ratios_against_single_and_texts_against_stock_in_the_same_configuration
     assert row["ngram:repetitive_match"] and row["ngram:ordinary_match"]
     # stock's own batched text differs from its single-token text; zipmoe gave the single-token text: DIFF
     assert not row["ngram1:ordinary_match"] and row["ngram1:repetitive_match"]
+    assert row["ngram1b:ordinary"] == pytest.approx(0.98) and row["ngram1b:ordinary_accepted"] == "0/5"
     assert row["np4"] == pytest.approx(2.5) and row["np4_match"]
 
 
@@ -56,6 +59,7 @@ def test_report_says_the_targets_and_writes_a_dated_file(tmp_path: Path, capsys:
     printed = capsys.readouterr().out
     assert "ngram/single repetitive at 40% >= 1.3: median 1.50x met" in printed
     assert "ngram/single ordinary >= 0.95: lowest 0.90x NOT met" in printed
+    assert "ngram1b/single ordinary (ngram1, --spec-backoff 16) >= 0.95: lowest 0.98x met" in printed
     assert "np4/np1 aggregate at 40% >= 2.0: median 2.50x met" in printed
     assert "ordinary text with ngram1 is NOT its single-token text" in printed
     (out,) = (tmp_path / "out").iterdir()

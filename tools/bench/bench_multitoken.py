@@ -11,7 +11,9 @@ is shared and its speed drifts:
           (predicted_per_second: the generation steps, not the prompt).
   ngram   `llama-server -np 1 --spec-type ngram-simple ...` (SPECS: ngram, llama.cpp's 12-token lookup, and
   ngram1  ngram1, a 1-token lookup): the same requests, each step verifying the tokens an n-gram of the context
-          drafts, or one token when it drafts none (the backoff).
+          drafts, or one token when it drafts none.
+  ngram1b ngram1 with `--spec-backoff 16` (patches/0011): after steps that kept none of their drafted tokens the
+          server skips the lookup's next 1, 2, 4, ... up to 16 drafts; a kept draft token ends that.
   synth   `llama-server -np 1` with llama.cpp's synthetic acceptance (--spec-synth-len 3, benchmarking only): a
           1-token lookup drafts up to 4 tokens and a seeded coin accepts them, 3 tokens a step on average, whatever
           the model says. The steps are real verification steps of accepted drafts, as repetitive text gives them;
@@ -32,14 +34,14 @@ Before the measured requests each server answers one short untimed request (its 
 warms). Ratios: ngram / single on each prompt, np4's four / its one.
 
 Targets (issue 36): speculation on repetitive text >= 1.3x single-token tg at 40 %, never below 0.95x on ordinary
-text; -np 4 aggregate tg at 40 % >= 2x a single slot.
+text (ngram1b: rejected drafts backed off); -np 4 aggregate tg at 40 % >= 2x a single slot.
 
 The weights are SYNTHETIC (tools/dev/make_synth.py --preset PRESET, converted with `pyzipmoe convert`): random
 weights generate text that does not repeat its prompt as a real model's does (its continuation of a passage
 given twice is no copy of it): ngram's 12-token lookup finds nothing to draft, and ngram1 drafts wherever a token
-recurs and is mostly rejected, which measures what rejected drafts cost under a budget (the backoff side), not
-what a real model's repetitive text would gain: synth stands in for that. np4's ratio is what steps of four
-accepted tokens are worth.
+recurs and is mostly rejected, which measures what rejected drafts cost under a budget (ngram1) and what the
+backoff saves of it (ngram1b), not what a real model's repetitive text would gain: synth stands in for that.
+np4's ratio is what steps of four accepted tokens are worth.
 Needs root (cgroups, drop_caches),
 as tools/bench/bench_budget.py, whose helpers it uses.
 
@@ -74,10 +76,14 @@ REPO = bb.REPO
 DEFAULT_WORKDIR = REPO / "build" / "bench-multitoken"
 # llama.cpp's n-gram lookup (12 tokens: it drafts on text that repeats) and a 1-token lookup (it drafts wherever a
 # token recurs, mostly wrong on ordinary text: what rejected drafts cost under a budget)
+NGRAM1 = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "1", "--spec-ngram-simple-size-m", "8",
+          "--spec-ngram-simple-min-hits", "1", "--spec-draft-n-min", "0", "--spec-draft-n-max", "8"]
 SPECS = {
     "ngram": ["--spec-type", "ngram-simple", "--spec-draft-n-max", "8"],
-    "ngram1": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "1", "--spec-ngram-simple-size-m", "8",
-               "--spec-ngram-simple-min-hits", "1", "--spec-draft-n-min", "0", "--spec-draft-n-max", "8"],
+    "ngram1": NGRAM1,
+    # ngram1 backing off after rejected drafts (patches/0011: it skips up to 16 drafts), so that a lookup that keeps
+    # missing costs few multi-token steps
+    "ngram1b": [*NGRAM1, "--spec-backoff", "16"],
     # llama.cpp's synthetic acceptance (benchmarking only): a 1-token lookup drafts up to 4 tokens and a seeded coin
     # accepts them, 3 tokens a step on average, whatever the model says: the steps a repetitive text's accepted drafts
     # make, which this SYNTHETIC model's own text never gives; its text is not the model's greedy text
@@ -109,6 +115,7 @@ TARGETS = (("ngram/single repetitive at 40%", 40, "ngram:repetitive", 1.3),
             "dsynth:repetitive", 1.3),
            ("ngram/single ordinary", None, "ngram:ordinary", 0.95),
            ("ngram1/single ordinary (drafts wherever a token recurs, no backoff)", None, "ngram1:ordinary", 0.95),
+           ("ngram1b/single ordinary (ngram1, --spec-backoff 16)", None, "ngram1b:ordinary", 0.95),
            ("np4/np1 aggregate at 40%", 40, "np4", 2.0))
 
 
@@ -330,7 +337,7 @@ def print_report(res: dict[str, Any]) -> None:
             print(f"  stock's own {name} text with {spec} is NOT its single-token text (llama.cpp's batched kernels "
                   f"round differently{synthetic})")
     tables = {v: ratios(res, v) for v in variants(res)}
-    print(f"{'build':>6} {'budget':>6} {'rep':>3} {'spec':>6} | {'repetitive t/s single->spec':>28} {'x':>5} "
+    print(f"{'build':>6} {'budget':>6} {'rep':>3} {'spec':>7} | {'repetitive t/s single->spec':>28} {'x':>5} "
           f"{'acc/draft':>9} {'text':>5} | {'ordinary t/s single->spec':>26} {'x':>5} {'acc/draft':>9} {'text':>5}")
     for variant, rows in tables.items():
         for row, spec in [(row, spec) for row in rows for spec in res["specs"]]:
@@ -342,7 +349,7 @@ def print_report(res: dict[str, Any]) -> None:
                                  f"{'MATCH' if row[key + '_match'] else 'DIFF':>5}")
                 else:
                     cells.append(f"{'-':>28} {'-':>5} {'-':>9} {'-':>5}")
-            print(f"{variant:>6} {row['budget_pct']:>5g}% {row['rep']:>3} {spec:>6} | " + " | ".join(cells))
+            print(f"{variant:>6} {row['budget_pct']:>5g}% {row['rep']:>3} {spec:>7} | " + " | ".join(cells))
     print(f"{'build':>6} {'budget':>6} {'rep':>3} | {'np4 t/s one -> four':>20} {'x':>5} {'text':>5}")
     for variant, rows in tables.items():
         for row in rows:
