@@ -24,6 +24,12 @@ def bin_dir() -> Path:
     return build_dir() / "bin"
 
 
+def stock_bin_dir() -> Path:
+    """Stock llama.cpp's programs and libraries, for comparisons: the same sdist built without zipmoe's patches
+    (tools/dev/build_stock.sh); ``$ZIPMOE_STOCK_LLAMA_BIN``, else ``llama-stock/bin`` of the build directory."""
+    return Path(os.environ.get("ZIPMOE_STOCK_LLAMA_BIN", build_dir() / "llama-stock" / "bin"))
+
+
 def llama_lib_dir() -> Path | None:
     """The directory holding zipmoe's libllama.so (and its llama.cpp programs), or None if it was not built."""
     d = bin_dir()

@@ -37,6 +37,7 @@ from helpers import assert_bit_identical, http_json, llama_bin_dir, stderr_tail,
 
 import pyzipmoe
 from pyzipmoe.file.reader import open_zipmoe
+from pyzipmoe.paths import stock_bin_dir
 
 ARCHS = ("qwen3moe", "olmoe")
 PROMPT = ("the expert model said hello to the world of water and time, and then the people of the world "
@@ -70,9 +71,7 @@ def _program(bin_dir: Path, name: str) -> Path:
 def stock() -> Path:
     """Stock llama.cpp: the same sdist built without zipmoe's patches (tools/dev/build_stock.sh, which .ci/run
     runs), for comparisons; skipped when absent."""
-    import pyzipmoe
-
-    stock_bin = Path(os.environ.get("ZIPMOE_STOCK_LLAMA_BIN", pyzipmoe.build_dir() / "llama-stock" / "bin"))
+    stock_bin = stock_bin_dir()
     if not (stock_bin / "libllama.so").is_file():
         pytest.skip(f"no stock llama.cpp build at {stock_bin} to compare with (`bash tools/dev/build_stock.sh` "
                     "builds it; or set ZIPMOE_STOCK_LLAMA_BIN)")

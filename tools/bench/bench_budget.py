@@ -124,6 +124,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # results.py and failures.py, beside this script
 import results as result_files  # noqa: E402
 from failures import one_line_errors  # noqa: E402
+from pyzipmoe.paths import stock_bin_dir  # noqa: E402
 
 DEFAULT_WORKDIR = REPO / "build" / "bench-budget"
 DEFAULT_BUDGETS = "40,60,80,93,100,150"
@@ -1268,7 +1269,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="override a field of the preset (make_synth.py's, e.g. n_layer=16, n_vocab=4096; "
                         "repeatable): a model whose experts outweigh the rest more, so that a 40%% limit leaves "
                         "zipmoe its minimum; the models' names carry the overrides")
-    p.add_argument("--stock-bin", type=Path, default=REPO / "build" / "llama-stock" / "bin", metavar="DIR",
+    p.add_argument("--stock-bin", type=Path, default=stock_bin_dir(), metavar="DIR",
                    help="stock llama.cpp's programs: the same sdist built without zipmoe's patches (default "
                         "build/llama-stock/bin, made by tools/dev/build_stock.sh); where it has none, stock runs on "
                         "zipmoe's build without a budget")

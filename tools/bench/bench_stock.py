@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import results  # noqa: E402
 
+from pyzipmoe.paths import stock_bin_dir  # noqa: E402
 from pyzipmoe.runtime.config import RUNTIME_ENV  # noqa: E402
 
 BUILDS = ("stock", "zipmoe")
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", "--gen", type=int, default=32, help="llama-bench -n (default 32)")
     p.add_argument("-r", "--reps", type=int, default=2, help="llama-bench -r (default 2)")
     p.add_argument("-t", "--threads", type=int, default=2, help="llama-bench -t (default 2)")
-    p.add_argument("--stock-bin", type=Path, default=REPO / "build" / "llama-stock" / "bin",
+    p.add_argument("--stock-bin", type=Path, default=stock_bin_dir(),
                    help="stock llama.cpp's programs (default build/llama-stock/bin: tools/dev/build_stock.sh)")
     p.add_argument("--zipmoe-bin", type=Path, default=REPO / "build" / "bin", help="zipmoe's (default build/bin)")
     p.add_argument("--workdir", type=Path, default=REPO / "build" / "bench-stock")
