@@ -318,10 +318,11 @@ int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_offset, void *
         return ZIPMOE_ERR_NOMEM;
     }
     cache_refresh_limits(s);
-    if (s->hot_limit >= (uint64_t) s->info.n_expert * s->hot_size) {
+    if (!s->use_slots) {
         /* every expert will stay decoded, so every byte will be read: the kernel may as well read it all now, at
          * the disk's sequential speed and while the model loads and computes; the reader then copies from the page
-         * cache (and drops it). Not under a smaller budget, where the page cache would hold what the tiers do not. */
+         * cache (cache_direct_fd) and drops it. Not under a smaller budget, where the page cache would hold what
+         * the tiers do not. */
         posix_fadvise(s->fd, (off_t) data_offset, (off_t) size, POSIX_FADV_WILLNEED);
     }
     /* the 2 MiB pages wholly inside the reservation, which cache_collapse may make huge */
