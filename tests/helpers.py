@@ -81,10 +81,11 @@ def worker_env(lib_dir: Path) -> dict[str, str]:
     """The environment of a child that runs llama-cpp-python on the libllama in lib_dir, with the runtime's
     defaults (an unbounded cache): what configures it comes from the test, never from the outside environment."""
     from pyzipmoe.runtime.config import RUNTIME_ENV
+    from pyzipmoe.runtime.runner import library_path
 
     env = {k: v for k, v in os.environ.items() if k not in RUNTIME_ENV}
     env["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
-    env["LD_LIBRARY_PATH"] = os.pathsep.join([str(lib_dir), env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
+    env["LD_LIBRARY_PATH"] = library_path(lib_dir, env)
     return env
 
 

@@ -38,6 +38,13 @@ def program(name: str) -> Path:
     return path
 
 
+def library_path(first: str | os.PathLike[str], env: Mapping[str, str]) -> str:
+    """env's LD_LIBRARY_PATH with `first` in front (once, empty entries dropped): a program started with it loads
+    the libraries of the build in `first` (zipmoe's, stock's, an older one) before any other."""
+    parts = [str(first)] + [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+    return os.pathsep.join(dict.fromkeys(parts))
+
+
 def environment(cache: str | None = None, base: Mapping[str, str] | None = None, *,
                 memory_budget: str | None = None, policy: str | None = None) -> dict[str, str]:
     """The environment for a program: zipmoe's bin directory first on LD_LIBRARY_PATH, OpenMP's spinning
@@ -46,8 +53,7 @@ def environment(cache: str | None = None, base: Mapping[str, str] | None = None,
     env = dict(os.environ if base is None else base)
     openmp_environment(env)
     config = RuntimeConfig(budget=memory_budget, policy=policy, cache=cache)
-    parts = [str(bin_dir())] + [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(dict.fromkeys(parts))
+    env["LD_LIBRARY_PATH"] = library_path(bin_dir(), env)
     env.update(config.to_env())
     return env
 

@@ -34,6 +34,7 @@ from pyzipmoe.models.blobs import BlobError
 from pyzipmoe.models.directory import ModelDirectory as Store
 from pyzipmoe.models.name import ModelName, ModelNotFoundError
 from pyzipmoe.models.name import ModelsError as StoreError
+from pyzipmoe.runtime.runner import library_path
 
 REPO = Path(pyzipmoe.__file__).resolve().parent.parent
 TIMEOUT = 120  # seconds for any child process
@@ -769,7 +770,7 @@ def test_run_store_model_greedy_tokens_match_bf16(store: Store, tiny_model: Path
            "prompt": "the expert model said hello to the world of water and time"}
     env = child_env()
     env["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
-    env["LD_LIBRARY_PATH"] = os.pathsep.join([str(lib_dir), env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
+    env["LD_LIBRARY_PATH"] = library_path(lib_dir, env)
     done = subprocess.run([sys.executable, "-c", GREEDY, json.dumps(job)], env=env, capture_output=True, text=True,
                           timeout=TIMEOUT, check=False)
     assert done.returncode == 0, done.stderr[-3000:]

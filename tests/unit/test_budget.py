@@ -66,6 +66,15 @@ def test_programs_spin_briefly_unless_the_user_says_otherwise():
     assert name not in runner.environment(base={"OMP_WAIT_POLICY": "active"})
 
 
+def test_a_build_s_libraries_go_first_once():
+    from pyzipmoe.paths import bin_dir
+    from pyzipmoe.runtime import runner
+
+    assert runner.library_path("/stock", {}) == "/stock"
+    assert runner.library_path("/stock", {"LD_LIBRARY_PATH": "/usr/lib::/stock"}) == "/stock:/usr/lib"
+    assert runner.environment(base={"LD_LIBRARY_PATH": "/usr/lib"})["LD_LIBRARY_PATH"] == f"{bin_dir()}:/usr/lib"
+
+
 @pytest.mark.parametrize("given,expect", [({}, "2000"), ({"GOMP_SPINCOUNT": "7"}, "7"),
                                           ({"OMP_WAIT_POLICY": "passive"}, None)])
 def test_importing_pyzipmoe_sets_the_spinning_for_this_process(given, expect):

@@ -625,7 +625,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     stock_env = dict(zipmoe_base)
     stock_bin = stock_programs(args.stock_bin)
     if stock_bin:  # stock's own libraries first: its programs load stock's libllama and ggml, not zipmoe's
-        stock_env["LD_LIBRARY_PATH"] = os.pathsep.join([str(stock_bin), stock_env.get("LD_LIBRARY_PATH", "")])
+        stock_env["LD_LIBRARY_PATH"] = runner.library_path(stock_bin, stock_env)
     else:
         say(f"warning: no stock build in {args.stock_bin} (tools/dev/build_stock.sh): stock runs on zipmoe's build "
             "without a budget, which the tests show gives stock's logits and speed")
@@ -633,8 +633,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     variant = bool(args.variant_env or args.variant_lib)
     variant_extra = dict(zipmoe_extra, **dict(args.variant_env))
     if args.variant_lib:
-        variant_extra["LD_LIBRARY_PATH"] = os.pathsep.join(
-            p for p in (str(args.variant_lib.resolve()), os.environ.get("LD_LIBRARY_PATH", "")) if p)
+        variant_extra["LD_LIBRARY_PATH"] = runner.library_path(args.variant_lib.resolve(), os.environ)
     engines = engines_of(args.stock_no_repack, variant)
     tag = model_tag(args.preset, args.synth)
     # the logs' names: one grid's logs must not overwrite another type's or another read rate's

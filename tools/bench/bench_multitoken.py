@@ -73,6 +73,7 @@ import bench_budget as bb  # noqa: E402
 import results as result_files  # noqa: E402
 
 from pyzipmoe.atomic import replacing  # noqa: E402
+from pyzipmoe.runtime.runner import library_path  # noqa: E402
 
 REPO = bb.REPO
 DEFAULT_WORKDIR = REPO / "build" / "bench-multitoken"
@@ -147,7 +148,7 @@ class LimitedServer:
         self.url, self.log = f"http://127.0.0.1:{port}", log
         self.argv = [str(program), "-m", str(model), "--port", str(port), "-t", str(threads), "-c", str(ctx),
                      "--temp", "0", *args]
-        libs = os.pathsep.join(filter(None, [str(program.parent), os.environ.get("LD_LIBRARY_PATH")]))
+        libs = library_path(program.parent, os.environ)
         env = {**os.environ, "LD_LIBRARY_PATH": libs, **({"ZIPMOE_MEMORY_BUDGET": str(budget)} if budget else {})}
         bb.drop_page_cache()
         with open(log, "wb") as err:

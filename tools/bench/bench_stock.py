@@ -32,6 +32,7 @@ import results  # noqa: E402
 
 from pyzipmoe.paths import stock_bin_dir  # noqa: E402
 from pyzipmoe.runtime.config import RUNTIME_ENV  # noqa: E402
+from pyzipmoe.runtime.runner import library_path  # noqa: E402
 
 BUILDS = ("stock", "zipmoe")
 
@@ -44,7 +45,7 @@ def clean_env(bin_dir: Path) -> dict[str, str]:
     """The environment of one build's run: nothing of zipmoe's, that build's libraries first."""
     env = {k: v for k, v in os.environ.items()
            if k not in RUNTIME_ENV and k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY") and not k.startswith("LLAMA_ARG_")}
-    env["LD_LIBRARY_PATH"] = os.pathsep.join([str(bin_dir), env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
+    env["LD_LIBRARY_PATH"] = library_path(bin_dir, env)
     return env
 
 
