@@ -15,73 +15,193 @@ fails with one line and exit status 3 (OutOfMemoryError), instead of the kernel'
 
 from __future__ import annotations
 
-import mmap
+import errno
 import os
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from ..errors import OutOfMemoryError, ZipmoeError
 from .config import BUDGET_ENV, CONTROL_ENV, split_shares
 
 CONTROL_WORDS = 16
+CONTROL_BYTES = CONTROL_WORDS * 8
 CONTROL_MAGIC = int.from_bytes(b"ZMCTL001", "little")
+CONTROL_PREFIX = "zipmoe-control-"  # then the supervisor's pid, "-" and mkstemp's random letters
 (W_MAGIC, W_SEQ, W_POLICY, W_HOT, W_WARM, W_SM, W_IN_FLIGHT, W_READS, W_TOKEN_HOT, W_APPLIED, W_RESIDENT,
  W_TRANSIENT, W_CALLS, W_PID, W_POLLS, W_PEAK_RESIDENT) = range(16)
 READY_SECONDS = 600.0  # how long the supervisor waits for the program's first report (a large model's load)
 
 
-class ControlFile:
-    """The shared words: made by the supervisor, mapped by both sides."""
+class ControlFileError(ZipmoeError):
+    """The control file could not be made (a full /dev/shm): the program then runs with a fixed budget."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+
+def control_folder() -> Path:
+    """Where control files go: /dev/shm (memory, never written back to a disk), else the temporary directory."""
+    return Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def remove_stale(folder: Path) -> list[Path]:
+    """Removes the control files in `folder` that supervisors of this user left when they were killed (their pid,
+    in the name, no longer runs); the files removed. Another user's files, and a live process's, are left."""
+    removed = []
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith(CONTROL_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        pid_text = name[len(CONTROL_PREFIX):].split("-", 1)[0]
+        path = folder / name
         try:
-            os.ftruncate(fd, CONTROL_WORDS * 8)
-            self._map = mmap.mmap(fd, CONTROL_WORDS * 8, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self.words = np.frombuffer(self._map, dtype="<u8")  # one aligned 8-byte store per word
-        self.words[W_MAGIC] = CONTROL_MAGIC
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not pid_text.isdigit() or st.st_uid != os.getuid() or not (st.st_mode & 0o170000 == 0o100000):
+            continue
+        if int(pid_text) != os.getpid() and not _alive(int(pid_text)):
+            try:
+                path.unlink()
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
+
+
+class ControlFile:
+    """The shared words, made by the supervisor. Its pages are allocated before anything uses them (posix_fallocate,
+    then the whole file written): a full tmpfs fails here, with ControlFileError, instead of killing a process that
+    maps the file with SIGBUS later. This side reads and writes it with pread and pwrite, never through a mapping,
+    so a file truncated or replaced under it costs a warning, not a signal."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path, self._fd = path, fd
+        self._broken = False
 
     @classmethod
-    def create(cls) -> ControlFile:
-        folder = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
-        return cls(folder / f"zipmoe-control-{os.getpid()}-{time.monotonic_ns()}")
+    def create(cls, folder: Path | None = None) -> ControlFile:
+        """A new control file in `folder` (default control_folder()), after removing stale ones."""
+        folder = control_folder() if folder is None else folder
+        remove_stale(folder)
+        try:
+            fd, name = tempfile.mkstemp(prefix=f"{CONTROL_PREFIX}{os.getpid()}-", dir=folder)
+        except OSError as e:
+            raise ControlFileError(f"cannot make a control file in {folder}: {e.strerror or e}") from None
+        try:
+            try:
+                os.posix_fallocate(fd, 0, CONTROL_BYTES)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise  # (a filesystem without fallocate allocates the pages as they are written, next)
+            words = [0] * CONTROL_WORDS
+            words[W_MAGIC] = CONTROL_MAGIC
+            if os.pwrite(fd, struct.pack(f"<{CONTROL_WORDS}Q", *words), 0) != CONTROL_BYTES:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as e:
+            os.close(fd)
+            Path(name).unlink(missing_ok=True)
+            raise ControlFileError(f"no room for the control file in {folder} ({e.strerror or e})") from None
+        return cls(Path(name), fd)
+
+    def _read(self, w: int, n: int = 1) -> tuple[int, ...]:
+        """Words w..w+n-1; read until two reads agree (a pread may copy a word while the program stores it)."""
+        prev = None
+        for _ in range(8):
+            data = os.pread(self._fd, 8 * n, 8 * w)
+            if len(data) < 8 * n:  # truncated under us: what is missing reads as 0
+                self._warn_broken("it was truncated")
+                data = data.ljust(8 * n, b"\0")
+            if data == prev:
+                break
+            prev = data
+        return struct.unpack(f"<{n}Q", prev)
+
+    def _write(self, w: int, *values: int) -> None:
+        data = struct.pack(f"<{len(values)}Q", *values)
+        try:
+            if os.pwrite(self._fd, data, 8 * w) != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as e:
+            raise ZipmoeError(f"cannot write the control file {self.path}: {e.strerror or e}") from None
+
+    def _warn_broken(self, why: str) -> None:
+        if not self._broken:
+            self._broken = True
+            print(f"zipmoe: warning: the control file {self.path} changed under the supervisor ({why}); the "
+                  "program's budget may stay where it is", file=sys.stderr, flush=True)
 
     def publish(self, split: Any, policy: int) -> None:
         """A split (zipmoe_budget_split) for the program to apply; a seqlock keeps it whole."""
-        seq = int(self.words[W_SEQ])
-        self.words[W_SEQ] = seq + 1 if seq % 2 == 0 else seq + 2  # odd: being written
-        for w, value in ((W_POLICY, policy), (W_HOT, split.hot), (W_WARM, split.warm), (W_SM, split.sm),
-                         (W_IN_FLIGHT, split.in_flight), (W_READS, split.reads), (W_TOKEN_HOT, split.token_hot)):
-            self.words[w] = int(value)
-        self.words[W_SEQ] = int(self.words[W_SEQ]) + 1  # even: complete
+        seq = self.value(W_SEQ)
+        odd = seq + 1 if seq % 2 == 0 else seq + 2  # odd: being written
+        self._write(W_SEQ, odd)
+        self._write(W_POLICY, int(policy), int(split.hot), int(split.warm), int(split.sm), int(split.in_flight),
+                    int(split.reads), int(split.token_hot))
+        self._write(W_SEQ, odd + 1)  # even: complete
 
     @property
     def reporting(self) -> bool:
         """Whether the program has written what its runtime holds at least once."""
-        return int(self.words[W_POLLS]) > 0
+        return self.value(W_POLLS) > 0
 
     def value(self, w: int) -> int:
-        return int(self.words[w])
+        return self._read(w)[0]
+
+    def set(self, w: int, value: int) -> None:
+        """Writes one word (the program's side, for tests)."""
+        self._write(w, value)
 
     def close(self) -> None:
-        del self.words
-        self._map.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         try:
             self.path.unlink()
         except OSError:
             pass
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn for a program this process starts and waits for: the kernel kills the program (SIGKILL) when
+    this process dies, even by SIGKILL, so that no llama-server keeps serving unsupervised, its budget no longer
+    followed (Linux's PR_SET_PDEATHSIG; it lasts across the program's exec of itself). The signal comes when the
+    thread that started the program ends, so the caller starts it in the thread that waits for it. None where
+    prctl is not there."""
+    import ctypes
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        if prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0 and os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)  # the parent died before the call: too late for the signal
+
+    return preexec
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class RemoteRuntime:
@@ -94,11 +214,11 @@ class RemoteRuntime:
         self.applied: list[tuple[int, int]] = []  # (hot, token_hot) of each split published, for reports
 
     def zipmoe_stats_get(self, s: Any) -> None:
-        c = self.ctl
-        s.hot_bytes, s.warm_bytes, s.sm_bytes, s.decoding_bytes = c.value(W_RESIDENT), 0, 0, 0
-        s.pool_bytes, s.staging_transient_bytes = 0, c.value(W_TRANSIENT)
-        s.materialize_calls = c.value(W_CALLS)
-        s.peak_resident_bytes = c.value(W_PEAK_RESIDENT)
+        resident, transient, calls = self.ctl._read(W_RESIDENT, 3)
+        s.hot_bytes, s.warm_bytes, s.sm_bytes, s.decoding_bytes = resident, 0, 0, 0
+        s.pool_bytes, s.staging_transient_bytes = 0, transient
+        s.materialize_calls = calls
+        s.peak_resident_bytes = self.ctl.value(W_PEAK_RESIDENT)
 
     def zipmoe_cache_apply_split(self, split: Any, policy: int) -> int:
         self.ctl.publish(split, policy)
@@ -125,7 +245,12 @@ def run_program(argv: Sequence[str], env: Mapping[str, str], *, model: str, budg
         return run_foreground(argv, env)
     from .controller import monitor_for
 
-    ctl = ControlFile.create()
+    try:
+        ctl = ControlFile.create()
+    except ControlFileError as e:
+        print(f"zipmoe: warning: {e}: the memory budget stays fixed at {int(env[BUDGET_ENV]) / 2**20:.0f} MiB for "
+              "this run, whatever the memory available does", file=sys.stderr, flush=True)
+        return run_foreground(argv, env)
     remote = RemoteRuntime(ctl)
     stopped: dict[str, str] = {}
     proc_box: dict[str, subprocess.Popen[Any]] = {}
@@ -189,7 +314,8 @@ def run_program(argv: Sequence[str], env: Mapping[str, str], *, model: str, budg
     return rc
 
 
-__all__ = ["ControlFile", "RemoteRuntime", "run_program", "supervised"]
+__all__ = ["ControlFile", "ControlFileError", "RemoteRuntime", "die_with_parent", "remove_stale", "run_program",
+           "supervised"]
 
 if __name__ == "__main__":  # pragma: no cover
     print(__doc__, file=sys.stderr)
