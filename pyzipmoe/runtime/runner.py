@@ -76,8 +76,10 @@ def run_foreground(argv: Sequence[str], env: Mapping[str, str],
     sent to zipmoe are passed on. on_start: called with the program once it runs (the memory supervisor,
     pyzipmoe.runtime.supervise).
     """
-    try:
-        proc = subprocess.Popen(list(argv), env=dict(env))
+    from .supervise import die_with_parent
+
+    try:  # the program dies with this process (kill -9 included): none keeps serving unsupervised
+        proc = subprocess.Popen(list(argv), env=dict(env), preexec_fn=die_with_parent())
     except OSError as e:
         raise ZipmoeError(f"cannot start {argv[0]}: {e.strerror or e}") from None
     if on_start is not None:
