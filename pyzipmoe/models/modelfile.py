@@ -31,7 +31,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from ..errors import ZipmoeError
-from ..runtime.config import CACHE_MODES
+from ..runtime.config import CACHE_MODES, MAX_CONTEXT, MAX_THREADS
 
 DIRECTIVES = ("FROM", "PARAMETER", "TEMPLATE", "SYSTEM", "LICENSE", "MESSAGE")
 # Ollama knows these; a Modelfile written for Ollama that uses them gets a reason, not just "unknown"
@@ -81,10 +81,10 @@ PARAMETERS: Mapping[str, ParamSpec] = MappingProxyType({
     "repeat_last_n": ParamSpec("int", "how many recent tokens repeat_penalty looks at; -1 = the context", -1),
     "presence_penalty": ParamSpec("float", "penalty for tokens that already appeared"),
     "frequency_penalty": ParamSpec("float", "penalty growing with how often a token appeared"),
-    "num_ctx": ParamSpec("int", "context size in tokens", 1),
+    "num_ctx": ParamSpec("int", "context size in tokens", 1, MAX_CONTEXT),
     "num_predict": ParamSpec("int", "most tokens to generate; -1 = until the context is full", -1),
     "num_batch": ParamSpec("int", "prompt tokens processed per batch", 1),
-    "num_thread": ParamSpec("int", "CPU threads", 1),
+    "num_thread": ParamSpec("int", "CPU threads", 1, MAX_THREADS),
     "seed": ParamSpec("int", "sampling seed: the same prompt gives the same text; -1 = random", -1, 2**32 - 1),
     "stop": ParamSpec("str", "stop generating at this text (repeat for several)", repeat=True),
     "memory_budget": ParamSpec("size", "memory the model may keep resident, experts included, e.g. 8GiB or 512MiB", 1,

@@ -85,6 +85,56 @@ def use_zipmoe_llama(env: MutableMapping[str, str] | None = None) -> None:
         env["LLAMA_CPP_LIB_PATH"] = str(found)
 
 
+MAX_THREADS = 512
+"""The most threads a llama.cpp computation takes: ggml's GGML_MAX_N_THREADS (ggml.h), the size of its per-thread
+arrays; more, and ggml (and libgomp under it) writes past them. Every thread count zipmoe passes on is checked
+against it (check_threads): pyzipmoe.Llama's, a Modelfile's or an imported package's num_thread."""
+
+MAX_CONTEXT = 2**24
+"""The largest context zipmoe asks of llama.cpp, in tokens: 16777216, above the longest context models are trained
+for (10M tokens). llama.cpp keeps n_ctx in 32 bits, so a larger value wraps around (2**32 + 16 ran with 16 tokens,
+without a word: a context of 256 tokens), and a context far beyond memory ends in std::bad_alloc; a context below this bound but
+beyond memory still fails, with a message that says it was the context (pyzipmoe.Llama)."""
+
+
+class ConfigError(ZipmoeError, ValueError):
+    """A value out of range for the runtime (a ValueError, as llama-cpp-python raises for bad arguments)."""
+
+
+def check_threads(name: str, value: object, *, default_ok: bool = False) -> int | None:
+    """A thread count as llama.cpp may take it: a whole number from 1 to MAX_THREADS (0 or None: the default,
+    where `default_ok`). One-line ConfigError otherwise."""
+    if value is None and default_ok:
+        return None
+    n = _whole(name, value)
+    if n == 0 and default_ok:
+        return None
+    if not 1 <= n <= MAX_THREADS:
+        raise ConfigError(f"{name} {n} is out of range: threads go from 1 to {MAX_THREADS} (ggml's maximum)")
+    return n
+
+
+def check_context(name: str, value: object) -> int:
+    """A context size in tokens as llama.cpp may take it: 0 (the model's own) to MAX_CONTEXT. One-line ConfigError
+    otherwise."""
+    n = _whole(name, value)
+    if not 0 <= n <= MAX_CONTEXT:
+        raise ConfigError(f"{name} {n} is out of range: a context goes from 1 to {MAX_CONTEXT} tokens (0: the "
+                          "model's own)")
+    return n
+
+
+def _whole(name: str, value: object) -> int:
+    import operator
+
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be a whole number, not {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(f"{name} must be a whole number, not {value!r}") from None
+
+
 def check_share(name: str, share: float | None) -> None:
     if share is not None and not 0 <= share <= 1:
         raise ZipmoeError(f"{name} {share} is not a fraction between 0 and 1")

@@ -453,3 +453,25 @@ def test_archive_fuzzer(exported: dict[str, Any], tmp_path: Path, capsys: pytest
     assert FUZZ_ARCHIVES >= 300 or "ZIPMOE_IMPORT_FUZZ" in os.environ
     assert outcomes[0] > 0 and outcomes[2] > 0  # the fuzzer reaches both ends
     assert peak_stage[0] <= sum(len(d) for _, d in members) + (1 << 20)
+
+
+def test_parameters_beyond_what_llama_cpp_takes_are_refused_at_import(exported: dict[str, Any],
+                                                                       tmp_path: Path) -> None:
+    """An archive's num_thread above ggml's maximum (the old code imported it, and `zipmoe run` then died in
+    libgomp) and num_ctx beyond any context (imported, then std::bad_alloc blaming the model file): refused with
+    one line, nothing written."""
+    from pyzipmoe.runtime.config import MAX_CONTEXT, MAX_THREADS
+
+    members = exported["members"]
+    fresh = Store(tmp_path / "fresh")
+    obj = manifest_of(members)
+    layer = next(x for x in obj["layers"] if x["mediaType"] == MEDIA_PARAMS)
+    old_name = f"blobs/{layer['digest'].replace(':', '-')}"
+    for key, value, limit in (("num_thread", 100000, MAX_THREADS), ("num_ctx", 10**30, MAX_CONTEXT)):
+        data = json.dumps({"temperature": 0, key: value}).encode()
+        new_layer = {**layer, "digest": "sha256:" + hashlib.sha256(data).hexdigest(), "size": len(data)}
+        new_obj = {**obj, "layers": [new_layer if x is layer else x for x in obj["layers"]]}
+        rest = [m for m in with_manifest(members, new_obj) if m[0] != old_name]
+        message = refused(fresh, write_tar(tmp_path / f"{key}.tar", [*rest, blob_member(data)]), key,
+                          f"at most {limit}")
+        assert "\n" not in message
