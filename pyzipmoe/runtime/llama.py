@@ -35,7 +35,8 @@ import numpy as np
 
 from ..errors import NativeLibraryError, UnsupportedError, ZipmoeError
 from ..paths import ZIPMOE_LIB_NAME, bin_dir, llama_lib_dir
-from .config import BUDGET_ENV, CACHE_MODES, PLAN_ENV, RuntimeConfig, split_shares, use_zipmoe_llama
+from .config import (BUDGET_ENV, CACHE_MODES, MAX_THREADS, PLAN_ENV, RuntimeConfig, check_context, check_threads,
+                     split_shares, use_zipmoe_llama)
 
 
 class ZipmoeLoadError(ZipmoeError, ValueError):
@@ -264,6 +265,19 @@ def _header_problem(path: str) -> str | None:
     return None
 
 
+def _check_limits(kwargs: dict[str, Any]) -> None:
+    """n_ctx and the thread counts checked (config.check_context, check_threads) before llama-cpp-python stores
+    them in 32-bit fields, where a larger value wraps around or overruns ggml's per-thread arrays; its default
+    thread counts (half the CPUs, all of them) capped at ggml's maximum too."""
+    if "n_ctx" in kwargs:
+        kwargs["n_ctx"] = check_context("n_ctx", kwargs["n_ctx"])
+    cpus = os.cpu_count() or 1
+    for name, default in (("n_threads", max(cpus // 2, 1)), ("n_threads_batch", cpus)):
+        n = check_threads(name, kwargs.get(name), default_ok=True)
+        if n is not None or default > MAX_THREADS:
+            kwargs[name] = n if n is not None else MAX_THREADS
+
+
 class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
     """``llama_cpp.Llama`` that runs zipmoe GGUFs (and plain ones). Same arguments, plus:
 
@@ -292,6 +306,9 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
     prefill: fill the cache at load, on every core, so that the first tokens find their experts decoded (as
         llama.cpp's read-ahead fills the page cache for a plain model). None (default): as ZIPMOE_PREFILL says
         (on unless "0").
+    n_ctx, n_threads, n_threads_batch (llama_cpp.Llama's): checked before they reach llama.cpp's 32-bit fields, a
+        context from 0 (the model's) to config.MAX_CONTEXT tokens, threads from 1 to config.MAX_THREADS (ggml's
+        maximum; None or 0: llama-cpp-python's default, at most that); a ValueError (ZipmoeError) says which.
     record_routing: keep the experts every step routed to, per MoE layer (one step a generated token, or a prompt's
         batch of n_ubatch tokens), for `recorded_routing()` / `save_routing(path)`: a recorded-routing file that
         `zipmoe plan --trace` and tools/bench/bench_replay.py read (docs/FORMAT.md). Default off.
@@ -304,6 +321,7 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
                  prefill: bool | None = None, record_routing: bool = False, **kwargs: Any) -> None:
         self._stack = contextlib.ExitStack()  # llama_cpp.Llama.__del__ closes it, also after a failed __init__
         self.zipmoe_monitor = None
+        _check_limits(kwargs)
         if zipmoe_cache not in CACHE_MODES:
             raise ValueError(f"zipmoe_cache must be one of {', '.join(CACHE_MODES)}, not {zipmoe_cache!r}")
         self.zipmoe_cache = zipmoe_cache
@@ -347,7 +365,7 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
         except ValueError as e:
             if "does not exist" in str(e):
                 raise
-            raise self._load_error(model_path, e, _error_log.since(mark)) from e
+            raise self._load_error(model_path, e, _error_log.since(mark), kwargs.get("n_ctx", 512)) from e
         before_decode, after_decode, counted = self._wrap_decode(model_path)
         self._recorder: RoutingRecorder | None = None
         if record_routing:
@@ -409,7 +427,11 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
                                    "planner=False")
         return True
 
-    def _load_error(self, path: str, e: Exception, logged: str) -> ZipmoeLoadError:
+    def _load_error(self, path: str, e: Exception, logged: str, n_ctx: int) -> ZipmoeLoadError:
+        if "llama_context" in str(e):  # the model loaded; its context (n_ctx's KV cache, buffers) did not
+            size = f"{n_ctx} tokens" if n_ctx else "the model's length"
+            return ZipmoeLoadError(f"{path}: llama.cpp could not make a context of {size}"
+                                   + (f" ({logged})" if logged else "") + "; a smaller n_ctx needs less memory")
         what = f"{path}: llama.cpp could not load the model"
         if logged:
             what += f" ({logged})"
