@@ -47,9 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
-    from . import calibrate, demo, files, models, plan, programs
+    from . import calibrate, demo, files, models, plan, programs, server
 
-    for group in (files, demo, programs, models, calibrate, plan):
+    for group in (files, demo, programs, models, calibrate, plan, server):
         group.register(sub)
     return parser
 

@@ -112,6 +112,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.model is None:
+        from .server import serve_store
+
+        return serve_store(args)
     from ..runtime import runner, supervise
 
     model, package_flags, package = _resolve(args, "llama-server")
@@ -255,7 +259,8 @@ def register(sub: Any) -> None:
                   "zipmoe serve model.zipmoe.gguf --host 0.0.0.0 --port 9000 -t 8",
                   "zipmoe serve model.zipmoe.gguf -- -np 4 --jinja",
                   "curl http://127.0.0.1:8080/completion -d '{\"prompt\": \"Hello\", \"n_predict\": 16}'"))
-    p.add_argument("model", metavar="MODEL", help="a zipmoe GGUF (or a plain GGUF)")
+    p.add_argument("model", metavar="MODEL", nargs="?",
+                   help="a zipmoe GGUF (or a plain GGUF); without it, every stored model (Ollama's API, docs/serving.md)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=positive, default=8080, help="port (default: %(default)s)")
     _add_llama_options(p)
