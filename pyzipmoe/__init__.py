@@ -8,7 +8,8 @@ Importing this package is cheap: it loads neither the native library nor llama-c
 purpose: it calls ``use_zipmoe_llama()``, which points llama-cpp-python at zipmoe's build of libllama (it sets
 ``LLAMA_CPP_LIB_PATH`` unless it is already set, and OpenMP's ``GOMP_SPINCOUNT`` unless how OpenMP threads wait is
 already set; nothing once ``llama_cpp`` has been imported), so that once ``pyzipmoe`` has been imported,
-``llama_cpp.Llama`` runs zipmoe GGUFs too. ``pyzipmoe.Llama`` is ``llama_cpp.Llama`` plus zipmoe's options (see
+``llama_cpp.Llama`` runs zipmoe GGUFs too (in the venv tools/setup.sh makes, ``import llama_cpp`` alone does the
+same: ``pyzipmoe.llama_import``). ``pyzipmoe.Llama`` is ``llama_cpp.Llama`` plus zipmoe's options (see
 ``pyzipmoe.runtime.llama``); it is imported when first asked for.
 """
 

@@ -81,6 +81,11 @@ else
         'diskcache>=5.6.1'
 fi
 
+# --- `import llama_cpp` in .venv runs zipmoe's libllama without importing pyzipmoe first: a .pth file whose finder
+# points llama-cpp-python at build/bin when llama_cpp is first imported (pyzipmoe/llama_import.py)
+step "making \`import llama_cpp\` in .venv run zipmoe's libllama"
+.venv/bin/python -m pyzipmoe.llama_import
+
 if [ "$run_demo" -eq 1 ]; then
     step "demo: a SYNTHETIC MoE under a memory budget of half its size, next to stock llama.cpp"
     .venv/bin/zipmoe demo
