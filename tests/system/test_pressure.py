@@ -528,3 +528,98 @@ def test_a_bare_program_says_its_budget_does_not_adapt(llama_lib_dir: Path, smal
         assert ctl.reporting and ctl.value(supervise.W_PEAK_RESIDENT) > 0 and ctl.value(supervise.W_CALLS) > 0
     finally:
         ctl.close()
+
+
+# ------------------------------------------------------------------------------ the supervisor's own resources
+
+
+class FullShm:
+    """argv prefix: the rest runs in a private mount namespace whose /dev/shm is a tmpfs of one page, full (what any
+    local user can do to the machine's /dev/shm). Skipped, with the reason, where unshare is not allowed."""
+
+    def __init__(self) -> None:
+        import shutil
+
+        if shutil.which("unshare") is None:
+            pytest.skip("unshare (util-linux) is not installed")
+        probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=4k zipmoe-test /dev/shm"],
+                               capture_output=True, text=True, timeout=30)
+        if probe.returncode != 0:
+            pytest.skip(f"a private mount namespace with its own /dev/shm is not allowed here: "
+                        f"{probe.stderr.strip() or probe.returncode}")
+
+    def prefix(self) -> tuple[str, ...]:
+        return ("unshare", "-m", "/bin/sh", "-c", 'mount -t tmpfs -o size=4k zipmoe-test /dev/shm && '
+                '{ cat /dev/zero > /dev/shm/fill; } 2>/dev/null; exec "$@"', "sh")
+
+
+def test_serve_keeps_serving_with_a_fixed_budget_when_dev_shm_is_full(llama_lib_dir: Path,
+                                                                        small_models: tuple[Path, Path],
+                                                                        tmp_path: Path) -> None:
+    """A full /dev/shm: the control file cannot be allocated, and `zipmoe serve --memory-budget` says so in one
+    warning and serves with its budget fixed (the old code sized the file sparse with ftruncate and died of SIGBUS
+    at its first store, before llama-server started)."""
+    _, packed = small_models
+    log = tmp_path / "serve.log"
+    server = Server(llama_lib_dir, packed, log, cg=FullShm(), budget="auto")  # type: ignore[arg-type]
+    try:
+        assert server.complete(4)["content"] is not None
+        assert server.proc.poll() is None
+        text = log.read_text()
+        warnings = [ln for ln in text.splitlines() if ln.startswith("zipmoe: warning:")]
+        assert len(warnings) == 1, text[-3000:]
+        assert "no room for the control file in /dev/shm" in warnings[0], warnings
+        assert "the memory budget stays fixed at" in warnings[0], warnings
+        assert "Traceback" not in text
+        child, = _children(server.proc.pid)  # llama-server: the budget, and no control file to follow
+        environ = dict(v.split("=", 1) for v in Path(f"/proc/{child}/environ").read_text().split("\0") if "=" in v)
+        assert "ZIPMOE_MEMORY_BUDGET" in environ and "ZIPMOE_CONTROL" not in environ
+    finally:
+        server.close()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def _running(pid: int) -> bool:
+    """Whether pid runs (a zombie nobody has reaped yet does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.parametrize("budget", [None, "auto"], ids=["unsupervised", "supervised"])
+def test_kill_9_of_serve_leaves_no_llama_server(llama_lib_dir: Path, small_models: tuple[Path, Path],
+                                                tmp_path: Path, budget: str | None) -> None:
+    """`kill -9` of `zipmoe serve` (no handler of its runs): within a second no llama-server of that run is left
+    (the old code's kept listening, unsupervised, its budget no longer followed); a control file the supervisor
+    left is removed when the next one starts."""
+    import signal
+
+    from pyzipmoe.runtime import supervise
+
+    _, packed = small_models
+    server = Server(llama_lib_dir, packed, tmp_path / "serve.log", budget=budget)
+    try:
+        zipmoe = server.proc.pid
+        children = _children(zipmoe)
+        assert len(children) == 1 and Path(f"/proc/{children[0]}/exe").resolve().name == "llama-server", children
+        child = children[0]
+        left = sorted(supervise.control_folder().glob(f"{supervise.CONTROL_PREFIX}{zipmoe}-*"))
+        assert len(left) == (1 if budget else 0), left
+        os.kill(zipmoe, signal.SIGKILL)
+        server.proc.wait(10)
+        deadline = time.monotonic() + 1.0
+        while _running(child) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _running(child), "llama-server outlived zipmoe serve by more than a second"
+        assert all(p.exists() for p in left)  # nobody ran to remove it ...
+        supervise.ControlFile.create().close()  # ... until the next supervisor starts
+        assert not any(p.exists() for p in left)
+    finally:
+        server.close()
