@@ -69,7 +69,7 @@ def test_a_new_budget_reaches_the_control_file_as_the_runtime_s_own_split(zipmoe
 def test_a_full_folder_refuses_the_control_file_instead_of_a_sparse_one(tmp_path: Path, monkeypatch) -> None:
     """Where the pages cannot be allocated (a full /dev/shm), create says so and leaves nothing; the old code made
     a sparse file with ftruncate, and its first store through the mapping killed the supervisor with SIGBUS (the
-    real thing, a tiny tmpfs over /dev/shm: tests/system/test_supervise_lifetime.py)."""
+    real thing, a tiny tmpfs over /dev/shm: tests/system/test_pressure.py)."""
     import errno
     import os
 
