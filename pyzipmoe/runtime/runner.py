@@ -76,7 +76,7 @@ def run_foreground(argv: Sequence[str], env: Mapping[str, str],
     sent to zipmoe are passed on. on_start: called with the program once it runs (the memory supervisor,
     pyzipmoe.runtime.supervise).
     """
-    from .supervise import die_with_parent
+    from .lifetime import die_with_parent
 
     try:  # the program dies with this process (kill -9 included): none keeps serving unsupervised
         proc = subprocess.Popen(list(argv), env=dict(env), preexec_fn=die_with_parent())

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -178,32 +178,6 @@ class ControlFile:
             pass
 
 
-def die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn for a program this process starts and waits for: the kernel kills the program (SIGKILL) when
-    this process dies, even by SIGKILL, so that no llama-server keeps serving unsupervised, its budget no longer
-    followed (Linux's PR_SET_PDEATHSIG; it lasts across the program's exec of itself). The signal comes when the
-    thread that started the program ends, so the caller starts it in the thread that waits for it. None where
-    prctl is not there."""
-    import ctypes
-
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        if prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0 and os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGKILL)  # the parent died before the call: too late for the signal
-
-    return preexec
-
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
 class RemoteRuntime:
     """What the memory monitor calls of the native library, for a cache in another process: its statistics from
     the control file, a new split written to it. Slots (a planner's plans) are not sent: a supervised program
@@ -314,7 +288,7 @@ def run_program(argv: Sequence[str], env: Mapping[str, str], *, model: str, budg
     return rc
 
 
-__all__ = ["ControlFile", "ControlFileError", "RemoteRuntime", "die_with_parent", "remove_stale", "run_program",
+__all__ = ["ControlFile", "ControlFileError", "RemoteRuntime", "remove_stale", "run_program",
            "supervised"]
 
 if __name__ == "__main__":  # pragma: no cover

@@ -144,8 +144,8 @@ def test_a_program_dies_with_its_supervisor_even_by_sigkill(tmp_path: Path) -> N
     pid_file = tmp_path / "child"
     script = f"""
 import subprocess, sys
-from pyzipmoe.runtime import supervise
-proc = subprocess.Popen(["sleep", "300"], preexec_fn=supervise.die_with_parent())
+from pyzipmoe.runtime import lifetime
+proc = subprocess.Popen(["sleep", "300"], preexec_fn=lifetime.die_with_parent())
 open({str(pid_file)!r}, "w").write(str(proc.pid))
 proc.wait()
 """
