@@ -92,9 +92,9 @@ against it (check_threads): pyzipmoe.Llama's, a Modelfile's or an imported packa
 
 MAX_CONTEXT = 2**24
 """The largest context zipmoe asks of llama.cpp, in tokens: 16777216, above the longest context models are trained
-for (10M tokens). llama.cpp keeps n_ctx in 32 bits, so a larger value wraps around (2**32 + 16 ran with 16 tokens,
-without a word: a context of 256 tokens), and a context far beyond memory ends in std::bad_alloc; a context below this bound but
-beyond memory still fails, with a message that says it was the context (pyzipmoe.Llama)."""
+for (10M tokens). llama.cpp keeps n_ctx in 32 bits, so a larger value wraps around (2**32 + 16 ran, without a word,
+with a context of 256 tokens), and a context far beyond memory ends in std::bad_alloc; a context below this bound
+but beyond memory still fails, with a message that says it was the context (pyzipmoe.Llama)."""
 
 
 class ConfigError(ZipmoeError, ValueError):
