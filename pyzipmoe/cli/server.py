@@ -12,6 +12,7 @@ import urllib.request
 from typing import Any
 
 from ..errors import ZipmoeError
+from ..server import DEFAULT_PARALLEL
 from .formatting import EXIT_OK, command, human_size, nonnegative, positive, print_json, render_table
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080  # (the serve command's own defaults)
@@ -45,7 +46,7 @@ def serve_store(args: argparse.Namespace) -> int:
     settings = Settings(llama_args=list(getattr(args, "llama_args", None) or []), threads=args.threads,
                         ctx_size=args.ctx_size, cache=args.cache, policy=args.policy, hot_share=args.hot_share,
                         sm_share=args.sm_share, keep_alive=keep_alive, load_timeout=float(args.load_timeout),
-                        max_loaded=args.max_loaded)
+                        max_loaded=args.max_loaded, parallel=args.parallel)
     models = Models(store, budget, settings)
     origins = [o.strip() for given in args.origins or () for o in given.split(",") if o.strip()]
     app = make_app(models, origins)
@@ -67,6 +68,9 @@ def add_store_options(p: argparse.ArgumentParser) -> None:
                         "https://chat.example.com); pages of other origins are refused")
     g.add_argument("--max-loaded", type=nonnegative, default=0, metavar="N",
                    help="models loaded at once at most; 0: as many as the memory budget holds (default)")
+    g.add_argument("--parallel", type=positive, default=DEFAULT_PARALLEL, metavar="N",
+                   help="requests each model answers at once, each with the model's whole context (llama-server's "
+                        "-np; its KV cache is N times as large); more wait for a slot (default: %(default)s)")
     g.add_argument("--load-timeout", type=positive, default=300, metavar="SECONDS",
                    help="how long a request waits for its model to load (default: %(default)s)")
 

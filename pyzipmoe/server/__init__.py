@@ -14,3 +14,5 @@ a preset can only add command-line options, so it cannot give each child its own
 through which the budget is divided; and Ollama's endpoints, keep_alive per request and budget-driven unloading
 need a layer in front anyway, which, talking to the children directly, saves the router's second proxy hop.
 """
+
+DEFAULT_PARALLEL = 4  # requests a model answers at once (llama-server's own default); more wait for a slot

@@ -30,6 +30,7 @@ from ..errors import ZipmoeError
 from ..models.directory import ModelDirectory
 from ..models.name import InvalidNameError, ModelName, ModelNotFoundError
 from ..models.package import ModelPackage
+from . import DEFAULT_PARALLEL
 from .budget import SharedBudget, Tenant
 from .ollama import DEFAULT_KEEP_ALIVE, ApiError
 
@@ -53,6 +54,7 @@ class Settings:
     keep_alive: float | None = DEFAULT_KEEP_ALIVE  # seconds; None: for ever
     load_timeout: float = LOAD_TIMEOUT
     max_loaded: int = 0  # 0: as many as the budget holds
+    parallel: int = DEFAULT_PARALLEL  # requests a model answers at once, each with the whole context
     log_dir: Path | None = None
 
 
@@ -296,7 +298,8 @@ class Models:
             sizes, warm_fast = store_sizes(path), warm_decodes_fast(path)
         child.port = free_port()
         argv = [str(runner.program("llama-server")), "-m", path, "--host", "127.0.0.1", "--port", str(child.port),
-                *package.llama_program_args("llama-server"), "-c", str(child.num_ctx), "--alias", child.name]
+                *package.llama_program_args("llama-server"), "-np", str(s.parallel),
+                "-c", str(child.num_ctx * s.parallel), "--alias", child.name]  # each slot: the whole num_ctx
         if s.threads is not None:
             argv += ["-t", str(s.threads)]
         argv += list(s.llama_args)

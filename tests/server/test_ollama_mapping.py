@@ -1,0 +1,107 @@
+"""The store server's pure parts: Ollama's keep_alive, options and format mapped to llama-server's fields, and the
+rule that divides one memory budget between the loaded models (no process, no model file)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pyzipmoe.server import ollama as O
+from pyzipmoe.server.app import DEFAULT_ORIGINS, origin_allowed
+from pyzipmoe.server.budget import Tenant, divide, evictions
+
+
+@pytest.mark.parametrize(("given", "seconds"), [
+    ("5m", 300.0), ("1h30m", 5400.0), ("250ms", 0.25), ("30s", 30.0), ("1.5h", 5400.0), (0, 0.0), ("0", 0.0),
+    (120, 120.0), ("45", 45.0), (-1, None), ("-1", None), ("-1m", None), (2.5, 2.5),
+])
+def test_keep_alive_as_ollama_reads_it(given: object, seconds: float | None) -> None:
+    assert O.parse_keep_alive(given) == seconds
+
+
+@pytest.mark.parametrize("given", ["5 minutes", "m", "", "5x", True, [], {"a": 1}, "1h-3m"])
+def test_a_bad_keep_alive_is_a_400(given: object) -> None:
+    with pytest.raises(O.ApiError) as e:
+        O.parse_keep_alive(given)
+    assert e.value.status == 400 and "keep_alive" in e.value.message
+
+
+def test_options_become_llama_server_fields_and_the_request_wins() -> None:
+    params = {"temperature": 0.7, "top_k": 20, "stop": ["<end>"], "num_ctx": 2048, "memory_budget": "1GiB"}
+    options = O.check_options({"temperature": 0, "num_predict": 12, "seed": 7, "top_p": 0.9, "min_p": 0.05,
+                               "repeat_penalty": 1.1, "stop": "###", "num_ctx": 512, "num_gpu": 99})
+    fields = O.sampling_fields(params, options)
+    assert fields == {"temperature": 0, "top_k": 20, "n_predict": 12, "seed": 7, "top_p": 0.9, "min_p": 0.05,
+                      "repeat_penalty": 1.1, "stop": ["###", "<end>"]}
+
+
+@pytest.mark.parametrize("options", [{"temperature": "hot"}, {"top_k": 1.5}, {"stop": [1]}, {"seed": True}, [1]])
+def test_bad_options_are_a_400(options: object) -> None:
+    with pytest.raises(O.ApiError) as e:
+        O.check_options(options)
+    assert e.value.status == 400
+
+
+def test_format_json_and_schema() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    assert O.format_fields("json", chat=False) == {"json_schema": {}}
+    assert O.format_fields(schema, chat=False) == {"json_schema": schema}
+    assert O.format_fields("json", chat=True) == {"response_format": {"type": "json_object"}}
+    assert O.format_fields(schema, chat=True)["response_format"]["json_schema"]["schema"] == schema
+    assert O.format_fields(None, chat=True) == {} and O.format_fields("", chat=False) == {}
+    with pytest.raises(O.ApiError):
+        O.format_fields("yaml", chat=False)
+
+
+def test_tool_calls_round_trip_between_ollama_and_openai() -> None:
+    ollama_msgs = [{"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "sunny", "tool_name": "weather"}]
+    openai = O.openai_messages(ollama_msgs)
+    assert openai[0]["tool_calls"][0]["function"] == {"name": "weather", "arguments": '{"city": "Paris"}'}
+    assert openai[1] == {"role": "tool", "content": "sunny", "name": "weather"}
+    assert O.ollama_tool_calls(openai[0]["tool_calls"]) == ollama_msgs[0]["tool_calls"]
+    with pytest.raises(O.ApiError):
+        O.openai_messages([{"role": "user", "content": "look", "images": ["aGk="]}])
+
+
+def test_done_reason_and_durations() -> None:
+    assert O.done_reason("limit") == "length" and O.done_reason("eos") == "stop" and O.done_reason("word") == "stop"
+    assert O.done_reason(None, "length") == "length" and O.done_reason(None, "tool_calls") == "stop"
+    d = O.durations({"prompt_n": 5, "prompt_ms": 1.5, "predicted_n": 8, "predicted_ms": 20.0}, 10, 3)
+    assert d == {"total_duration": 10, "load_duration": 3, "prompt_eval_count": 5, "prompt_eval_duration": 1500000,
+                 "eval_count": 8, "eval_duration": 20000000}
+
+
+@pytest.mark.parametrize("raw", [b"{bad", b"[1, 2]", b"\"text\"", b"{\"a\": " + b"[" * 100000])
+def test_malformed_json_is_a_400(raw: bytes) -> None:
+    with pytest.raises(O.ApiError) as e:
+        O.parse_json_object(raw)
+    assert e.value.status == 400
+
+
+@pytest.mark.parametrize(("origin", "allowed"), [
+    ("http://localhost", True), ("http://localhost:3000", True), ("https://127.0.0.1:8443", True),
+    ("app://obsidian.md", True), ("http://evil.example", False), ("http://localhost.evil.example", False),
+    ("null", False),
+])
+def test_browser_origins_from_the_allowlist(origin: str, allowed: bool) -> None:
+    assert origin_allowed(origin, DEFAULT_ORIGINS) is allowed
+    assert origin_allowed("https://chat.example.com", (*DEFAULT_ORIGINS, "https://chat.example.com"))
+
+
+def test_the_model_answering_gets_the_room_idle_ones_keep_their_minimum() -> None:
+    a, b = Tenant("a", 100, 1000, last_used=1.0), Tenant("b", 200, 800, last_used=2.0)
+    assert divide(1500, [a, b]) == {"a": 700, "b": 800}  # b, the most recent, whole; a what is left
+    assert divide(600, [a, b]) == {"a": 100, "b": 500}  # a shrinks to its minimum first
+    a.last_used = 3.0
+    assert divide(600, [a, b]) == {"a": 400, "b": 200}  # the room follows the model answering
+    assert sum(divide(2000, [a, b]).values()) == 1800  # never more than the models can use
+
+
+def test_unload_the_least_recently_used_only_when_minimums_do_not_fit() -> None:
+    a, b, c = Tenant("a", 100, 1000, 1.0), Tenant("b", 200, 800, 2.0), Tenant("c", 300, 900, 3.0)
+    assert evictions(600, [a, b, c]) == []  # the minimums fit: nothing unloaded, however small the shares
+    assert evictions(600, [a, b, c], incoming=100) == ["a"]
+    assert evictions(600, [a, b, c], incoming=100, busy=["a"]) == ["b"]
+    assert evictions(350, [a, b, c], incoming=50, busy=["c"]) == ["a", "b"]
+    assert evictions(350, [a, b, c], incoming=100, busy=["c"]) is None  # c answers: no room for 100 more

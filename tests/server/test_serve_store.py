@@ -1,0 +1,342 @@
+"""`zipmoe serve` without a MODEL, driven as its users drive it: the official `ollama` and `openai` client packages,
+raw HTTP for what a client hides (status codes, error shapes, origins), and `zipmoe ps` / `zipmoe stop`. Two tiny
+synthetic models of different architectures (different weights, so that mixed-up answers would show) in a store
+of the test's own."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import http_json, kill_group, llama_bin_dir
+
+import pyzipmoe
+from pyzipmoe.models.directory import ModelDirectory
+
+ollama = pytest.importorskip("ollama")
+openai = pytest.importorskip("openai")
+
+REPO = Path(pyzipmoe.__file__).resolve().parent.parent
+GREEDY = {"temperature": 0, "num_predict": 12}
+PROMPT = "the expert model said hello to the world"
+# a chat template that starts with the BOS token, as real models' do (pyzipmoe.Llama's chat formatter adds none
+# of its own; llama-server adds the vocabulary's unless the template's text starts with it)
+TEMPLATE = ('TEMPLATE """{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}'
+            'assistant:"""\n')
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env(root: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZIPMOE_")}
+    env["ZIPMOE_MODELS"] = str(root)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+class Server:
+    def __init__(self, root: Path, *args: str) -> None:
+        self.root = root
+        self.port = _port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = root.parent / f"server-{self.port}.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "pyzipmoe", "serve", "--port", str(self.port), *args],
+                                         env=_env(root), stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            try:
+                if http_json(f"{self.url}/api/version", timeout=2)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"the server did not start:\n{self.log.read_text()[-3000:]}")
+
+    def client(self) -> Any:
+        return ollama.Client(host=self.url, timeout=120)
+
+    def ps(self) -> dict[str, dict[str, Any]]:
+        return {m["name"]: m for m in http_json(f"{self.url}/api/ps")[1]["models"]}
+
+    def stop(self) -> None:
+        kill_group(self.proc)
+
+
+def _zipmoe(root: Path, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pyzipmoe", *argv], env=_env(root), capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def _store(root: Path, tiny_models: dict[str, Path], base: Path) -> ModelDirectory:
+    store = ModelDirectory(root)
+    store.create("alpha", f"FROM {tiny_models['qwen3moe']}\nPARAMETER num_ctx 256\n", base_dir=base, chunk_n=300,
+                 threads=2)
+    store.create("beta", f"FROM {tiny_models['olmoe']}\nPARAMETER num_ctx 256\nSYSTEM You are a test.\n{TEMPLATE}",
+                 base_dir=base, chunk_n=300, threads=2)
+    return store
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    llama_bin_dir()
+    base = tmp_path_factory.mktemp("serve")
+    _store(base / "models", tiny_models, base)
+    s = Server(base / "models")
+    yield s
+    s.stop()
+
+
+def _visible(text: str) -> str:
+    """An answer as `zipmoe run` prints it: llama-cpp-python drops the bytes of a token that are not whole UTF-8
+    characters; llama-server sends them as U+FFFD, and a stream's last ones not at all. (The synthetic models'
+    random weights pick byte tokens that real text does not split.)"""
+    return text.replace("\ufffd", "")
+
+
+# ------------------------------------------------------------------------------------------ the store
+
+
+def test_list_show_version(server: Server) -> None:
+    c = server.client()
+    names = {m.model for m in c.list().models}
+    assert names == {"alpha:latest", "beta:latest"}
+    shown = c.show("beta")
+    assert "SYSTEM" in shown.modelfile and "bos_token" in (shown.template or "")
+    assert shown.details.family == "olmoe" and shown.modelinfo["general.architecture"] == "olmoe"
+    assert http_json(f"{server.url}/api/version")[1]["version"]
+
+
+def test_unknown_model_is_a_404_and_malformed_json_a_400(server: Server) -> None:
+    import urllib.error
+    import urllib.request
+
+    def post(path: str, data: bytes) -> tuple[int, Any]:
+        req = urllib.request.Request(server.url + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    for path in ("/api/generate", "/api/chat", "/api/show"):
+        status, body = post(path, json.dumps({"model": "nosuch", "prompt": "x", "messages": []}).encode())
+        assert status == 404 and body == {"error": "model 'nosuch' not found"}, (path, status, body)
+        status, body = post(path, b"{not json")
+        assert status == 400 and "invalid JSON" in body["error"], (path, status, body)
+    status, body = post("/api/generate", json.dumps({"model": "/etc/passwd", "prompt": "x"}).encode())
+    assert status == 400 and "invalid model name" in body["error"]  # a request cannot name a file
+    status, body = post("/v1/chat/completions", json.dumps({"model": "nosuch", "messages": []}).encode())
+    assert status == 404 and body["error"]["message"] == "model 'nosuch' not found"
+    for path, hint in (("/api/pull", "zipmoe import"), ("/api/push", "zipmoe export")):
+        status, body = post(path, json.dumps({"model": "alpha"}).encode())
+        assert status == 501 and hint in body["error"]
+    with pytest.raises(ollama.ResponseError) as e:
+        server.client().generate("nosuch", "hi")
+    assert e.value.status_code == 404
+    # none of it disturbed the models
+    assert server.client().generate("alpha", PROMPT, options=GREEDY).done
+
+
+def test_num_ctx_beyond_the_model_is_a_clear_error(server: Server) -> None:
+    with pytest.raises(ollama.ResponseError) as e:
+        server.client().generate("alpha", PROMPT, options={**GREEDY, "num_ctx": 10**7})
+    assert e.value.status_code == 400 and "trained for" in e.value.error
+
+
+def test_browser_origins(server: Server) -> None:
+    import urllib.error
+    import urllib.request
+
+    def get(origin: str) -> tuple[int, str | None]:
+        req = urllib.request.Request(f"{server.url}/api/version", headers={"Origin": origin})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, r.headers.get("Access-Control-Allow-Origin")
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers.get("Access-Control-Allow-Origin")
+
+    assert get("http://localhost:5173") == (200, "http://localhost:5173")
+    assert get("https://evil.example") == (403, None)
+
+
+# ------------------------------------------------------------------------------------------ generation
+
+
+def test_generate_streamed_and_not_and_stop_strings(server: Server) -> None:
+    c = server.client()
+    whole = c.generate("alpha", PROMPT, options=GREEDY)
+    assert whole.done and whole.done_reason == "length" and whole.eval_count == 12 and whole.model == "alpha:latest"
+    parts = list(c.generate("alpha", PROMPT, options=GREEDY, stream=True))
+    assert all(not p.done for p in parts[:-1]) and parts[-1].done and parts[-1].eval_count == 12
+    assert _visible("".join(p.response for p in parts)) == _visible(whole.response)
+    stop = _visible(whole.response)[3:5]
+    cut = c.generate("alpha", PROMPT, options={**GREEDY, "stop": [stop]})
+    assert cut.done_reason == "stop" and _visible(cut.response) == _visible(whole.response).split(stop)[0]
+
+
+def test_chat_streamed_and_not(server: Server) -> None:
+    c = server.client()
+    msgs = [{"role": "user", "content": PROMPT}]
+    whole = c.chat("beta", msgs, options=GREEDY)
+    assert whole.message.role == "assistant" and whole.done and whole.eval_count == 12
+    parts = list(c.chat("beta", msgs, options=GREEDY, stream=True))
+    assert parts[-1].done and _visible("".join(p.message.content for p in parts)) == _visible(whole.message.content)
+
+
+@pytest.mark.parametrize("model", ["alpha", "beta"])
+def test_greedy_tokens_identical_to_zipmoe_run(server: Server, model: str) -> None:
+    """alpha has no TEMPLATE, SYSTEM or MESSAGE: both complete the prompt as it is; beta's prompt is one chat turn
+    after its SYSTEM line, in its TEMPLATE."""
+    ran = _zipmoe(server.root, "run", model, PROMPT, "-n", "12", "--temp", "0")
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    expected = ran.stdout.rstrip("\n")
+    served = server.client().generate(model, PROMPT, options=GREEDY)
+    assert served.eval_count == 12 and _visible(served.response)
+    # llama-cpp-python goes on past max_tokens while the text ends in a part of a UTF-8 character (17 tokens
+    # here): the server's 12 tokens begin its text, and 24 go past it
+    assert expected.startswith(_visible(served.response))
+    longer = server.client().generate(model, PROMPT, options={**GREEDY, "num_predict": 24})
+    assert _visible(longer.response).startswith(expected)
+
+
+def test_openai_client_names_models_by_store_name(server: Server) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    assert {m.id for m in client.models.list()} == {"alpha:latest", "beta:latest"}
+    answer = client.chat.completions.create(model="beta", messages=[{"role": "user", "content": PROMPT}],
+                                            max_tokens=12, temperature=0)
+    assert answer.model == "beta:latest" and answer.usage.completion_tokens == 12
+    ours = server.client().chat("beta", [{"role": "user", "content": PROMPT}], options=GREEDY)
+    assert answer.choices[0].message.content == ours.message.content  # the same SYSTEM line, the same template
+    chunks = list(client.chat.completions.create(model="beta", messages=[{"role": "user", "content": PROMPT}],
+                                                 max_tokens=12, temperature=0, stream=True))
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert _visible(streamed) == _visible(ours.message.content)
+
+
+def test_two_models_alternately_and_concurrently(server: Server) -> None:
+    c = server.client()
+    expected = {m: c.generate(m, PROMPT, options=GREEDY).response for m in ("alpha", "beta")}
+    assert expected["alpha"] != expected["beta"]
+    for m in ("alpha", "beta", "alpha", "beta"):
+        assert c.generate(m, PROMPT, options=GREEDY).response == expected[m]
+    got: list[tuple[str, str]] = []
+    errors: list[BaseException] = []
+
+    def ask(m: str) -> None:
+        try:
+            got.append((m, server.client().generate(m, PROMPT, options=GREEDY).response))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=ask, args=(m,)) for m in ("alpha", "beta") * 4]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and len(got) == 8
+    assert all(text == expected[m] for m, text in got)
+    # both stayed loaded: switching between models that fit costs no reload
+    assert {"alpha:latest", "beta:latest"} <= set(server.ps())
+
+
+# ------------------------------------------------------------------------------------------ loading and unloading
+
+
+def test_ps_keep_alive_and_stop(server: Server) -> None:
+    c = server.client()
+    c.generate("alpha", PROMPT, options=GREEDY, keep_alive=-1)
+    ps = server.ps()["alpha:latest"]
+    assert ps["expires_at"].startswith("0001-") and ps["zipmoe"]["budget"] > 0 and ps["context_length"] == 256
+    listed = c.ps()
+    assert "alpha:latest" in {m.model for m in listed.models}
+    shown = _zipmoe(server.root, "ps", "--port", str(server.port))
+    assert shown.returncode == 0 and "alpha:latest" in shown.stdout and "forever" in shown.stdout
+    c.generate("alpha", PROMPT, options=GREEDY, keep_alive=0)
+    assert "alpha:latest" not in server.ps()
+    c.generate("alpha", PROMPT, options=GREEDY, keep_alive="1s")
+    assert "alpha:latest" in server.ps()
+    deadline = time.monotonic() + 10
+    while "alpha:latest" in server.ps() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "alpha:latest" not in server.ps()
+    c.generate("beta", PROMPT, options=GREEDY)
+    stopped = _zipmoe(server.root, "stop", "beta", "--port", str(server.port))
+    assert stopped.returncode == 0, stopped.stderr
+    assert "beta:latest" not in server.ps()
+    missing = _zipmoe(server.root, "stop", "nosuch", "--port", str(server.port))
+    assert missing.returncode != 0 and missing.stderr.startswith("zipmoe: error: model 'nosuch' not found")
+
+
+def test_copy_and_delete(server: Server) -> None:
+    c = server.client()
+    assert c.copy("alpha", "gamma:v1").status == "success"
+    assert "gamma:v1" in {m.model for m in c.list().models}
+    assert c.generate("gamma:v1", PROMPT, options=GREEDY).response == c.generate("alpha", PROMPT,
+                                                                                  options=GREEDY).response
+    assert c.delete("gamma:v1").status == "success"
+    assert "gamma:v1" not in {m.model for m in c.list().models} and "gamma:v1" not in server.ps()
+    with pytest.raises(ollama.ResponseError) as e:
+        c.generate("gamma:v1", PROMPT)
+    assert e.value.status_code == 404
+    assert c.generate("alpha", PROMPT, options=GREEDY).done  # its blobs are alpha's: still there
+
+
+def test_zipmoe_ps_without_a_server_says_so(tmp_path: Path) -> None:
+    done = _zipmoe(tmp_path, "ps", "--port", str(_port()))
+    assert done.returncode == 2 and done.stderr.startswith("zipmoe: error: no zipmoe server answers at")
+    assert done.stderr.count("\n") == 1
+
+
+# ------------------------------------------------------------------------------------------ one budget
+
+
+def test_one_budget_shared_by_the_loaded_models(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """A budget that holds both models' minimums but not both whole: both stay loaded, the one answering gets the
+    room and the other shrinks to what is left; the shares never add up to more than the budget. A budget below
+    the two minimums: loading one unloads the other (the least recently used), and both answer in turn."""
+    from pyzipmoe.runtime.budget import model_memory
+
+    llama_bin_dir()
+    store = _store(tmp_path / "models", tiny_models, tmp_path)
+    need = {n: model_memory(store.open(n).model_path) for n in ("alpha", "beta")}
+    budget = need["alpha"].minimum + need["beta"].minimum + max(need["alpha"].expert_bytes,
+                                                               need["beta"].expert_bytes) // 2
+    s = Server(store.root, "--memory-budget", str(budget))
+    try:
+        c = s.client()
+        expected = {m: c.generate(m, PROMPT, options=GREEDY).response for m in ("alpha", "beta")}
+        for answering, idle in (("alpha", "beta"), ("beta", "alpha")):
+            assert c.generate(answering, PROMPT, options=GREEDY).response == expected[answering]
+            ps = s.ps()
+            shares = {m: ps[f"{m}:latest"]["zipmoe"]["budget"] for m in ("alpha", "beta")}
+            assert sum(shares.values()) <= budget
+            assert shares[answering] == min(need[answering].whole, budget - need[idle].minimum)
+            assert shares[idle] == budget - shares[answering]
+            assert ps[f"{idle}:latest"]["zipmoe"]["resident"] <= shares[idle]
+    finally:
+        s.stop()
+    small = max(need["alpha"].minimum, need["beta"].minimum) + 1
+    s = Server(store.root, "--memory-budget", str(small))
+    try:
+        c = s.client()
+        for m in ("alpha", "beta", "alpha"):
+            assert c.generate(m, PROMPT, options=GREEDY).response == expected[m]
+            assert set(s.ps()) == {f"{m}:latest"}
+    finally:
+        s.stop()
