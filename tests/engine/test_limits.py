@@ -70,3 +70,17 @@ def test_zipmoe_run_says_one_line_and_exits_2(llama_lib_dir: Path, zipmoe_model:
     assert done.returncode == 2, f"exit status {done.returncode}: {done.stderr[-2000:]}"
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0] and lines[0].startswith("zipmoe: error:"), done.stderr
+
+
+@pytest.mark.parametrize("line, fragment", [
+    ("PARAMETER num_thread 100000", f"must be at most {MAX_THREADS}, got 100000"),
+    (f"PARAMETER num_ctx {2**32 + 16}", f"must be at most {MAX_CONTEXT}, got {2**32 + 16}"),
+])
+def test_a_modelfile_takes_the_same_bounds(line: str, fragment: str) -> None:
+    """The old code took these Modelfile lines, and `zipmoe run NAME` then segfaulted or wrapped the context."""
+    from pyzipmoe.models.modelfile import ModelfileError, parse
+
+    with pytest.raises(ModelfileError) as e:
+        parse(f"FROM ./model.gguf\n{line}\n")
+    assert "line 2" in str(e.value) and fragment in str(e.value) and "\n" not in str(e.value)
+    assert parse(f"FROM ./model.gguf\nPARAMETER num_thread {MAX_THREADS}\nPARAMETER num_ctx {MAX_CONTEXT}\n")
