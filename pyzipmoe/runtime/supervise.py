@@ -9,6 +9,11 @@ program's glue (ggml_zipmoe/src/op/zipmoe-control.cpp) applies it with zipmoe_ca
 begins (or within 20 ms, between graphs), and writes back what its runtime holds, which the monitor counts as the
 model's. The file's layout is CONTROL_WORDS 64-bit words, described in zipmoe-control.cpp.
 
+The file's pages are allocated before either side uses them, and this side reads and writes it with pread/pwrite
+(ControlFile): where they cannot be allocated (a full /dev/shm), the program runs with its budget fixed and one
+warning says so. A file a killed supervisor left behind is removed when the next one starts (remove_stale); the
+program itself dies with the supervisor (lifetime.die_with_parent, which runner.run_foreground starts it with).
+
 At the floor (even the model's minimum no longer fits), the program is stopped with SIGTERM and the command
 fails with one line and exit status 3 (OutOfMemoryError), instead of the kernel's OOM killer killing it.
 """
