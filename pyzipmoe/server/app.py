@@ -252,6 +252,70 @@ async def api_delete(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
+async def api_create(request: web.Request) -> web.StreamResponse:
+    """A model from a stored one with other SYSTEM, TEMPLATE, PARAMETER, MESSAGE or LICENSE lines (Ollama's
+    `from` and fields, or a Modelfile's text); FROM must name a stored model: a request cannot name a file
+    (`zipmoe create NAME -f Modelfile` adds a GGUF)."""
+    import tempfile
+
+    from ..models import modelfile as mfile
+
+    body = await _body(request)
+    models = request.app[MODELS_KEY]
+    name = _string(body, "model") or _string(body, "name")
+    if not name:
+        raise O.bad_request("model (the name of the model to create) is required")
+    try:
+        ModelName.parse(name)
+    except InvalidNameError as e:
+        raise O.bad_request(str(e)) from None
+    if body.get("files") or body.get("adapters") or body.get("quantize"):
+        raise O.bad_request("files, adapters and quantize are not taken over HTTP: add a GGUF with `zipmoe create "
+                            "NAME -f Modelfile` on the server's machine, then create from its name")
+    try:
+        mf = await asyncio.to_thread(_modelfile_of, body, mfile)
+    except ZipmoeError as e:
+        raise O.bad_request(str(e)) from None
+    try:
+        ModelName.parse(mf.from_)
+    except InvalidNameError:
+        raise O.bad_request(f"FROM {mf.from_!r} is not a stored model's name: a request cannot name a file "
+                            "(`zipmoe create NAME -f Modelfile` adds a GGUF)") from None
+    await asyncio.to_thread(models.open, mf.from_)  # 404 for a name not in the store
+    with tempfile.TemporaryDirectory(prefix="zipmoe-create-") as empty:  # FROM resolves to no file
+        try:
+            await asyncio.to_thread(models.store.create, name, mf, base_dir=empty)
+        except ModelNotFoundError:
+            raise
+        except ZipmoeError as e:
+            raise O.bad_request(str(e)) from None
+    if body.get("stream", True):
+        out = _Ndjson(request)
+        await out.send({"status": "success"})
+        await out.response.write_eof()
+        return out.response
+    return web.json_response({"status": "success"})
+
+
+def _modelfile_of(body: Mapping[str, Any], mfile: Any) -> Any:
+    if isinstance(body.get("modelfile"), str):
+        return mfile.parse(body["modelfile"], "the request's modelfile")
+    from_ = body.get("from")
+    if not isinstance(from_, str) or not from_:
+        raise O.bad_request("from (a stored model's name) or modelfile is required")
+    params = body.get("parameters") or {}
+    if not isinstance(params, Mapping):
+        raise O.bad_request("parameters must be an object")
+    licence = body.get("license") or ()
+    messages = body.get("messages") or []
+    if not isinstance(messages, list) or not all(isinstance(m, Mapping) and isinstance(m.get("role"), str) and
+                                                 isinstance(m.get("content"), str) for m in messages):
+        raise O.bad_request("messages must be a list of objects with a role and a content")
+    return mfile.Modelfile(from_, mfile.check_parameters(dict(params), "parameters"), _string(body, "template"),
+                           _string(body, "system"), (licence,) if isinstance(licence, str) else tuple(licence),
+                           tuple(mfile.Message(m["role"], m["content"]) for m in messages))
+
+
 async def api_pull(request: web.Request) -> web.Response:
     raise O.ApiError(501, "zipmoe has no registry to pull from: add a model with `zipmoe create NAME -f Modelfile`, "
                           "or `zipmoe import ARCHIVE` one that `zipmoe export` wrote")
@@ -519,6 +583,7 @@ def make_app(models: Models, origins: Iterable[str] = ()) -> web.Application:
     r.add_post("/api/embeddings", api_embed)
     r.add_post("/api/copy", api_copy)
     r.add_delete("/api/delete", api_delete)
+    r.add_post("/api/create", api_create)
     r.add_post("/api/pull", api_pull)
     r.add_post("/api/push", api_push)
     r.add_get("/v1/models", v1_models)

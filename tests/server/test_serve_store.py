@@ -340,3 +340,40 @@ def test_one_budget_shared_by_the_loaded_models(tiny_models: dict[str, Path], tm
             assert set(s.ps()) == {f"{m}:latest"}
     finally:
         s.stop()
+
+
+def test_create_from_a_stored_model_and_not_from_a_file(server: Server, tiny_models: dict[str, Path]) -> None:
+    c = server.client()
+    c.create("delta", from_="alpha", system="You are brief.", parameters={"temperature": 0, "num_predict": 5},
+             template="{{ bos_token }}{% for m in messages %}{{ m.role }}> {{ m.content }}\n{% endfor %}bot>")
+    shown = c.show("delta")
+    assert "You are brief." in shown.modelfile and "num_predict" in shown.parameters
+    answer = c.generate("delta", PROMPT)
+    assert answer.eval_count == 5  # its PARAMETER num_predict applies
+    with pytest.raises(ollama.ResponseError) as e:
+        c.create("epsilon", from_=str(tiny_models["qwen3moe"]))
+    assert e.value.status_code == 400 and "cannot name a file" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        c.create("epsilon", from_="nosuch")
+    assert e.value.status_code == 404
+    assert c.delete("delta").status == "success"
+
+
+def test_format_and_tools_reach_llama_server(server: Server) -> None:
+    c = server.client()
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    for fmt in (schema, "json"):
+        answer = c.generate("alpha", PROMPT, format=fmt, options={"temperature": 0, "num_predict": 48})
+        if answer.done_reason == "stop":  # (within 48 tokens) the grammar made it JSON
+            parsed = json.loads(answer.response)
+            assert isinstance(parsed, dict) and (fmt == "json" or isinstance(parsed["ok"], bool))
+        else:
+            assert answer.response.lstrip().startswith("{")
+    tool = {"type": "function", "function": {"name": "weather", "description": "the weather in a city",
+                                             "parameters": {"type": "object", "properties": {"city": {
+                                                 "type": "string"}}, "required": ["city"]}}}
+    for stream in (False, True):
+        got = c.chat("beta", [{"role": "user", "content": "weather in Paris?"}], tools=[tool], options=GREEDY,
+                     stream=stream)
+        last = list(got)[-1] if stream else got
+        assert last.done
