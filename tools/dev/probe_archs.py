@@ -41,66 +41,148 @@ N_LAYER = 4
 N_EMBD = 64
 N_HEAD = 4
 HEAD_DIM = 16
+N_CTX = 256
 
-# Values of the keys llama.cpp may ask for (without the "<arch>." prefix): small, and consistent with each other.
+# The keys every generated model gets, whatever its architecture reads (after llama.cpp's own fixture,
+# tests/test-llama-archs.cpp, at a smaller scale): small and consistent with each other. Without the "<arch>."
+# prefix; a list is written as an array.
 KEY_DEFAULTS: dict[str, tuple[str, Any]] = {
-    "context_length": ("u32", 256),
+    "context_length": ("u32", N_CTX),
     "embedding_length": ("u32", N_EMBD),
+    "features_length": ("u32", N_EMBD),
     "block_count": ("u32", N_LAYER),
-    "feed_forward_length": ("u32", 64),
-    "expert_feed_forward_length": ("u32", 32),
-    "expert_shared_feed_forward_length": ("u32", 32),
-    "expert_count": ("u32", 4),
-    "expert_used_count": ("u32", 2),
-    "expert_shared_count": ("u32", 1),
-    "expert_group_count": ("u32", 2),
-    "expert_group_used_count": ("u32", 1),
-    "expert_weights_scale": ("f32", 1.0),
-    "expert_weights_norm": ("bool", True),
-    "expert_gating_func": ("u32", 1),
     "leading_dense_block_count": ("u32", 1),
-    "moe_every_n_layers": ("u32", 2),
-    "interleave_moe_layer_step": ("u32", 2),
+    "feed_forward_length": ("u32", 64),
+    "use_parallel_residual": ("bool", False),
+    "logit_scale": ("f32", 1.0),
     "full_attention_interval": ("u32", 2),
-    "nextn_predict_layers": ("u32", 0),
     "attention.head_count": ("u32", N_HEAD),
     "attention.head_count_kv": ("u32", 2),
     "attention.key_length": ("u32", HEAD_DIM),
     "attention.value_length": ("u32", HEAD_DIM),
-    "attention.layer_norm_rms_epsilon": ("f32", 1e-6),
-    "attention.layer_norm_epsilon": ("f32", 1e-5),
-    "attention.q_lora_rank": ("u32", 32),
-    "attention.kv_lora_rank": ("u32", 16),
-    "attention.key_length_mla": ("u32", 24),
-    "attention.value_length_mla": ("u32", 16),
-    "attention.sliding_window": ("u32", 8),
-    "attention.sliding_window_pattern": ("u32", 2),
-    "attention.causal": ("bool", True),
-    "attention.clamp_kqv": ("f32", 8.0),
-    "attention.group_norm_epsilon": ("f32", 1e-5),
-    "attention.group_norm_groups": ("u32", 1),
     "rope.dimension_count": ("u32", HEAD_DIM),
     "rope.freq_base": ("f32", 10000.0),
+    "attention.max_alibi_bias": ("f32", 8.0),
+    "attention.clamp_kqv": ("f32", 8.0),
+    "attention.layer_norm_epsilon": ("f32", 1e-5),
+    "attention.layer_norm_rms_epsilon": ("f32", 1e-5),
+    "attention.group_norm_epsilon": ("f32", 1e-5),
+    "attention.group_norm_groups": ("u32", 8),
+    "attention.q_lora_rank": ("u32", 64),
+    "attention.kv_lora_rank": ("u32", 64),
+    "attention.relative_buckets_count": ("u32", 8),
+    "attention.sliding_window": ("u32", N_CTX // 8),
+    "attention.sliding_window_pattern": ("u32", 2),
+    "attention.indexer.head_count": ("u32", 8),
+    "attention.indexer.key_length": ("u32", 16),
+    "attention.indexer.top_k": ("u32", 131072),
+    "attention.indexer.block_size": ("u32", 4),
+    "attention.indexer.kpool": ("u32", 4),
+    "attention.indexer.kpool_select_tail": ("bool", True),
+    "attention.indexer.local_blocks": ("u32", 1),
+    "rope.dimension_sections": ("u32", [HEAD_DIM // 4] * 4),
+    "expert_feed_forward_length": ("u32", 32),
+    "expert_shared_feed_forward_length": ("u32", 48),
+    "expert_latent_length": ("u32", 32),
+    "interleave_moe_layer_step": ("u32", 2),
+    "expert_count": ("u32", 4),
+    "expert_used_count": ("u32", 2),
+    "expert_shared_count": ("u32", 1),
+    "expert_gating_func": ("u32", 2),
+    "expert_group_scale": ("f32", 1.0),
+    "experts_per_group": ("u32", 1),
+    "ssm.inner_size": ("u32", 2 * N_EMBD),
     "ssm.conv_kernel": ("u32", 4),
-    "ssm.inner_size": ("u32", 128),
     "ssm.state_size": ("u32", 16),
-    "ssm.time_step_rank": ("u32", 4),
-    "ssm.group_count": ("u32", 1),
-    "logit_scale": ("f32", 1.0),
-    "embedding_scale": ("f32", 1.0),
-    "residual_scale": ("f32", 1.0),
-    "attention.scale": ("f32", 0.25),
+    "ssm.time_step_rank": ("u32", N_HEAD),
+    "ssm.group_count": ("u32", 2),
+    "kda.head_dim": ("u32", HEAD_DIM),
+    "kda.safe_gate": ("bool", True),
+    "kda.gate_lower_bound": ("f32", -5.0),
+    "wkv.head_size": ("u32", HEAD_DIM),
     "shortconv.l_cache": ("u32", 3),
-    "pooling_type": ("u32", 1),
+    "residual_scale": ("f32", 1.0),
+    "attn_res.block_size": ("u32", 12),
+    "activation.situ_beta": ("f32", 4.0),
+    "activation.situ_linear_beta": ("f32", 25.0),
 }
 
-# Keys an architecture gets from the start (what the loader reads as optional but a runnable model needs).
-OVERRIDES: dict[str, dict[str, tuple[str, Any]]] = {}
+_HYBRID_HEADS = [0 if i % 2 else N_HEAD for i in range(N_LAYER)]  # odd layers recurrent
+_ALTERNATE = [i % 2 for i in range(N_LAYER)]
+# multi-head latent attention, after test-llama-archs.cpp at 1/8 of its size: the cache row is the latent
+# (kv_lora_rank) and the rope part; a head is 16 no-rope + 8 rope dimensions
+_MLA = {"attention.head_count": ("u32", 2), "attention.head_count_kv": ("u32", 2),
+        "attention.key_length": ("u32", 72), "attention.value_length": ("u32", 64),
+        "rope.dimension_count": ("u32", 8), "attention.key_length_mla": ("u32", 24),
+        "attention.value_length_mla": ("u32", 16)}
 
-BASE_KEYS = ("context_length", "embedding_length", "block_count", "feed_forward_length",
-             "expert_feed_forward_length", "expert_count", "expert_used_count", "attention.head_count",
-             "attention.head_count_kv", "attention.key_length", "attention.value_length",
-             "attention.layer_norm_rms_epsilon", "rope.dimension_count", "rope.freq_base")
+# Per-architecture changes (as test-llama-archs.cpp makes them, or what a runnable model needs).
+OVERRIDES: dict[str, dict[str, tuple[str, Any]]] = {
+    "olmoe": {"attention.head_count_kv": ("u32", N_HEAD)},  # its q/k norms span the whole q and k
+    "afmoe": {"attention.head_count_kv": ("u32", 2)},
+    **{a: dict(_MLA) for a in ("deepseek2", "deepseek2-ocr", "deepseek32", "glm-dsa", "mistral4", "hy_v4")},
+    "dots3note": {**_MLA, "attention.kv_lora_rank_swa": ("u32", 64), "attention.key_length_swa": ("u32", 72),
+                  "attention.value_length_swa": ("u32", 64), "attention.key_length_mla_swa": ("u32", 24),
+                  "attention.value_length_mla_swa": ("u32", 16), "rope.freq_base_swa": ("f32", 10000.0),
+                  "attention.indexer.types": ("u32", [1 - a for a in _ALTERNATE]),
+                  "attention.sliding_window_pattern": ("u32", _ALTERNATE)},
+    **{a: {**_MLA, "attention.head_count": ("u32", [0 if i % 2 else 2 for i in range(N_LAYER)]),
+           "attention.head_count_kv": ("u32", [0 if i % 2 else 2 for i in range(N_LAYER)])}
+       for a in ("kimi-linear", "bailingmoe3", "kimi-k3")},
+    **{a: {"attention.head_count": ("u32", _HYBRID_HEADS), "attention.head_count_kv": ("u32", _HYBRID_HEADS)}
+       for a in ("jamba", "granitehybrid", "lfm2moe")},
+    "nemotron_h_moe": {"attention.head_count": ("u32", _HYBRID_HEADS),
+                       "attention.head_count_kv": ("u32", [0, 0, N_HEAD, 0]),
+                       "feed_forward_length": ("u32", [0, 0, 0, 64])},
+    **{a: {"attention.sliding_window_pattern": ("u32", _ALTERNATE)}
+       for a in ("cohere2moe", "mimo2", "step35", "granite_swa", "maple")},
+    "maple": {"attention.sliding_window_pattern": ("u32", _ALTERNATE), "swiglu_clamp_exp": ("f32", 7.0)},
+    "gemma4": {"embedding_length_per_layer_input": ("u32", N_EMBD // 2), "attention.shared_kv_layers": ("u32", 0),
+               "attention.key_length_swa": ("u32", HEAD_DIM), "attention.value_length_swa": ("u32", HEAD_DIM),
+               "rope.freq_base_swa": ("f32", 10000.0), "attention.sliding_window_pattern": ("u32", 5),
+               "block_count": ("u32", 5)},
+    "llama4": {"block_count": ("u32", 4)},
+    "deepseek4": {"attention.head_count": ("u32", 8), "attention.head_count_kv": ("u32", 1),
+                  "attention.key_length": ("u32", 8), "attention.value_length": ("u32", 8),
+                  "rope.dimension_count": ("u32", 4), "attention.q_lora_rank": ("u32", 16),
+                  "attention.output_group_count": ("u32", 8), "attention.output_lora_rank": ("u32", 8),
+                  "attention.compress_ratios": ("u32", [0, 0, 4, 128]),
+                  "attention.compress_rope_freq_base": ("f32", 160000.0), "hyper_connection.count": ("u32", 4),
+                  "hyper_connection.sinkhorn_iterations": ("u32", 2), "hyper_connection.epsilon": ("f32", 1e-6),
+                  "hash_layer_count": ("u32", 0), "swiglu_clamp_exp": ("f32", 10.0),
+                  "expert_weights_scale": ("f32", 1.0), "expert_weights_norm": ("bool", True),
+                  "expert_gating_func": ("u32", 4)},
+    "bailingmoe3_extra": {},
+    "nomic-bert-moe": {"tokenizer.ggml.token_type_count": ("u32", 2)},
+}
+OVERRIDES["bailingmoe3"].update({"rope.dimension_sections": ("u32", [1, 1, 2, 0]),
+                                 "swiglu_clamp_exp": ("f32", [0.0, 4.0, 0.0, 4.0]),
+                                 "swiglu_clamp_shexp": ("f32", [0.0, 5.0, 0.0, 5.0])})
+OVERRIDES["hy_v4"].update({"hyper_connection.count": ("u32", 4), "hyper_connection.epsilon": ("f32", 1e-6),
+                           "hyper_connection.magnitude": ("f32", 2.0), "swiglu_clamp_exp": ("f32", 10.0),
+                           "expert_weights_scale": ("f32", 1.0), "expert_weights_norm": ("bool", True),
+                           "attention.indexer.types": ("u32", [1 - a for a in _ALTERNATE])})
+del OVERRIDES["bailingmoe3_extra"]
+
+# Keys added only when the loader asks for them.
+LAZY_KEYS: dict[str, tuple[str, Any]] = {
+    "expert_weights_scale": ("f32", 1.0),
+    "expert_weights_norm": ("bool", True),
+    "nextn_predict_layers": ("u32", 0),
+    "moe_every_n_layers": ("u32", 2),
+    "attention.causal": ("bool", True),
+    "attention.scale": ("f32", 0.25),
+    "embedding_scale": ("f32", 1.0),
+    "pooling_type": ("u32", 1),
+    "swiglu_clamp_exp": ("f32", 7.0),
+    "swiglu_clamp_shexp": ("f32", 7.0),
+    "hyper_connection.count": ("u32", 2),
+    "hyper_connection.sinkhorn_iterations": ("u32", 2),
+    "hyper_connection.epsilon": ("f32", 1e-6),
+    "attention.key_length_mla": ("u32", 24),
+    "attention.value_length_mla": ("u32", 16),
+    "target_layers": ("u32", [1]),
+}
 
 MAX_STEPS = 600
 
@@ -191,7 +273,7 @@ _TYPE_NAMES = {"uint32": "u32", "int32": "i32", "float32": "f32", "bool": "bool"
 
 def probe_arch(probe: Probe, arch: str, templates: list[str], work: Path) -> tuple[ArchSpec | None, str]:
     """(spec, "") or (None, why stock llama.cpp does not run a generated file)."""
-    keys: dict[str, tuple[str, Any]] = {k: KEY_DEFAULTS[k] for k in BASE_KEYS}
+    keys: dict[str, tuple[str, Any]] = dict(KEY_DEFAULTS)
     keys.update(OVERRIDES.get(arch, {}))
     tensors: dict[str, tuple[int, ...] | None] = {n: None for n in candidate_tensors(templates, N_LAYER)}
     path = work / f"{arch}.gguf"
@@ -208,9 +290,9 @@ def probe_arch(probe: Probe, arch: str, templates: list[str], work: Path) -> tup
         msg = answer[4:]
         if m := re.search(r"key not found in model: " + prefix + r"(\S+)", msg):
             k = m.group(1)
-            if k not in KEY_DEFAULTS or k in keys:
+            if k not in LAZY_KEYS or k in keys:
                 return None, f"needs key {arch}.{k}: {msg}"
-            keys[k] = KEY_DEFAULTS[k]
+            keys[k] = LAZY_KEYS[k]
         elif m := re.search(r"key " + prefix + r"(\S+) has wrong type (\w+) but expected type (\w+)", msg):
             k, want = m.group(1), _TYPE_NAMES.get(m.group(3))
             if want is None or keys[k][0] == want:
