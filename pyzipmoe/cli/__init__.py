@@ -2,8 +2,10 @@
 verify, inspect, unpack), demo, programs (run, serve, bench: zipmoe's llama.cpp), models (create, list, show, cp,
 rm, prune, export, import), calibrate, plan; formatting holds what they share.
 
-Expected failures (bad input, corrupted files, missing files) print one line, `zipmoe: error: ...`, and
-exit with 2 (1 when verify finds a difference); a traceback means a bug in zipmoe.
+Expected failures (bad input, corrupted files, missing files) print one line, `zipmoe: error: ...`, and exit with
+a status of the one table every subcommand uses (pyzipmoe.errors.EXIT_STATUSES); a traceback means a bug in zipmoe.
+Options may come before, between or after the positional arguments (`zipmoe run MODEL -n 4 hello`); for run, serve
+and bench everything after the first `--` goes to the llama.cpp program untouched.
 """
 
 from __future__ import annotations
@@ -12,8 +14,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ..errors import ZipmoeError
-from .formatting import EXIT_BAD_INPUT, EXIT_INTERRUPTED
+from ..errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, ZipmoeError, exit_status_text
 
 DESCRIPTION = """\
 Lossless compression of the BF16 expert tensors of Mixture-of-Experts GGUF models.
@@ -37,14 +38,35 @@ examples:
   zipmoe calibrate model.zipmoe.gguf                     measure this machine's decode and disk costs
   zipmoe plan model.zipmoe.gguf --memory-budget 6GiB     the planner's split of the budget, per layer
 
-exit status: 0 success, 1 verify found a difference, 2 bad input or usage, 130 interrupted.
-run, serve and bench exit with the status of the llama.cpp program they run.
-docs/FORMAT.md specifies the file format."""
+options may come anywhere after COMMAND; `zipmoe COMMAND --help` describes each command and its arguments.
+docs/FORMAT.md specifies the file format.
+
+"""
+
+
+def version() -> str:
+    """pyzipmoe's version: its installed metadata, else (run from a checkout) pyproject.toml's, the one place it is
+    written."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("pyzipmoe")
+    except metadata.PackageNotFoundError:
+        import tomllib
+        from pathlib import Path
+
+        try:
+            with open(Path(__file__).resolve().parents[2] / "pyproject.toml", "rb") as f:
+                return str(tomllib.load(f)["project"]["version"])
+        except (OSError, ValueError, KeyError):
+            return "unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zipmoe", description=DESCRIPTION, epilog=EPILOG,
+    parser = argparse.ArgumentParser(prog="zipmoe", description=DESCRIPTION, epilog=EPILOG + exit_status_text(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"zipmoe {version()}",
+                        help="print zipmoe's version and exit")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
     from . import calibrate, demo, files, models, plan, programs, server
@@ -55,8 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    """build_parser().parse_args, except that for run/serve/bench everything after the first `--` is kept, untouched,
-    as llama_args for the llama.cpp program (argparse would mix it into the positionals or drop later `--`s)."""
+    """The command line, read as build_parser() describes it, with options anywhere after the subcommand (its
+    parser's parse_intermixed_args: `zipmoe run MODEL -n 4 hello` is `zipmoe run -n 4 MODEL hello`). For
+    run/serve/bench everything after the first `--` is kept, untouched, as llama_args for the llama.cpp program
+    (argparse would mix it into the positionals or drop later `--`s)."""
     from . import programs
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -64,10 +88,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if argv[:1] and argv[0] in programs.LLAMA_COMMANDS and "--" in argv:
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1:]
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    command = _subcommands(parser).get(argv[0]) if argv else None
+    args = command.parse_intermixed_args(argv[1:]) if command is not None else parser.parse_args(argv)
     if argv[:1] and argv[0] in programs.LLAMA_COMMANDS:
         args.llama_args = passthrough
     return args
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The subcommands' parsers by name (aliases included)."""
+    for action in parser._actions:  # argparse keeps them there; it has no public accessor
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,9 +18,7 @@ from ..plan.calibration import Calibration, cache_file
 from ..plan.disk import LATENCY_PROBES
 from ..plan.measure import DEFAULT_READ_BYTES
 
-__all__ = ["EXIT_STATUS", "calibration_table", "register"]
-
-EXIT_STATUS = "exit status: 0 success; 1 no such file, or not a MoE GGUF; 2 bad usage; 130 interrupted."
+__all__ = ["calibration_table", "register"]
 
 
 # ------------------------------------------------------------------------------------------ formatting
@@ -142,8 +140,7 @@ def register(sub: Any) -> None:
         examples=("zipmoe calibrate model.zipmoe.gguf",
                   "zipmoe calibrate model.zipmoe.gguf --force --read 1GiB   measure again, reading more of the file",
                   "zipmoe calibrate model.zipmoe.gguf --json | jq .costs",
-                  "zipmoe calibrate model-Q4_K_M.gguf                  a plain GGUF: its experts' reads"),
-        epilog=EXIT_STATUS)
+                  "zipmoe calibrate model-Q4_K_M.gguf                  a plain GGUF: its experts' reads"))
     p.add_argument("model", metavar="MODEL", help="a zipmoe GGUF (zipmoe convert makes one), or a plain GGUF")
     p.add_argument("--force", action="store_true", help="measure again even if a calibration is cached")
     p.add_argument("--read", type=_read_size, default=DEFAULT_READ_BYTES, metavar="SIZE",

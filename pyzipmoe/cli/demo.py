@@ -152,7 +152,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         parent = None if args.no_cgroup else cgroup_parent()
         where = (f"each in a memory cgroup limited to {human_size(limit)}" if parent is not None else
                  "no memory cgroup here (it needs root and cgroup v1's memory controller): the budget alone bounds "
-                 "zipmoe, stock runs unbounded")
+                 "the zipmoe run, the BF16 run is unbounded")
         say(f"3. generating {args.n_predict} tokens of {PROMPT!r} greedily with llama-simple, {where} ...")
         stock = generate(model, args.n_predict, None, parent, limit)
         zipped = generate(packed, args.n_predict, budget, parent, limit)
@@ -165,9 +165,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         say("")
         say(_table(made.file_size, report.output_size, budget, stock, zipped))
         say(f"identical tokens: {'yes' if same else 'NO'}")
-        say("stock = the same llama.cpp build on the BF16 file without a budget: a plain GGUF runs exactly as in "
-            "stock llama.cpp. Peak = " + ("the cgroup's peak usage (memory and page cache)" if parent is not None
-                                          else "the largest resident set (no cgroup)") + ".")
+        say("Both rows are llama-simple from zipmoe's build of llama.cpp: on the BF16 file without a budget it runs "
+            "exactly as stock llama.cpp (zipmoe's code runs only for compressed tensors). Peak = "
+            + ("the cgroup's peak usage (memory and page cache)" if parent is not None
+               else "the largest resident set (no cgroup)") + ".")
         if not same:
             raise ZipmoeError("the zipmoe model generated other tokens than its BF16 source: this is a bug")
         if args.keep:
@@ -197,10 +198,13 @@ def _program_dir() -> str:
 
 
 def _table(bf16_size: int, zipmoe_size: int, budget: int, stock: Run, zipped: Run) -> str:
-    header = ("run", "file", "memory budget", "tokens/s", "peak memory")
-    rows = [("stock llama.cpp, BF16", human_size(bf16_size), "none", f"{stock.tokens_per_second:.1f}",
+    """One row per run, named for what ran: which file, under which budget; the peak column for where it was read."""
+    peak = {"cgroup": "peak memory (cgroup)", "rss": "peak RSS"}
+    header = ("model file", "size", "memory budget", "tokens/s",
+              " / ".join(dict.fromkeys(peak[r.peak_source] for r in (stock, zipped))))
+    rows = [("BF16 GGUF (as stock llama.cpp)", human_size(bf16_size), "none", f"{stock.tokens_per_second:.1f}",
              human_size(stock.peak_bytes)),
-            ("zipmoe", human_size(zipmoe_size), human_size(budget), f"{zipped.tokens_per_second:.1f}",
+            ("zipmoe GGUF", human_size(zipmoe_size), human_size(budget), f"{zipped.tokens_per_second:.1f}",
              human_size(zipped.peak_bytes))]
     return render_table(header, rows)
 
@@ -219,12 +223,12 @@ def _synth_progress(progress: Progress) -> Callable[[int, int, str], None]:
 def register(sub: Any) -> None:
     """Adds `demo` to the `zipmoe` command's subparsers."""
     p = command(
-        sub, "demo", cmd_demo, help="run a SYNTHETIC MoE model under a memory budget, next to stock llama.cpp",
+        sub, "demo", cmd_demo, help="run a SYNTHETIC MoE model under a memory budget, next to its BF16 file",
         description="zipmoe's main job in a minute or two: make a SYNTHETIC MoE model (random BF16 weights whose "
                     "exponents have the statistics of trained ones), convert it, and generate with it under a "
-                    "memory budget of half its size, next to stock llama.cpp on the BF16 file in the same memory "
-                    "limit (a cgroup where this process may make one). Prints tokens/s, peak memory and whether "
-                    "the tokens are identical.",
+                    "memory budget of half its size, next to its BF16 file run as stock llama.cpp runs it, in the "
+                    "same memory limit (a cgroup where this process may make one). Prints tokens/s, peak memory and "
+                    "whether the tokens are identical.",
         examples=("zipmoe demo", "zipmoe demo --preset 1g --keep --workdir /tmp/z"))
     p.add_argument("--preset", choices=("tiny", "small", "1g"), default="small",
                    help="model size: tiny (~0.3 MB), small (~64 MB, the default) or 1g (~1 GiB, minutes)")

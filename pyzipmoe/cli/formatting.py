@@ -10,9 +10,8 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, exit_status_text  # noqa: F401  (the one table)
 from ..runtime.budget import human_size  # noqa: F401  (the subcommands' sizes: one formatter)
-
-EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def pct(x: float | None, signed: bool = False) -> str:
@@ -68,11 +67,12 @@ def para(text: str) -> str:
 def command(sub: Any, name: str, run: Any, description: str, examples: Sequence[str] = (),
             **kw: Any) -> argparse.ArgumentParser:
     """Subcommand `name` of `zipmoe`, which `run(args)` carries out: its description wrapped by para, its command
-    lines `examples` listed below the options, the line breaks of an epilog kept; kw as for add_parser (help,
-    epilog, usage...)."""
+    lines `examples` listed below the options, the line breaks of an epilog kept, the exit statuses (the one table,
+    pyzipmoe.errors.EXIT_STATUSES) last; kw as for add_parser (help, epilog, usage...)."""
     if examples:
         listed = f"example{'s' if len(examples) > 1 else ''}:\n" + "\n".join("  " + line for line in examples)
         kw["epilog"] = listed + (f"\n\n{kw['epilog']}" if kw.get("epilog") else "")
+    kw["epilog"] = (f"{kw['epilog']}\n\n" if kw.get("epilog") else "") + exit_status_text()
     p = sub.add_parser(name, formatter_class=argparse.RawDescriptionHelpFormatter, description=para(description), **kw)
     p.set_defaults(run=run)
     return p

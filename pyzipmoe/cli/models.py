@@ -22,10 +22,8 @@ from ..models.name import NAME_HELP
 from ..models.package import ModelPackage
 from ..models.directory import ModelDirectory, resolve_model
 
-__all__ = ["EXIT_STATUS", "register", "resolve_model"]
+__all__ = ["register", "resolve_model"]
 
-EXIT_STATUS = ("exit status: 0 success; 1 no such model; 2 bad input or usage, a damaged store or blob; "
-               "130 interrupted.")
 MODELS_HELP = "the model store (default: $ZIPMOE_MODELS, else ~/.zipmoe/models)"
 
 
@@ -152,11 +150,11 @@ def cmd_show(args: argparse.Namespace) -> int:
         for name, value in params:
             print(f"{name:<20}{json.dumps(value, ensure_ascii=False) if name == 'stop' else value}")
     elif args.template:
-        sys.stdout.write(pkg.template or "")
+        _print_text(pkg.template or "")
     elif args.system:
-        sys.stdout.write(pkg.system or "")
+        _print_text(pkg.system or "")
     elif args.license:
-        sys.stdout.write("\n\n".join(pkg.license))
+        _print_text("\n\n".join(pkg.license))
     else:
         sections = [("Model", "\n".join(f"    {k:<20}{v}" for k, v in _model_rows(pkg)))]
         if params:
@@ -175,6 +173,12 @@ def cmd_show(args: argparse.Namespace) -> int:
         if args.verify:
             print("\n  every blob was hashed and matches its sha256")
     return 0
+
+
+def _print_text(text: str) -> None:
+    """A stored text as it is, ending with a newline (added where it has none), as a terminal and `wc -l` expect;
+    nothing for an empty one."""
+    sys.stdout.write(text if not text or text.endswith("\n") else text + "\n")
 
 
 def _one_line(text: str, width: int = 70) -> str:
@@ -242,7 +246,7 @@ def register(sub: Any) -> None:
     from ..file import codec
 
     def add(name: str, run: Any, help_: str, description: str, examples: str, **kw: Any) -> argparse.ArgumentParser:
-        return command(sub, name, run, description, help=help_, epilog=f"examples:\n{examples}\n\n{EXIT_STATUS}",
+        return command(sub, name, run, description, help=help_, epilog=f"examples:\n{examples}",
                        **kw)
 
     p = add("create", cmd_create, "create a model from a Modelfile",
@@ -302,14 +306,14 @@ def register(sub: Any) -> None:
     p = add("cp", cmd_cp, "copy a model under another name",
             "Give model SRC a second name DST (replacing DST if it exists). Only the manifest is copied: the blobs "
             "are shared.", "  zipmoe cp mymodel mymodel:backup\n  zipmoe cp mymodel me/mymodel:v1")
-    p.add_argument("src", metavar="SRC")
-    p.add_argument("dst", metavar="DST")
+    p.add_argument("src", metavar="SRC", help="the stored model to copy")
+    p.add_argument("dst", metavar="DST", help=f"its new name ({NAME_HELP})")
     _models_option(p)
 
     p = add("rm", cmd_rm, "remove models",
             "Remove each model NAME, and the blobs that no other model uses.",
             "  zipmoe rm mymodel\n  zipmoe rm mymodel:backup me/mymodel:v1")
-    p.add_argument("names", nargs="+", metavar="NAME")
+    p.add_argument("names", nargs="+", metavar="NAME", help="the stored models to remove")
     _models_option(p)
 
     p = add("prune", cmd_prune, "remove unreferenced blobs and leftovers of interrupted creates",
@@ -323,7 +327,7 @@ def register(sub: Any) -> None:
             "Write model NAME to FILE, a tar with the store's layout (manifests/... and blobs/sha256-...). Each "
             "blob is checked against its sha256 as it is written; FILE appears only when complete.",
             "  zipmoe export mymodel mymodel.tar\n  zipmoe export me/mymodel:v1 /backup/mymodel-v1.tar")
-    p.add_argument("name", metavar="NAME")
+    p.add_argument("name", metavar="NAME", help="the stored model to export")
     p.add_argument("file", metavar="FILE", help="the tar file to write (replaced if it exists)")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no report")
     _models_option(p)
@@ -334,7 +338,7 @@ def register(sub: Any) -> None:
             "a refused or interrupted import leaves the store as it was. A model of that name is not replaced "
             "unless --force is given.",
             "  zipmoe import mymodel.tar\n  zipmoe import mymodel.tar mymodel:restored")
-    p.add_argument("file", metavar="FILE")
+    p.add_argument("file", metavar="FILE", help="a tar file written by `zipmoe export`")
     p.add_argument("name", nargs="?", metavar="NAME",
                    help="the name to give it (default: the name it was exported with)")
     p.add_argument("--force", action="store_true", help="replace a model of that name")

@@ -52,10 +52,7 @@ tokens of each prompt routed to each expert of each layer; or a recorded-routing
 hits of the order in which its tokens routed, as a run re-plans from its own tokens.
 a costs file: JSON with some of cores, t_decode (seconds for one core to decode one expert of one layer),
 disk_bandwidth (bytes/s), read_latency (s), base_seconds_per_token (a token with every expert hot), e.g.
-  {"cores": 8, "t_decode": 0.0004, "disk_bandwidth": 2e9, "read_latency": 5e-5, "base_seconds_per_token": 0.03}
-
-exit status: 0 success; 1 a model, trace or costs file that cannot be used, or no such stored model;
-2 bad usage (a budget that is not a size, a missing MODEL path); 130 interrupted."""
+  {"cores": 8, "t_decode": 0.0004, "disk_bandwidth": 2e9, "read_latency": 5e-5, "base_seconds_per_token": 0.03}"""
 
 
 # ------------------------------------------------------------------------------------------ inputs

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import FormatError, ZipmoeError
+from ..errors import EXIT_DIFFERENT, FormatError, ZipmoeError
 from ..progress import Progress, Silent
 from .convert import (
     _ordered,
@@ -38,7 +38,7 @@ from .reader import CompressedTensor, ZipmoeFile, open_zipmoe
 class MismatchError(ZipmoeError):
     """Restored bytes differ from the source (or from its recorded sha256)."""
 
-    exit_code = 1
+    exit_code = EXIT_DIFFERENT
 
 
 # ----------------------------------------------------------------------------------------- restoring

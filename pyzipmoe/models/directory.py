@@ -454,8 +454,8 @@ def resolve_model(name_or_path: str | os.PathLike[str], *, store: ModelDirectory
     """For `zipmoe run/serve MODEL`: an existing file is used as is (no package); anything else is a model name
     in the store, whose checked model blob is returned with its package (parameters, template, system prompt).
 
-    A missing file that cannot be a model name (e.g. /path/x.gguf) is a ZipmoeError (exit status 2); a valid name
-    that is neither a file nor a stored model is ModelNotFoundError (exit status 1)."""
+    A missing file that cannot be a model name (e.g. /path/x.gguf) is a ZipmoeError; a valid name that is neither a
+    file nor a stored model is ModelNotFoundError (both exit status 2)."""
     text = os.fspath(name_or_path)
     path = Path(text).expanduser()
     if path.is_file():

@@ -20,9 +20,7 @@ class ModelsError(ZipmoeError):
 
 
 class ModelNotFoundError(ModelsError):
-    """No model of that name (exit status 1, so that scripts can tell "absent" from "broken")."""
-
-    exit_code = 1
+    """No model of that name (exit status 2, as for a missing file: pyzipmoe.errors.EXIT_STATUSES)."""
 
 
 class InvalidNameError(ModelsError):

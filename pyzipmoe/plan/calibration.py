@@ -28,9 +28,7 @@ SCHEMA = 4  # of the cache files; another value is measured again (1: tier costs
 
 
 class CalibrationError(ZipmoeError):
-    """The model cannot be calibrated: missing, or not a zipmoe file (exit status 1)."""
-
-    exit_code = 1
+    """The model cannot be calibrated: missing, or not a MoE GGUF (exit status 2, bad input)."""
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,7 @@ DEFAULT_MEMORY_BANDWIDTH = 10e9  # bytes per second a token's matmuls stream (de
 
 
 class PlanInputError(ZipmoeError):
-    """A trace, costs or model file the planner cannot use: `zipmoe plan` exits with 1 (2 is for usage errors)."""
-
-    exit_code = 1
+    """A trace, costs or model file the planner cannot use (exit status 2, bad input)."""
 
 
 # --------------------------------------------------------------------------------------------- inputs

@@ -27,9 +27,8 @@ PROMPT = b"Once upon a time, in a land far away"
 
 
 class TimingError(ZipmoeError):
-    """The timed run failed (the model did not load, or generation failed)."""
-
-    exit_code = 1
+    """The timed run failed (the model did not load, or generation failed): exit status 2, as for a model that
+    cannot be used."""
 
 
 def time_generation(model: str | os.PathLike[str], *, llama: Mapping[str, Any] | None = None, warmup: int = 16,

@@ -226,7 +226,7 @@ def test_bad_models_are_one_line_errors(tmp_path: Path, non_moe_gguf: Path, not_
     for path, says in cases:
         with pytest.raises(CalibrationError, match=says) as e:
             calibrate(path, **FAST)
-        assert e.value.exit_code == 1 and "\n" not in str(e.value)
+        assert e.value.exit_code == 2 and "\n" not in str(e.value)
         assert load_calibration(path) is None
 
 
@@ -324,7 +324,7 @@ def test_command_help_has_examples(monkeypatch, capsys) -> None:
 def test_command_errors_are_one_line(tmp_path: Path, tiny_model: Path, non_moe_gguf: Path, monkeypatch, capsys) -> None:
     for target, says in ((tmp_path / "missing.gguf", "no such file"), (non_moe_gguf, "no expert tensors")):
         code, out, err = zipmoe(["calibrate", str(target)], monkeypatch, capsys)
-        assert code == 1 and out == ""
+        assert code == 2 and out == ""
         assert err.startswith("zipmoe: error: ") and says in err and err.count("\n") == 1
     code, out, err = zipmoe(["calibrate", str(tiny_model), "--read", "lots"], monkeypatch, capsys)
     assert code == 2 and "is not a size" in err  # argparse's usage error

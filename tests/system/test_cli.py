@@ -192,3 +192,89 @@ def test_run_refuses_a_budget_past_any_machine_in_one_line(zipmoe_model: Path, b
     done = python_m("run", zipmoe_model, "--memory-budget", budget, "-p", "hi", "-n", "1")
     assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr)
     assert_one_line_error(done.stderr, says)
+
+
+# ------------------------------------------------------------------------------ the command line as a whole
+
+
+def test_one_table_of_exit_statuses(capsys: pytest.CaptureFixture[str]) -> None:
+    """`zipmoe --help`, every subcommand's --help and the README give the same exit statuses: the one table."""
+    from pyzipmoe.cli import _subcommands, build_parser
+    from pyzipmoe.errors import EXIT_STATUSES, exit_status_text
+
+    table = exit_status_text()
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and table in out
+    for name in _subcommands(build_parser()):
+        code, out, _ = run(capsys, name, "--help")
+        assert code == 0 and table in out and out.count("exit status:") == 1, name
+    readme = (REPO / "README.md").read_text()
+    for status, meaning in EXIT_STATUSES:
+        assert f"| {status} | {meaning} |" in readme, status
+
+
+def test_a_missing_file_or_model_exits_2_from_every_command(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A missing MODEL or FILE (or a model name the store has not) is bad input everywhere: 2 and one line (run,
+    serve, plan and calibrate exited with 1)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ZIPMOE_MODELS", str(tmp_path / "store"))
+    for argv in (("inspect", "nope.gguf"), ("verify", "nope.gguf"), ("convert", "nope.gguf", "out.gguf"),
+                 ("unpack", "nope.gguf", "o.gguf"), ("run", "nope.gguf", "hi"), ("serve", "nope.gguf"),
+                 ("plan", "nope.gguf", "--memory-budget", "1GiB"), ("calibrate", "nope.gguf"),
+                 ("show", "nope"), ("rm", "nope"), ("export", "nope", "x.tar"), ("import", "nope.tar"),
+                 ("create", "m", "-f", "nope"), ("run", "nope"), ("serve", "nope:latest")):
+        code, out, err = run(capsys, *argv)
+        assert code == 2 and out == "", (argv, code, out, err)
+        assert_one_line_error(err, "nope")
+    assert sorted(p.name for p in tmp_path.iterdir()) in ([], ["store"])
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import tomllib
+
+    with open(REPO / "pyproject.toml", "rb") as f:
+        version = tomllib.load(f)["project"]["version"]
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out == f"zipmoe {version}\n"
+
+
+def test_every_positional_argument_is_described(capsys: pytest.CaptureFixture[str]) -> None:
+    from pyzipmoe.cli import _subcommands, build_parser
+
+    for name, parser in _subcommands(build_parser()).items():
+        positionals = [a for a in parser._actions if not a.option_strings]
+        code, out, _ = run(capsys, name, "--help")
+        assert code == 0
+        for action in positionals:
+            assert action.help, (name, action.dest)
+            assert action.help.split("%")[0][:30] in " ".join(out.split()), (name, action.dest)
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["run", "m", "-n", "4", "hello"], {"model": "m", "prompt_text": "hello", "n_predict": 4}),
+    (["run", "m.gguf", "--temp", "0", "hello"], {"model": "m.gguf", "prompt_text": "hello", "temp": 0.0}),
+    (["run", "-c", "64", "m", "hi", "--stats"], {"model": "m", "prompt_text": "hi", "ctx_size": 64, "stats": True}),
+    (["run", "m", "-n", "4", "hi", "--", "-n", "5", "--", "x"],
+     {"model": "m", "prompt_text": "hi", "n_predict": 4, "llama_args": ["-n", "5", "--", "x"]}),
+    (["bench", "a.gguf", "-p", "8", "b.gguf", "-n", "2"], {"models": ["a.gguf", "b.gguf"], "n_prompt": 8, "n_gen": 2}),
+    (["show", "m", "--template"], {"name": "m", "template": True}),
+])
+def test_options_anywhere(argv: list[str], expected: dict[str, object]) -> None:
+    """Options may follow the positional arguments (`zipmoe run MODEL -n 4 hello` once said 'unrecognized
+    arguments: hello'); after `--`, everything is the llama.cpp program's, untouched."""
+    from pyzipmoe.cli import parse_args
+
+    args = vars(parse_args(argv))
+    assert {k: args[k] for k in expected} == expected
+
+
+def test_demo_rows_say_what_ran() -> None:
+    """Both demo runs are zipmoe's llama-simple: the rows name the file and the budget, not 'stock llama.cpp'."""
+    from pyzipmoe.cli.demo import Run, _table
+
+    text = _table(100 << 20, 70 << 20, 50 << 20, Run("a", 10.0, 90 << 20, "rss"), Run("a", 9.0, 60 << 20, "rss"))
+    header, bf16, zipped = text.splitlines()
+    assert header.split()[:2] == ["model", "file"] and "peak RSS" in header
+    assert bf16.startswith("BF16 GGUF (as stock llama.cpp)") and "none" in bf16
+    assert zipped.startswith("zipmoe GGUF") and "50.0 MiB" in zipped

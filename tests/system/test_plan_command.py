@@ -116,11 +116,11 @@ def test_cli_bad_files(tiny_zipmoe: Path, tmp_path: Path, capsys: pytest.Capture
     ]
     for extra, message in cases:
         code, out, err = run_plan(capsys, str(tiny_zipmoe), "--memory-budget", "1MiB", *extra)
-        assert code == 1 and out == "" and message in err and err.count("\n") == 1, err
+        assert code == 2 and out == "" and message in err and err.count("\n") == 1, err
     not_gguf = tmp_path / "notes.gguf"
     not_gguf.write_text("not weights\n")
     code, _, err = run_plan(capsys, str(not_gguf), "--memory-budget", "1MiB")
-    assert code == 1 and "not a GGUF file" in err and "Traceback" not in err and err.count("\n") == 1, err
+    assert code == 2 and "not a GGUF file" in err and "Traceback" not in err and err.count("\n") == 1, err
 
 
 def test_cli_usage(capsys: pytest.CaptureFixture[str], tiny_zipmoe: Path):

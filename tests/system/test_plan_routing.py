@@ -71,7 +71,7 @@ def test_a_recording_of_another_model_is_refused(tiny_zipmoe: Path, tmp_path: Pa
     trace.save(path, recording(layers, n_expert))
     code = zipmoe_main(["plan", str(tiny_zipmoe), "--memory-budget", "1MiB", "--trace", str(path)])
     out, err = capsys.readouterr()
-    assert code == 1 and out == "" and message in err and err.count("\n") == 1, err
+    assert code == 2 and out == "" and message in err and err.count("\n") == 1, err
 
 
 def test_a_damaged_recording_is_refused(tiny_zipmoe: Path, tmp_path: Path, capsys):
@@ -83,4 +83,4 @@ def test_a_damaged_recording_is_refused(tiny_zipmoe: Path, tmp_path: Path, capsy
     np.savez(path, **arrays)
     code = zipmoe_main(["plan", str(tiny_zipmoe), "--memory-budget", "1MiB", "--trace", str(path)])
     out, err = capsys.readouterr()
-    assert code == 1 and "version 7" in err, err
+    assert code == 2 and "version 7" in err, err

@@ -577,7 +577,7 @@ def test_bad_traces(tmp_path: Path, content, message: str):
         np.savez(path, counts=content)
     with pytest.raises(PlanInputError, match=message) as e:
         inputs.counts_from_trace(path, 2, 4)
-    assert "\n" not in str(e.value) and e.value.exit_code == 1
+    assert "\n" not in str(e.value) and e.value.exit_code == 2
 
 
 def test_missing_trace(tmp_path: Path):
