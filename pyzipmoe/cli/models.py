@@ -83,6 +83,8 @@ def cmd_create(args: argparse.Namespace) -> int:
             raise ModelfileError("not UTF-8 text; is it really a Modelfile?", source=str(path)) from None
         source, base_dir = str(path), path.resolve().parent
     mf = parse_modelfile(text, source)
+    for warning in mf.warnings:
+        print(f"zipmoe: warning: {warning}", file=sys.stderr)
     report = _models(args).create(args.name, mf, base_dir=base_dir, codec=args.codec, level=args.level,
                                  chunk_n=args.chunk_size, threads=args.threads,
                                  progress=for_terminal(args.quiet or args.json))
@@ -254,7 +256,9 @@ def register(sub: Any) -> None:
             "(converted to a zipmoe GGUF; a later create from the same file reuses the conversion), a zipmoe GGUF, "
             "or a stored model (whose template, system prompt and parameters the Modelfile can override). Also: "
             "PARAMETER (temperature, top_k, top_p, min_p, repeat_penalty, num_ctx, num_predict, stop, seed, ..., "
-            "and zipmoe's memory_budget, cache_policy), TEMPLATE (a Jinja chat template), SYSTEM, MESSAGE, LICENSE. "
+            "and zipmoe's memory_budget, cache_policy and cache_mode, which take what --memory-budget, --policy and "
+            "--cache take; a memory_budget of a fixed size must hold the model's minimum), TEMPLATE (a Jinja chat "
+            "template), SYSTEM, MESSAGE, LICENSE. "
             f"NAME is {NAME_HELP}.",
             "  zipmoe create mymodel -f Modelfile\n"
             "  zipmoe create me/qwen3moe:chat -f Modelfile --codec zstd --level 3\n"
@@ -264,6 +268,8 @@ def register(sub: Any) -> None:
             "  PARAMETER temperature 0.7\n"
             "  PARAMETER num_ctx 4096\n"
             "  PARAMETER stop \"<|im_end|>\"\n"
+            "  PARAMETER memory_budget 60%\n"
+            "  PARAMETER cache_policy lru\n"
             "  SYSTEM You answer in one sentence.")
     p.add_argument("name", metavar="NAME", help="the model's name")
     p.add_argument("-f", "--file", default="Modelfile", metavar="FILE",

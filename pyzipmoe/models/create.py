@@ -79,10 +79,12 @@ class Creating:
                 base, source = None, self._from_file(mf, base_dir)
                 if not source.exists():
                     base = self._from_model(mf, source)
+                    _check_budget(mf, {**base.parameters, **mf.parameters}, base.model_path)
                     model, config, info = base.manifest.model, base.manifest.config, {
                         "source": base.name.display, "source_size": base.manifest.model.size, "converted": False,
                         "model_reused": True, "convert": None}
                 else:
+                    _check_budget(mf, mf.parameters, source)  # before a conversion that would be wasted
                     model, info = self._model_blob(job, source, settings, threads, progress)
                     model_path = job.staged.get(model.hex) or self.blob_path(model.digest)
                     config = job.stage_bytes(self._config_bytes(model_path, model.size), MEDIA_CONFIG)
@@ -263,6 +265,29 @@ class Creating:
         if params:
             layers.append(job.stage_bytes(json.dumps(params, ensure_ascii=False).encode(), MEDIA_PARAMS))
         return layers
+
+
+def _check_budget(mf: Modelfile, params: Mapping[str, Any], model: Path) -> None:
+    """A memory_budget of a fixed size must hold the model's minimum (pyzipmoe.runtime.budget.check_budget, what a
+    run would refuse it with); "auto" and percentages depend on the machine the model runs on and are checked
+    there. `model` is the FROM file (its minimum is its converted file's: the same weights that are not experts
+    and the same experts in flight) or the base model's."""
+    from ..errors import ZipmoeError
+    from ..file.gguf import read_gguf
+    from ..file.metadata import is_expert_tensor
+    from ..runtime.budget import check_budget, model_memory
+
+    budget = params.get("memory_budget")
+    if not isinstance(budget, int):
+        return
+    g = read_gguf(model)
+    if not g.is_zipmoe and not any(is_expert_tensor(t) for t in g.tensors):
+        return  # not a MoE model: conversion refuses it with its own reason
+    try:
+        check_budget(budget, model_memory(model), mfile.format_size(budget))
+    except ZipmoeError as e:
+        said = str(e).removeprefix("memory budget ").removesuffix("; raise --memory-budget")
+        raise mf.error(f"PARAMETER memory_budget {said}; raise it, or write auto", "memory_budget") from None
 
 
 def _codec_settings(zcodec: Any, codec: str, level: int | None, chunk_n: int | None) -> dict[str, Any]:

@@ -478,7 +478,7 @@ def resolve_model(name_or_path: str | os.PathLike[str], *, store: ModelDirectory
 def llama_from_store(name: str, *, llama_class: type | None = None, zipmoe_models: str | os.PathLike[str] | None = None,
                      full_check: bool = False, **kwargs: Any) -> Any:
     """A pyzipmoe.Llama (or `llama_class`) for the stored model `name`, with the package applied: its parameters
-    become constructor arguments (num_ctx -> n_ctx, cache_policy -> zipmoe_cache, ...) and defaults of every
+    become constructor arguments (num_ctx -> n_ctx, cache_mode -> zipmoe_cache, ...) and defaults of every
     completion (temperature, top_k, stop, seed...); its TEMPLATE becomes the chat handler; its SYSTEM and MESSAGE
     history are put in front of create_chat_completion's messages. Arguments given here, and to each call, win.
     The package is `llm.zipmoe_package`. (What pyzipmoe.Llama.from_store calls.)"""
@@ -488,11 +488,12 @@ def llama_from_store(name: str, *, llama_class: type | None = None, zipmoe_model
         llama_class = Llama
     package = ModelDirectory(zipmoe_models).open(name, full_check=full_check)
     args = package.llama_kwargs()
-    if "zipmoe_memory_budget" in args and not accepts_keyword(llama_class, "zipmoe_memory_budget"):
-        # llama_cpp.Llama swallows unknown keywords; say so rather than pretend the budget applies
-        warnings.warn(f"{package.name.display}: PARAMETER memory_budget is not supported by this "
-                      f"{llama_class.__name__} yet; it is ignored", RuntimeWarning, stacklevel=2)
-        del args["zipmoe_memory_budget"]
+    for keyword in ("memory_budget", "cache_policy"):  # pyzipmoe.Llama's, of the parameters of the same names
+        if keyword in args and not accepts_keyword(llama_class, keyword):
+            # llama_cpp.Llama swallows unknown keywords; say so rather than pretend the parameter applies
+            warnings.warn(f"{package.name.display}: PARAMETER {keyword} is not supported by this "
+                          f"{llama_class.__name__}; it is ignored", RuntimeWarning, stacklevel=2)
+            del args[keyword]
     llm = llama_class(str(package.model_path), **{**args, **kwargs})
     apply_package(llm, package, chat_template=not ({"chat_format", "chat_handler"} & kwargs.keys()))
     return llm

@@ -4,7 +4,7 @@
     FROM ./qwen3moe-bf16.gguf            a BF16 MoE GGUF (converted), a zipmoe GGUF, or a stored model
     PARAMETER temperature 0.7
     PARAMETER stop "<|im_end|>"          stop may be given several times
-    PARAMETER memory_budget 8GiB         zipmoe's own parameters: memory_budget, cache_policy
+    PARAMETER memory_budget 8GiB         zipmoe's own: memory_budget, cache_policy, cache_mode (as the flags)
     SYSTEM You are a terse assistant.
     TEMPLATE \"\"\"{% for m in messages %}...{% endfor %}\"\"\"
     MESSAGE user Is the sky blue?
@@ -17,7 +17,9 @@ of the line (trimmed), or `"..."` (which may span lines: it ends at a `"` that e
 
 Where zipmoe is stricter than Ollama, it is to turn silent surprises into errors with line numbers: unknown
 directives and parameters, values of the wrong type or range, TEMPLATE/SYSTEM/FROM given twice, text after a
-closing quote. TEMPLATE is a Jinja chat template (what llama.cpp and llama-cpp-python run, the kind GGUFs carry in
+closing quote. zipmoe's own parameters take what the flags of `zipmoe run` take, read by the same code:
+memory_budget as --memory-budget (a size, a percentage of the memory, or auto), cache_policy as --policy (the
+eviction policy), cache_mode as --cache. TEMPLATE is a Jinja chat template (what llama.cpp and llama-cpp-python run, the kind GGUFs carry in
 `tokenizer.chat_template`), not an Ollama Go template: `{{ .Prompt }}` is refused with a hint.
 """
 
@@ -31,7 +33,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from ..errors import ZipmoeError
-from ..runtime.config import CACHE_MODES, MAX_CONTEXT, MAX_THREADS
+from ..runtime.config import CACHE_MODES, DEFAULT_POLICY, MAX_CONTEXT, MAX_THREADS, POLICIES
 
 DIRECTIVES = ("FROM", "PARAMETER", "TEMPLATE", "SYSTEM", "LICENSE", "MESSAGE")
 # Ollama knows these; a Modelfile written for Ollama that uses them gets a reason, not just "unknown"
@@ -44,11 +46,14 @@ OLLAMA_ONLY = {
 }
 ROLES = ("system", "user", "assistant")
 # The parameter that sets the cache mode (ZIPMOE_CACHE, Llama's zipmoe_cache, `zipmoe run --cache`; one of
-# CACHE_MODES). Its keyword says "policy" for the Modelfiles and stored packages that use it; it is not the eviction
-# policy (Llama's cache_policy, `--policy`), which a Modelfile does not set.
-CACHE_MODE_PARAMETER = "cache_policy"
+# CACHE_MODES).
+CACHE_MODE_PARAMETER = "cache_mode"
+# The eviction policy (ZIPMOE_CACHE_POLICY, Llama's cache_policy, `zipmoe run --policy`; one of POLICIES). Older
+# Modelfiles and stored packages wrote the cache mode under this name: `cache_policy unbounded` (or none) is read
+# as cache_mode, with a warning for a Modelfile (the two sets of values do not meet).
+CACHE_POLICY_PARAMETER = "cache_policy"
 
-Kind = Literal["int", "float", "str", "size", "choice"]
+Kind = Literal["int", "float", "str", "budget", "choice"]
 
 
 class ModelfileError(ZipmoeError):
@@ -87,10 +92,12 @@ PARAMETERS: Mapping[str, ParamSpec] = MappingProxyType({
     "num_thread": ParamSpec("int", "CPU threads", 1, MAX_THREADS),
     "seed": ParamSpec("int", "sampling seed: the same prompt gives the same text; -1 = random", -1, 2**32 - 1),
     "stop": ParamSpec("str", "stop generating at this text (repeat for several)", repeat=True),
-    "memory_budget": ParamSpec("size", "memory the model may keep resident, experts included, e.g. 8GiB or 512MiB", 1,
-                               zipmoe=True),
-    CACHE_MODE_PARAMETER: ParamSpec("choice", "zipmoe expert cache: unbounded keeps decoded experts, none decodes on "
-                                    "every use", choices=CACHE_MODES, zipmoe=True),
+    "memory_budget": ParamSpec("budget", "everything the model may keep resident, as --memory-budget takes it: a size "
+                               "(8GiB, 512MiB), a percentage of the memory (60%) or auto", zipmoe=True),
+    CACHE_POLICY_PARAMETER: ParamSpec("choice", f"eviction under a budget, as --policy (default {DEFAULT_POLICY})",
+                                      choices=POLICIES, zipmoe=True),
+    CACHE_MODE_PARAMETER: ParamSpec("choice", "zipmoe expert cache, as --cache: unbounded keeps decoded experts, none "
+                                    "decodes on every use", choices=CACHE_MODES, zipmoe=True),
 })
 
 
@@ -116,6 +123,7 @@ class Modelfile:
     messages: tuple[Message, ...] = ()
     source: str = "Modelfile"
     lines: Mapping[str, int] = field(default_factory=dict, compare=False)
+    warnings: tuple[str, ...] = field(default=(), compare=False)  # what is accepted but should be written otherwise
 
     def error(self, message: str, directive: str = "FROM") -> ModelfileError:
         return ModelfileError(message, source=self.source, line=self.lines.get(directive))
@@ -152,6 +160,24 @@ def _number(kind: Kind, text: str) -> float:
     return value
 
 
+def parse_budget(text: str) -> int | str:
+    """A memory budget as `--memory-budget` takes it, checked by the same parser (pyzipmoe.runtime.budget): bytes
+    for a size, the text for what depends on the machine it runs on ("auto", "60%"). ValueError says what is wrong."""
+    from ..runtime.budget import AUTO
+    from ..runtime.budget import parse_budget as parse
+
+    text = text.strip()
+    if text.lower() == AUTO:
+        return AUTO
+    try:
+        if "%" not in text:
+            return parse(text)
+        parse(text, total=1 << 30)  # (the share of any memory: only the spelling is checked here)
+    except ZipmoeError as e:
+        raise ValueError(str(e).removeprefix("memory budget ")) from None
+    return "".join(text.split())
+
+
 def parse_parameter(name: str, text: str) -> Any:
     """The typed value of PARAMETER name text; ValueError says what is wrong (KeyError for unknown names)."""
     spec = PARAMETERS[name]
@@ -164,8 +190,14 @@ def parse_parameter(name: str, text: str) -> Any:
         if text.lower() not in spec.choices:
             raise ValueError(f"{text!r} is not one of {', '.join(spec.choices)}")
         return text.lower()
-    value: float = parse_size(text) if spec.kind == "size" else _number(spec.kind, text)
-    return check_range(name, value)
+    if spec.kind == "budget":
+        return parse_budget(text)
+    return check_range(name, _number(spec.kind, text))
+
+
+def old_cache_mode(name: str, text: str) -> bool:
+    """Whether PARAMETER name text is the old spelling of the cache mode (cache_policy unbounded|none)."""
+    return name == CACHE_POLICY_PARAMETER and str(text).strip().lower() in CACHE_MODES
 
 
 def check_range(name: str, value: float) -> Any:
@@ -185,6 +217,8 @@ def check_parameters(params: Mapping[str, Any], where: str) -> dict[str, Any]:
     """Validates parameters that come as JSON (a stored package), with the rules PARAMETER lines follow."""
     out: dict[str, Any] = {}
     for name, value in params.items():
+        if old_cache_mode(name, value) and CACHE_MODE_PARAMETER not in params:
+            name = CACHE_MODE_PARAMETER  # stored by a zipmoe that spelled the cache mode cache_policy
         spec = PARAMETERS.get(name)
         if spec is None:
             raise ZipmoeError(f"{where}: unknown parameter {name!r} (made by a newer zipmoe?)")
@@ -194,14 +228,17 @@ def check_parameters(params: Mapping[str, Any], where: str) -> dict[str, Any]:
         checked = []
         for v in values:
             ok = {"int": isinstance(v, int) and not isinstance(v, bool),
-                  "size": isinstance(v, int) and not isinstance(v, bool),
+                  "budget": (isinstance(v, int) and not isinstance(v, bool) and v >= 0) or isinstance(v, str),
                   "float": isinstance(v, (int, float)) and not isinstance(v, bool),
                   "str": isinstance(v, str) and bool(v),
                   "choice": v in spec.choices}[spec.kind]
             if not ok:
                 raise ZipmoeError(f"{where}: parameter {name} has a bad value {v!r}")
             try:
-                checked.append(v if spec.kind in ("str", "choice") else check_range(name, v))
+                if spec.kind == "budget":
+                    checked.append(v if isinstance(v, int) else parse_budget(v))
+                else:
+                    checked.append(v if spec.kind in ("str", "choice") else check_range(name, v))
             except ValueError as e:
                 raise ZipmoeError(f"{where}: parameter {name} {e}") from None
         out[name] = checked if spec.repeat else checked[0]
@@ -209,8 +246,8 @@ def check_parameters(params: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 
 def format_parameter(value: Any, name: str) -> str:
-    if PARAMETERS[name].kind == "size":
-        return format_size(int(value))
+    if PARAMETERS[name].kind == "budget":
+        return format_size(value) if isinstance(value, int) else str(value)
     return _num(value) if isinstance(value, (int, float)) else str(value)
 
 
@@ -302,6 +339,7 @@ def parse(text: str, source: str = "Modelfile") -> Modelfile:
     licenses: list[str] = []
     messages: list[Message] = []
     where: dict[str, int] = {}
+    warned: list[str] = []
     i = 0
     while i < len(lines):
         line = lines[i].lstrip(" \t")
@@ -323,6 +361,11 @@ def parse(text: str, source: str = "Modelfile") -> Modelfile:
                               "PARAMETER needs a name and a value, e.g. PARAMETER temperature 0.7",
                               lambda word: f"unknown parameter {word!r}; zipmoe knows {', '.join(PARAMETERS)}")
             raw, i = _read_value(lines, i, raw, fail)
+            if old_cache_mode(name, raw):
+                warned.append(f"{source}, line {start + 1}: PARAMETER {name} {raw.strip()} is the old spelling of "
+                              f"PARAMETER {CACHE_MODE_PARAMETER} {raw.strip().lower()} ({name} is the eviction "
+                              f"policy, as --policy); read as {CACHE_MODE_PARAMETER}")
+                name = CACHE_MODE_PARAMETER
             try:
                 value = parse_parameter(name, raw)
             except ValueError as e:
@@ -365,7 +408,7 @@ def parse(text: str, source: str = "Modelfile") -> Modelfile:
         raise ModelfileError("no FROM line: a Modelfile starts from a model, e.g. FROM ./model-bf16.gguf",
                              source=source)
     return Modelfile(from_, MappingProxyType(params), texts.get("TEMPLATE"), texts.get("SYSTEM"), tuple(licenses),
-                     tuple(messages), source, MappingProxyType(where))
+                     tuple(messages), source, MappingProxyType(where), tuple(warned))
 
 
 # ------------------------------------------------------------------------------------------ writing

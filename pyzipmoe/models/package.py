@@ -71,7 +71,9 @@ class ModelPackage:
         if self.cache_mode is not None:
             out["zipmoe_cache"] = self.cache_mode
         if "memory_budget" in p:
-            out["zipmoe_memory_budget"] = p["memory_budget"]
+            out["memory_budget"] = p["memory_budget"]
+        if mfile.CACHE_POLICY_PARAMETER in p:
+            out["cache_policy"] = p[mfile.CACHE_POLICY_PARAMETER]
         return out
 
     def sampling_kwargs(self) -> dict[str, Any]:
@@ -93,12 +95,16 @@ class ModelPackage:
         """`messages` with the package's system prompt and MESSAGE history; see `chat_messages`."""
         return chat_messages(self.system, self.messages, messages)
 
-    def llama_program_args(self, program: str) -> list[str]:
+    def llama_program_args(self, program: str, *, template: bool = True) -> list[str]:
         """Flags for zipmoe's llama.cpp programs (llama-cli, llama-server, llama-completion) that apply the
-        parameters, template and system prompt; pass them before the user's own flags, which then win.
+        parameters, template, stop strings (-r: llama-server's default for a request that names none) and system
+        prompt; pass them before the user's own flags, which then win. template=False leaves the template's flags
+        out, for a caller that gives a chat template file of its own (pyzipmoe.cli.programs writes one that puts
+        SYSTEM and MESSAGE in front): each flag is then given once.
 
-        llama-server has no flag for a system prompt, stop strings or messages: there they are the client's
-        (`environment()` gives ZIPMOE_CACHE for cache_policy)."""
+        llama-server has no flag for a system prompt or messages: there they are the client's, or that template's
+        (`environment()` gives ZIPMOE_CACHE for cache_mode; the budget and the eviction policy are the
+        supervisor's, pyzipmoe.cli.programs)."""
         p, out = self.parameters, []
         flags = {"num_ctx": "-c", "num_batch": "-b", "num_thread": "-t", "seed": "-s", "num_predict": "-n",
                  "temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
@@ -107,19 +113,23 @@ class ModelPackage:
         for name, flag in flags.items():
             if name in p:
                 out += [flag, mfile.format_parameter(p[name], name)]
-        if self.template_path is not None and self.template:
+        if template and self.template_path is not None and self.template:
             out += ["--jinja", "--chat-template-file", str(self.template_path)]
-        if program != "llama-server":
-            for stop in p.get("stop", []):
-                out += ["-r", stop]
-            if self.system_path is not None and self.system:
-                out += ["-sysf", str(self.system_path)]
+        for stop in p.get("stop", []):
+            out += ["-r", stop]
+        if program != "llama-server" and self.system_path is not None and self.system:
+            out += ["-sysf", str(self.system_path)]
         return out
 
     @property
     def cache_mode(self) -> str | None:
         """The package's cache mode (one of pyzipmoe.runtime.config.CACHE_MODES), if its Modelfile set one."""
         return self.parameters.get(mfile.CACHE_MODE_PARAMETER)
+
+    @property
+    def cache_policy(self) -> str | None:
+        """The package's eviction policy (one of pyzipmoe.runtime.config.POLICIES), if its Modelfile set one."""
+        return self.parameters.get(mfile.CACHE_POLICY_PARAMETER)
 
     def environment(self) -> dict[str, str]:
         """Environment variables for the zipmoe runtime in a llama.cpp program."""

@@ -647,11 +647,12 @@ def test_resolve_model(store: Store, tiny_model: Path, tmp_path: Path) -> None:
 def test_package_arguments_for_llama_and_programs(store: Store, tiny_model: Path, tmp_path: Path) -> None:
     store.create("m", f"FROM {tiny_model}\nPARAMETER num_ctx 2048\nPARAMETER temperature 0.3\nPARAMETER top_k 5\n"
                       "PARAMETER stop A\nPARAMETER stop B\nPARAMETER seed 9\nPARAMETER num_predict -1\n"
-                      "PARAMETER cache_policy none\nPARAMETER memory_budget 1GiB\nPARAMETER num_thread 3\n"
+                      "PARAMETER cache_mode none\nPARAMETER cache_policy lru\nPARAMETER memory_budget 1GiB\n"
+                      "PARAMETER num_thread 3\n"
                       "SYSTEM sys\nTEMPLATE {{ messages }}\n", base_dir=tmp_path)
     pkg = store.open("m")
     assert pkg.llama_kwargs() == {"n_ctx": 2048, "seed": 9, "n_threads": 3, "n_threads_batch": 3,
-                                  "zipmoe_cache": "none", "zipmoe_memory_budget": 1 << 30}
+                                  "zipmoe_cache": "none", "memory_budget": 1 << 30, "cache_policy": "lru"}
     assert pkg.sampling_kwargs() == {"temperature": 0.3, "top_k": 5, "stop": ["A", "B"], "seed": 9, "max_tokens": None}
     cli_args = pkg.llama_program_args("llama-cli")
     pairs = list(itertools.pairwise(cli_args))
@@ -660,7 +661,9 @@ def test_package_arguments_for_llama_and_programs(store: Store, tiny_model: Path
         assert pair in pairs, (pair, cli_args)
     assert "--jinja" in cli_args and Path(cli_args[cli_args.index("-sysf") + 1]).read_text() == "sys"
     server_args = pkg.llama_program_args("llama-server")
-    assert "-r" not in server_args and "-sysf" not in server_args and "--chat-template-file" in server_args
+    assert "-sysf" not in server_args and "--chat-template-file" in server_args
+    assert {("-r", "A"), ("-r", "B")} <= set(itertools.pairwise(server_args))  # the server's default stop strings
+    assert "--chat-template-file" not in pkg.llama_program_args("llama-server", template=False)
     assert pkg.environment() == {"ZIPMOE_CACHE": "none"}
 
 
@@ -706,8 +709,8 @@ def test_llama_from_store_applies_the_package(store: Store, tiny_model: Path, tm
         warnings.simplefilter("always")
         llm = S.llama_from_store("m", llama_class=FakeLlama, zipmoe_models=store.root, seed=5)
     assert [str(w.message) for w in caught] == [
-        "m:latest: PARAMETER memory_budget is not supported by this FakeLlama yet; it is ignored"]
-    assert llm.n_ctx == 64 and llm.seed == 5 and "zipmoe_memory_budget" not in llm.kwargs  # seed: the caller's
+        "m:latest: PARAMETER memory_budget is not supported by this FakeLlama; it is ignored"]
+    assert llm.n_ctx == 64 and llm.seed == 5 and "memory_budget" not in llm.kwargs  # seed: the caller's
     assert llm.model_path == str(store.open("m").model_path) and llm.zipmoe_package.name.model == "m"
     llm("once", max_tokens=3)
     llm.create_completion("twice", None, 4, 0.9)  # positional arguments count as given

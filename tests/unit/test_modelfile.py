@@ -22,7 +22,8 @@ PARAMETER stop "<|im_end|>"
 PARAMETER stop <|endoftext|>
 PARAMETER seed 42
 PARAMETER memory_budget 8GiB
-PARAMETER cache_policy unbounded
+PARAMETER cache_policy lru
+PARAMETER cache_mode unbounded
 System """You are a helpful assistant.
 Answer in "one" sentence.  """
 TEMPLATE """{% for message in messages %}<|im_start|>{{ message.role }}
@@ -42,13 +43,14 @@ def test_full_modelfile() -> None:
     assert mf.from_ == "./qwen3moe-bf16.gguf"
     assert dict(mf.parameters) == {"temperature": 0.7, "top_k": 20, "top_p": 0.8, "repeat_penalty": 1.1,
                                    "num_ctx": 4096, "stop": ["<|im_end|>", "<|endoftext|>"], "seed": 42,
-                                   "memory_budget": 8 << 30, "cache_policy": "unbounded"}
+                                   "memory_budget": 8 << 30, "cache_policy": "lru", "cache_mode": "unbounded"}
     assert mf.system == 'You are a helpful assistant.\nAnswer in "one" sentence.  '
     assert mf.template is not None and mf.template.startswith("{% for message in messages %}<|im_start|>")
     assert mf.template.endswith("<|im_start|>assistant\n")
     assert mf.messages == (Message("user", "Is the sky blue?"), Message("assistant", "Yes, on a clear day."))
     assert mf.license == ("Apache License\nVersion 2.0", "MIT")
-    assert mf.lines["FROM"] == 2 and mf.lines["temperature"] == 4 and mf.lines["SYSTEM"] == 14
+    assert mf.lines["FROM"] == 2 and mf.lines["temperature"] == 4 and mf.lines["SYSTEM"] == 15
+    assert mf.warnings == ()
 
 
 def test_render_round_trips() -> None:
@@ -81,8 +83,12 @@ def test_quirks_of_ollama_syntax() -> None:
     ("FROM m\nPARAMETER num_ctx 2048.5", 2, "not a whole number"),
     ("FROM m\nPARAMETER num_ctx 0", 2, "must be at least 1"),
     ("FROM m\nPARAMETER temperature nan", 2, "not a finite number"),
-    ("FROM m\nPARAMETER memory_budget lots", 2, "not a size"),
-    ("FROM m\nPARAMETER cache_policy lru", 2, "not one of unbounded, none"),
+    ("FROM m\nPARAMETER memory_budget lots", 2, "PARAMETER memory_budget 'lots' is not a size: write e.g. 6GiB"),
+    ("FROM m\nPARAMETER memory_budget 101%", 2, "more than all of the memory"),
+    ("FROM m\nPARAMETER memory_budget -1GiB", 2, "is negative"),
+    ("FROM m\nPARAMETER cache_policy fast", 2, "not one of tlfu, lru, lfu, fifo, lfuda"),
+    ("FROM m\nPARAMETER cache_mode lru", 2, "not one of unbounded, none"),
+    ("FROM m\nPARAMETER cache_mode none\nPARAMETER cache_policy none", 3, "cache_mode is already set on line 2"),
     ("FROM m\nPARAMETER seed 1\nPARAMETER seed 2", 3, "already set on line 2"),
     ("FROM m\nPARAMETER temperature", 2, "needs a name and a value"),
     ("FROM m\nSYSTEM a\nSYSTEM b", 3, "already given on line 2"),
@@ -121,10 +127,12 @@ def test_bad_sizes(text: str) -> None:
 
 
 def test_stored_parameters_are_checked() -> None:
-    assert M.check_parameters({"temperature": 1, "stop": ["a"], "cache_policy": "none"}, "x") == {
-        "temperature": 1, "stop": ["a"], "cache_policy": "none"}
+    assert M.check_parameters({"temperature": 1, "stop": ["a"], "cache_mode": "none", "cache_policy": "fifo",
+                               "memory_budget": "60%"}, "x") == {
+        "temperature": 1, "stop": ["a"], "cache_mode": "none", "cache_policy": "fifo", "memory_budget": "60%"}
     for bad in ({"temperature": "hot"}, {"stop": "a"}, {"num_ctx": 0}, {"num_ctx": True}, {"mirostat": 1},
-                {"cache_policy": "lru"}, {"top_p": 2.0}):
+                {"cache_policy": "fast"}, {"cache_mode": "lru"}, {"top_p": 2.0}, {"memory_budget": "lots"},
+                {"memory_budget": -1}, {"memory_budget": True}):
         with pytest.raises(M.ZipmoeError):
             M.check_parameters(bad, "the parameters blob")
 
@@ -149,3 +157,42 @@ def test_render_parse_round_trip_property(system: str, stop: list[str], messages
     except ValueError:  # the few values the syntax cannot hold (a lone \"\"\" with a quote ending a line)
         return
     assert parse(text) == mf
+
+
+# ------------------------------------------------------------------------------------- Modelfile = CLI
+
+
+@pytest.mark.parametrize(("text", "value"), [("auto", "auto"), ("AUTO", "auto"), ("60%", "60%"), (" 12.5 % ", "12.5%"),
+                                             ("8GiB", 8 << 30), ("512 MiB", 512 << 20), ("1.5g", 3 << 29),
+                                             ("0", 0)])
+def test_memory_budget_takes_what_the_flag_takes(text: str, value: int | str) -> None:
+    """PARAMETER memory_budget reads what --memory-budget reads (the same parser: pyzipmoe.runtime.budget), sizes as
+    bytes and what depends on the machine (auto, a percentage) as written; it renders back to the same."""
+    from pyzipmoe.runtime.budget import parse_budget
+
+    mf = parse(f"FROM m\nPARAMETER memory_budget {text}\n")
+    assert mf.parameters["memory_budget"] == value
+    if isinstance(value, int):
+        assert parse_budget(text) == value
+    assert parse(render(mf)) == mf
+    assert M.check_parameters(dict(mf.parameters), "x") == dict(mf.parameters)
+
+
+def test_cache_policy_is_the_eviction_policy() -> None:
+    """cache_policy means what --policy (and Llama's cache_policy) means; the cache mode is cache_mode."""
+    from pyzipmoe.runtime import config
+
+    assert M.PARAMETERS["cache_policy"].choices == config.POLICIES
+    mf = parse("FROM m\nPARAMETER cache_policy LRU\nPARAMETER cache_mode none\n")
+    assert dict(mf.parameters) == {"cache_policy": "lru", "cache_mode": "none"} and mf.warnings == ()
+
+
+@pytest.mark.parametrize("mode", ["unbounded", "none"])
+def test_old_spelling_of_the_cache_mode_is_read_with_one_warning(mode: str) -> None:
+    mf = parse(f"FROM m\n\nPARAMETER cache_policy {mode}\n", source="old.Modelfile")
+    assert dict(mf.parameters) == {"cache_mode": mode}
+    assert len(mf.warnings) == 1 and mf.warnings[0].startswith("old.Modelfile, line 3: PARAMETER cache_policy")
+    assert f"PARAMETER cache_mode {mode}" in mf.warnings[0] and "\n" not in mf.warnings[0]
+    assert f"PARAMETER cache_mode {mode}\n" in render(mf)
+    # a package stored with the old spelling reads the same, without a warning (its owner cannot change it)
+    assert M.check_parameters({"cache_policy": mode}, "x") == {"cache_mode": mode}
