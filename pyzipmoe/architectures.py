@@ -1,0 +1,27 @@
+"""The Mixture-of-Experts architectures zipmoe has been checked on, one fact for `zipmoe convert` and the tests.
+
+An architecture is VERIFIED when tests/engine/test_architectures.py passes on its generated model
+(pyzipmoe.synth_arch): the zipmoe file unpacks byte-identical, and zipmoe's llama.cpp gives stock llama.cpp's logits
+and tokens bit for bit, with and without a memory budget (docs/architectures.md). NOT_VERIFIED: architectures
+stock llama.cpp runs from a generated file but zipmoe does not yet, and why.
+"""
+
+from __future__ import annotations
+
+VERIFIED: frozenset[str] = frozenset({
+    "afmoe", "arctic", "bailingmoe", "bailingmoe2", "cohere2moe", "dbrx", "deepseek", "dots1", "ernie4_5-moe",
+    "exaone-moe", "glm4moe", "gpt-oss", "granite_swa", "granitehybrid", "granitemoe", "grok", "grovemoe",
+    "hunyuan-moe", "hy_v3", "jamba", "lfm2moe", "llada-moe", "llama", "llama-embed", "llama4", "maple", "mellum",
+    "mimo2", "minicpm", "minimax-01", "minimax-m2", "mistral3", "nemotron_h_moe", "olmoe", "phimoe", "qwen2moe",
+    "qwen3moe", "qwen3vlmoe", "rnd1", "smallthinker", "step35",
+})
+
+NOT_VERIFIED: dict[str, str] = {}
+
+
+def architecture_note(arch: str | None) -> str | None:
+    """What `zipmoe convert` says about a model of `arch` (general.architecture) that zipmoe was not checked on."""
+    if arch in VERIFIED:
+        return None
+    return (f"architecture {arch or '(none)'} is not among those zipmoe is checked on (docs/architectures.md); "
+            "check the converted file's output against the original before relying on it")
