@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ZipmoeError
+from ..runtime.config import BUDGET_ENV, POLICY_ENV
 from .formatting import EXIT_OK, command, fraction, human_size, nonnegative, positive, print_json, render_table
 
 LLAMA_COMMANDS = ("run", "serve", "bench")
@@ -30,12 +31,27 @@ def _common_llama_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def _resolve(args: argparse.Namespace, program: str) -> tuple[str, list[str], Any]:
-    """MODEL as a GGUF path or a stored model's name: (file, the package's flags for `program`, package)."""
+def _resolve(args: argparse.Namespace) -> tuple[str, Any]:
+    """MODEL as a GGUF path or a stored model's name: (file, package). The package's memory_budget, cache_policy
+    and cache_mode become the defaults of --memory-budget, --policy and --cache (the flags, given, win)."""
     from ..models.directory import resolve_model
 
     path, package = resolve_model(args.model)
-    return str(path), (package.llama_program_args(program) if package else []), package
+    if package is not None:
+        for dest, given in (("memory_budget", package.parameters.get("memory_budget")),
+                            ("policy", package.cache_policy), ("cache", package.cache_mode)):
+            if getattr(args, dest, None) is None:
+                setattr(args, dest, given)
+    return str(path), package
+
+
+def _package_flags(package: Any, model: str, program: str, keep: Path) -> list[str]:
+    """The flags that run `program` as the package says: its parameters, stop strings, system prompt and chat
+    template, each flag once (a template written for its SYSTEM and MESSAGE lines replaces its TEMPLATE's)."""
+    if package is None:
+        return []
+    roles = _roles_template(package, model, program, keep)
+    return [*package.llama_program_args(program, template=not roles), *roles]
 
 
 # llama.cpp's own choice for a model without a chat template
@@ -73,23 +89,23 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.prompt is not None:
             raise ZipmoeError("give the prompt once: as PROMPT after MODEL, or with -p")
         args.prompt = args.prompt_text
-    model, package_flags, package = _resolve(args, "llama-cli")
+    model, package = _resolve(args)
     params = package.parameters if package else {}
-    cache = args.cache or (package.cache_mode if package else None)
+    cache = args.cache
     extra = _llama_args(args)
     if args.prompt is None:
-        os.environ.update(_cache_settings(args, model, package))  # what libllama in llama-cli reads  # interactive chat: llama-cli; the package's flags first, so that the user's win
+        os.environ.update(_cache_settings(args, model))  # what libllama in llama-cli reads
+        # interactive chat: llama-cli; the package's flags first, so that the user's win
         with tempfile.TemporaryDirectory(prefix="zipmoe-run-") as keep:
-            argv = [str(runner.program("llama-cli")), "-m", model, *package_flags,
-                    *_roles_template(package, model, "llama-cli", Path(keep)), *_common_llama_flags(args)]
+            argv = [str(runner.program("llama-cli")), "-m", model,
+                    *_package_flags(package, model, "llama-cli", Path(keep)), *_common_llama_flags(args)]
             if args.n_predict is not None:
                 argv += ["-n", str(args.n_predict)]
             if args.temp is not None:
                 argv += ["--temp", str(args.temp)]
             if args.seed is not None:
                 argv += ["--seed", str(args.seed)]
-            return supervise.run_program([*argv, *extra], runner.environment(cache),
-                                         **_supervision(args, model, package))
+            return supervise.run_program([*argv, *extra], runner.environment(cache), **_supervision(args, model))
     if extra:
         raise ZipmoeError("llama.cpp arguments after -- go to the interactive llama-cli, not to a one-shot "
                           "completion (PROMPT or -p); "
@@ -98,10 +114,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         return given if given is not None else params.get(key, default)
 
     completion = runner.complete(model, args.prompt, n_predict=pick(args.n_predict, "num_predict", 128),
-                                 threads=args.threads, n_ctx=pick(args.ctx_size, "num_ctx", None),
+                                 threads=pick(args.threads, "num_thread", None),
+                                 n_ctx=pick(args.ctx_size, "num_ctx", None),
                                  temperature=pick(args.temp, "temperature", 0.8), seed=pick(args.seed, "seed", None),
                                  cache=cache or "unbounded", out=sys.stdout, package=package,
-                                 options={"memory_budget": args.memory_budget or params.get("memory_budget"),
+                                 options={"memory_budget": args.memory_budget,
                                           "cache_policy": args.policy, "hot_share": args.hot_share,
                                           "sm_share": args.sm_share, "trace": args.trace,
                                           "planner": args.planner})
@@ -118,22 +135,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return serve_store(args)
     from ..runtime import runner, supervise
 
-    model, package_flags, package = _resolve(args, "llama-server")
-    cache = args.cache or (package.cache_mode if package else None)
-    os.environ.update(_cache_settings(args, model, package))
+    model, package = _resolve(args)
+    os.environ.update(_cache_settings(args, model))
     with tempfile.TemporaryDirectory(prefix="zipmoe-serve-") as keep:
         argv = [str(runner.program("llama-server")), "-m", model, "--host", args.host, "--port", str(args.port),
-                *package_flags, *_roles_template(package, model, "llama-server", Path(keep)),
-                *_common_llama_flags(args)]
-        return supervise.run_program([*argv, *_llama_args(args)], runner.environment(cache),
-                                     **_supervision(args, model, package))
+                *_package_flags(package, model, "llama-server", Path(keep)), *_common_llama_flags(args)]
+        return supervise.run_program([*argv, *_llama_args(args)], runner.environment(args.cache),
+                                     **_supervision(args, model))
 
 
-def _supervision(args: argparse.Namespace, model: str, package: Any) -> dict[str, Any]:
+def _supervision(args: argparse.Namespace, model: str) -> dict[str, Any]:
     """What the memory supervisor of llama-cli / llama-server needs (pyzipmoe.runtime.supervise.run_program)."""
-    budget = args.memory_budget if args.memory_budget is not None else (
-        package.parameters.get("memory_budget") if package is not None else None)
-    return {"model": model, "budget": budget, "policy": args.policy, "hot_share": args.hot_share,
+    return {"model": model, "budget": args.memory_budget, "policy": args.policy, "hot_share": args.hot_share,
             "sm_share": args.sm_share}
 
 
@@ -151,31 +164,42 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.planner is True and args.memory_budget is not None and len(zipmoe_models) > 1:
         raise ZipmoeError("the planner plans one model at a time: bench one zipmoe model under --memory-budget, or "
                           "give --hot-share (and --sm-share) to split every model's budget the same way")
-    os.environ.update(_cache_settings(args, zipmoe_models[0] if zipmoe_models else args.models[0]))
+    settings = _cache_settings(args, zipmoe_models[0] if zipmoe_models else args.models[0])
+    os.environ.update(settings)
     results, records = runner.llama_bench(args.models, [*flags, *_llama_args(args)], cache=args.cache)
+    budget = int(settings[BUDGET_ENV]) if BUDGET_ENV in settings else None
     if args.json:
         print_json({"results": [r.to_dict() for r in results], "cache": args.cache or "unbounded",
-                     "llama_bench": records})
+                    "memory_budget": budget, "policy": settings.get(POLICY_ENV), "llama_bench": records})
         return EXIT_OK
     header = ("model", "size", "params", "threads", "ubatch", "test", "tokens/s")
     rows = [(r.model, human_size(r.model_size), f"{r.model_n_params / 1e6:.1f} M", str(r.n_threads), str(r.n_ubatch),
              r.test, f"{r.tokens_per_second:.2f} ± {r.stddev:.2f}") for r in results]
     print(render_table(header, rows))
     print(f"llama-bench, {args.repetitions} repetitions{', no warmup' if args.no_warmup else ' after a warmup run'}; "
-          f"zipmoe cache: {args.cache or 'unbounded'}")
+          f"zipmoe cache: {_cache_in_force(args, budget, settings.get(POLICY_ENV))}")
     return EXIT_OK
 
 
-def _cache_settings(args: argparse.Namespace, model: str, package: Any = None) -> dict[str, str]:
+def _cache_in_force(args: argparse.Namespace, budget: int | None, policy: str | None) -> str:
+    """What bench's footer says of the expert cache it ran with: the budget (as given, and in bytes) and the
+    eviction policy, or the cache mode without a budget."""
+    from ..runtime.budget import budget_text
+    from ..runtime.config import DEFAULT_POLICY
+
+    if budget is None:
+        return args.cache or "unbounded"
+    return f"memory budget {budget_text(args.memory_budget, budget)}, eviction {policy or DEFAULT_POLICY}"
+
+
+def _cache_settings(args: argparse.Namespace, model: str) -> dict[str, str]:
     """The runtime's environment for MODEL from --memory-budget, --policy, --hot-share, --sm-share and --trace (a
-    stored model's memory_budget parameter is the default budget); the planner splits the budget unless shares
-    are given."""
+    stored model's parameters are their defaults: _resolve); the planner splits the budget unless shares are
+    given."""
     from ..runtime.controller import planner_by_default, runtime_environment
     from ..runtime.llama import is_zipmoe_file
 
     budget = args.memory_budget
-    if budget is None and package is not None:
-        budget = package.parameters.get("memory_budget")
     is_zipmoe = bool(is_zipmoe_file(model))
     if not is_zipmoe and budget is not None and args.trace is not None and args.planner is False:
         raise ZipmoeError(f"{model}: --trace is what the planner plans from, and --no-planner turns it off")

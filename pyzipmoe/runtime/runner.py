@@ -202,18 +202,108 @@ def _context_length(model: Path) -> int | None:
         return None
 
 
+def _is_chat(package: Any) -> bool:
+    """Whether a prompt is one chat turn (the package gives it roles or a template), not a raw completion."""
+    return package is not None and bool(package.template or package.system or package.messages)
+
+
+def _prepare(llm: Any, n_ctx: int, package: Any, counts: _Tokens, *, dry: bool) -> None:
+    """Makes llm run as the package says (its SYSTEM and MESSAGE in front of a chat turn, its TEMPLATE formatting
+    it, its sampling parameters such as stop the defaults of either kind of completion) and check the prompt as
+    sent against the context (_within_context). Once per instance."""
+    _within_context(llm, n_ctx, package, counts, dry=dry)
+    if package is not None:
+        from ..models.package import apply_package
+
+        apply_package(llm, package)
+
+
 def _stream(llm: Any, prompt: str, package: Any, **kw: Any) -> Any:
-    """(text, is the last chunk) of a raw completion, or of a chat turn where the package gives one its roles."""
-    if package is None or not (package.template or package.system or package.messages):
+    """(text, is the last chunk) of a raw completion, or of a chat turn where the package gives one its roles (llm
+    prepared by _prepare)."""
+    if not _is_chat(package):
         for chunk in llm.create_completion(prompt, stream=True, **kw):
             yield chunk["choices"][0]["text"], chunk["choices"][0]["finish_reason"] is not None
         return
-    from ..models.package import apply_package
-
-    apply_package(llm, package)  # its SYSTEM and MESSAGE go in front of the turn, its TEMPLATE formats it
     for chunk in llm.create_chat_completion([{"role": "user", "content": prompt}], stream=True, **kw):
         choice = chunk["choices"][0]
         yield choice["delta"].get("content") or "", choice["finish_reason"] is not None
+
+
+class _Counted(Exception):
+    """What stops a dry run of the prompt (prompt_tokens) once its tokens are known."""
+
+
+@dataclass
+class _Tokens:
+    """The tokens of a completion as sent and generated (what --stats prints)."""
+
+    prompt: int = 0
+    generated: int = 0
+
+
+def _within_context(llm: Any, n_ctx: int, package: Any, counts: _Tokens, *, dry: bool) -> None:
+    """Makes llm's completions (the raw one, and the one a chat turn ends in, with the template, SYSTEM and MESSAGE
+    applied) check the prompt as it is sent: more tokens than the context holds is a ZipmoeError; generation stops
+    where the context ends; `counts` gets the prompt's tokens and each token sampled. dry: stop (_Counted) once
+    the prompt is counted.
+
+    The context is the one asked for, n_ctx: llama.cpp pads its own to a multiple of 256, and llama-cpp-python
+    allows generating into that padding but keeps the tokens in an array of n_ctx (a ValueError "could not
+    broadcast" where they run past it)."""
+    import inspect
+
+    from llama_cpp import StoppingCriteriaList
+
+    complete = llm.create_completion
+    signature = inspect.signature(complete)
+
+    def count(tokens: Any, _logits: Any) -> bool:
+        """Called with the tokens up to each sampled one (llama-cpp-python may sample past max_tokens to complete
+        a character): counts them, and stops a token that would not fit in the context's array."""
+        counts.generated = max(counts.generated, len(tokens) - counts.prompt)
+        return len(tokens) >= n_ctx
+
+    def create_completion(*args: Any, **kw: Any) -> Any:
+        bound = signature.bind_partial(*args, **kw).arguments
+        given = bound.pop("prompt")
+        tokens = list(given) if not isinstance(given, str) else llm.tokenize(given.encode(), add_bos=True,
+                                                                               special=True)
+        counts.prompt = len(tokens)
+        if len(tokens) >= n_ctx:
+            what = ("the prompt as sent (your text in the model's chat template, after its SYSTEM and MESSAGE lines)"
+                    if _is_chat(package) else "the prompt")
+            raise ZipmoeError(f"{what} is {len(tokens)} tokens, and the context holds {n_ctx} with room for at least "
+                              "one more: raise it with -c (or the model's PARAMETER num_ctx), or shorten the prompt")
+        if dry:
+            raise _Counted
+        room = n_ctx - len(tokens)
+        wanted = bound.get("max_tokens")
+        bound["max_tokens"] = room if wanted is None or wanted <= 0 else min(wanted, room)
+        bound["stopping_criteria"] = StoppingCriteriaList([count, *(bound.get("stopping_criteria") or [])])
+        return complete(tokens, **bound)
+
+    llm.create_completion = create_completion
+
+
+def prompt_tokens(model: str | os.PathLike[str], prompt: str, package: Any, n_ctx: int) -> int:
+    """The tokens of `prompt` as a completion sends it (in the package's chat template, after its SYSTEM and MESSAGE
+    lines, where it has them), counted with the model's vocabulary alone, before the model loads; a ZipmoeError
+    (exit status 2) when they do not fit in n_ctx."""
+    import llama_cpp
+
+    vocab = llama_cpp.Llama(os.fspath(model), vocab_only=True, n_ctx=n_ctx, verbose=False)
+    counts = _Tokens()
+    try:
+        _prepare(vocab, n_ctx, package, counts, dry=True)
+        try:
+            for _ in _stream(vocab, prompt, package, max_tokens=1):
+                break
+        except _Counted:
+            pass
+    finally:
+        vocab.close()
+    return counts.prompt
 
 
 def complete(model: str | os.PathLike[str], prompt: str, *, n_predict: int = 128, threads: int | None = None,
@@ -234,6 +324,7 @@ def complete(model: str | os.PathLike[str], prompt: str, *, n_predict: int = 128
     path = check_model(model)
     if n_ctx is None:
         n_ctx = min(4096, _context_length(path) or 4096)
+    prompt_tokens(path, prompt, package, n_ctx)  # a prompt too long for the context: refused before the model loads
     kwargs: dict[str, Any] = {"n_ctx": n_ctx, "verbose": False, "zipmoe_cache": cache,
                               **{k: v for k, v in (options or {}).items() if v is not None}}
     if threads is not None:
@@ -246,12 +337,10 @@ def complete(model: str | os.PathLike[str], prompt: str, *, n_predict: int = 128
         t1 = time.perf_counter()
         if llm.zipmoe_served:
             llm.zipmoe_stats(reset=True)
-        n_prompt = len(llm.tokenize(prompt.encode()))
-        if n_prompt >= n_ctx:
-            raise ZipmoeError(f"the prompt has {n_prompt} tokens, the context only {n_ctx} (raise it with -c)")
-        pieces, generated = [], 0
-        for text, last in _stream(llm, prompt, package, max_tokens=n_predict, temperature=temperature):
-            generated += not last  # the last chunk only says why it stopped
+        counts = _Tokens()
+        _prepare(llm, n_ctx, package, counts, dry=False)
+        pieces = []
+        for text, _ in _stream(llm, prompt, package, max_tokens=n_predict, temperature=temperature):
             pieces.append(text)
             if out is not None:
                 out.write(text)
@@ -262,7 +351,7 @@ def complete(model: str | os.PathLike[str], prompt: str, *, n_predict: int = 128
         stats = llm.zipmoe_stats() if llm.zipmoe_served else None
     finally:
         llm.close()
-    return Completion("".join(pieces), n_prompt, generated, t1 - t0, t2 - t1, stats)
+    return Completion("".join(pieces), counts.prompt, counts.generated, t1 - t0, t2 - t1, stats)
 
 
 def print_completion_stats(c: Completion, err: TextIO = sys.stderr) -> None:

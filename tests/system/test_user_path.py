@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -231,3 +232,209 @@ def test_roles_template_for_llama_cli(tiny_model: Path, tmp_path: Path) -> None:
     text = Path(flags[-1]).read_text()
     assert text.endswith(CHATML) and '{"role": "user", "content": "Say \\"hi\\""}' in text
     assert "Be brief." not in text
+
+
+# ------------------------------------------------------------------------------------- Modelfile = CLI
+
+
+def test_create_checks_a_fixed_budget_against_the_minimum(tiny_model: Path, tmp_path: Path) -> None:
+    """`PARAMETER memory_budget 1KiB` is refused by create, with its line and the minimum, as a run would refuse
+    it (it once passed create and failed at run time); auto and a percentage depend on where the model runs."""
+    from pyzipmoe.models.directory import ModelDirectory
+    from pyzipmoe.models.modelfile import ModelfileError
+
+    store = ModelDirectory(tmp_path / "store")
+    need = model_memory(tiny_model)
+    with pytest.raises(ModelfileError) as e:
+        store.create("m", f"FROM {tiny_model}\nPARAMETER memory_budget 1KiB\n", base_dir=tmp_path)
+    assert e.value.line == 2 and e.value.exit_code == 2 and "\n" not in str(e.value)
+    assert f"PARAMETER memory_budget 1 KiB is below the minimum of {human_size(need.minimum)}" in str(e.value)
+    assert store.list_models() == []
+    for ok in ("auto", "60%", str(need.minimum)):
+        store.create("m", f"FROM {tiny_model}\nPARAMETER memory_budget {ok}\n", base_dir=tmp_path)
+    # a stored model as FROM: the same check for a budget given anew
+    with pytest.raises(ModelfileError, match="is below the minimum"):
+        store.create("m2", "FROM m\nPARAMETER memory_budget 100\n", base_dir=tmp_path)
+
+
+def test_create_warns_once_of_the_old_cache_mode_spelling(tiny_model: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from pyzipmoe.cli import main
+
+    (tmp_path / "Modelfile").write_text(f"FROM {tiny_model}\nPARAMETER cache_policy none\n")
+    models = tmp_path / "store"
+    assert main(["create", "m", "-f", str(tmp_path / "Modelfile"), "--quiet", "--models", str(models)]) == 0
+    _, err = capsys.readouterr()
+    assert err.count("zipmoe: warning: ") == 1 and err.count("\n") == 1 and "cache_mode none" in err, err
+    assert main(["show", "m", "--parameters", "--models", str(models)]) == 0
+    assert capsys.readouterr().out.split() == ["cache_mode", "none"]
+
+
+def test_show_ends_with_a_newline(tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pyzipmoe.cli import main
+
+    (tmp_path / "Modelfile").write_text(f'FROM {tiny_model}\nSYSTEM "Be brief."\nLICENSE MIT\n'
+                                        'TEMPLATE "{{ messages }}"\nPARAMETER temperature 0.5\n')
+    models = str(tmp_path / "store")
+    assert main(["create", "m", "-f", str(tmp_path / "Modelfile"), "--quiet", "--models", models]) == 0
+    for flag, text in (("--system", "Be brief.\n"), ("--license", "MIT\n"), ("--template", "{{ messages }}\n")):
+        capsys.readouterr()
+        assert main(["show", "m", flag, "--models", models]) == 0
+        assert capsys.readouterr().out == text, flag
+    for flag in ("--modelfile", "--parameters", "--json"):
+        assert main(["show", "m", flag, "--models", models]) == 0
+        assert capsys.readouterr().out.endswith("\n"), flag
+
+
+# ------------------------------------------------------------------------------------- zipmoe run
+
+
+def _store_env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "ZIPMOE_MODELS": str(tmp_path / "models"),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
+
+def _zipmoe(env: dict[str, str], *argv: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pyzipmoe", *map(str, argv)], capture_output=True, text=True,
+                          env=env, timeout=180)
+
+
+def test_run_takes_options_after_the_model_and_the_prompt(zipmoe_model: Path) -> None:
+    """`zipmoe run MODEL -n 4 hello` and `zipmoe run FILE --temp 0 hello` (once 'unrecognized arguments: hello')."""
+    helpers.llama_bin_dir()
+    before = python_m("run", "-n", "4", "--temp", "0", "-c", "64", zipmoe_model, "hello")
+    between = python_m("run", zipmoe_model, "-n", "4", "--temp", "0", "-c", "64", "hello")
+    after = python_m("run", zipmoe_model, "--temp", "0", "hello", "-n", "4", "-c", "64")
+    assert before.returncode == 0, before.stderr[-2000:]
+    assert between.returncode == 0 and after.returncode == 0, (between.stderr[-2000:], after.stderr[-2000:])
+    assert before.stdout == between.stdout == after.stdout and before.stdout.strip()
+
+
+@pytest.mark.parametrize("system_words,num_ctx", [(600, 256), (12, None)])
+def test_run_checks_the_whole_prompt_against_the_context(tiny_model: Path, tmp_path: Path, system_words: int,
+                                                         num_ctx: int | None) -> None:
+    """A SYSTEM longer than the context ("Requested tokens (651) exceed context window of 256"), and a prompt as sent
+    that does not fit in `-c 64` (a ValueError "could not broadcast"): one line, status 2, nothing printed, before
+    the model loads."""
+    helpers.llama_bin_dir()
+    env = _store_env(tmp_path)
+    (tmp_path / "Modelfile").write_text(f"FROM {tiny_model}\nSYSTEM {'word ' * system_words}\n"
+                                        + (f"PARAMETER num_ctx {num_ctx}\n" if num_ctx else ""))
+    assert _zipmoe(env, "create", "m", "-f", tmp_path / "Modelfile", "--quiet").returncode == 0
+    done = _zipmoe(env, "run", "m", "hi", *(() if num_ctx else ("-c", "64")))
+    assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr[-2000:])
+    assert done.stderr.startswith("zipmoe: error: the prompt as sent") and done.stderr.count("\n") == 1, done.stderr
+    assert "Traceback" not in done.stderr and f"the context holds {num_ctx or 64}" in done.stderr
+
+
+def test_run_fits_generation_in_a_small_context(tiny_model: Path, tmp_path: Path) -> None:
+    """-c 64 (llama.cpp pads its context to 256): the prompt as sent fits, the answer stops where the 64 tokens end
+    (it once ran past them: ValueError "could not broadcast input array from shape (12,) into shape (0,)")."""
+    helpers.llama_bin_dir()
+    env = _store_env(tmp_path)
+    (tmp_path / "Modelfile").write_text(f"FROM {tiny_model}\nSYSTEM Be brief.\n")
+    assert _zipmoe(env, "create", "m", "-f", tmp_path / "Modelfile", "--quiet").returncode == 0
+    done = _zipmoe(env, "run", "m", "hi", "-c", "64", "-n", "500", "--stats", "--temp", "0")
+    assert done.returncode == 0, done.stderr[-2000:]
+    prompt, generated = map(int, re.search(r"\[(\d+) prompt tokens, (\d+) generated", done.stderr).groups())
+    assert prompt + generated <= 64 and generated > 0, done.stderr
+
+
+def test_stats_count_the_prompt_as_sent(tiny_model: Path, tmp_path: Path) -> None:
+    """--stats counts the chat template, SYSTEM and MESSAGE lines with the user's text (it once counted only the
+    text): the count llama-cpp-python's own chat completion reports for the stored model."""
+    helpers.llama_bin_dir()
+    env = _store_env(tmp_path)
+    (tmp_path / "Modelfile").write_text(f"FROM {tiny_model}\nSYSTEM {'You answer briefly. ' * 5}\n"
+                                        "MESSAGE user Is the sky blue?\nMESSAGE assistant Yes.\n")
+    assert _zipmoe(env, "create", "m", "-f", tmp_path / "Modelfile", "--quiet").returncode == 0
+    done = _zipmoe(env, "run", "m", "Why?", "-n", "2", "--stats", "-c", "512")
+    assert done.returncode == 0, done.stderr[-2000:]
+    counted = int(re.search(r"\[(\d+) prompt tokens", done.stderr).group(1))
+    usage = subprocess.run(
+        [sys.executable, "-c",
+         "from pyzipmoe.models.directory import llama_from_store; "
+         "llm = llama_from_store('m', n_ctx=512, verbose=False); "
+         "r = llm.create_chat_completion([{'role': 'user', 'content': 'Why?'}], max_tokens=1); "
+         "print(r['usage']['prompt_tokens'])"], capture_output=True, text=True, env=env, timeout=180)
+    assert usage.returncode == 0, usage.stderr[-2000:]
+    assert counted == int(usage.stdout) > 40
+
+
+def test_package_budget_auto_and_policy_reach_the_run(tiny_model: Path, tmp_path: Path) -> None:
+    """`PARAMETER memory_budget auto` and `60%` (once refused by the Modelfile) run as --memory-budget does; a
+    cache_policy is the eviction policy the runtime gets."""
+    helpers.llama_bin_dir()
+    env = _store_env(tmp_path)
+    for name, budget in (("auto", "auto"), ("pct", "60%")):
+        (tmp_path / "Modelfile").write_text(f"FROM {tiny_model}\nPARAMETER memory_budget {budget}\n"
+                                            "PARAMETER cache_policy fifo\n")
+        assert _zipmoe(env, "create", name, "-f", tmp_path / "Modelfile", "--quiet").returncode == 0
+        done = _zipmoe(env, "run", name, "hi", "-n", "2", "--temp", "0", "-c", "64")
+        assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _completion(url: str, prompt: str) -> str:
+    status, body = helpers.http_json(url + "/completion", {"prompt": prompt, "n_predict": 24, "temperature": 0,
+                                                           "cache_prompt": False})
+    assert status == 200, (status, body)
+    return body["content"]
+
+
+def _first_unique_pair(text: str) -> int:
+    """Where a 2-character stop string of plain ASCII first occurs in `text` and nowhere before (from index 2)."""
+    for k in range(2, len(text) - 1):
+        pair = text[k:k + 2]
+        if pair.isascii() and pair.isprintable() and not set(pair) & set(' "#\\') and text.find(pair) == k:
+            return k
+    pytest.skip(f"no usable stop string in the model's text {text!r}")
+    raise AssertionError("unreachable")
+
+
+def test_serve_passes_stop_and_each_template_flag_once(tiny_model: Path, tmp_path: Path) -> None:
+    """`zipmoe serve NAME`: PARAMETER stop is llama-server's default stop string (it never reached the server), and a
+    model with a TEMPLATE and a SYSTEM gives --jinja and --chat-template-file once (llama-server warned 'specified
+    multiple times')."""
+    from pyzipmoe.cli.programs import CHATML
+
+    lib_dir = helpers.llama_bin_dir()
+    if not (lib_dir / "llama-server").exists():
+        helpers.unavailable("llama-server is not built")
+    env = _store_env(tmp_path)
+    (tmp_path / "Modelfile").write_text(f'FROM {tiny_model}\nTEMPLATE """{CHATML}"""\nSYSTEM Be brief.\n')
+    assert _zipmoe(env, "create", "plain", "-f", tmp_path / "Modelfile", "--quiet").returncode == 0
+    flags = ["--", "-t", "2", "-c", "256", "-np", "1"]
+    proc, url = _serve([sys.executable, "-m", "pyzipmoe", "serve", "plain", *flags], env, tmp_path / "plain.log")
+    try:
+        text = _completion(url, "The expert")
+    finally:
+        helpers.kill_group(proc)
+    k = _first_unique_pair(text)
+    (tmp_path / "Modelfile.stop").write_text(f"FROM plain\nPARAMETER stop {text[k:k + 2]}\n")
+    assert _zipmoe(env, "create", "stops", "-f", tmp_path / "Modelfile.stop", "--quiet").returncode == 0
+    proc, url = _serve([sys.executable, "-m", "pyzipmoe", "serve", "stops", *flags], env, tmp_path / "stops.log")
+    try:
+        stopped = _completion(url, "The expert")
+    finally:
+        helpers.kill_group(proc)
+    assert stopped == text[:k], (text, k, stopped)
+    for log in ("plain.log", "stops.log"):
+        said = (tmp_path / log).read_text()
+        for flag in ("--jinja", "--chat-template-file"):
+            assert f"'{flag}' specified multiple times" not in said, (log, flag)
+
+
+def test_bench_footer_says_the_budget_in_force(zipmoe_model: Path) -> None:
+    """`zipmoe bench --memory-budget 30MiB` ended with 'zipmoe cache: unbounded'."""
+    if not (helpers.llama_bin_dir() / "llama-bench").exists():
+        helpers.unavailable("llama-bench is not built")
+    done = python_m("bench", zipmoe_model, "-p", "4", "-n", "2", "-r", "1", "--memory-budget", "30MiB")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1].endswith("zipmoe cache: memory budget 30 MiB, eviction lfuda"), done.stdout
+    done = python_m("bench", zipmoe_model, "-p", "4", "-n", "2", "-r", "1", "--memory-budget", "30MiB",
+                    "--policy", "lru", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["memory_budget"] == 30 << 20 and report["policy"] == "lru"
+    done = python_m("bench", zipmoe_model, "-p", "4", "-n", "2", "-r", "1")
+    assert done.stdout.splitlines()[-1].endswith("zipmoe cache: unbounded"), done.stdout
