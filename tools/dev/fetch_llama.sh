@@ -5,16 +5,28 @@
 # llama.cpp comes from the llama-cpp-python sdist (its vendor/llama.cpp), checked by sha256; no
 # third-party source is kept in this repository. Re-running is cheap: the tree is re-made only when
 # the sdist or a patch changed (a stamp records what was applied).
+# Applying prints, for each patch, whether it applied cleanly, at an offset or with fuzz (tools/dev/patch_drift.py);
+# --check prints that for a tree without making anything: the pinned sdist's, or a newer llama.cpp's
+# (docs/llama-integration.md, "Following llama.cpp").
 #   bash tools/dev/fetch_llama.sh [--stock] [DEST]     default DEST: build/llama.cpp (--stock: build/llama-stock-src)
+#   bash tools/dev/fetch_llama.sh --check [SRC]        SRC: a llama.cpp source tree (default: the pinned sdist's)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 PATCHES=patches/*.patch
 DEFAULT_DEST=build/llama.cpp
+CHECK=
 if [ "${1:-}" = "--stock" ]; then
     PATCHES=
     DEFAULT_DEST=build/llama-stock-src
     shift
+elif [ "${1:-}" = "--check" ]; then
+    CHECK=1
+    shift
+fi
+PYTHON=${PYTHON:-python3}
+if [ -n "$CHECK" ] && [ -n "${1:-}" ]; then
+    exec "$PYTHON" tools/dev/patch_drift.py "$1"
 fi
 
 VERSION=0.3.36
@@ -22,7 +34,6 @@ SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 DEST=${1:-$DEFAULT_DEST}
 CACHE=${ZIPMOE_SDIST_CACHE:-build/cache}
 SDIST=$CACHE/llama_cpp_python-$VERSION.tar.gz
-PYTHON=${PYTHON:-python3}
 
 mkdir -p "$CACHE"
 if [ ! -f "$SDIST" ] || ! echo "$SHA256  $SDIST" | sha256sum -c --status; then
@@ -38,6 +49,15 @@ if ! echo "$SHA256  $SDIST" | sha256sum -c --status; then
     exit 1
 fi
 
+if [ -n "$CHECK" ]; then
+    tmp=$(mktemp -d "$CACHE/check.XXXXXX")
+    trap 'rm -rf "$tmp"' EXIT
+    tar -xzf "$SDIST" -C "$tmp" "llama_cpp_python-$VERSION/vendor/llama.cpp"
+    echo "patches/ against llama-cpp-python $VERSION's llama.cpp:"
+    "$PYTHON" tools/dev/patch_drift.py "$tmp/llama_cpp_python-$VERSION/vendor/llama.cpp"
+    exit
+fi
+
 stamp=$( { echo "$SHA256"; cat $PATCHES /dev/null 2>/dev/null || true; } | sha256sum | cut -d' ' -f1)
 if [ -f "$DEST/.zipmoe-stamp" ] && [ "$(cat "$DEST/.zipmoe-stamp")" = "$stamp" ]; then
     exit 0
@@ -48,10 +68,9 @@ tmp=$(mktemp -d "$CACHE/extract.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 tar -xzf "$SDIST" -C "$tmp" "llama_cpp_python-$VERSION/vendor/llama.cpp"
 src=$tmp/llama_cpp_python-$VERSION/vendor/llama.cpp
-for p in $PATCHES; do
-    [ -e "$p" ] || continue
-    patch -d "$src" -p1 --quiet --forward < "$p" || { echo "fetch_llama.sh: $p does not apply" >&2; exit 1; }
-done
+if [ -n "$PATCHES" ]; then
+    "$PYTHON" tools/dev/patch_drift.py --apply "$src" || { echo "fetch_llama.sh: a patch does not apply (above)" >&2; exit 1; }
+fi
 # Files a patch touches now or touched before get a fresh mtime, so the build recompiles them; all
 # others keep the sdist's mtimes and are not rebuilt.
 patched=$( (sed -n 's|^+++ b/\([^[:space:]]*\).*|\1|p' $PATCHES /dev/null 2>/dev/null || true) | sort -u)
