@@ -286,13 +286,17 @@ def _within_context(llm: Any, n_ctx: int, package: Any, counts: _Tokens, *, dry:
     llm.create_completion = create_completion
 
 
-def prompt_tokens(model: str | os.PathLike[str], prompt: str, package: Any, n_ctx: int) -> int:
+def prompt_tokens(model: str | os.PathLike[str], prompt: str, package: Any, n_ctx: int) -> int | None:
     """The tokens of `prompt` as a completion sends it (in the package's chat template, after its SYSTEM and MESSAGE
     lines, where it has them), counted with the model's vocabulary alone, before the model loads; a ZipmoeError
-    (exit status 2) when they do not fit in n_ctx."""
+    (exit status 2) when they do not fit in n_ctx. None where the vocabulary does not load: the model's own load
+    then says what is wrong with the file (pyzipmoe.Llama), and the completion checks the prompt as sent."""
     import llama_cpp
 
-    vocab = llama_cpp.Llama(os.fspath(model), vocab_only=True, n_ctx=n_ctx, verbose=False)
+    try:
+        vocab = llama_cpp.Llama(os.fspath(model), vocab_only=True, n_ctx=n_ctx, verbose=False)
+    except ValueError:  # llama-cpp-python's "Failed to load model from file"
+        return None
     counts = _Tokens()
     try:
         _prepare(vocab, n_ctx, package, counts, dry=True)

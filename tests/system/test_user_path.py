@@ -438,3 +438,13 @@ def test_bench_footer_says_the_budget_in_force(zipmoe_model: Path) -> None:
     assert report["memory_budget"] == 30 << 20 and report["policy"] == "lru"
     done = python_m("bench", zipmoe_model, "-p", "4", "-n", "2", "-r", "1")
     assert done.stdout.splitlines()[-1].endswith("zipmoe cache: unbounded"), done.stdout
+
+
+@pytest.mark.parametrize("fixture", ["not_gguf", "truncated_gguf"])
+def test_run_a_file_that_is_no_model_is_one_line(fixture: str, request: pytest.FixtureRequest) -> None:
+    """The prompt is counted with the model's vocabulary before the model loads; a file whose vocabulary does not
+    load is still one line from the model's load (pyzipmoe.Llama's message), status 2."""
+    helpers.llama_bin_dir()
+    done = python_m("run", request.getfixturevalue(fixture), "hi", "-n", "1")
+    assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr[-2000:])
+    assert done.stderr.startswith("zipmoe: error: ") and done.stderr.count("\n") == 1, done.stderr
