@@ -3,7 +3,7 @@
 * tests/fuzz_regressions/{chunk,index}: inputs that once crashed a fuzz target, or hand-made hostile inputs
   (stream sizes past the chunk, absurd sizes, overlapping regions, incomplete code tables, zstd frames that
   claim more than the chunk): each must run to completion.
-* the seed corpus, generated from the test models (ggml_zipmoe/fuzz/make_corpus.py), and seeded random
+* the seed corpus, generated from the test models (tools/dev/make_corpus.py), and seeded random
   mutations of it (bytes flipped, changed, cut): a small, deterministic fuzz run that needs no clang.
 
 Run against the sanitizer build (ZIPMOE_BUILD_DIR=build-asan, see .ci/run and SECURITY.md) any out-of-bounds
@@ -48,7 +48,7 @@ def _replay(target: str, *inputs: Path) -> str:
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("corpus")
-    subprocess.run([sys.executable, str(REPO / "ggml_zipmoe" / "fuzz" / "make_corpus.py"), str(out)], check=True,
+    subprocess.run([sys.executable, str(REPO / "tools" / "dev" / "make_corpus.py"), str(out)], check=True,
                    capture_output=True, timeout=300)
     return out
 

@@ -2,7 +2,7 @@
 # Fuzzes zipmoe's native parsers and decoders with libFuzzer (+ AddressSanitizer, UndefinedBehaviorSanitizer):
 #   fuzz_chunk: the huff and zstd chunk decoders, checksum check off and forged;
 #   fuzz_index: the expert index parser and expert decoding, index and chunk checksums forged.
-# Seeds are generated from the test models (ggml_zipmoe/fuzz/make_corpus.py) into build-fuzz/corpus; the
+# Seeds are generated from the test models (tools/dev/make_corpus.py) into build-fuzz/corpus; the
 # corpus grows there between runs. Any crash is saved in build-fuzz/artifacts and fails the run: copy it into
 # tests/fuzz_regressions/<target>/ (tests/native/test_fuzz_regressions.py replays that directory in every build).
 #
@@ -31,7 +31,7 @@ cmake -S . -B "$BUILD" "${gen[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_C
 cmake --build "$BUILD" --target zipmoe-libfuzzer-chunk zipmoe-libfuzzer-index
 
 if [ ! -d "$BUILD/corpus/chunk" ] || [ ! -d "$BUILD/corpus/index" ]; then
-    "$PYTHON" ggml_zipmoe/fuzz/make_corpus.py "$BUILD/corpus"
+    "$PYTHON" tools/dev/make_corpus.py "$BUILD/corpus"
 fi
 mkdir -p "$BUILD/artifacts"
 

@@ -1,6 +1,6 @@
 """Seed corpora for the fuzz targets, generated from the test models (nothing binary is kept in the repository).
 
-    python ggml_zipmoe/fuzz/make_corpus.py OUT_DIR
+    python tools/dev/make_corpus.py OUT_DIR
 
 writes OUT_DIR/chunk/* (inputs of fuzz_chunk.c: real huff and zstd chunks with their code lengths and sm bytes)
 and OUT_DIR/index/* (inputs of fuzz_index.c: real index + data companion pairs of small tensors), made from tiny
