@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import assert_bit_identical, finish_worker, kill_group, worker_env, write_atomic
+from helpers import assert_bit_identical, finish_worker, kill_group, unavailable, worker_env, write_atomic
 
 
 PROMPT = ("the expert model said hello to the world of water and time, and then the people of the world "
@@ -342,15 +342,13 @@ def test_shrink_and_grow_while_generating_same_logits(arch: str, threads: int, l
 
 
 def _native_library() -> None:
-    """Skip without the native library (fail under CI, as the other tests that need the build)."""
+    """Skip without the native library (helpers.unavailable: fail under CI)."""
     from pyzipmoe.errors import ZipmoeError
 
     try:
         from pyzipmoe import _native  # noqa: F401
     except (ZipmoeError, OSError) as e:
-        if os.environ.get("CI"):
-            pytest.fail(f"the native library cannot be loaded: {e} (CI is set: this test must run there)")
-        pytest.skip(f"the native library cannot be loaded: {e}")
+        unavailable(f"the native library cannot be loaded: {e}")
 
 
 STORE_RACE = r"""

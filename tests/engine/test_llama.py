@@ -70,10 +70,10 @@ def _program(bin_dir: Path, name: str) -> Path:
 @pytest.fixture(scope="session")
 def stock() -> Path:
     """Stock llama.cpp: the same sdist built without zipmoe's patches (tools/dev/build_stock.sh, which .ci/run
-    runs), for comparisons; skipped when absent."""
+    runs), for comparisons; `unavailable` when absent."""
     stock_bin = stock_bin_dir()
     if not (stock_bin / "libllama.so").is_file():
-        pytest.skip(f"no stock llama.cpp build at {stock_bin} to compare with (`bash tools/dev/build_stock.sh` "
+        unavailable(f"no stock llama.cpp build at {stock_bin} to compare with (`bash tools/dev/build_stock.sh` "
                     "builds it; or set ZIPMOE_STOCK_LLAMA_BIN)")
     return stock_bin
 

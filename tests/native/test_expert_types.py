@@ -19,6 +19,8 @@ from pyzipmoe.errors import ChecksumError, FormatError, UnsupportedError
 from pyzipmoe.file import codec, convert, metadata, reader, verify
 from pyzipmoe.file import gguf as format
 
+from helpers import llama_bin_dir, unavailable
+
 F16, BF16 = int(Q.F16), int(Q.BF16)
 STORED = ("F32", "Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS", "MXFP4")  # a sample of the byte-layout types
 ALL_F16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)  # every bit pattern: NaNs, infinities, subnormals
@@ -400,13 +402,8 @@ def test_llama_runs_an_f16_zipmoe_exactly_or_refuses(tiny_model: Path, tmp_path:
     import os
     import subprocess
     import sys
-    from importlib.util import find_spec
 
-    import pyzipmoe
-
-    bin_dir = pyzipmoe.build_dir() / "bin"
-    if not (bin_dir / "libllama.so").is_file() or find_spec("llama_cpp") is None:
-        pytest.skip("zipmoe's llama.cpp or llama-cpp-python is missing")
+    bin_dir = llama_bin_dir()
     src = f16_copy(tiny_model, tmp_path / "tiny-f16.gguf")
     packed = tmp_path / "tiny-f16.zipmoe.gguf"
     convert.convert(src, packed, threads=2)
@@ -513,7 +510,7 @@ def test_llama_quantize_outputs_round_trip(preset: str, tiny_model: Path, tmp_pa
 
     tool = pyzipmoe.build_dir() / "bin" / "llama-quantize"
     if not tool.is_file():
-        pytest.skip(f"{tool} not built (cmake --build build --target llama-quantize)")
+        unavailable(f"{tool} not built (cmake --build build --target llama-quantize)")
     src, packed, restored = tmp_path / f"{preset}.gguf", tmp_path / "m.zipmoe.gguf", tmp_path / "restored.gguf"
     done = subprocess.run([str(tool), str(tiny_model), str(src), preset, "1"], capture_output=True, text=True,
                           timeout=300, check=False)

@@ -18,14 +18,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from importlib.util import find_spec
 from pathlib import Path
 
 import cffi
 import numpy as np
 import pytest
 
-import pyzipmoe
 from pyzipmoe.file import codec
 from pyzipmoe.file import convert
 from pyzipmoe.file import verify
@@ -35,6 +33,8 @@ from pyzipmoe.file import metadata
 from pyzipmoe.file import reader
 from pyzipmoe._native import library_candidates
 from pyzipmoe.errors import ChecksumError, FormatError, UnsupportedError
+
+from helpers import llama_bin_dir
 
 WORKER = Path(__file__).with_name("mutation_worker.py")
 
@@ -130,11 +130,7 @@ def _verify_c(path: Path) -> tuple[int, str]:
 
 def _llama_runs(reference: Path, files: list[Path], tmp_path: Path, env: dict[str, str] | None = None) -> list[dict]:
     """Loads each file with zipmoe's llama.cpp (in children); returns their classified outcomes."""
-    bin_dir = pyzipmoe.build_dir() / "bin"
-    if not (bin_dir / "libllama.so").is_file() or find_spec("llama_cpp") is None:
-        if os.environ.get("CI"):
-            pytest.fail("zipmoe's llama.cpp or llama-cpp-python is missing (CI is set: this test must run)")
-        pytest.skip("zipmoe's llama.cpp or llama-cpp-python is missing")
+    bin_dir = llama_bin_dir()
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"reference": str(reference), "files": [str(f) for f in files], "env": env or {}}))
     done = subprocess.run([sys.executable, str(WORKER), str(job)], capture_output=True, text=True, timeout=600,

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from helpers import load_tool
+from helpers import load_tool, unavailable
 
 PROMPT = "Once upon a time"
 N_GEN = 8
@@ -70,7 +70,7 @@ def test_zipmoe_completes_in_a_limit_below_the_bf16_model(llama_lib_dir: Path, c
 
     tool = llama_lib_dir / program
     if not tool.is_file():
-        pytest.skip(f"{tool} was not built")
+        unavailable(f"{tool} was not built")
     bench = _bench_module()
     bf16, packed = small_models
     limit = int(bf16.stat().st_size * LIMIT_SHARE)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import finish_worker, http_json, kill_group, worker_env, write_atomic
+from helpers import finish_worker, http_json, kill_group, unavailable, worker_env, write_atomic
 
 TIMEOUT = 90  # seconds for a worker; a run that takes longer has lost already
 PROMPT = "the expert model said hello to the world of water and time, and then the people"
@@ -352,7 +352,7 @@ class Server:
         import socket
 
         if not (lib_dir / "llama-server").is_file():
-            pytest.skip(f"{lib_dir / 'llama-server'} was not built")
+            unavailable(f"{lib_dir / 'llama-server'} was not built")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -511,7 +511,7 @@ def test_a_bare_program_says_its_budget_does_not_adapt(llama_lib_dir: Path, smal
 
     tool = llama_lib_dir / "llama-simple"
     if not tool.is_file():
-        pytest.skip(f"{tool} was not built")
+        unavailable(f"{tool} was not built")
     _, packed = small_models
     env = runner.environment(base=worker_env(llama_lib_dir), memory_budget=str(40 << 20))
     argv = [str(tool), "-m", str(packed), "-n", "2", "hello"]
