@@ -1,5 +1,5 @@
 """The one cffi module: declarations of the public headers in ggml_zipmoe/include (zipmoe.h, zipmoe-cache.h,
-zipmoe-integrity.h; tests/test_native_api.py holds them to the headers) and the loaded library.
+zipmoe-integrity.h; tests/native/test_native_api.py holds them to the headers) and the loaded library.
 
 ABI mode (dlopen) keeps the Python package free of a compile step of its own: the shared library is
 built once by CMake (tools/setup.sh) and found here. cffi releases the GIL during every call, so
