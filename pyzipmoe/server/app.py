@@ -376,7 +376,7 @@ async def _chat_prompt(models: Models, child: Child, prompt: str, system: str | 
     messages = child.package.chat_messages(turn)
     if template is not None:
         return _render(template, messages)
-    async with models.session.post(f"{child.url}/apply-template", json={"messages": messages}) as r:
+    async with models.session.post(f"{child.url}/apply-template", json={"messages": messages}, headers=child.headers) as r:
         if r.status != 200:
             raise await _upstream_error(r)
         return str((await r.json())["prompt"])
@@ -399,7 +399,7 @@ async def _complete(request: web.Request, child: Child, fields: dict[str, Any], 
                     ) -> web.StreamResponse:
     models = request.app[MODELS_KEY]
     head = {"model": child.name}
-    async with models.session.post(f"{child.url}/completion", json=fields) as r:
+    async with models.session.post(f"{child.url}/completion", json=fields, headers=child.headers) as r:
         if r.status != 200:
             raise await _upstream_error(r)
         if not fields["stream"]:
@@ -473,7 +473,7 @@ async def _chat(request: web.Request, child: Child, fields: dict[str, Any], stre
                 ) -> web.StreamResponse:
     models = request.app[MODELS_KEY]
     head = {"model": child.name}
-    async with models.session.post(f"{child.url}/v1/chat/completions", json=fields) as r:
+    async with models.session.post(f"{child.url}/v1/chat/completions", json=fields, headers=child.headers) as r:
         if r.status != 200:
             raise await _upstream_error(r)
         if not fields["stream"]:
@@ -552,7 +552,7 @@ async def v1_proxy(request: web.Request) -> web.StreamResponse:
             if key == "n_predict" and ("max_tokens" in body or "max_completion_tokens" in body):
                 continue
             body.setdefault(key, value)
-        async with models.session.post(f"{child.url}{request.path}", json=body) as r:
+        async with models.session.post(f"{child.url}{request.path}", json=body, headers=child.headers) as r:
             response = web.StreamResponse(status=r.status, headers={
                 "Content-Type": r.headers.get("Content-Type", "application/json")})
             await response.prepare(request)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import socket
 import subprocess
 import tempfile
@@ -37,6 +38,7 @@ from .ollama import DEFAULT_KEEP_ALIVE, ApiError
 DEFAULT_CONTEXT = 4096  # tokens, when neither the request, the model's PARAMETER num_ctx nor -c says (Ollama's)
 LOAD_TIMEOUT = 300.0  # seconds a request waits for its model to load (Ollama's OLLAMA_LOAD_TIMEOUT)
 STOP_GRACE = 5.0  # seconds a model's process gets to finish before it is killed
+BIND_TRIES = 3  # ports a model's process is given in turn when another process takes the one it was given
 SETTLE_SECONDS = 2.0  # how long a load waits for the other models' caches to shrink to their new shares
 
 
@@ -73,12 +75,40 @@ class Child:
     load_seconds: float = 0.0
     active: int = 0  # requests in flight
     expires: float | None = None  # time.time() when it is unloaded; None: kept
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(24))  # its API key: only the server calls it
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the thread that started it ends (Linux)."""
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+
+def _without(flags: list[str], flag: str) -> list[str]:
+    """flags less `flag` and its value (one the server gives itself)."""
+    out, skip = [], False
+    for f in flags:
+        if skip:
+            skip = False
+        elif f == flag:
+            skip = True
+        else:
+            out.append(f)
+    return out
 
 
 def free_port() -> int:
@@ -262,8 +292,18 @@ class Models:
         child = Child(key, package.name.display, package, ctx)
         t0 = time.monotonic()
         try:
-            await asyncio.to_thread(self._spawn, child, tenant, share, zipmoe, need.other_bytes)
-            await self._wait_ready(child)
+            argv, env = await asyncio.to_thread(self._spawn, child, tenant, share, zipmoe, need.other_bytes)
+            for attempt in range(BIND_TRIES):
+                self._start(child, argv, env)
+                try:
+                    await self._wait_ready(child)
+                    break
+                except ApiError:
+                    # the free port it was given was taken before it bound it: another one
+                    if attempt + 1 == BIND_TRIES or "couldn't bind" not in last_error_line(child.log):
+                        raise
+                    child.port = free_port()
+                    argv[argv.index("--port") + 1] = str(child.port)
         except BaseException:
             await asyncio.to_thread(self._kill, child)
             self.budget.remove(key)
@@ -278,8 +318,10 @@ class Models:
         while time.monotonic() < deadline and not self.budget.settled(self.budget.names()):
             await asyncio.sleep(0.02)
 
-    def _spawn(self, child: Child, tenant: Tenant, share: int, zipmoe: bool, other_bytes: int) -> None:
-        """Starts the model's llama-server (in a thread: it parses the model's header for its environment)."""
+    def _spawn(self, child: Child, tenant: Tenant, share: int, zipmoe: bool, other_bytes: int
+               ) -> tuple[list[str], dict[str, str]]:
+        """The command line and environment of the model's llama-server, its control file made and its share
+        counted (in a thread: it parses the model's header)."""
         from ..runtime import runner
         from ..runtime.cache_control import store_sizes, warm_decodes_fast
         from ..runtime.config import CONTROL_ENV
@@ -289,6 +331,9 @@ class Models:
         s, package = self.settings, child.package
         path = str(package.model_path)
         env = runner.environment(s.cache or package.cache_mode)
+        # an API key of its own (in the environment, not on its command line): a web page that finds the process's
+        # port on the loopback cannot use it, and must come through the server's origin check
+        env["LLAMA_API_KEY"] = child.token
         env.update(runtime_environment(path, budget=share, policy=s.policy, hot_share=s.hot_share,
                                        sm_share=s.sm_share, is_zipmoe=zipmoe))
         sizes, warm_fast = ([], False)
@@ -298,17 +343,25 @@ class Models:
             sizes, warm_fast = store_sizes(path), warm_decodes_fast(path)
         child.port = free_port()
         argv = [str(runner.program("llama-server")), "-m", path, "--host", "127.0.0.1", "--port", str(child.port),
-                *package.llama_program_args("llama-server"), "-np", str(s.parallel),
+                *_without(package.llama_program_args("llama-server"), "-c"), "-np", str(s.parallel),
                 "-c", str(child.num_ctx * s.parallel), "--alias", child.name]  # each slot: the whole num_ctx
         if s.threads is not None:
             argv += ["-t", str(s.threads)]
         argv += list(s.llama_args)
         child.log = self._log_dir / f"{child.name.replace('/', '_')}.{child.port}.log"
-        with open(child.log, "wb") as log:
-            child.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True)
         self.budget.add(tenant, share, control=child.control, sizes=sizes, warm_fast=warm_fast,
                         other_bytes=other_bytes)
+        return argv, env
+
+    def _start(self, child: Child, argv: list[str], env: dict[str, str]) -> None:
+        """Starts the process from the event loop's thread, which lives as long as the server: the process is
+        told to stop when that thread ends (PR_SET_PDEATHSIG), so a server killed outright leaves no model
+        running."""
+        assert child.log is not None
+        with open(child.log, "wb") as log:
+            child.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True,
+                                          preexec_fn=_die_with_parent)
 
     async def _wait_ready(self, child: Child) -> None:
         deadline = time.monotonic() + self.settings.load_timeout

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import http_json, kill_group, llama_bin_dir
+from helpers import http_json, llama_bin_dir
 
 import pyzipmoe
 from pyzipmoe.models.directory import ModelDirectory
+from pyzipmoe.runtime.runner import stop_group
 
 ollama = pytest.importorskip("ollama")
 openai = pytest.importorskip("openai")
@@ -74,8 +75,12 @@ class Server:
     def ps(self) -> dict[str, dict[str, Any]]:
         return {m["name"]: m for m in http_json(f"{self.url}/api/ps")[1]["models"]}
 
-    def stop(self) -> None:
-        kill_group(self.proc)
+    def pids(self) -> list[int]:
+        return [m["zipmoe"]["pid"] for m in http_json(f"{self.url}/api/ps")[1]["models"]]
+
+    def stop(self, grace: float = 10) -> None:
+        """SIGTERM (the server stops its models' processes), then SIGKILL to whatever is left of its group."""
+        stop_group(self.proc, grace)
 
 
 def _zipmoe(root: Path, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -377,3 +382,47 @@ def test_format_and_tools_reach_llama_server(server: Server) -> None:
                      stream=stream)
         last = list(got)[-1] if stream else got
         assert last.done
+
+
+def _gone(pids: list[int], seconds: float = 15) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().split(") ")[-1][:1] not in ("Z", "X"):
+                        alive.append(pid)
+            except OSError:
+                pass
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("grace", [10, 0])
+def test_the_models_stop_with_the_server(tiny_models: dict[str, Path], tmp_path: Path, grace: float) -> None:
+    """Stopped (SIGTERM) or killed (SIGKILL), the server leaves no model's process behind."""
+    llama_bin_dir()
+    store = _store(tmp_path / "models", tiny_models, tmp_path)
+    s = Server(store.root)
+    try:
+        for m in ("alpha", "beta"):
+            s.client().generate(m, PROMPT, options=GREEDY)
+        pids = s.pids()
+        assert len(pids) == 2
+    finally:
+        s.stop(grace)
+    assert _gone(pids)
+
+
+def test_a_model_s_process_answers_only_the_server(server: Server) -> None:
+    """A web page that finds a model's llama-server on the loopback cannot call it: it takes the server's key
+    only, so every request goes through the server's origin check."""
+    server.client().generate("alpha", PROMPT, options=GREEDY)
+    pid = server.ps()["alpha:latest"]["zipmoe"]["pid"]
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    port = int(argv[argv.index(b"--port") + 1])
+    assert http_json(f"http://127.0.0.1:{port}/completion", {"prompt": "hi", "n_predict": 1})[0] == 401
+    assert b"--api-key" not in argv  # (the key is not on its command line, where `ps` would show it)

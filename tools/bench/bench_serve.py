@@ -130,11 +130,11 @@ def run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
         say(f"generating {bf16} (SYNTHETIC, preset {args.preset}) ...")
         synth.write_config(bf16, synth.PRESETS[args.preset])
     store = ModelDirectory(work / "models")
-    if not store.exists("bench"):
+    if not store.exists(args.preset):
         say("storing it (converted) ...")
-        store.create("bench", f"FROM {bf16}\nPARAMETER num_ctx {NUM_CTX}\n", base_dir=work, threads=args.threads)
-    store.copy("bench", "bench2")
-    package = store.open("bench")
+        store.create(args.preset, f"FROM {bf16}\nPARAMETER num_ctx {NUM_CTX}\n", base_dir=work, threads=args.threads)
+    store.copy(args.preset, f"{args.preset}-copy")
+    package = store.open(args.preset)
     blob = str(package.model_path)
     need = model_memory(blob)
     budget = int(need.whole * args.budget_share)
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
     try:
         ports["direct"] = _port()
         procs.append(_start([str(runner.program("llama-server")), "-m", blob, "--port", str(ports["direct"]),
-                             "--alias", "bench", *common], server_env, work / "direct.log"))
+                             "--alias", args.preset, *common], server_env, work / "direct.log"))
         _wait(ports["direct"], "/health", procs[-1], work / "direct.log")
         ports["zipmoe"] = _port()
         procs.append(_start([sys.executable, "-m", "pyzipmoe", "serve", "--port", str(ports["zipmoe"]),
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
         if args.router:
             models_dir = work / "router-models"
             models_dir.mkdir(exist_ok=True)
-            link = models_dir / "bench.gguf"
+            link = models_dir / f"{args.preset}.gguf"
             if link.is_symlink() or link.exists():
                 link.unlink()
             link.symlink_to(blob)
@@ -167,10 +167,10 @@ def run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
                                  str(ports["router"]), *common], server_env, work / "router.log"))
             _wait(ports["router"], "/health", procs[-1], work / "router.log")
         msgs = [{"role": "user", "content": PROMPT}]
-        oai = {"messages": msgs, "max_tokens": args.gen, "temperature": 0, "stream": True, "model": "bench"}
+        oai = {"messages": msgs, "max_tokens": args.gen, "temperature": 0, "stream": True, "model": args.preset}
         rows: dict[str, tuple[int, str, dict[str, Any]]] = {
             "llama-server": (ports["direct"], "/v1/chat/completions", oai),
-            "zipmoe /api": (ports["zipmoe"], "/api/chat", {"model": "bench", "messages": msgs, "stream": True,
+            "zipmoe /api": (ports["zipmoe"], "/api/chat", {"model": args.preset, "messages": msgs, "stream": True,
                                                            "options": {"temperature": 0, "num_predict": args.gen}}),
             "zipmoe /v1": (ports["zipmoe"], "/v1/chat/completions", oai),
         }
@@ -188,9 +188,10 @@ def run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
         switch: dict[str, Any] = {}
         if args.switch:
             api = rows["zipmoe /api"][2]
-            stream(ports["zipmoe"], "/api/chat", {**api, "model": "bench2"})
+            pair = (args.preset, f"{args.preset}-copy")
+            stream(ports["zipmoe"], "/api/chat", {**api, "model": pair[1]})
             pids = _pids(ports["zipmoe"])
-            firsts = [stream(ports["zipmoe"], "/api/chat", {**api, "model": ("bench", "bench2")[i % 2]})["first"]
+            firsts = [stream(ports["zipmoe"], "/api/chat", {**api, "model": pair[i % 2]})["first"]
                       for i in range(2 * args.reps)]
             switch = {"first": statistics.median(firsts), "reloads": int(_pids(ports["zipmoe"]) != pids),
                       "pids": pids}
