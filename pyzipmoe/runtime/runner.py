@@ -211,11 +211,14 @@ def _prepare(llm: Any, n_ctx: int, package: Any, counts: _Tokens, *, dry: bool) 
     """Makes llm run as the package says (its SYSTEM and MESSAGE in front of a chat turn, its TEMPLATE formatting
     it, its sampling parameters such as stop the defaults of either kind of completion) and check the prompt as
     sent against the context (_within_context). Once per instance."""
-    _within_context(llm, n_ctx, package, counts, dry=dry)
+    import inspect
+
+    signature = inspect.signature(llm.create_completion)  # llama-cpp-python's, before any wrapper
     if package is not None:
         from ..models.package import apply_package
 
-        apply_package(llm, package)
+        apply_package(llm, package)  # (it reads the signature of what it wraps: llama-cpp-python's)
+    _within_context(llm, n_ctx, package, counts, signature, dry=dry)
 
 
 def _stream(llm: Any, prompt: str, package: Any, **kw: Any) -> Any:
@@ -242,21 +245,18 @@ class _Tokens:
     generated: int = 0
 
 
-def _within_context(llm: Any, n_ctx: int, package: Any, counts: _Tokens, *, dry: bool) -> None:
+def _within_context(llm: Any, n_ctx: int, package: Any, counts: _Tokens, signature: Any, *, dry: bool) -> None:
     """Makes llm's completions (the raw one, and the one a chat turn ends in, with the template, SYSTEM and MESSAGE
     applied) check the prompt as it is sent: more tokens than the context holds is a ZipmoeError; generation stops
     where the context ends; `counts` gets the prompt's tokens and each token sampled. dry: stop (_Counted) once
-    the prompt is counted.
+    the prompt is counted. signature: llama-cpp-python's create_completion's, which the call is bound to.
 
     The context is the one asked for, n_ctx: llama.cpp pads its own to a multiple of 256, and llama-cpp-python
     allows generating into that padding but keeps the tokens in an array of n_ctx (a ValueError "could not
     broadcast" where they run past it)."""
-    import inspect
-
     from llama_cpp import StoppingCriteriaList
 
     complete = llm.create_completion
-    signature = inspect.signature(complete)
 
     def count(tokens: Any, _logits: Any) -> bool:
         """Called with the tokens up to each sampled one (llama-cpp-python may sample past max_tokens to complete

@@ -448,3 +448,21 @@ def test_run_a_file_that_is_no_model_is_one_line(fixture: str, request: pytest.F
     done = python_m("run", request.getfixturevalue(fixture), "hi", "-n", "1")
     assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr[-2000:])
     assert done.stderr.startswith("zipmoe: error: ") and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_run_stops_at_the_packages_stop_string(tiny_model: Path, tmp_path: Path) -> None:
+    """`zipmoe run NAME PROMPT` of a model without roles (a raw completion) takes its PARAMETER stop (and the other
+    sampling parameters) as a chat turn does: the answer ends before the stop string (it ran on)."""
+    helpers.llama_bin_dir()
+    env = _store_env(tmp_path)
+    (tmp_path / "Modelfile").write_text(f"FROM {tiny_model}\n")
+    assert _zipmoe(env, "create", "plain", "-f", tmp_path / "Modelfile", "--quiet").returncode == 0
+    flags = ("-n", "24", "--temp", "0", "-c", "256")
+    plain = _zipmoe(env, "run", "plain", "The expert", *flags)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    text = plain.stdout.removesuffix("\n")
+    k = _first_unique_pair(text)
+    (tmp_path / "Modelfile.stop").write_text(f"FROM plain\nPARAMETER stop {text[k:k + 2]}\n")
+    assert _zipmoe(env, "create", "stops", "-f", tmp_path / "Modelfile.stop", "--quiet").returncode == 0
+    stopped = _zipmoe(env, "run", "stops", "The expert", *flags)
+    assert stopped.returncode == 0 and stopped.stdout == text[:k] + "\n", (text, k, stopped.stdout)
