@@ -46,6 +46,7 @@ from . import modelfile as mfile
 from ..atomic import fsync_dir
 from ..errors import ZipmoeError
 from ..progress import Progress, Silent
+from ..runtime.completion import apply_package
 from .blobs import BlobError, SMALL_BLOB_MAX, Job, _atomic_file, hash_file, stat_key
 from .create import Creating
 from .manifest import (
@@ -62,7 +63,7 @@ from .manifest import (
 )
 from .modelfile import Message
 from .name import InvalidNameError, ModelName, ModelNotFoundError, ModelsError, NAME_HELP, as_name
-from .package import ModelEntry, ModelPackage, accepts_keyword, apply_package
+from .package import ModelEntry, ModelPackage, accepts_keyword
 from .transfer import Transferring
 
 

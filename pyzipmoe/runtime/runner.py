@@ -215,7 +215,7 @@ def _prepare(llm: Any, n_ctx: int, package: Any, counts: _Tokens, *, dry: bool) 
 
     signature = inspect.signature(llm.create_completion)  # llama-cpp-python's, before any wrapper
     if package is not None:
-        from ..models.package import apply_package
+        from .completion import apply_package
 
         apply_package(llm, package)  # (it reads the signature of what it wraps: llama-cpp-python's)
     _within_context(llm, n_ctx, package, counts, signature, dry=dry)
