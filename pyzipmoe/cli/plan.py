@@ -17,7 +17,7 @@ from typing import Any
 from ..plan import inputs
 from ..plan import trace as routing_file
 from ..plan import solver as planner
-from ..runtime.config import DEFAULT_POLICY, PLAN_ENV, POLICIES
+from ..runtime.config import DEFAULT_POLICY, PLAN_ENV, POLICIES, RuntimeConfig
 from .formatting import command, human_size
 
 __all__ = ["register"]
@@ -161,7 +161,8 @@ def _to_json(model_path: str, geometry: inputs.ModelGeometry, costs: inputs.Cost
                      "layers": list(g.layers), "hot_bytes": list(g.hot_bytes), "warm_bytes": list(g.warm_bytes),
                      "sm_bytes": list(g.sm_bytes), "all_hot_bytes": g.all_hot_bytes,
                      "tiered": [g.has_tiers(i) for i in range(len(g.layers))]},
-        **plan.to_dict(), "all_hot_tokens_per_second": 1.0 / plan.base_seconds_per_token, "env": plan.to_env(),
+        **plan.to_dict(), "all_hot_tokens_per_second": 1.0 / plan.base_seconds_per_token,
+        "env": RuntimeConfig(plan=plan.encode()).to_env(),
     }
 
 

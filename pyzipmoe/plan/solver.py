@@ -339,12 +339,6 @@ class Plan:
         """The runtime's plan string: "<layer>:<hot>,<warm>,<sm>;..." (see the module's docstring)."""
         return ";".join(f"{lp.layer}:{lp.hot},{lp.warm},{lp.sm}" for lp in self.layers)
 
-    def to_env(self) -> dict[str, str]:
-        """ZIPMOE_PLAN for a bare llama.cpp program."""
-        from ..runtime.config import RuntimeConfig
-
-        return RuntimeConfig(plan=self.encode()).to_env()
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "budget": self.budget, "bytes": self.nbytes, "read_bytes": self.read_bytes,

@@ -20,6 +20,7 @@ from pyzipmoe.plan import solver as planner
 from pyzipmoe.errors import ZipmoeError
 from pyzipmoe.plan.inputs import Costs, ModelGeometry, PlanInputError
 from pyzipmoe.plan.routing import TierSeconds
+from pyzipmoe.runtime.config import RuntimeConfig
 
 # reads and decoding both matter in the max; a layer that reads at all pays `layer` once
 SECONDS = TierSeconds(decode=0.3, read_sm=0.7, read_cold=1.1, layer=0.25, layer_sm=0.1)
@@ -532,7 +533,7 @@ def test_a_run_s_plan_leaves_room_for_a_prompt_s_reads(small_model: planner.Cost
 def test_plan_string_and_environment(small_model: planner.CostModel):
     plan = planner.plan_for_budget(small_model, 300)
     text = plan.encode()
-    assert plan.to_env() == {"ZIPMOE_PLAN": text}
+    assert RuntimeConfig(plan=text).to_env() == {"ZIPMOE_PLAN": text}  # what a bare llama.cpp program reads
     assert planner.decode_plan(text) == {lp.layer: (lp.hot, lp.warm, lp.sm) for lp in plan.layers}
     assert planner.decode_plan("0:12,4,0;1:10,6,2") == {0: (12, 4, 0), 1: (10, 6, 2)}
     for bad in ("0:1,2", "0:1,2,3;0:1,1,1", "x:1,2,3"):
