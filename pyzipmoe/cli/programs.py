@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ZipmoeError
-from ..runtime.config import BUDGET_ENV, POLICY_ENV
+from ..runtime.config import BUDGET_ENV, CACHE_MODES, DEFAULT_POLICY, POLICIES, POLICY_ENV
 from .formatting import EXIT_OK, command, fraction, human_size, nonnegative, positive, print_json, render_table
 
 LLAMA_COMMANDS = ("run", "serve", "bench")
@@ -222,10 +222,12 @@ def _add_llama_options(p: argparse.ArgumentParser, *, ctx: str | None = "default
                         "or container has free, less a margin). It holds the weights that are not experts, the "
                         "experts of one expert tensor in flight, and the expert cache: decoded experts, unless "
                         "--hot-share, --sm-share or --planner split it. Too small: an error says the minimum. "
-                        "Default: unbounded. Sets ZIPMOE_MEMORY_BUDGET")
-    p.add_argument("--policy", choices=("tlfu", "lru", "lfu", "fifo", "lfuda"),
-                   help="eviction under a budget: lfuda (default, LFU with dynamic ageing), tlfu (the paper's "
-                        "token-weighted LFU), lru, lfu, fifo")
+                        "Default: a stored model's PARAMETER memory_budget, else unbounded. Sets "
+                        "ZIPMOE_MEMORY_BUDGET")
+    p.add_argument("--policy", choices=POLICIES,
+                   help=f"eviction under a budget: {DEFAULT_POLICY} (default, LFU with dynamic ageing), tlfu (the "
+                        "paper's token-weighted LFU), lru, lfu, fifo; default also: a stored model's PARAMETER "
+                        "cache_policy")
     p.add_argument("--hot-share", type=fraction, metavar="F",
                    help="share of the cache for decoded experts (default 1)")
     p.add_argument("--sm-share", type=fraction, metavar="F",
@@ -239,9 +241,9 @@ def _add_llama_options(p: argparse.ArgumentParser, *, ctx: str | None = "default
     p.add_argument("--trace", metavar="FILE",
                    help="expert activation counts for the planner (.npz with counts[prompts, layers, experts]); "
                         "default: every expert equally likely")
-    p.add_argument("--cache", choices=("unbounded", "none"),
-                   help="zipmoe expert cache: unbounded (default) keeps decoded experts, none decodes on every "
-                        "use (sets ZIPMOE_CACHE)")
+    p.add_argument("--cache", choices=CACHE_MODES,
+                   help="zipmoe expert cache: unbounded (default, or a stored model's PARAMETER cache_mode) keeps "
+                        "decoded experts, none decodes on every use (sets ZIPMOE_CACHE)")
 
 
 def register(sub: Any) -> None:
@@ -253,8 +255,12 @@ def register(sub: Any) -> None:
         description="Without a prompt: an interactive chat with llama-cli from zipmoe's build of llama.cpp. With "
                          "PROMPT (or -p PROMPT): a one-shot raw completion of it printed to stdout (through "
                          "llama-cpp-python and the same libllama), as `ollama run MODEL PROMPT` answers once. MODEL "
-                         "may be a stored model's name, a zipmoe GGUF or a plain one. Arguments after -- go to "
-                         "llama-cli.",
+                         "may be a stored model's name, a zipmoe GGUF or a plain one; a stored model's parameters "
+                         "are the defaults of the options (memory_budget of --memory-budget, cache_policy of "
+                         "--policy, cache_mode of --cache, num_ctx of -c, ...). The whole prompt as sent (the "
+                         "model's chat template, SYSTEM and MESSAGE lines, and PROMPT) must fit in the context: "
+                         "checked before the model loads. Options may come before or after MODEL and PROMPT; "
+                         "arguments after -- go to llama-cli.",
         examples=("zipmoe run model.zipmoe.gguf                                  chat (llama-cli)",
                   "zipmoe run mymoe 'Why is the sky blue?'                       one-shot completion",
                   "zipmoe run model.zipmoe.gguf -p 'Once upon a time' -n 64      raw completion",
