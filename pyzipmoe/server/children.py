@@ -89,13 +89,14 @@ class Child:
 
 
 def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the thread that started it ends (Linux)."""
+    """In the child, before exec: SIGKILL when the thread that started it ends (Linux). Not SIGTERM: llama-server's
+    orderly exit waited for ever at times, with none left to kill it; a model's process keeps nothing to save."""
     import ctypes
     import signal
 
     PR_SET_PDEATHSIG = 1
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
 def _without(flags: list[str], flag: str) -> list[str]:
@@ -355,8 +356,7 @@ class Models:
 
     def _start(self, child: Child, argv: list[str], env: dict[str, str]) -> None:
         """Starts the process from the event loop's thread, which lives as long as the server: the process is
-        told to stop when that thread ends (PR_SET_PDEATHSIG), so a server killed outright leaves no model
-        running."""
+        killed when that thread ends (PR_SET_PDEATHSIG), so a server killed outright leaves no model running."""
         assert child.log is not None
         with open(child.log, "wb") as log:
             child.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
