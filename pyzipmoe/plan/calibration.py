@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import ZipmoeError
 from ..paths import bin_dir
-from ..runtime.memory import CGROUP_ROOT, PROC_SELF, cgroup_dirs
+from ..cgroup import CGROUP_ROOT, PROC_SELF, cgroup_dirs
 
 SCHEMA = 4  # of the cache files; another value is measured again (1: tier costs from the stores alone; 2: t_layer
 #             fitted; 3: engine runs that generated token 0 forever, see llama.last_logits)

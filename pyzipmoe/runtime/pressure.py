@@ -20,7 +20,8 @@ import os
 import select
 from pathlib import Path
 
-from .memory import CGROUP_ROOT, PROC_SELF, cgroup_dirs, read_int, UNLIMITED_FROM
+from ..cgroup import CGROUP_ROOT, PROC_SELF, cgroup_dirs
+from .memory import read_int, UNLIMITED_FROM
 
 PSI_TRIGGER = b"some 150000 2000000"  # 150 ms of stalls in a 2 s window (unprivileged triggers need >= 2 s windows)
 MIN_WAKE_GAP = 0.05  # seconds: signals closer together than this start one reading

@@ -198,7 +198,7 @@ def worker(job: dict[str, Any], lib_dir: Path, cg: Cgroup | None = None) -> subp
 def test_the_kernel_signals_a_cgroup_near_its_limit(cgroup_parent: Path, tmp_path: Path) -> None:
     """pressure.MemoryEvents on a real cgroup v1: registering the usage threshold works here, and a process that
     allocates past the limit less the margin wakes a waiter (which then reads, as the monitor does)."""
-    from pyzipmoe.runtime.memory import v1_mount
+    from pyzipmoe.cgroup import v1_mount
     from pyzipmoe.runtime.pressure import MemoryEvents
 
     limit, margin = 256 << 20, 64 << 20

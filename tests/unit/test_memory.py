@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from pyzipmoe import cgroup
 from pyzipmoe.runtime import memory
 from pyzipmoe.runtime.budget import parse_budget
 from pyzipmoe.runtime.config import RuntimeConfig
@@ -84,7 +85,7 @@ def test_own_cgroup_dir_v1(fake):
     assert own("memory") == cg / "memory/docker/abc"
     assert own("blkio") == cg / "blkio/b"
     assert own("cpuacct") == cg / "cpu,cpuacct/c"
-    assert memory.v1_mount("memory", cg) == cg / "memory"
+    assert cgroup.v1_mount("memory", cg) == cg / "memory"
 
 
 def test_own_cgroup_dir_container_without_namespace_is_mount_root(fake):

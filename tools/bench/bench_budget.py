@@ -167,7 +167,7 @@ def parse_size(text: str) -> int:
 
 def memory_mount() -> Path:
     """Where the cgroup v1 memory hierarchy is; BenchError if there is none."""
-    from pyzipmoe.runtime.memory import v1_mount
+    from pyzipmoe.cgroup import v1_mount
 
     mount = v1_mount("memory")
     if mount is not None:
