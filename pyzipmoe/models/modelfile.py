@@ -19,8 +19,9 @@ Where zipmoe is stricter than Ollama, it is to turn silent surprises into errors
 directives and parameters, values of the wrong type or range, TEMPLATE/SYSTEM/FROM given twice, text after a
 closing quote. zipmoe's own parameters take what the flags of `zipmoe run` take, read by the same code:
 memory_budget as --memory-budget (a size, a percentage of the memory, or auto), cache_policy as --policy (the
-eviction policy), cache_mode as --cache. TEMPLATE is a Jinja chat template (what llama.cpp and llama-cpp-python run, the kind GGUFs carry in
-`tokenizer.chat_template`), not an Ollama Go template: `{{ .Prompt }}` is refused with a hint.
+eviction policy), cache_mode as --cache. TEMPLATE is a Jinja chat template (what llama.cpp and llama-cpp-python
+run, the kind GGUFs carry in `tokenizer.chat_template`), not an Ollama Go template: `{{ .Prompt }}` is refused with
+a hint.
 """
 
 from __future__ import annotations
