@@ -49,14 +49,17 @@ def _env(root: Path) -> dict[str, str]:
 
 
 class Server:
-    def __init__(self, root: Path, *args: str) -> None:
+    def __init__(self, root: Path, *args: str, cgroup: Path | None = None) -> None:
+        """`zipmoe serve` on the store at root; in the memory cgroup `cgroup` (its models' processes with it)."""
         self.root = root
         self.port = _port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = root.parent / f"server-{self.port}.log"
+        argv = [sys.executable, "-m", "pyzipmoe", "serve", "--port", str(self.port), *args]
+        if cgroup is not None:  # the shell joins the cgroup, then becomes the server
+            argv = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"), *argv]
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "pyzipmoe", "serve", "--port", str(self.port), *args],
-                                         env=_env(root), stdout=log, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(argv, env=_env(root), stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -426,3 +429,41 @@ def test_a_model_s_process_answers_only_the_server(server: Server) -> None:
     port = int(argv[argv.index(b"--port") + 1])
     assert http_json(f"http://127.0.0.1:{port}/completion", {"prompt": "hi", "n_predict": 1})[0] == 401
     assert b"--api-key" not in argv  # (the key is not on its command line, where `ps` would show it)
+
+
+def test_two_models_in_a_memory_cgroup_answer_in_turn_within_it(small_models: tuple[Path, Path],
+                                                              cgroup_parent: Path, tmp_path: Path) -> None:
+    """Two models whose whole sizes together exceed the server's budget, in a memory cgroup of the budget plus
+    the processes' own memory: both answer in turn, as they answer alone, and nothing is OOM-killed."""
+    from pyzipmoe.runtime.budget import model_memory
+    from pyzipmoe.runtime.memory import make_memory_cgroup, remove_cgroup
+
+    llama_bin_dir()
+    _, packed = small_models
+    store = ModelDirectory(tmp_path / "models")
+    store.create("one", f"FROM {packed}\nPARAMETER num_ctx 256\n", base_dir=tmp_path)
+    store.create("two", f"FROM {packed}\nPARAMETER num_ctx 256\nSYSTEM You are a test.\n{TEMPLATE}",
+                 base_dir=tmp_path)
+    need = model_memory(packed)
+    budget = 2 * need.minimum + need.expert_bytes // 2
+    assert 2 * need.whole > budget
+    alone = Server(store.root, "--parallel", "1")
+    try:
+        expected = {m: alone.client().generate(m, PROMPT, options=GREEDY).response for m in ("one", "two")}
+    finally:
+        alone.stop()
+    overhead = 192 * 2**20  # the server's Python, two llama-servers, their KV caches and compute buffers
+    cgroup = make_memory_cgroup(cgroup_parent / f"zipmoe-serve-test-{os.getpid()}", budget + overhead)
+    s = Server(store.root, "--memory-budget", str(budget), "--parallel", "1", cgroup=cgroup)
+    try:
+        c = s.client()
+        for m in ("one", "two", "one", "two"):
+            assert c.generate(m, PROMPT, options=GREEDY).response == expected[m]
+            ps = s.ps()
+            assert set(ps) == {"one:latest", "two:latest"} or set(ps) == {f"{m}:latest"}
+            assert sum(p["zipmoe"]["budget"] for p in ps.values()) <= budget
+        oom = dict(line.split() for line in (cgroup / "memory.oom_control").read_text().splitlines())
+        assert int(oom.get("oom_kill", 0)) == 0 and s.proc.poll() is None
+    finally:
+        s.stop()
+        remove_cgroup(cgroup)
