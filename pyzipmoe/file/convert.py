@@ -16,6 +16,8 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import re
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -243,8 +245,30 @@ def auto_codec(experts: list[Tensor]) -> str:
 # ----------------------------------------------------------------------------------------- the source
 
 
+EXPERT_SIDE_NAME = re.compile(r"blk\.\d+\.(?:ffn_(?:up|gate|down|gate_up)_exps\.(?:bias|scale)|ffn_norm_exps\.weight)")
+"""Per-expert tensors that are not matrices: biases (gpt-oss), output scales, arctic's expert norm. llama.cpp reads
+them beside the expert matrices (ggml_add_id, ggml_mul), not through ggml_mul_mat_id, so they stay plain tensors."""
+
+
+def unknown_expert_tensors(g: GGUFFile) -> list[Tensor]:
+    """Tensors named like expert tensors (`_exps`) in a form zipmoe knows neither to compress nor to keep: compressing
+    or keeping a form it was never checked on would be a guess about how llama.cpp reads it."""
+    return [t for t in g.tensors if "_exps" in t.name and not is_expert_tensor(t) and not
+            (EXPERT_SIDE_NAME.fullmatch(t.name) and len(t.dims) <= 2)]
+
+
+def _form(t: Tensor) -> str:
+    return f"{t.name} ({len(t.dims)}-D {'x'.join(map(str, t.dims))}, {type_name(t.ggml_type)})"
+
+
 def expert_tensors(g: GGUFFile) -> list[Tensor]:
-    """The tensors zipmoe stores; refuses a file that has none or an expert tensor of a type it cannot store."""
+    """The tensors zipmoe stores; refuses a file that has none, an expert tensor of a type it cannot store, or an
+    `_exps` tensor of a form it does not know (unknown_expert_tensors)."""
+    unknown = unknown_expert_tensors(g)
+    if unknown:
+        raise UnsupportedError(f"{g.label}: {_form(unknown[0])} is an expert tensor of a form zipmoe does not know "
+                               "(it compresses blk.N.ffn_{up,gate,down,gate_up}_exps.weight, 3-D, and keeps their "
+                               ".bias/.scale); it does not convert the file rather than guess")
     experts = [t for t in g.tensors if is_expert_tensor(t)]
     if not experts:
         raise UnsupportedError(f"{g.label}: not a MoE model: no tensor is named "
@@ -356,6 +380,7 @@ class ConvertReport:
     sha256: str
     seconds: float
     tensors: tuple[TensorStats, ...]
+    warnings: tuple[str, ...] = ()
 
     def rows(self) -> list[SizeRow]:
         return size_rows(self.tensors, source_size=self.source_size, output_size=self.output_size)
@@ -460,12 +485,15 @@ def _write_zipmoe(out: BinaryIO, fd: int, g: GGUFFile, meta: ZipmoeMeta, scan: S
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, codec: str = "auto",
             level: int = zcodec.DEFAULT_ZSTD_LEVEL, chunk_n: int = zcodec.DEFAULT_CHUNK_N,
-            threads: int | None = None, progress: Progress | None = None) -> ConvertReport:
+            threads: int | None = None, progress: Progress | None = None,
+            warn: Callable[[str], None] | None = None) -> ConvertReport:
     """Compresses the expert tensors of the GGUF `src` into the zipmoe GGUF `dst`.
 
     codec: "auto" (huff; zstd-1 where the split experts are all F16: auto_codec), "huff", "esc" or "zstd" (at
     `level`), the codec of BF16/F16 experts (others are stored raw); chunk_n: values per independently decodable chunk (for raw experts: whole rows of about as many bytes as
-    chunk_n BF16 values); threads: encoding threads (default: all CPUs).
+    chunk_n BF16 values); threads: encoding threads (default: all CPUs); warn: called once with what the report's
+    warnings say (default: printed to stderr as `zipmoe: warning: ...`), for a model of an architecture zipmoe was not
+    checked on (pyzipmoe.architectures).
     """
     t0 = time.monotonic()
     src, dst = Path(src), Path(dst)
@@ -479,6 +507,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, codec: 
     if g.is_zipmoe:
         raise UnsupportedError(f"{src}: already a zipmoe file; `zipmoe unpack` restores its source")
     experts = expert_tensors(g)
+    warnings = _architecture_warnings(g)
+    for note in warnings:
+        (warn or _print_warning)(note)
     if codec_name == "auto":
         codec_name = auto_codec(experts)
     _check_codec_fits(g, experts, codec_name)
@@ -502,7 +533,19 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, codec: 
     stats = tuple(TensorStats(t.name, t.dims, t.nbytes, sizes[t.name], entropies[t.name], t.ggml_type)
                   for t in experts)
     return ConvertReport(str(src), str(dst), meta.codec, meta.level, chunk_n, threads, g.file_size,
-                         dst.stat().st_size, scan.sha256, time.monotonic() - t0, stats)
+                         dst.stat().st_size, scan.sha256, time.monotonic() - t0, stats, warnings)
+
+
+def _architecture_warnings(g: GGUFFile) -> tuple[str, ...]:
+    from ..architectures import architecture_note
+
+    kv = g.kv.get("general.architecture")
+    note = architecture_note(kv.value if kv is not None and isinstance(kv.value, str) else None)
+    return () if note is None else (note,)
+
+
+def _print_warning(note: str) -> None:
+    print(f"zipmoe: warning: {note}", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------------------- inspecting

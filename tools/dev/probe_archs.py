@@ -74,7 +74,7 @@ KEY_DEFAULTS: dict[str, tuple[str, Any]] = {
     "attention.sliding_window": ("u32", N_CTX // 8),
     "attention.sliding_window_pattern": ("u32", 2),
     "attention.indexer.head_count": ("u32", 8),
-    "attention.indexer.key_length": ("u32", 16),
+    "attention.indexer.key_length": ("u32", 64),
     "attention.indexer.top_k": ("u32", 131072),
     "attention.indexer.block_size": ("u32", 4),
     "attention.indexer.kpool": ("u32", 4),
@@ -111,7 +111,7 @@ _HYBRID_HEADS = [0 if i % 2 else N_HEAD for i in range(N_LAYER)]  # odd layers r
 _ALTERNATE = [i % 2 for i in range(N_LAYER)]
 # multi-head latent attention, after test-llama-archs.cpp at 1/8 of its size: the cache row is the latent
 # (kv_lora_rank) and the rope part; a head is 16 no-rope + 8 rope dimensions
-_MLA = {"attention.head_count": ("u32", 2), "attention.head_count_kv": ("u32", 2),
+_MLA = {"attention.head_count": ("u32", 2), "attention.head_count_kv": ("u32", 1),
         "attention.key_length": ("u32", 72), "attention.value_length": ("u32", 64),
         "rope.dimension_count": ("u32", 8), "attention.key_length_mla": ("u32", 24),
         "attention.value_length_mla": ("u32", 16)}
@@ -120,14 +120,16 @@ _MLA = {"attention.head_count": ("u32", 2), "attention.head_count_kv": ("u32", 2
 OVERRIDES: dict[str, dict[str, tuple[str, Any]]] = {
     "olmoe": {"attention.head_count_kv": ("u32", N_HEAD)},  # its q/k norms span the whole q and k
     "afmoe": {"attention.head_count_kv": ("u32", 2)},
-    **{a: dict(_MLA) for a in ("deepseek2", "deepseek2-ocr", "deepseek32", "glm-dsa", "mistral4", "hy_v4")},
+    **{a: dict(_MLA) for a in ("deepseek2", "deepseek32", "glm-dsa", "mistral4", "hy_v4")},
+    "deepseek2-ocr": {"attention.head_count_kv": ("u32", N_HEAD)},  # multi-head attention, no latent
+    "minimax-m3": {"attention.indexer.head_count": ("u32", 2)},  # one indexer head per key/value head
     "dots3note": {**_MLA, "attention.kv_lora_rank_swa": ("u32", 64), "attention.key_length_swa": ("u32", 72),
                   "attention.value_length_swa": ("u32", 64), "attention.key_length_mla_swa": ("u32", 24),
                   "attention.value_length_mla_swa": ("u32", 16), "rope.freq_base_swa": ("f32", 10000.0),
                   "attention.indexer.types": ("u32", [1 - a for a in _ALTERNATE]),
                   "attention.sliding_window_pattern": ("u32", _ALTERNATE)},
     **{a: {**_MLA, "attention.head_count": ("u32", [0 if i % 2 else 2 for i in range(N_LAYER)]),
-           "attention.head_count_kv": ("u32", [0 if i % 2 else 2 for i in range(N_LAYER)])}
+           "attention.head_count_kv": ("u32", [0 if i % 2 else 1 for i in range(N_LAYER)])}
        for a in ("kimi-linear", "bailingmoe3", "kimi-k3")},
     **{a: {"attention.head_count": ("u32", _HYBRID_HEADS), "attention.head_count_kv": ("u32", _HYBRID_HEADS)}
        for a in ("jamba", "granitehybrid", "lfm2moe")},
@@ -139,8 +141,8 @@ OVERRIDES: dict[str, dict[str, tuple[str, Any]]] = {
     "maple": {"attention.sliding_window_pattern": ("u32", _ALTERNATE), "swiglu_clamp_exp": ("f32", 7.0)},
     "gemma4": {"embedding_length_per_layer_input": ("u32", N_EMBD // 2), "attention.shared_kv_layers": ("u32", 0),
                "attention.key_length_swa": ("u32", HEAD_DIM), "attention.value_length_swa": ("u32", HEAD_DIM),
-               "rope.freq_base_swa": ("f32", 10000.0), "attention.sliding_window_pattern": ("u32", 5),
-               "block_count": ("u32", 5)},
+               "rope.freq_base_swa": ("f32", 10000.0),
+               "attention.sliding_window_pattern": ("bool", [i % 5 != 4 for i in range(5)]), "block_count": ("u32", 5)},
     "llama4": {"block_count": ("u32", 4)},
     "deepseek4": {"attention.head_count": ("u32", 8), "attention.head_count_kv": ("u32", 1),
                   "attention.key_length": ("u32", 8), "attention.value_length": ("u32", 8),
@@ -152,8 +154,11 @@ OVERRIDES: dict[str, dict[str, tuple[str, Any]]] = {
                   "hash_layer_count": ("u32", 0), "swiglu_clamp_exp": ("f32", 10.0),
                   "expert_weights_scale": ("f32", 1.0), "expert_weights_norm": ("bool", True),
                   "expert_gating_func": ("u32", 4)},
+    # gated delta net: value heads (time_step_rank) of the key head size (state_size)
+    **{a: {"ssm.inner_size": ("u32", N_HEAD * 16)} for a in ("qwen3next", "qwen35moe", "qwen4exp")},
     "bailingmoe3_extra": {},
-    "nomic-bert-moe": {"tokenizer.ggml.token_type_count": ("u32", 2)},
+    "nomic-bert-moe": {"tokenizer.ggml.token_type_count": ("u32", 2), "moe_every_n_layers": ("u32", 2)},
+    "dflash": {"target_layers": ("u32", [1]), "attention.sliding_window_pattern": ("u32", _ALTERNATE)},
 }
 OVERRIDES["bailingmoe3"].update({"rope.dimension_sections": ("u32", [1, 1, 2, 0]),
                                  "swiglu_clamp_exp": ("f32", [0.0, 4.0, 0.0, 4.0]),
@@ -163,6 +168,11 @@ OVERRIDES["hy_v4"].update({"hyper_connection.count": ("u32", 4), "hyper_connecti
                            "expert_weights_scale": ("f32", 1.0), "expert_weights_norm": ("bool", True),
                            "attention.indexer.types": ("u32", [1 - a for a in _ALTERNATE])})
 del OVERRIDES["bailingmoe3_extra"]
+
+# Tensors whose shape the loader takes from the file instead of checking it: their shape, by name without "blk.N.".
+TENSOR_HINTS: dict[str, dict[str, tuple[int, ...]]] = {
+    "laguna": {"attn_gate.weight": (N_EMBD, N_HEAD)},  # a gate per head (or per element)
+}
 
 # Keys added only when the loader asks for them.
 LAZY_KEYS: dict[str, tuple[str, Any]] = {
@@ -258,7 +268,8 @@ class Probe:
         err = self.proc.stderr.read() if self.proc.stderr else ""
         self.proc = None
         lines = [ln for ln in err.splitlines() if ln.strip()]
-        asserts = [ln for ln in lines if "GGML_ASSERT" in ln or "error" in ln.lower() or "terminate" in ln]
+        asserts = [ln for ln in lines if "GGML_ASSERT" in ln or "error" in ln.lower() or "terminate" in ln
+                   or re.search(r"\.(?:c|cpp):\d+: ", ln)]
         return "CRASH", (asserts[0] if asserts else "no message").strip()
 
 
@@ -275,7 +286,9 @@ def probe_arch(probe: Probe, arch: str, templates: list[str], work: Path) -> tup
     """(spec, "") or (None, why stock llama.cpp does not run a generated file)."""
     keys: dict[str, tuple[str, Any]] = dict(KEY_DEFAULTS)
     keys.update(OVERRIDES.get(arch, {}))
-    tensors: dict[str, tuple[int, ...] | None] = {n: None for n in candidate_tensors(templates, N_LAYER)}
+    hints = TENSOR_HINTS.get(arch, {})
+    tensors: dict[str, tuple[int, ...] | None] = {n: hints.get(re.sub(r"^blk\.\d+\.", "", n))
+                                                  for n in candidate_tensors(templates, N_LAYER)}
     path = work / f"{arch}.gguf"
     prefix = re.escape(arch) + r"\."
     for _ in range(MAX_STEPS):
@@ -303,8 +316,8 @@ def probe_arch(probe: Probe, arch: str, templates: list[str], work: Path) -> tup
             if tensors.get(name) is not None:
                 return None, msg
             tensors[name] = dims
-        elif m := re.search(r"missing tensor '([^']+)'", msg):
-            name = m.group(1)
+        elif m := re.search(r"missing tensor '([^']+)'|tensor '([^']+)' not found", msg):
+            name = m.group(1) or m.group(2)
             if name in tensors:
                 return None, msg
             tensors[name] = None
@@ -333,6 +346,25 @@ def finish(probe: Probe, spec: ArchSpec, path: Path) -> tuple[ArchSpec | None, s
     return spec, ""
 
 
+def dump_specs(data: dict[str, Any]) -> str:
+    """The specs file: one key or tensor a line, so that a change of llama.cpp shows as a readable diff."""
+    out = ["{", ' "specs": {']
+    archs = list(data["specs"].items())
+    for i, (arch, spec) in enumerate(archs):
+        out.append(f"  {json.dumps(arch)}: {{")
+        out.append('   "keys": [')
+        out.append(",\n".join("    " + json.dumps(k) for k in spec["keys"]))
+        out.append("   ],")
+        out.append('   "tensors": [')
+        out.append(",\n".join("    " + json.dumps(t) for t in spec["tensors"]))
+        out.append("   ]")
+        out.append("  }" + ("," if i < len(archs) - 1 else ""))
+    out.append(" },")
+    out.append(' "excluded": ' + json.dumps(data["excluded"], indent=2).replace("\n", "\n ") )
+    out.append("}")
+    return "\n".join(out) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("archs", nargs="*", help="only these architectures (the others keep their entries)")
@@ -340,7 +372,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="libllama to ask (default: stock llama.cpp, build/llama-stock/bin)")
     p.add_argument("--out", type=Path, default=SPECS_PATH)
     p.add_argument("--dry-run", action="store_true", help="print the outcome, write nothing")
+    p.add_argument("--docs", action="store_true", help="only rewrite the table of docs/architectures.md")
     args = p.parse_args(argv)
+    if args.docs:
+        write_docs()
+        return 0
     archs = moe_archs(vendored_constants())
     chosen = args.archs or sorted(archs)
     unknown = [a for a in chosen if a not in archs]
@@ -366,10 +402,60 @@ def main(argv: list[str] | None = None) -> int:
     data["specs"] = dict(sorted(data["specs"].items()))
     data["excluded"] = dict(sorted(data["excluded"].items()))
     if not args.dry_run:
-        args.out.write_text(json.dumps(data, indent=1) + "\n")
+        args.out.write_text(dump_specs(data))
     print(f"{len(data['specs'])} architectures run, {len(data['excluded'])} excluded")
     return 0
 
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ------------------------------------------------------------------------------------ docs/architectures.md
+
+DOCS = REPO / "docs" / "architectures.md"
+TABLE_START, TABLE_END = "<!-- table: tools/dev/probe_archs.py --docs -->", "<!-- end of table -->"
+
+
+def expert_forms(spec: ArchSpec) -> str:
+    """What a spec's expert tensors are, in words: the compressed matrices, then what stays plain."""
+    base = {re.sub(r"^blk\.\d+\.", "", t.name) for t in spec.tensors}
+    mats = [k for k in ("gate", "up", "gate_up", "down") if f"ffn_{k}_exps.weight" in base]
+    parts = ["/".join(mats)]
+    if any(n.endswith("_exps.bias") for n in base):
+        parts.append("biases")
+    if any(n.endswith("_exps.scale") for n in base):
+        parts.append("scales")
+    if "ffn_norm_exps.weight" in base:
+        parts.append("expert norm")
+    if any("shexp" in n for n in base):
+        parts.append("shared expert (plain)")
+    if any("chexps" in n for n in base):
+        parts.append("chunk experts (plain)")
+    if any("exp_probs_b" in n for n in base):
+        parts.append("selection bias")
+    return ", ".join(parts)
+
+
+def docs_table(specs: dict[str, ArchSpec], excluded: dict[str, str]) -> str:
+    from pyzipmoe.architectures import NOT_VERIFIED, VERIFIED
+
+    rows = ["| Architecture | All checks | Expert tensors | Notes |", "|---|---|---|---|"]
+    for arch in sorted(specs.keys() | excluded.keys()):
+        if arch in excluded:
+            why = excluded[arch].replace("|", "\\|")
+            rows.append(f"| `{arch}` | no | | stock llama.cpp does not run a generated file: {why} |")
+        elif arch in VERIFIED:
+            rows.append(f"| `{arch}` | yes | {expert_forms(specs[arch])} | |")
+        else:
+            rows.append(f"| `{arch}` | no | {expert_forms(specs[arch])} | {NOT_VERIFIED.get(arch, '')} |")
+    return "\n".join(rows)
+
+
+def write_docs() -> None:
+    from pyzipmoe.synth_arch import load_exclusions, load_specs
+
+    text = DOCS.read_text()
+    head, rest = text.split(TABLE_START, 1)
+    _, tail = rest.split(TABLE_END, 1)
+    DOCS.write_text(head + TABLE_START + "\n" + docs_table(load_specs(), load_exclusions()) + "\n" + TABLE_END + tail)
