@@ -16,7 +16,7 @@ from .formatting import command, human_size
 
 from ..plan.calibration import Calibration, cache_file
 from ..plan.disk import LATENCY_PROBES
-from ..plan.measure import DEFAULT_READ_BYTES
+from ..runtime.measure import DEFAULT_READ_BYTES
 
 __all__ = ["calibration_table", "register"]
 
@@ -93,7 +93,7 @@ def calibration_table(cal: Calibration, cache_path: Path | None = None) -> str:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from ..plan.measure import calibrate
+    from ..runtime.measure import calibrate
     from ..progress import for_terminal
 
     cal = calibrate(args.model, force=args.force, progress=for_terminal(args.json), read_bytes=args.read,

@@ -1,5 +1,5 @@
 """A model's calibration on this machine: the costs the planner needs (`Calibration.as_costs_dict()`), and the cache
-that keeps them per machine and model file (pyzipmoe.plan.measure measures them).
+that keeps them per machine and model file (pyzipmoe.runtime.measure measures them).
 
 The cache is one JSON file per (model path, machine) under $XDG_CACHE_HOME/zipmoe/calibration (default
 ~/.cache/...). It records the file's size, mtime_ns and inode and the machine's identity (CPU model, CPU count,

@@ -3,7 +3,7 @@
 Wall time, after asking the kernel to drop the file from the page cache (posix_fadvise DONTNEED, after fdatasync
 so that freshly written pages are clean and can be dropped) and without readahead (POSIX_FADV_RANDOM: each read
 fetches its region, as the runtime's reads of single experts do); pages another process keeps mapped stay cached,
-so a model that is being served reads warm. Part of the calibration (pyzipmoe.plan.measure).
+so a model that is being served reads warm. Part of the calibration (pyzipmoe.runtime.measure).
 """
 
 from __future__ import annotations

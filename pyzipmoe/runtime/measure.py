@@ -51,9 +51,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import FormatError, UnsupportedError
-from . import calibration
-from .disk import drop_page_cache, measure_disk
-from .calibration import (
+from ..plan import calibration
+from ..plan.disk import drop_page_cache, measure_disk
+from ..plan.calibration import (
     Calibration,
     CalibrationError,
     cache_file,
@@ -326,9 +326,9 @@ def measure_engine(model_path: Path, *, threads: int, expert_tensors: int, first
     cannot tell them apart (a model whose generation settles on so few experts that a tier is never used).
     first_read: seconds of a layer's first read from disk (the disk's latency and one region at its bandwidth),
     which no decoding overlaps: t_layer."""
-    from ..runtime.budget import model_memory
-    from .inputs import geometry_from_gguf
-    from ..runtime.timing import time_generation
+    from ..plan.inputs import geometry_from_gguf
+    from .budget import model_memory
+    from .timing import time_generation
 
     geometry = geometry_from_gguf(model_path)
     need = model_memory(model_path)
@@ -405,7 +405,7 @@ def _raw_engine_costs(timed: Callable[..., dict[str, Any]], per_token: Callable[
 
 def _open_model(model_path: str | os.PathLike[str]) -> Any:
     """The model's expert tensors (pyzipmoe.plan.experts): a zipmoe GGUF's or a plain GGUF's."""
-    from .experts import model_experts
+    from ..plan.experts import model_experts
 
     path = Path(model_path).expanduser()
     if not path.exists():
@@ -489,7 +489,7 @@ def calibrate(model_path: str | os.PathLike[str], *, force: bool = False, progre
     disk = measure_disk(path, regions, read_bytes, progress=progress)
     measured = None
     if engine:
-        from ..runtime.timing import TimingError
+        from .timing import TimingError
 
         try:
             region = sum(t.regions[expert][1] for t in tensors) / len(tensors)  # a layer's first read

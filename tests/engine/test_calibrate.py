@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pyzipmoe.plan import measure as cal_mod
+from pyzipmoe.runtime import measure as cal_mod
 from pyzipmoe import cli
 from pyzipmoe.plan import calibration as cal_cache
 from pyzipmoe.plan.calibration import (
@@ -23,7 +23,7 @@ from pyzipmoe.plan.calibration import (
     load_calibration,
     usable_cores,
 )
-from pyzipmoe.plan.measure import calibrate, seconds_per_call
+from pyzipmoe.runtime.measure import calibrate, seconds_per_call
 from pyzipmoe.cli.calibrate import calibration_table, duration, register
 
 # a few reads, a few ms per timing, tier costs through the stores (the engine's are tested once): tests stay quick

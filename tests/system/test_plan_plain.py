@@ -129,7 +129,7 @@ def test_a_layer_mixing_split_and_raw_experts_is_planned_hot_and_cold(tmp_path: 
 
     from pyzipmoe.file import convert
     from pyzipmoe.plan import routing
-    from pyzipmoe.plan.measure import calibrate
+    from pyzipmoe.runtime.measure import calibrate
 
     rng = np.random.default_rng(5)
     ne0, ne1, n = 256, 8, 4
@@ -211,7 +211,7 @@ def test_calibrating_raw_experts_measures_reads_and_no_decode(models: dict[str, 
     """Through the runtime's stores (quick): a plain GGUF's experts, and a quantized zipmoe file's, cost a read;
     nothing is decoded, so there is no decode speed and no sm tier. The plan then takes the calibration's costs."""
     from pyzipmoe.plan.calibration import Calibration
-    from pyzipmoe.plan.measure import calibrate
+    from pyzipmoe.runtime.measure import calibrate
 
     for kind in ("Q4_K_M.zipmoe", "Q4_K_M"):  # (the plain one's is planned with below)
         cal = calibrate(models[kind], **FAST)
@@ -234,7 +234,7 @@ def test_calibrating_raw_experts_measures_reads_and_no_decode(models: dict[str, 
 def test_calibrating_f16_experts_decodes_them(models: dict[str, Path], no_calibration: Path):
     """F16 experts decode through the split codec, as BF16 ones: the file's codec and the others on the same
     expert re-encoded as F16, and the tiers' costs."""
-    from pyzipmoe.plan.measure import calibrate
+    from pyzipmoe.runtime.measure import calibrate
 
     cal = calibrate(models["F16.zipmoe"], **FAST)
     assert cal.t_decode > 0 and cal.t_read_sm > 0 and cal.t_read_cold > 0 and not cal.plain
@@ -244,7 +244,7 @@ def test_calibrating_f16_experts_decodes_them(models: dict[str, Path], no_calibr
 
 def test_the_engine_calibrates_a_plain_gguf(models: dict[str, Path], no_calibration: Path, llama_lib_dir: Path):
     """Three generations through the cache (all experts hot, k and half of them): the base and a cold read."""
-    from pyzipmoe.plan.measure import calibrate
+    from pyzipmoe.runtime.measure import calibrate
 
     cal = calibrate(models["Q8_0"], **{**FAST, "engine": True})
     assert cal.tier_source == "engine" and cal.plain and cal.t_decode == 0 and cal.t_read_sm is None, cal

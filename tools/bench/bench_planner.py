@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """The grid: prints each budget's table as it is measured; 0 when the unconstrained run worked."""
-    from pyzipmoe.plan import measure as calibrate
+    from pyzipmoe.runtime import measure as calibrate
     from pyzipmoe.plan import inputs
     from pyzipmoe.plan import solver as planner
     from pyzipmoe.runtime import controller
