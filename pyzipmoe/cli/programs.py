@@ -31,6 +31,15 @@ def _common_llama_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def _is_text(prompt: str) -> bool:
+    """Whether a prompt from the command line is UTF-8 (undecodable bytes arrive as surrogates)."""
+    try:
+        prompt.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _resolve(args: argparse.Namespace) -> tuple[str, Any]:
     """MODEL as a GGUF path or a stored model's name: (file, package). The package's memory_budget, cache_policy
     and cache_mode become the defaults of --memory-budget, --policy and --cache (the flags, given, win)."""
@@ -89,6 +98,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.prompt is not None:
             raise ZipmoeError("give the prompt once: as PROMPT after MODEL, or with -p")
         args.prompt = args.prompt_text
+    if args.prompt is not None and not _is_text(args.prompt):
+        raise ZipmoeError("the prompt is not UTF-8 text (a model's tokenizer reads UTF-8)")
     model, package = _resolve(args)
     params = package.parameters if package else {}
     cache = args.cache

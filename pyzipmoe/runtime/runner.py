@@ -273,8 +273,9 @@ def _within_context(llm: Any, n_ctx: int, package: Any, counts: _Tokens, signatu
         if len(tokens) >= n_ctx:
             what = ("the prompt as sent (your text in the model's chat template, after its SYSTEM and MESSAGE lines)"
                     if _is_chat(package) else "the prompt")
-            raise ZipmoeError(f"{what} is {len(tokens)} tokens, and the context holds {n_ctx} with room for at least "
-                              "one more: raise it with -c (or the model's PARAMETER num_ctx), or shorten the prompt")
+            raise ZipmoeError(f"{what} is {len(tokens)} tokens, too many for a context of {n_ctx} (it must leave "
+                              "room for a token to generate): raise the context with -c (or the model's PARAMETER "
+                              "num_ctx), or shorten the prompt")
         if dry:
             raise _Counted
         room = n_ctx - len(tokens)

@@ -324,7 +324,7 @@ def test_run_checks_the_whole_prompt_against_the_context(tiny_model: Path, tmp_p
     done = _zipmoe(env, "run", "m", "hi", *(() if num_ctx else ("-c", "64")))
     assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr[-2000:])
     assert done.stderr.startswith("zipmoe: error: the prompt as sent") and done.stderr.count("\n") == 1, done.stderr
-    assert "Traceback" not in done.stderr and f"the context holds {num_ctx or 64}" in done.stderr
+    assert "Traceback" not in done.stderr and f"too many for a context of {num_ctx or 64}" in done.stderr
 
 
 def test_run_fits_generation_in_a_small_context(tiny_model: Path, tmp_path: Path) -> None:
@@ -466,3 +466,13 @@ def test_run_stops_at_the_packages_stop_string(tiny_model: Path, tmp_path: Path)
     assert _zipmoe(env, "create", "stops", "-f", tmp_path / "Modelfile.stop", "--quiet").returncode == 0
     stopped = _zipmoe(env, "run", "stops", "The expert", *flags)
     assert stopped.returncode == 0 and stopped.stdout == text[:k] + "\n", (text, k, stopped.stdout)
+
+
+def test_run_refuses_a_prompt_that_is_not_utf8(tiny_model: Path) -> None:
+    """Bytes that are not UTF-8 on the command line (a UnicodeEncodeError traceback): one line, status 2."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "pyzipmoe", "run", str(tiny_model).encode(), b"\xff\xfe", b"-n", b"1"],
+                          capture_output=True, env=env, timeout=120)
+    err = done.stderr.decode(errors="replace")
+    assert done.returncode == 2 and done.stdout == b"", err
+    assert err == "zipmoe: error: the prompt is not UTF-8 text (a model's tokenizer reads UTF-8)\n"
