@@ -3,6 +3,8 @@ rule that divides one memory budget between the loaded models (no process, no mo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pyzipmoe.server import ollama as O
@@ -105,3 +107,43 @@ def test_unload_the_least_recently_used_only_when_minimums_do_not_fit() -> None:
     assert evictions(600, [a, b, c], incoming=100, busy=["a"]) == ["b"]
     assert evictions(350, [a, b, c], incoming=50, busy=["c"]) == ["a", "b"]
     assert evictions(350, [a, b, c], incoming=100, busy=["c"]) is None  # c answers: no room for 100 more
+
+
+def test_shared_budget_publishes_each_model_s_share_through_its_control_file(zipmoe_model: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shares reach the models' control files as the runtime's splits (the hot tier grows with the share),
+    move with the model answering, and an `auto` budget that shrinks below the minimums names the idle model to
+    unload, the least recently used."""
+    from pyzipmoe.runtime.budget import model_memory
+    from pyzipmoe.runtime.cache_control import store_sizes
+    from pyzipmoe.runtime.supervise import W_HOT, W_SEQ, ControlFile
+    from pyzipmoe.server.budget import SharedBudget
+
+    need = model_memory(zipmoe_model)
+    sizes = store_sizes(zipmoe_model)
+    total = 2 * need.minimum + need.expert_bytes // 2
+    budget = SharedBudget(total)
+    controls = {n: ControlFile.create() for n in ("a", "b")}
+    try:
+        for name in ("a", "b"):
+            tenant = Tenant(name, need.minimum, need.whole)
+            share, victims = budget.admit(tenant)
+            assert victims == []
+            budget.make_room(tenant)
+            budget.add(tenant, share, control=controls[name], sizes=sizes, other_bytes=need.other_bytes)
+        assert budget.share("b") == min(need.whole, total - need.minimum) and budget.share("a") == total - budget.share("b")
+        # a was shrunk for b (a split published, whole: seq even); b runs with the budget it loaded with
+        assert controls["a"].value(W_SEQ) > 0 and controls["a"].value(W_SEQ) % 2 == 0
+        assert controls["b"].value(W_SEQ) == 0
+        hot_a = controls["a"].value(W_HOT)
+        budget.touch("a")
+        assert budget.share("a") > budget.share("b") and budget.share("a") + budget.share("b") <= total
+        assert controls["a"].value(W_HOT) > hot_a
+        assert budget.share("b") == need.minimum  # down to its minimum: no decoded experts kept
+        assert controls["b"].value(W_SEQ) > 0 and controls["b"].value(W_HOT) == 0
+        budget.auto, budget.total = True, total
+        monkeypatch.setattr(budget, "_read_total", lambda: 2 * need.minimum - 1)
+        assert budget.refresh(busy=["b"]) == ["a"] and budget.refresh() == []  # (read once: no move, no victims)
+    finally:
+        for c in controls.values():
+            c.close()

@@ -123,6 +123,7 @@ def run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
     from pyzipmoe.runtime.budget import model_memory
     from pyzipmoe.runtime.controller import runtime_environment
 
+    load0 = os.getloadavg()[0]
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     bf16 = work / f"{args.preset}.gguf"
@@ -202,7 +203,8 @@ def run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
                                                                                   "pieces")}
                for name in samples}
     return {"preset": args.preset, "gen": args.gen, "reps": args.reps, "threads": args.threads, "budget": budget,
-            "whole": need.whole, "rows": summary, "samples": samples, "switch": switch}
+            "whole": need.whole, "rows": summary, "samples": samples, "switch": switch,
+            "load": [load0, os.getloadavg()[0]]}
 
 
 def _pids(port: int) -> dict[str, int]:
@@ -217,11 +219,17 @@ def print_report(res: dict[str, Any]) -> None:
           f"{res['budget'] / 2**20:.1f} MiB (the whole model: {res['whole'] / 2**20:.1f} MiB); medians of "
           f"{res['reps']} interleaved rounds")
     print(f"{'':14} {'first token':>12} {'vs baseline':>12} {'tokens/s':>10} {'vs baseline':>12} "
-          f"{'server tok/s':>13}")
+          f"{'server tok/s':>13} {'its range':>14}")
     for name, r in res["rows"].items():
+        tps = [x["server_tps"] for x in res["samples"][name]]
         print(f"{name:14} {r['first'] * 1e3:9.2f} ms {(r['first'] - base['first']) * 1e3:+9.2f} ms "
               f"{r['tps']:10.1f} {(r['tps'] / base['tps'] - 1) * 100 if base['tps'] else 0:+11.1f}% "
-              f"{r['server_tps']:13.1f}")
+              f"{r['server_tps']:13.1f} {min(tps):6.0f}-{max(tps):<7.0f}")
+    load = res.get("load")
+    if load:
+        print(f"load average (1 min) before and after: {load[0]:.2f}, {load[1]:.2f} on {os.cpu_count()} CPUs; "
+              "'server tok/s' is llama-server's own timing, which no HTTP layer touches: its range is the "
+              "machine's noise")
     if res["switch"]:
         s = res["switch"]
         print(f"switching between two loaded models: first token {s['first'] * 1e3:.2f} ms (median), "
