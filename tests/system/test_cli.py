@@ -223,7 +223,7 @@ def test_a_missing_file_or_model_exits_2_from_every_command(capsys: pytest.Captu
                  ("unpack", "nope.gguf", "o.gguf"), ("run", "nope.gguf", "hi"), ("serve", "nope.gguf"),
                  ("plan", "nope.gguf", "--memory-budget", "1GiB"), ("calibrate", "nope.gguf"),
                  ("show", "nope"), ("rm", "nope"), ("export", "nope", "x.tar"), ("import", "nope.tar"),
-                 ("create", "m", "-f", "nope"), ("run", "nope"), ("serve", "nope:latest")):
+                 ("create", "m", "-f", "nope"), ("run", "nope"), ("serve", "nope:latest"), ("bench", "nope.gguf")):
         code, out, err = run(capsys, *argv)
         assert code == 2 and out == "", (argv, code, out, err)
         assert_one_line_error(err, "nope")
