@@ -29,10 +29,11 @@ TOOLS = REPO / "tools"
 
 
 def unavailable(reason: str) -> None:
-    """Skips the test, except under CI (CI set), where whatever it needs must be there: there it fails."""
+    """Skips the test, except under CI (CI set), where whatever it needs must be there: there it fails. Called at a
+    module's top level, it skips (or fails) the whole module."""
     if os.environ.get("CI"):
         pytest.fail(f"{reason} (CI is set: this test must run there)")
-    pytest.skip(reason)
+    pytest.skip(reason, allow_module_level=True)
 
 
 def llama_bin_dir() -> Path:

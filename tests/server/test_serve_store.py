@@ -17,14 +17,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import http_json, llama_bin_dir
+from helpers import http_json, llama_bin_dir, unavailable
 
 import pyzipmoe
 from pyzipmoe.models.directory import ModelDirectory
 from pyzipmoe.runtime.runner import stop_group
 
-ollama = pytest.importorskip("ollama")
-openai = pytest.importorskip("openai")
+try:  # the official clients (pyproject's test extra, which tools/setup.sh installs)
+    import ollama
+    import openai
+except ImportError as e:
+    unavailable(f"{e.name} is not installed (`bash tools/setup.sh` installs the test extra)")
 
 REPO = Path(pyzipmoe.__file__).resolve().parent.parent
 GREEDY = {"temperature": 0, "num_predict": 12}
