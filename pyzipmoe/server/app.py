@@ -341,7 +341,7 @@ async def api_generate(request: web.Request) -> web.StreamResponse:
     if body.get("context"):
         raise O.bad_request("context (the tokens of an earlier answer) is not supported: send the conversation "
                             "to /api/chat instead")
-    package = await asyncio.to_thread(models.open, body.get("model"))
+    package = await models.package(body.get("model"))
     if not prompt and keep_alive == 0:  # Ollama's way to unload a model (`ollama stop`)
         await models.stop(package)
         return web.json_response({"model": package.name.display, "created_at": O.now(), "response": "",
@@ -433,7 +433,7 @@ async def api_chat(request: web.Request) -> web.StreamResponse:
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise O.bad_request("tools must be a list")
-    package = await asyncio.to_thread(models.open, body.get("model"))
+    package = await models.package(body.get("model"))
     if not messages and keep_alive == 0:
         await models.stop(package)
         return web.json_response({"model": package.name.display, "created_at": O.now(),
@@ -514,7 +514,7 @@ async def _chat(request: web.Request, child: Child, fields: dict[str, Any], stre
 async def api_embed(request: web.Request) -> web.Response:
     body = await _body(request)
     models = request.app[MODELS_KEY]
-    package = await asyncio.to_thread(models.open, body.get("model"))
+    package = await models.package(body.get("model"))
     if "pooling_type" not in json.dumps(package.config):
         raise O.bad_request(f"{package.name.display} does not support embeddings: it is a text generation model")
     raise O.ApiError(501, "embeddings are not served yet")
@@ -542,7 +542,7 @@ async def v1_proxy(request: web.Request) -> web.StreamResponse:
     for the model's SYSTEM and MESSAGE lines in front of a chat and its PARAMETERs as defaults."""
     body = await _body(request)
     models = request.app[MODELS_KEY]
-    package = await asyncio.to_thread(models.open, body.get("model"))
+    package = await models.package(body.get("model"))
     child = await models.acquire(package)
     try:
         body["model"] = child.name

@@ -13,7 +13,9 @@ Rows (each a streamed chat turn, greedy, --gen tokens; medians of --reps interle
                  token after a switch, and whether any model's process was started again (reloads)
 First token: from sending the request to the first byte of generated text, at the client. Tokens/s: the tokens
 after the first over the time from the first to the last, at the client (what a user sees; llama-server's own
-timings are reported beside it).
+timings are reported beside it). Outside llama-server: a request's wall time at the client less llama-server's
+own prompt and generation time (its timings): HTTP, queueing, templating, and the layer; on a machine shared with
+other work the computation's time varies far more than this does.
 
 The model (preset small by default) is generated with pyzipmoe.synth into --workdir and stored in a store there.
 
@@ -87,7 +89,7 @@ def stream(port: int, path: str, body: dict[str, Any]) -> dict[str, float]:
     if r.status != 200:
         raise BenchError(f"{path}: HTTP {r.status}: {r.read()[:300]!r}")
     first = last = None
-    pieces, server_tps = 0, 0.0
+    pieces, server_tps, server_ms = 0, 0.0, 0.0
     for raw in r:
         line = raw.strip()
         if line.startswith(b"data:"):
@@ -107,13 +109,18 @@ def stream(port: int, path: str, body: dict[str, Any]) -> dict[str, float]:
         timings = event.get("timings")
         if timings:
             server_tps = float(timings.get("predicted_per_second") or 0)
+            server_ms = float(timings.get("prompt_ms") or 0) + float(timings.get("predicted_ms") or 0)
         if event.get("eval_count") and event.get("eval_duration"):
             server_tps = event["eval_count"] / (event["eval_duration"] / 1e9)
+            server_ms = (event["eval_duration"] + event.get("prompt_eval_duration", 0)) / 1e6
+    end = time.perf_counter()
     c.close()
     if first is None or last is None:
         raise BenchError(f"{path}: no text came back")
+    # what the request cost beyond llama-server's own prompt and generation time: HTTP, queueing, templates and,
+    # through the store server, its layer; unlike tokens/s, the machine's noise in the computation is not in it
     return {"first": first - t0, "pieces": pieces, "tps": (pieces - 1) / (last - first) if last > first else 0.0,
-            "server_tps": server_tps}
+            "server_tps": server_tps, "outside_ms": (end - t0) * 1e3 - server_ms}
 
 
 def run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
@@ -200,7 +207,7 @@ def run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
         for p in procs:
             runner.stop_group(p, 10)
     summary = {name: {k: statistics.median(s[k] for s in samples[name]) for k in ("first", "tps", "server_tps",
-                                                                                  "pieces")}
+                                                                                  "pieces", "outside_ms")}
                for name in samples}
     return {"preset": args.preset, "gen": args.gen, "reps": args.reps, "threads": args.threads, "budget": budget,
             "whole": need.whole, "rows": summary, "samples": samples, "switch": switch,
@@ -225,6 +232,11 @@ def print_report(res: dict[str, Any]) -> None:
         print(f"{name:14} {r['first'] * 1e3:9.2f} ms {(r['first'] - base['first']) * 1e3:+9.2f} ms "
               f"{r['tps']:10.1f} {(r['tps'] / base['tps'] - 1) * 100 if base['tps'] else 0:+11.1f}% "
               f"{r['server_tps']:13.1f} {min(tps):6.0f}-{max(tps):<7.0f}")
+    print()
+    print(f"{'':14} {'outside llama-server':>21} {'vs baseline':>12}   (a request's wall time less llama-server's own "
+          "prompt and generation time)")
+    for name, r in res["rows"].items():
+        print(f"{name:14} {r['outside_ms']:18.2f} ms {r['outside_ms'] - base['outside_ms']:+9.2f} ms")
     load = res.get("load")
     if load:
         print(f"load average (1 min) before and after: {load[0]:.2f}, {load[1]:.2f} on {os.cpu_count()} CPUs; "
