@@ -105,6 +105,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cache = args.cache
     extra = _llama_args(args)
     if args.prompt is None:
+        _check_history(model, package, args.ctx_size or params.get("num_ctx"), extra)
         os.environ.update(_cache_settings(args, model))  # what libllama in llama-cli reads
         # interactive chat: llama-cli; the package's flags first, so that the user's win
         with tempfile.TemporaryDirectory(prefix="zipmoe-run-") as keep:
@@ -137,6 +138,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.stats:
         runner.print_completion_stats(completion)
     return EXIT_OK
+
+
+def _check_history(model: str, package: Any, n_ctx: int | None, extra: list[str]) -> None:
+    """Before llama-cli starts a chat: the package's SYSTEM and MESSAGE lines in its template must leave room in the
+    context (llama-cli would refuse every turn). Counted as `zipmoe run NAME PROMPT` sends them (llama-cpp-python's
+    formatting); where the context is llama-cli's own choice (no -c, no num_ctx, or -c after --) it decides."""
+    if package is None or not (package.system or package.messages) or n_ctx is None:
+        return
+    if {"-c", "--ctx-size"} & set(extra):
+        return
+    from ..runtime import runner
+    from ..runtime.llama import quiet_llama_log
+
+    quiet_llama_log()
+    runner.prompt_tokens(model, "", package, n_ctx,
+                         what="the model's chat template with its SYSTEM and MESSAGE lines (before a word of yours)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -207,10 +207,10 @@ def _is_chat(package: Any) -> bool:
     return package is not None and bool(package.template or package.system or package.messages)
 
 
-def _prepare(llm: Any, n_ctx: int, package: Any, counts: _Tokens, *, dry: bool) -> None:
+def _prepare(llm: Any, n_ctx: int, package: Any, counts: _Tokens, *, dry: bool, what: str | None = None) -> None:
     """Makes llm run as the package says (its SYSTEM and MESSAGE in front of a chat turn, its TEMPLATE formatting
     it, its sampling parameters such as stop the defaults of either kind of completion) and check the prompt as
-    sent against the context (_within_context). Once per instance."""
+    sent against the context (_within_context; `what` names the prompt in its message). Once per instance."""
     import inspect
 
     signature = inspect.signature(llm.create_completion)  # llama-cpp-python's, before any wrapper
@@ -218,7 +218,7 @@ def _prepare(llm: Any, n_ctx: int, package: Any, counts: _Tokens, *, dry: bool) 
         from .completion import apply_package
 
         apply_package(llm, package)  # (it reads the signature of what it wraps: llama-cpp-python's)
-    _within_context(llm, n_ctx, package, counts, signature, dry=dry)
+    _within_context(llm, n_ctx, package, counts, signature, dry=dry, what=what)
 
 
 def _stream(llm: Any, prompt: str, package: Any, **kw: Any) -> Any:
@@ -245,7 +245,8 @@ class _Tokens:
     generated: int = 0
 
 
-def _within_context(llm: Any, n_ctx: int, package: Any, counts: _Tokens, signature: Any, *, dry: bool) -> None:
+def _within_context(llm: Any, n_ctx: int, package: Any, counts: _Tokens, signature: Any, *, dry: bool,
+                    what: str | None = None) -> None:
     """Makes llm's completions (the raw one, and the one a chat turn ends in, with the template, SYSTEM and MESSAGE
     applied) check the prompt as it is sent: more tokens than the context holds is a ZipmoeError; generation stops
     where the context ends; `counts` gets the prompt's tokens and each token sampled. dry: stop (_Counted) once
@@ -271,9 +272,9 @@ def _within_context(llm: Any, n_ctx: int, package: Any, counts: _Tokens, signatu
                                                                                special=True)
         counts.prompt = len(tokens)
         if len(tokens) >= n_ctx:
-            what = ("the prompt as sent (your text in the model's chat template, after its SYSTEM and MESSAGE lines)"
-                    if _is_chat(package) else "the prompt")
-            raise ZipmoeError(f"{what} is {len(tokens)} tokens, too many for a context of {n_ctx} (it must leave "
+            said = what or ("the prompt as sent (your text in the model's chat template, after its SYSTEM and MESSAGE "
+                            "lines)" if _is_chat(package) else "the prompt")
+            raise ZipmoeError(f"{said} is {len(tokens)} tokens, too many for a context of {n_ctx} (it must leave "
                               "room for a token to generate): raise the context with -c (or the model's PARAMETER "
                               "num_ctx), or shorten the prompt")
         if dry:
@@ -287,11 +288,13 @@ def _within_context(llm: Any, n_ctx: int, package: Any, counts: _Tokens, signatu
     llm.create_completion = create_completion
 
 
-def prompt_tokens(model: str | os.PathLike[str], prompt: str, package: Any, n_ctx: int) -> int | None:
+def prompt_tokens(model: str | os.PathLike[str], prompt: str, package: Any, n_ctx: int,
+                  what: str | None = None) -> int | None:
     """The tokens of `prompt` as a completion sends it (in the package's chat template, after its SYSTEM and MESSAGE
     lines, where it has them), counted with the model's vocabulary alone, before the model loads; a ZipmoeError
     (exit status 2) when they do not fit in n_ctx. None where the vocabulary does not load: the model's own load
-    then says what is wrong with the file (pyzipmoe.Llama), and the completion checks the prompt as sent."""
+    then says what is wrong with the file (pyzipmoe.Llama), and the completion checks the prompt as sent. what:
+    how the message names the prompt (default: the prompt, or the prompt as sent)."""
     import llama_cpp
 
     try:
@@ -300,7 +303,7 @@ def prompt_tokens(model: str | os.PathLike[str], prompt: str, package: Any, n_ct
         return None
     counts = _Tokens()
     try:
-        _prepare(vocab, n_ctx, package, counts, dry=True)
+        _prepare(vocab, n_ctx, package, counts, dry=True, what=what)
         try:
             for _ in _stream(vocab, prompt, package, max_tokens=1):
                 break

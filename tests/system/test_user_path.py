@@ -476,3 +476,20 @@ def test_run_refuses_a_prompt_that_is_not_utf8(tiny_model: Path) -> None:
     err = done.stderr.decode(errors="replace")
     assert done.returncode == 2 and done.stdout == b"", err
     assert err == "zipmoe: error: the prompt is not UTF-8 text (a model's tokenizer reads UTF-8)\n"
+
+
+def test_chat_checks_system_and_messages_against_the_context(tiny_model: Path, tmp_path: Path) -> None:
+    """`zipmoe run NAME` (llama-cli's chat) of a model whose SYSTEM does not fit in its num_ctx: one line and status
+    2 before llama-cli starts (it started and refused every turn); with a context of llama-cli's own choice (-c after
+    --) llama-cli decides."""
+    lib_dir = helpers.llama_bin_dir()
+    if not (lib_dir / "llama-cli").exists():
+        helpers.unavailable("llama-cli is not built")
+    env = _store_env(tmp_path)
+    (tmp_path / "Modelfile").write_text(f"FROM {tiny_model}\nSYSTEM {'word ' * 600}\nPARAMETER num_ctx 256\n")
+    assert _zipmoe(env, "create", "m", "-f", tmp_path / "Modelfile", "--quiet").returncode == 0
+    done = subprocess.run([sys.executable, "-m", "pyzipmoe", "run", "m"], capture_output=True, text=True, env=env,
+                          timeout=180, stdin=subprocess.DEVNULL)
+    assert done.returncode == 2 and done.stdout == "", (done.stdout[-2000:], done.stderr[-2000:])
+    assert done.stderr.startswith("zipmoe: error: the model's chat template with its SYSTEM and MESSAGE lines")
+    assert done.stderr.count("\n") == 1 and "too many for a context of 256" in done.stderr, done.stderr
