@@ -515,9 +515,8 @@ async def api_embed(request: web.Request) -> web.Response:
     body = await _body(request)
     models = request.app[MODELS_KEY]
     package = await models.package(body.get("model"))
-    if "pooling_type" not in json.dumps(package.config):
-        raise O.bad_request(f"{package.name.display} does not support embeddings: it is a text generation model")
-    raise O.ApiError(501, "embeddings are not served yet")
+    raise O.bad_request(f"{package.name.display} does not support embeddings: the server runs its models for text "
+                        "generation (llama-server without --embeddings)")
 
 
 # ------------------------------------------------------------------------------------------ OpenAI's API

@@ -154,6 +154,8 @@ def test_unknown_model_is_a_404_and_malformed_json_a_400(server: Server) -> None
     assert status == 400 and "invalid model name" in body["error"]  # a request cannot name a file
     status, body = post("/v1/chat/completions", json.dumps({"model": "nosuch", "messages": []}).encode())
     assert status == 404 and body["error"]["message"] == "model 'nosuch' not found"
+    status, body = post("/api/embed", json.dumps({"model": "alpha", "input": "hi"}).encode())
+    assert status == 400 and "does not support embeddings" in body["error"]
     for path, hint in (("/api/pull", "zipmoe import"), ("/api/push", "zipmoe export")):
         status, body = post(path, json.dumps({"model": "alpha"}).encode())
         assert status == 501 and hint in body["error"]
@@ -470,3 +472,23 @@ def test_two_models_in_a_memory_cgroup_answer_in_turn_within_it(small_models: tu
     finally:
         s.stop()
         remove_cgroup(cgroup)
+
+
+def test_requests_that_arrive_while_their_model_loads_wait_for_it(tiny_models: dict[str, Path],
+                                                                   tmp_path: Path) -> None:
+    llama_bin_dir()
+    store = _store(tmp_path / "models", tiny_models, tmp_path)
+    s = Server(store.root)
+    try:
+        got: list[str] = []
+        threads = [threading.Thread(target=lambda: got.append(s.client().generate("alpha", PROMPT,
+                                                                                  options=GREEDY).response))
+                   for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert len(got) == 4 and len(set(got)) == 1
+        assert len(s.pids()) == 1  # one load served them all
+    finally:
+        s.stop()
