@@ -220,6 +220,9 @@ class Models:
             raise ApiError(503, f"timed out waiting for {package.name.display} to load") from None
         try:
             child = self.children.get(key)
+            if child is not None and child.proc is not None and child.proc.poll() is not None:
+                await self._unload(child)  # its process ended (killed, crashed): started again below
+                child = None
             if child is not None and (child.package.digest != package.digest
                                       or (num_ctx is not None and num_ctx != child.num_ctx)):
                 await self._wait_idle(child)  # a new context (or a model replaced in the store): started again

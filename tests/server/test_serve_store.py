@@ -489,6 +489,11 @@ def test_requests_that_arrive_while_their_model_loads_wait_for_it(tiny_models: d
         for t in threads:
             t.join(120)
         assert len(got) == 4 and len(set(got)) == 1
-        assert len(s.pids()) == 1  # one load served them all
+        pids = s.pids()
+        assert len(pids) == 1  # one load served them all
+        os.kill(pids[0], 9)  # a model's process that dies is started again by the next request
+        assert _gone(pids)
+        assert s.client().generate("alpha", PROMPT, options=GREEDY).response == got[0]
+        assert s.pids() != pids
     finally:
         s.stop()
