@@ -6,13 +6,15 @@ cleanly, at an offset, with fuzz, or not, hunk by hunk, as GNU patch reports it.
     python3 tools/dev/patch_drift.py --apply SRC         apply the series to SRC itself (what fetch_llama.sh does)
     python3 tools/dev/patch_drift.py SRC --results bench/results --label WORD --note TEXT
                                                          also write the dated result file (bench/results/README.md)
+    python3 tools/dev/patch_drift.py --partial SRC       SRC holds only some of the files: the others are not measured
 
 Each patch is applied after the ones before it, as the build applies them, with `patch -p1 --forward` and its
 default fuzz. "clean": every hunk at the line it names; "offset": every hunk's context found as it is, at other
 lines (the largest shift is shown); "fuzz": a hunk applied only after patch ignored up to N lines of its context
 (read it: the code around the hook changed); "FAILS": a hunk did not apply (its place must be found by hand); a
-file the patch names that SRC lacks is "missing". Exit status: 0 when every patch applies (clean, offset or fuzz), 1
-when one does not, 2 on bad arguments. docs/llama-integration.md, "Following llama.cpp", says how it is used.
+file the patch names that SRC lacks is "missing" (with --partial: "not measured", and a patch none of whose files
+SRC holds is left out). Exit status: 0 when every patch measured applies (clean, offset or fuzz), 1 when one does
+not, 2 on bad arguments. docs/llama-integration.md, "Following llama.cpp", says how it is used.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class Hunk:
     file: str
     number: int          # within its file, from 1, as patch counts
     line: int            # the old line its header names
-    status: str = "clean"  # clean, offset, fuzz, FAILED, ignored, missing
+    status: str = "clean"  # clean, offset, fuzz, FAILED, ignored, missing, unmeasured
     at: int | None = None
     offset: int = 0
     fuzz: int = 0
@@ -55,6 +57,8 @@ class Hunk:
             return f"{where}: fuzz {self.fuzz}, offset {self.offset:+d}"
         if self.status == "missing":
             return f"{where}: file missing"
+        if self.status == "unmeasured":
+            return f"{where}: not measured (the file is not in SRC)"
         return f"{where}: {self.status}"
 
 
@@ -65,16 +69,21 @@ class PatchResult:
 
     @property
     def verdict(self) -> str:
-        states = {h.status for h in self.hunks}
-        failed = sum(h.status in ("FAILED", "ignored", "missing") for h in self.hunks)
+        measured = [h for h in self.hunks if h.status != "unmeasured"]
+        if not measured:
+            return "not measured"
+        states = {h.status for h in measured}
+        failed = sum(h.status in ("FAILED", "ignored", "missing") for h in measured)
         if failed:
-            what = "file missing" if states == {"missing"} else f"{failed} of {len(self.hunks)} hunks do not apply"
+            what = "file missing" if states == {"missing"} else f"{failed} of {len(measured)} hunks do not apply"
             return f"FAILS ({what})"
+        left = len(self.hunks) - len(measured)
+        partly = f", {left} hunk{'s' if left != 1 else ''} not measured" if left else ""
         if "fuzz" in states:
-            return f"fuzz (up to {max(h.fuzz for h in self.hunks)})"
+            return f"fuzz (up to {max(h.fuzz for h in measured)}{partly})"
         if "offset" in states:
-            return f"offset (up to {max(abs(h.offset) for h in self.hunks)} lines)"
-        return "clean"
+            return f"offset (up to {max(abs(h.offset) for h in measured)} lines{partly})"
+        return f"clean{' (' + partly[2:] + ')' if partly else ''}"
 
     @property
     def applies(self) -> bool:
@@ -101,7 +110,7 @@ def touched_files(patches: list[Path]) -> list[str]:
     return sorted({h.file for p in patches for h in hunks_of(p)})
 
 
-def apply_one(tree: Path, patch: Path) -> PatchResult:
+def apply_one(tree: Path, patch: Path, partial: bool = False) -> PatchResult:
     """Applies one patch to tree (in place) and reads patch's report of each hunk."""
     hunks = hunks_of(patch)
     run = subprocess.run(["patch", "-d", str(tree), "-p1", "--forward", "--batch", "--verbose",
@@ -127,36 +136,37 @@ def apply_one(tree: Path, patch: Path) -> PatchResult:
                 h.status = "offset"
     for h in hunks:
         if not (tree / h.file).is_file() and h.at is None:
-            h.status = "missing"
-    if run.returncode != 0 and all(h.status in ("clean", "offset", "fuzz") for h in hunks):
+            h.status = "unmeasured" if partial else "missing"
+    if run.returncode != 0 and not partial and all(h.status in ("clean", "offset", "fuzz") for h in hunks):
         # patch failed without naming a hunk (a malformed patch): say so rather than report it as applying
         for h in hunks:
             h.status = "FAILED"
     return PatchResult(patch.name, hunks)
 
 
-def apply_series(tree: Path, patches: list[Path]) -> list[PatchResult]:
-    return [apply_one(tree, p) for p in patches]
+def apply_series(tree: Path, patches: list[Path], partial: bool = False) -> list[PatchResult]:
+    return [apply_one(tree, p, partial) for p in patches]
 
 
-def check(src: Path, patches: list[Path]) -> list[PatchResult]:
+def check(src: Path, patches: list[Path], partial: bool = False) -> list[PatchResult]:
     """The series applied to a copy of the files it touches (src is left as it is)."""
     with tempfile.TemporaryDirectory(prefix="zipmoe-drift-") as tmp:
         for f in touched_files(patches):
             if (src / f).is_file():
                 (Path(tmp) / f).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(src / f, Path(tmp) / f)
-        return apply_series(Path(tmp), patches)
+        return apply_series(Path(tmp), patches, partial)
 
 
 def report(results: list[PatchResult]) -> str:
     lines = []
     for r in results:
         lines.append(f"{r.name}: {r.verdict}")
-        lines += [f"    {h.describe()}" for h in r.hunks if h.status != "clean"]
-    applies = sum(r.applies for r in results)
-    lines.append(f"{applies} of {len(results)} patches apply"
-                 f" ({sum(r.verdict == 'clean' for r in results)} clean)")
+        lines += [f"    {h.describe()}" for h in r.hunks if h.status not in ("clean", "unmeasured")]
+    measured = [r for r in results if r.verdict != "not measured"]
+    lines.append(f"{sum(r.applies for r in measured)} of {len(measured)} patches apply"
+                 f" ({sum(r.verdict == 'clean' for r in measured)} clean)"
+                 + (f"; {len(results) - len(measured)} not measured" if len(measured) < len(results) else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -171,8 +181,9 @@ def write_results(out_dir: Path, label: str | None, table: str, notes: list[str]
     while path.exists():
         n += 1
         path = out_dir / base.replace(".md", f"-{n}.md")
+    argv = [a if not (i and sys.argv[i - 1] == "--note") else "..." for i, a in enumerate(sys.argv)]
     text = [f"# patch drift{' (' + label + ')' if label else ''}, {day.isoformat()}", "",
-            f"- command: `{results.command_line()}`",
+            f"- command: `{results.command_line(argv)}` (each --note is a line below)",
             f"- code: {results.commit()}",
             *[f"- {note}" for note in notes],
             "", "```text", table.rstrip("\n"), "```", ""]
@@ -187,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("src", type=Path, help="a llama.cpp source tree (its root: src/, common/, tools/)")
     parser.add_argument("--apply", action="store_true", help="apply the series to SRC itself")
+    parser.add_argument("--partial", action="store_true",
+                        help="SRC holds only some of the files the patches touch: leave the others unmeasured")
     parser.add_argument("--patches", type=Path, default=PATCHES, metavar="DIR", help="default: patches/")
     parser.add_argument("--results", type=Path, metavar="DIR", help="also write DIR/YYYY-MM-DD-patch-drift[-LABEL].md")
     parser.add_argument("--label", metavar="WORD", help="a word for the result file's name")
@@ -198,12 +211,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"patch_drift.py: error: {args.src} is not a directory or {args.patches} has no patches",
               file=sys.stderr)
         return 2
-    results = apply_series(args.src, patches) if args.apply else check(args.src, patches)
+    results = apply_series(args.src, patches, args.partial) if args.apply else check(args.src, patches, args.partial)
     table = report(results)
     sys.stdout.write(table)
     if args.results:
         write_results(args.results, args.label, table, args.note)
-    return 0 if all(r.applies for r in results) else 1
+    return 0 if all(r.applies or r.verdict == "not measured" for r in results) else 1
 
 
 if __name__ == "__main__":
