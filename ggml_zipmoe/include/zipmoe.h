@@ -74,6 +74,44 @@ ZIPMOE_API int64_t zipmoe_parse_size(const char * text, uint64_t * out);
  * budget here: it depends on the memory available, which its callers read. */
 ZIPMOE_API int64_t zipmoe_parse_budget(const char * text, uint64_t total, uint64_t * out);
 
+/* Whether text is "auto" (any case, optionally surrounded by white space): the budget zipmoe_auto_budget computes. */
+ZIPMOE_API int zipmoe_budget_is_auto(const char * text);
+
+/* Whether text is a memory budget as --memory-budget takes it: "auto", or what zipmoe_parse_budget reads. */
+ZIPMOE_API int zipmoe_budget_valid(const char * text);
+
+/* ---------------------------------------------------------------- the memory available (`auto`) */
+
+/* How much memory this process may use, read at one moment (common/memory.c), in bytes: the machine's
+ * (/proc/meminfo) and the binding limit of its cgroup hierarchy, v1 or v2, the ancestor with the least room left.
+ * pyzipmoe.runtime.memory reads the same files into its MemoryReading. */
+typedef struct {
+    uint64_t total;              /* MemTotal */
+    uint64_t available;          /* MemAvailable: what the kernel could hand out without swapping */
+    int32_t  has_cgroup;         /* 1: a memory-limited cgroup binds and the next four are its readings */
+    uint64_t cgroup_limit;       /* its limit (memory.max, memory.limit_in_bytes) */
+    uint64_t cgroup_usage;       /* its charged memory, page cache included */
+    uint64_t cgroup_reclaimable; /* its inactive file cache, at most its usage */
+    uint64_t cgroup_file_cache;  /* all its file cache, active and inactive, at most its usage */
+} zipmoe_memory_reading;
+
+/* Reads the memory now. cgroup_root (default /sys/fs/cgroup), proc_self (default /proc/self, for its cgroup file)
+ * and meminfo (default /proc/meminfo) may be NULL; tests point them at fake trees. A cgroup file that is missing,
+ * unreadable or garbled counts as no limit there. ZIPMOE_OK, or ZIPMOE_ERR_IO if meminfo cannot be read. */
+ZIPMOE_API int64_t zipmoe_memory_read(const char * cgroup_root, const char * proc_self, const char * meminfo,
+                                      zipmoe_memory_reading * out);
+
+/* What `auto` leaves free: 3% of the memory limit (the machine's, or the cgroup's if smaller), at least 32 MiB. */
+ZIPMOE_API uint64_t zipmoe_memory_margin(const zipmoe_memory_reading * r);
+
+/* The budget of `--memory-budget auto`, never negative:
+ *     auto      = min(model_bytes, available + held - margin)
+ *     available = min(MemAvailable, cgroup limit - (cgroup usage - its file cache))   (tightest ancestor)
+ *     margin    = zipmoe_memory_margin
+ * held: what the runtime holds already (0 for a process's first model); model_bytes: the model's whole budget
+ * (every expert decoded), UINT64_MAX for no cap. pyzipmoe.runtime.memory.auto_budget is the same formula. */
+ZIPMOE_API uint64_t zipmoe_auto_budget(const zipmoe_memory_reading * r, uint64_t model_bytes, uint64_t held);
+
 /* ---------------------------------------------------------------- the runtime configuration */
 
 /* The ZIPMOE_* environment variables the native code reads (bare llama.cpp programs are configured through them;
@@ -81,9 +119,10 @@ ZIPMOE_API int64_t zipmoe_parse_budget(const char * text, uint64_t total, uint64
  * the value, or NULL where the variable is unset or empty, valid until the variable changes; their users check
  * them and name them in their errors. Switches are 0 or 1. */
 typedef struct {
-    const char * memory_budget; /* ZIPMOE_MEMORY_BUDGET: bytes the model may keep resident (a size, or "60%" of
-                                 * physical memory): its weights that are not experts, the experts of one expert
-                                 * tensor in flight, a prompt's read buffers and the cache tiers, which get the rest
+    const char * memory_budget; /* ZIPMOE_MEMORY_BUDGET: bytes the model may keep resident (a size, "60%" of
+                                 * physical memory, or "auto": zipmoe_auto_budget at load): its weights that are
+                                 * not experts, the experts of one expert tensor in flight, a prompt's read
+                                 * buffers and the cache tiers, which get the rest
                                  * (and, in generation, the room of the two before); unset: unbounded */
     const char * hot_share;     /* ZIPMOE_HOT_SHARE: the tiers' fraction for decoded experts (default:
                                  * zipmoe_budget_default_hot_share, 0 where nearly every expert fits compressed but

@@ -1,4 +1,4 @@
-/* size.c - the one parser of byte sizes ("6GiB", "512M", "1.5g", "1000000") and budgets ("60%"), shared by the loader glue
+/* size.c - the one parser of byte sizes ("6GiB", "512M", "1.5g", "1000000") and budgets ("60%", "auto"), shared by the loader glue
  * (ZIPMOE_MEMORY_BUDGET, ZIPMOE_READ_BUFFER) and, through cffi, by pyzipmoe, so that every layer reads a size the
  * same way. Exact: integer arithmetic, no floating point, so no value is rounded twice and inf, nan or huge
  * numbers cannot reach a float-to-integer conversion. */
@@ -157,4 +157,22 @@ int64_t zipmoe_parse_budget(const char * text, uint64_t total, uint64_t * out) {
     const uint64_t lo_part = lo * hundredths;
     *out = (hi_part / div << 20) + ((hi_part % div << 20) + lo_part) / div;
     return ZIPMOE_OK;
+}
+
+int zipmoe_budget_is_auto(const char * text) {
+    if (!text) {
+        return 0;
+    }
+    const char * p = skip_space(text);
+    for (const char * w = "auto"; *w; w++, p++) {
+        if (lower(*p) != *w) {
+            return 0;
+        }
+    }
+    return *skip_space(p) == 0;
+}
+
+int zipmoe_budget_valid(const char * text) {
+    uint64_t bytes = 0;
+    return zipmoe_budget_is_auto(text) || zipmoe_parse_budget(text, ZIPMOE_SIZE_MAX, &bytes) == ZIPMOE_OK;
 }

@@ -18,6 +18,24 @@ static bool parse_budget(const char * text, uint64_t & out) {
     return zipmoe_parse_budget(text, std::min<uint64_t>(physical, ZIPMOE_SIZE_MAX), &out) == ZIPMOE_OK;
 }
 
+// ZIPMOE_MEMORY_BUDGET=auto: what this process could allocate now plus what the runtime holds already, less a
+// margin, at most the whole model (zipmoe_auto_budget; pyzipmoe's parse_budget and memory monitor compute the same).
+static bool auto_budget(const zipmoe_budget_need & need, uint64_t & out, std::string & err) {
+    zipmoe_memory_reading reading{};
+    if (zipmoe_memory_read(nullptr, nullptr, nullptr, &reading) != ZIPMOE_OK) {
+        err = "memory budget auto: /proc/meminfo cannot be read, so the memory available is unknown; give the budget "
+              "as a size (e.g. 6GiB)";
+        return false;
+    }
+    zipmoe_stats s{}; // what the runtime holds already, as pyzipmoe's model_budget counts it
+    zipmoe_stats_get(&s);
+    const uint64_t held  = s.hot_bytes + s.warm_bytes + s.sm_bytes + s.decoding_bytes + s.pool_bytes +
+                           s.staging_transient_bytes;
+    const uint64_t whole = need.minimum + need.experts; // (each below ZIPMOE_SIZE_MAX: no overflow)
+    out                  = zipmoe_auto_budget(&reading, whole, held);
+    return true;
+}
+
 // Bytes in the largest binary unit below 1024 of it, as pyzipmoe's human_size writes them ("3.1 MiB", "512 B").
 static std::string size_text(uint64_t bytes) {
     static const char * const units[] = { "KiB", "MiB", "GiB", "TiB", "PiB", "EiB" };
@@ -98,15 +116,19 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
     uint64_t      tiers = UINT64_MAX; // what a budget leaves beyond its minimum
     zipmoe_policy policy = ZIPMOE_POLICY_LFUDA;
     if (const char * v = env.memory_budget) {
-        uint64_t budget = 0;
-        if (!parse_budget(v, budget)) {
-            err = std::string("ZIPMOE_MEMORY_BUDGET=") + v + " is not a size (e.g. 6GiB, 512MiB, 60%)";
+        uint64_t   budget    = 0;
+        const bool automatic = zipmoe_budget_is_auto(v);
+        if (automatic ? !auto_budget(need, budget, err) : !parse_budget(v, budget)) {
+            if (!automatic) {
+                err = std::string("ZIPMOE_MEMORY_BUDGET=") + v + " is not a size (e.g. 6GiB, 512MiB, 60% or auto)";
+            }
             return false;
         }
         const uint64_t minimum = need.minimum;
         if (budget < minimum) {
             // the budget as its user wrote it: a size rounded to MiB could read "0 MiB"
-            err = std::string("memory budget ") + v + " is below the minimum of " + size_text(minimum) +
+            err = std::string("memory budget ") + v + (automatic ? " (" + size_text(budget) + " free, less a margin)" : "") +
+                  " is below the minimum of " + size_text(minimum) +
                   " for this model (" + size_text(other_bytes) + " of weights that are not experts" + embd_note +
                   " + " + size_text(working_set) + " for the experts of one expert tensor in flight); raise "
                   "--memory-budget (ZIPMOE_MEMORY_BUDGET)";
@@ -144,7 +166,8 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
         in_flight = split.in_flight;
         reads     = split.reads ? split.reads : UINT64_MAX; // (none left: as zipmoe_cache_apply_split)
         token_hot = split.token_hot;
-        info = "zipmoe: memory budget " + size_text(budget) + ": " + size_text(other_bytes) + " weights that are not experts" +
+        info = "zipmoe: memory budget " + size_text(budget) +
+               (automatic ? " (auto: the memory available less a margin, at most the whole model)" : "") + ": " + size_text(other_bytes) + " weights that are not experts" +
                embd_note + ", " + size_text(in_flight) + " for one expert tensor in flight beyond its decoded experts, " +
                (split.reads ? size_text(split.reads) + " for a prompt's reads, " : std::string()) +
                "cache tiers " + size_text(hot) + " decoded, " + size_text(warm) + " compressed, " + size_text(sm) +
