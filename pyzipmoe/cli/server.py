@@ -50,12 +50,14 @@ def serve_store(args: argparse.Namespace) -> int:
     models = Models(store, budget, settings)
     origins = [o.strip() for given in args.origins or () for o in given.split(",") if o.strip()]
     app = make_app(models, origins)
-    print(f"zipmoe: serving the models of {store.root} on http://{args.host}:{args.port} (Ollama's API under /api, "
-          f"OpenAI's under /v1); memory budget {human_size(budget.total)}"
-          f"{' (auto)' if budget.auto else ''}, shared by the loaded models", file=sys.stderr, flush=True)
+    def started(_: str) -> None:  # (run_app's announcement, once it listens)
+        print(f"zipmoe: serving the models of {store.root} on http://{args.host}:{args.port} (Ollama's API under "
+              f"/api, OpenAI's under /v1); memory budget {human_size(budget.total)}"
+              f"{' (auto)' if budget.auto else ''}, shared by the loaded models", file=sys.stderr, flush=True)
+
     # handler_cancellation: a client that goes away mid-answer cancels its request, which closes the connection to
     # the model's llama-server, which frees the slot
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=10,
+    web.run_app(app, host=args.host, port=args.port, print=started, access_log=None, shutdown_timeout=10,
                 handler_cancellation=True)
     return EXIT_OK
 
