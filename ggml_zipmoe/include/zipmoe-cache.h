@@ -44,7 +44,9 @@ ZIPMOE_API int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_byte
 
 /* A planner's per-store plan: stores whose name starts with prefix (the longest matching prefix wins,
  * e.g. "blk.3.") keep at most hot, warm and sm experts in each tier, instead of their share of the
- * budgets. prefix NULL removes every rule. Takes effect like zipmoe_cache_configure. */
+ * budgets. prefix NULL removes every rule. Takes effect like zipmoe_cache_configure. ZIPMOE_ERR_ARG for a new
+ * prefix beyond ZIPMOE_MAX_SLOT_RULES rules (or a negative count, or a prefix of 96 bytes or more). */
+#define ZIPMOE_MAX_SLOT_RULES 4096
 ZIPMOE_API int64_t zipmoe_cache_set_slots(const char * prefix, int64_t hot, int64_t warm, int64_t sm);
 
 /* 1 (default): a store's invocation evicts what every other store's last invocation decoded beyond its limits,

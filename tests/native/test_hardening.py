@@ -398,3 +398,117 @@ def test_llama_survives_forged_index_damage(zipmoe_models: dict[tuple[str, str],
             assert r["class"] in ("ok", "refused", "wrong"), r
     print(f"\nforged index damage: {counts}")
     assert counts.get("refused", 0) > 0
+
+
+# ------------------------------------------------------------------------------- the control file, ZIPMOE_PLAN
+
+CONTROL_MAGIC = int.from_bytes(b"ZMCTL001", "little")
+W_SEQ, W_POLICY, W_POLLS = 1, 2, 14
+
+
+def _words(path: Path) -> tuple[int, ...]:
+    raw = path.read_bytes()
+    return struct.unpack(f"<{len(raw) // 8}Q", raw[:len(raw) // 8 * 8])
+
+
+def _wait(what: Callable[[], bool], seconds: float = 30) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if what():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _server(zipmoe_model: Path, env: dict[str, str], log: Path) -> tuple[subprocess.Popen, str]:
+    """zipmoe's llama-server on loopback under a budget, ready; (process, url)."""
+    import socket
+
+    import helpers
+
+    server = helpers.llama_bin_dir() / "llama-server"
+    if not server.is_file():
+        helpers.unavailable(f"{server} is not built")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [str(server), "-m", str(zipmoe_model), "--port", str(port), "-t", "2", "-c", "256", "-np", "1",
+            "--memory-budget", "100%"]
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+        try:
+            return helpers.http_json(url + "/health", timeout=2)[0] == 200
+        except OSError:
+            return False
+
+    if not _wait(ready, 120):
+        helpers.kill_group(proc)
+        raise AssertionError("llama-server was not ready in time")
+    return proc, url
+
+
+def test_the_control_file_truncated_or_garbled_under_a_running_server(zipmoe_model: Path, tmp_path: Path) -> None:
+    """The control file is read with pread, not through a mapping: truncated under llama-server (which killed it
+    with SIGBUS), the budget stays and one warning says so; a split naming a policy that does not exist is refused
+    before it is taken for one."""
+    import helpers
+
+    ctl, log = tmp_path / "control", tmp_path / "server.log"
+    ctl.write_bytes(struct.pack("<16Q", CONTROL_MAGIC, *[0] * 15))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZIPMOE_", "LLAMA_ARG_"))}
+    env.update(LD_LIBRARY_PATH=str(helpers.llama_bin_dir()), ZIPMOE_CONTROL=str(ctl))
+    proc, url = _server(zipmoe_model, env, log)
+    try:
+        assert _wait(lambda: _words(ctl)[W_POLLS] > 0), "the server never polled its control file"
+        words = list(_words(ctl))
+        words[W_SEQ], words[W_POLICY] = words[W_SEQ] + 2, 99
+        ctl.write_bytes(struct.pack("<16Q", *words))
+        assert _wait(lambda: "policy 99 is none" in log.read_text(errors="replace")), log.read_text()[-3000:]
+        os.truncate(ctl, 0)
+        assert _wait(lambda: "was truncated" in log.read_text(errors="replace")), log.read_text()[-3000:]
+        time.sleep(0.3)  # several polls of the thread
+        status, body = helpers.http_json(url + "/completion", {"prompt": "The expert", "n_predict": 4,
+                                                               "temperature": 0}, 120)
+        assert status == 200 and proc.poll() is None, (status, body)
+        assert os.path.getsize(ctl) == 0  # (nothing written to a file that is no longer a control file)
+    finally:
+        helpers.kill_group(proc)
+    text = log.read_text(errors="replace")
+    assert proc.returncode != -7, "SIGBUS"  # (kill_group's signal otherwise)
+    assert text.count("was truncated") == 1, text[-3000:]
+
+
+def _completion(zipmoe_model: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    import helpers
+
+    program = helpers.llama_bin_dir() / "llama-completion"
+    if not program.is_file():
+        helpers.unavailable(f"{program} is not built")
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("ZIPMOE_", "LLAMA_ARG_"))}
+    return subprocess.run([str(program), "-m", str(zipmoe_model), "-n", "2", "-p", "The expert", "-no-cnv", "-t", "2",
+                           "-c", "128"], env={**base, "LD_LIBRARY_PATH": str(program.parent), **env},
+                          capture_output=True, text=True, errors="replace", timeout=120, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("plan", ["0:99999999999999999999,1,1", "0:1,9223372036854775808,1", "4294967296:1,1,1",
+                                  "0:-1,1,1", "0:+1,1,1", "0:1,1", "0:1,1,1,", "0:1,1,1;x"])
+def test_a_plan_with_numbers_out_of_range_is_refused(zipmoe_model: Path, plan: str) -> None:
+    """ZIPMOE_PLAN's numbers are checked (sscanf's %d and %lld overflowed: undefined, in practice a huge count)."""
+    done = _completion(zipmoe_model, {"ZIPMOE_MEMORY_BUDGET": "100%", "ZIPMOE_PLAN": plan})
+    assert done.returncode != 0 and f"ZIPMOE_PLAN={plan} is not a plan" in done.stderr, done.stderr[-2000:]
+
+
+def test_a_plan_beyond_the_slot_rules_is_refused(zipmoe_model: Path) -> None:
+    """Rules beyond the cache's 4096 were dropped silently (the layers after them ran without a plan)."""
+    plan = ";".join(f"{layer}:1,1,0" for layer in range(4097))
+    done = _completion(zipmoe_model, {"ZIPMOE_MEMORY_BUDGET": "100%", "ZIPMOE_PLAN": plan})
+    assert done.returncode != 0, done.stderr[-2000:]
+    assert "ZIPMOE_PLAN has rules for more than 4096 layers, the cache's limit (the first beyond it: layer 4096)" \
+        in done.stderr, done.stderr[-2000:]
+    ok = _completion(zipmoe_model, {"ZIPMOE_MEMORY_BUDGET": "100%", "ZIPMOE_PLAN": " 0: 1, 1, 0;1:1,1,0;"})
+    assert ok.returncode == 0, ok.stderr[-2000:]

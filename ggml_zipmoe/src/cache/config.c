@@ -8,7 +8,6 @@
 
 /* ---------------------------------------------------------------- the process's budget */
 
-#define MAX_SLOT_RULES 4096
 
 /* One per process: one expert cache serves every store the loader opens, from one budget (cache-impl.h). */
 cache_config g_cfg = {
@@ -364,9 +363,9 @@ int64_t zipmoe_cache_set_slots(const char * prefix, int64_t hot, int64_t warm, i
         }
         if (i == g_cfg.n_rules) {
             if (!g_cfg.rules) {
-                g_cfg.rules = calloc(MAX_SLOT_RULES, sizeof *g_cfg.rules);
+                g_cfg.rules = calloc(ZIPMOE_MAX_SLOT_RULES, sizeof *g_cfg.rules);
             }
-            if (!g_cfg.rules || g_cfg.n_rules == MAX_SLOT_RULES) {
+            if (!g_cfg.rules || g_cfg.n_rules == ZIPMOE_MAX_SLOT_RULES) {
                 rc = g_cfg.rules ? ZIPMOE_ERR_ARG : ZIPMOE_ERR_NOMEM;
             } else {
                 g_cfg.n_rules++;

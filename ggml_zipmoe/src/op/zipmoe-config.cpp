@@ -67,21 +67,54 @@ static bool parse_fraction(const char * name, const char * v, double & out, std:
     return true;
 }
 
-// ZIPMOE_PLAN: a planner's slots per layer, "<layer>:<hot>,<warm>,<sm>;..." (pyzipmoe.plan.solver encodes it).
+// A count of ZIPMOE_PLAN: optional blanks, then decimal digits, at most max (no sign, no overflow); the end, or
+// nullptr.
+static const char * plan_number(const char * p, uint64_t max, uint64_t & out) {
+    while (*p == ' ' || *p == '\t') {
+        p++;
+    }
+    if (*p < '0' || *p > '9') {
+        return nullptr;
+    }
+    for (out = 0; *p >= '0' && *p <= '9'; p++) {
+        const uint64_t digit = (uint64_t) (*p - '0');
+        if (out > (max - digit) / 10) {
+            return nullptr;
+        }
+        out = out * 10 + digit;
+    }
+    return p;
+}
+
+// ZIPMOE_PLAN: a planner's slots per layer, "<layer>:<hot>,<warm>,<sm>;..." (pyzipmoe.plan.solver encodes it), at
+// most ZIPMOE_MAX_SLOT_RULES layers.
 static bool apply_plan(const char * plan, std::string & err) {
     zipmoe_cache_set_slots(nullptr, 0, 0, 0);
+    const std::string bad = std::string("ZIPMOE_PLAN=") + plan + " is not a plan (\"<layer>:<hot>,<warm>,<sm>;...\", as `zipmoe plan` prints)";
     for (const char * p = plan; *p;) {
-        int       layer = -1, n = 0;
-        long long hot = -1, warm = -1, sm = -1;
-        if (std::sscanf(p, "%d:%lld,%lld,%lld%n", &layer, &hot, &warm, &sm, &n) != 4 || layer < 0 || hot < 0 ||
-            warm < 0 || sm < 0 || (p[n] != ';' && p[n] != '\0')) {
+        uint64_t v[4] = {};
+        for (int i = 0; i < 4 && p; i++) {
+            p = plan_number(p, i == 0 ? (uint64_t) INT32_MAX : (uint64_t) INT64_MAX, v[i]);
+            if (p && i < 3) {
+                p = *p == (i == 0 ? ':' : ',') ? p + 1 : nullptr;
+            }
+        }
+        if (!p || (*p != ';' && *p != '\0')) {
             zipmoe_cache_set_slots(nullptr, 0, 0, 0);
-            err = std::string("ZIPMOE_PLAN=") + plan + " is not a plan (\"<layer>:<hot>,<warm>,<sm>;...\", as `zipmoe plan` prints)";
+            err = bad;
             return false;
         }
-        const std::string prefix = "blk." + std::to_string(layer) + ".";
-        zipmoe_cache_set_slots(prefix.c_str(), hot, warm, sm);
-        p += n + (p[n] == ';');
+        const std::string prefix = "blk." + std::to_string(v[0]) + ".";
+        if (const int64_t rc = zipmoe_cache_set_slots(prefix.c_str(), (int64_t) v[1], (int64_t) v[2], (int64_t) v[3]);
+            rc != ZIPMOE_OK) {
+            zipmoe_cache_set_slots(nullptr, 0, 0, 0);
+            err = rc == ZIPMOE_ERR_ARG ? "ZIPMOE_PLAN has rules for more than " + std::to_string(ZIPMOE_MAX_SLOT_RULES) +
+                                             " layers, the cache's limit (the first beyond it: layer " +
+                                             std::to_string(v[0]) + ")"
+                                       : std::string("ZIPMOE_PLAN cannot be kept: ") + zipmoe_status_str(rc);
+            return false;
+        }
+        p += *p == ';';
     }
     return true;
 }
