@@ -69,7 +69,8 @@ trap 'rm -rf "$tmp"' EXIT
 tar -xzf "$SDIST" -C "$tmp" "llama_cpp_python-$VERSION/vendor/llama.cpp"
 src=$tmp/llama_cpp_python-$VERSION/vendor/llama.cpp
 if [ -n "$PATCHES" ]; then
-    "$PYTHON" tools/dev/patch_drift.py --apply "$src" || { echo "fetch_llama.sh: a patch does not apply (above)" >&2; exit 1; }
+    "$PYTHON" tools/dev/patch_drift.py --apply "$src" ||
+        { echo "fetch_llama.sh: a patch does not apply (above)" >&2; exit 1; }
 fi
 # Files a patch touches now or touched before get a fresh mtime, so the build recompiles them; all
 # others keep the sdist's mtimes and are not rebuilt.

@@ -33,7 +33,8 @@ REPO = Path(__file__).resolve().parents[2]
 PATCHES = REPO / "patches"
 
 _FILE = re.compile(r"^patching file (\S+)")
-_HUNK = re.compile(r"^Hunk #(\d+) (succeeded|FAILED|ignored) at (\d+)(?: with fuzz (\d+))?(?: \(offset (-?\d+) lines?\))?")
+_HUNK = re.compile(r"^Hunk #(\d+) (succeeded|FAILED|ignored) at (\d+)"
+                   r"(?: with fuzz (\d+))?(?: \(offset (-?\d+) lines?\))?")
 _MISSING = re.compile(r"^(?:can't find file to patch|No file to patch)")
 
 
