@@ -47,13 +47,25 @@ import numpy as np
 job = json.loads(sys.argv[1])
 from pyzipmoe.runtime.llama import Llama, zipmoe_stats_reset
 
+def stateless_eval(llm, tokens, n_gen):
+    # a model without memory (diffusion LMs, encoders: no KV cache) sees the whole sequence at each step
+    for step in range(n_gen + 1):
+        llm._batch.set_batch(batch=tokens, n_past=0, logits_all=True)
+        llm._ctx.decode(llm._batch)
+        logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(len(tokens) * llm._n_vocab,))
+        logits = logits.reshape(len(tokens), llm._n_vocab).copy()
+        if step < n_gen:
+            tokens = tokens + [int(np.argmax(logits[-1]))]
+    return logits, tokens
+
 out, arrays = [], {}
 for i, run in enumerate(job["runs"]):
     res = {"run": run}
     out.append(res)
     try:
         llm = Llama(run["model"], n_ctx=job["n_ctx"], n_threads=run["threads"], n_threads_batch=run["threads"],
-                    logits_all=True, seed=0, verbose=False, prefill=False, **run.get("zipmoe", {}))
+                    logits_all=True, seed=0, verbose=False, prefill=False, embedding=job["embed"],
+                    **run.get("zipmoe", {}))
     except Exception as e:
         res["error"] = f"load: {type(e).__name__}: {e}"
         continue
@@ -62,14 +74,23 @@ for i, run in enumerate(job["runs"]):
         if llm.zipmoe_served:
             zipmoe_stats_reset()
         tokens = llm.tokenize(job["prompt"].encode())
-        llm.eval(tokens)
-        generated = []
-        for _ in range(job["n_gen"]):
-            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-            generated.append(nxt)
-            llm.eval([nxt])
-        arrays[f"run{i}"] = np.array(llm.scores[: llm.n_tokens], dtype=np.float32)
-        res.update(prompt=[int(t) for t in tokens], generated=generated)
+        res["prompt"] = [int(t) for t in tokens]
+        if job["embed"]:
+            arrays[f"run{i}"] = np.array(llm.embed(job["prompt"]), dtype=np.float32).reshape(-1, llm.n_embd())
+            res["generated"] = []
+        elif llm._ctx.memory is None:
+            logits, seq = stateless_eval(llm, list(tokens), job["n_gen"])
+            arrays[f"run{i}"] = logits
+            res["generated"] = seq[len(tokens):]
+        else:
+            llm.eval(tokens)
+            generated = []
+            for _ in range(job["n_gen"]):
+                nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                generated.append(nxt)
+                llm.eval([nxt])
+            arrays[f"run{i}"] = np.array(llm.scores[: llm.n_tokens], dtype=np.float32)
+            res["generated"] = generated
         if llm.zipmoe_served:
             res["stats"] = llm.zipmoe_stats()
     except Exception as e:
@@ -80,11 +101,16 @@ np.savez(job["out"], **arrays)
 print(json.dumps(out))
 """
 
+# Embedding models: llama.cpp computes embeddings, not logits, for them; their embeddings are compared instead.
+EMBEDDING = {"llama-embed", "nomic-bert-moe"}
 
-def run_models(lib_dir: Path, runs: list[dict[str, Any]], out: Path) -> tuple[list[dict[str, Any]], dict]:
+
+def run_models(lib_dir: Path, runs: list[dict[str, Any]], out: Path, embed: bool = False
+               ) -> tuple[list[dict[str, Any]], dict]:
     """Each run ({"model", "threads", "zipmoe": Llama's zipmoe arguments}) in one child on the libllama in lib_dir:
-    the prompt and N_GEN greedy tokens; (reports, logits of run i as "run{i}")."""
-    job = {"runs": runs, "prompt": PROMPT, "n_gen": N_GEN, "n_ctx": N_CTX, "out": str(out)}
+    the prompt and N_GEN greedy tokens; (reports, logits of run i as "run{i}", for every position). embed: the
+    prompt's embeddings instead (an embedding model)."""
+    job = {"runs": runs, "prompt": PROMPT, "n_gen": N_GEN, "n_ctx": N_CTX, "out": str(out), "embed": embed}
     done = subprocess.run([sys.executable, "-c", WORKER, json.dumps(job)], env=worker_env(lib_dir),
                           capture_output=True, text=True, timeout=TIMEOUT, check=False)
     assert done.returncode == 0, f"the worker died (exit status {done.returncode}):\n{stderr_tail(done.stderr)}"
@@ -128,26 +154,54 @@ def test_every_architecture_with_expert_tensors_has_a_case() -> None:
 
 @pytest.mark.parametrize("arch", [_case(a) for a in ARCHS])
 def test_architecture(arch: str, ours: Path, stock: Path, tmp_path: Path) -> None:
+    spec = SPECS[arch]
+    plain = write_arch_model(tmp_path / "plain.gguf", spec)
+    check_model(arch, plain, sum(t.is_expert for t in spec.tensors), ours, stock, tmp_path)
+
+
+QUANTIZED = [("gpt-oss", "MXFP4_MOE"), ("qwen2moe", "F16"), ("glm4moe", "Q8_0")]
+
+
+@pytest.mark.parametrize("arch, qtype", QUANTIZED)
+def test_quantized_experts(arch: str, qtype: str, ours: Path, stock: Path, tmp_path: Path) -> None:
+    """The same checks on the model quantized by llama-quantize: MXFP4 (gpt-oss's own expert type) and Q8_0
+    experts are stored raw, F16 ones split and coded."""
+    from pyzipmoe.file.gguf import read_gguf
+    from pyzipmoe.synth import quantize
+
+    spec = SPECS[arch]
+    bf16 = write_arch_model(tmp_path / "bf16.gguf", spec)
+    try:
+        plain = quantize(bf16, tmp_path / "plain.gguf", qtype, program=ours / "llama-quantize", threads=1)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    types = {t.ggml_type for t in read_gguf(plain).tensors if t.name.endswith("_exps.weight")}
+    assert types and all(t not in (0, 30) for t in types), types  # no F32/BF16 experts left
+    check_model(f"{arch} {qtype}", plain, sum(t.is_expert for t in spec.tensors), ours, stock, tmp_path)
+
+
+def check_model(label: str, plain: Path, n_experts: int, ours: Path, stock: Path, tmp_path: Path) -> None:
+    """convert/verify/unpack `plain`, then zipmoe's runs of both files against stock's run of `plain`."""
     from pyzipmoe.file.convert import convert
     from pyzipmoe.file.verify import unpack, verify
     from pyzipmoe.runtime.budget import model_memory
 
-    plain, packed, restored = tmp_path / "plain.gguf", tmp_path / "zipmoe.gguf", tmp_path / "restored.gguf"
-    spec = SPECS[arch]
-    write_arch_model(plain, spec)
-    n_experts = sum(t.is_expert for t in spec.tensors)
+    packed, restored = tmp_path / "zipmoe.gguf", tmp_path / "restored.gguf"
     report = convert(plain, packed, chunk_n=CHUNK_N, threads=1)
     assert len(report.tensors) == n_experts, [t.name for t in report.tensors]
     verify(packed, plain, threads=1)
     unpack(packed, restored, threads=1)
     assert restored.read_bytes() == plain.read_bytes()
 
-    ref_reports, ref = run_models(stock, [{"model": str(plain), "threads": t} for t in (1, 2)], tmp_path / "s.npz")
+    embed = label.split()[0] in EMBEDDING
+    ref_reports, ref = run_models(stock, [{"model": str(plain), "threads": t} for t in (1, 2)], tmp_path / "s.npz",
+                                  embed)
     for i, r in enumerate(ref_reports):
         assert "error" not in r, r
         logits = ref[f"run{i}"]
-        assert logits.shape[0] == len(r["prompt"]) + N_GEN and np.isfinite(logits).all(), arch
-        assert np.ptp(logits, axis=1).min() > 0 and not (logits[0] == logits[-1]).all(), f"{arch}: degenerate"
+        rows = logits.shape[0] if embed else len(r["prompt"]) + N_GEN
+        assert logits.shape[0] == rows and np.isfinite(logits).all(), (label, logits.shape)
+        assert np.ptp(logits, axis=1).min() > 0 and not (logits[0] == logits[-1]).all(), f"{label}: degenerate"
 
     need, plain_need = model_memory(packed), model_memory(plain)
     budgets = {"none": {}, "minimum": {"memory_budget": str(need.minimum)},
@@ -156,9 +210,9 @@ def test_architecture(arch: str, ours: Path, stock: Path, tmp_path: Path) -> Non
             for b, z in budgets.items() for t in (1, 2)]
     runs += [{"model": str(plain), "threads": t, "what": f"plain file under a budget, {t} threads",
               "zipmoe": {"memory_budget": str(plain_need.minimum + plain_need.expert_bytes // 2)}} for t in (1, 2)]
-    reports, got = run_models(ours, runs, tmp_path / "o.npz")
+    reports, got = run_models(ours, runs, tmp_path / "o.npz", embed)
     for i, (run, r) in enumerate(zip(runs, reports, strict=True)):
-        what = f"{arch}: {run['what']}"
+        what = f"{label}: {run['what']}"
         assert "error" not in r, (what, r)
         k = run["threads"] - 1
         assert r["prompt"] == ref_reports[k]["prompt"], what
@@ -171,3 +225,79 @@ def test_architecture(arch: str, ours: Path, stock: Path, tmp_path: Path) -> Non
             assert stats["experts_decoded"] > 0, (what, stats)
         if run["zipmoe"].get("memory_budget") == str(need.minimum):
             assert stats["evictions"] > 0, (what, stats)  # the cache held fewer experts than were used
+
+
+# ------------------------------------------------------------------------------- convert's expert forms
+
+
+def _spec_with(arch: str, extra: tuple[Any, ...] = (), rename: str | None = None) -> Any:
+    from dataclasses import replace
+
+    spec = SPECS[arch]
+    return replace(spec, arch=rename or arch, tensors=spec.tensors + tuple(extra))
+
+
+@pytest.mark.parametrize("name, dims", [
+    ("blk.0.ffn_up_exps.weight", (64, 32)),  # an expert matrix that is not 3-D
+    ("blk.0.ffn_lora_exps.weight", (64, 8, 4)),  # an expert tensor of a kind zipmoe does not know
+    ("blk.0.ffn_down_exps.bias", (64, 4, 2)),  # a bias of more than 2 dimensions
+])
+def test_convert_refuses_an_unknown_expert_tensor_form_naming_it(tmp_path: Path, name: str, dims: tuple[int, ...]
+                                                                 ) -> None:
+    from pyzipmoe.errors import UnsupportedError
+    from pyzipmoe.file.convert import convert
+    from pyzipmoe.synth_arch import ArchTensor
+
+    base = SPECS["qwen3moe"]
+    tensors = tuple(t for t in base.tensors if t.name != name) + (ArchTensor(name, dims),)
+    from dataclasses import replace
+    src = write_arch_model(tmp_path / "odd.gguf", replace(base, tensors=tensors))
+    with pytest.raises(UnsupportedError) as e:
+        convert(src, tmp_path / "out.gguf", threads=1)
+    message = str(e.value)
+    assert "\n" not in message and name in message and "does not know" in message, message
+    assert not (tmp_path / "out.gguf").exists()
+
+
+def test_convert_keeps_expert_biases_scales_and_norms_plain(tmp_path: Path) -> None:
+    """gpt-oss's expert biases, the per-expert scales and arctic's expert norm are kept byte for byte (unpack
+    restores them), only the 3-D expert matrices are compressed."""
+    from pyzipmoe.file.convert import convert
+
+    for arch in ("gpt-oss", "arctic"):
+        spec = SPECS[arch]
+        side = [t.name for t in spec.tensors if "_exps" in t.name and not t.is_expert]
+        assert side, arch
+        src = write_arch_model(tmp_path / f"{arch}.gguf", spec)
+        report = convert(src, tmp_path / f"{arch}.zipmoe.gguf", threads=1, warn=lambda note: None)
+        assert sorted(t.name for t in report.tensors) == sorted(t.name for t in spec.tensors if t.is_expert)
+
+
+def test_convert_warns_once_for_an_architecture_it_was_not_checked_on(tmp_path: Path) -> None:
+    from pyzipmoe.architectures import VERIFIED
+    from pyzipmoe.file.convert import convert
+
+    notes: list[str] = []
+    known = write_arch_model(tmp_path / "known.gguf", SPECS["qwen3moe"])
+    convert(known, tmp_path / "known.zipmoe.gguf", threads=1, warn=notes.append)
+    assert notes == [] and "qwen3moe" in VERIFIED
+    other = write_arch_model(tmp_path / "other.gguf", _spec_with("qwen3moe", rename="qwen3moe-unchecked"))
+    report = convert(other, tmp_path / "other.zipmoe.gguf", threads=1, warn=notes.append)
+    assert len(notes) == 1 and "qwen3moe-unchecked" in notes[0] and "docs/architectures.md" in notes[0], notes
+    assert report.warnings == tuple(notes)
+    done = subprocess.run([sys.executable, "-m", "pyzipmoe", "convert", str(other), str(tmp_path / "cli.gguf"),
+                           "--threads", "1"], capture_output=True, text=True, check=False, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("zipmoe: warning: architecture qwen3moe-unchecked") == 1, done.stderr
+
+
+def test_docs_table_lists_what_holds_per_architecture() -> None:
+    """docs/architectures.md has a row per architecture: VERIFIED ones as passing, the others with their reason."""
+    text = (REPO / "docs" / "architectures.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`"): line for line in text.splitlines()
+            if line.startswith("| `")}
+    assert sorted(rows) == ARCHS
+    for arch in VERIFIED:
+        assert "yes" in rows[arch].split("|")[2], rows[arch]
+    for arch in EXCLUDED.keys() | NOT_VERIFIED.keys():
+        assert "yes" not in rows[arch].split("|")[2], rows[arch]
