@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import REPO, assert_bit_identical, llama_bin_dir, load_tool, stderr_tail, worker_env
+from helpers import REPO, assert_bit_identical, llama_bin_dir, load_tool, stderr_tail, unavailable, worker_env
 
 from pyzipmoe.architectures import NOT_VERIFIED, VERIFIED
 from pyzipmoe.paths import stock_bin_dir
@@ -128,7 +128,7 @@ def ours() -> Path:
 def stock() -> Path:
     stock_bin = stock_bin_dir()
     if not (stock_bin / "libllama.so").is_file():
-        pytest.skip(f"no stock llama.cpp build at {stock_bin} (`bash tools/dev/build_stock.sh` builds it)")
+        unavailable(f"no stock llama.cpp build at {stock_bin} (`bash tools/dev/build_stock.sh` builds it)")
     return stock_bin
 
 
@@ -145,7 +145,7 @@ def test_every_architecture_with_expert_tensors_has_a_case() -> None:
     reason, and each spec'd one is VERIFIED or says why not."""
     constants = REPO / "build" / "llama.cpp" / "gguf-py" / "gguf" / "constants.py"
     if not constants.is_file():
-        pytest.skip(f"{constants} is not there (tools/dev/fetch_llama.sh extracts it)")
+        unavailable(f"{constants} is not there (tools/dev/fetch_llama.sh extracts it)")
     probe = load_tool("dev/probe_archs.py")
     assert ARCHS == sorted(probe.moe_archs(probe.vendored_constants()))
     assert not SPECS.keys() & EXCLUDED.keys()
@@ -173,8 +173,8 @@ def test_quantized_experts(arch: str, qtype: str, ours: Path, stock: Path, tmp_p
     bf16 = write_arch_model(tmp_path / "bf16.gguf", spec)
     try:
         plain = quantize(bf16, tmp_path / "plain.gguf", qtype, program=ours / "llama-quantize", threads=1)
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+    except FileNotFoundError as e:  # llama-quantize, which the build makes
+        unavailable(str(e))
     types = {t.ggml_type for t in read_gguf(plain).tensors if t.name.endswith("_exps.weight")}
     assert types and all(t not in (0, 30) for t in types), types  # no F32/BF16 experts left
     check_model(f"{arch} {qtype}", plain, sum(t.is_expert for t in spec.tensors), ours, stock, tmp_path)
