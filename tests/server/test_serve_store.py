@@ -497,3 +497,36 @@ def test_requests_that_arrive_while_their_model_loads_wait_for_it(tiny_models: d
         assert s.pids() != pids
     finally:
         s.stop()
+
+
+def test_a_client_that_goes_away_frees_its_slot(tmp_path: Path) -> None:
+    """With one slot, a request right after a client dropped its endless stream is answered at once: the stream
+    was cancelled in the model's process too (else the slot would be busy until the 32k-token context filled)."""
+    import dataclasses
+    import urllib.request
+
+    from pyzipmoe import synth
+
+    llama_bin_dir()
+    src = tmp_path / "long.gguf"
+    synth.write_config(src, dataclasses.replace(synth.PRESETS["tiny"], n_ctx=32768))
+    store = ModelDirectory(tmp_path / "models")
+    store.create("long", f"FROM {src}\nPARAMETER num_ctx 32768\n", base_dir=tmp_path, chunk_n=300, threads=2)
+    s = Server(store.root, "--parallel", "1")
+    try:
+        s.client().generate("long", PROMPT, options=GREEDY)  # loaded
+        # (through /v1, which passes llama-server's own ignore_eos: the synthetic model would end on its own)
+        body = json.dumps({"model": "long", "prompt": PROMPT, "max_tokens": 30000, "ignore_eos": True,
+                           "stream": True}).encode()
+        req = urllib.request.Request(f"{s.url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            for _ in range(6):
+                assert r.readline()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        answer = s.client().generate("long", PROMPT, options=GREEDY)
+        assert answer.eval_count == 12 and time.monotonic() - t0 < 3
+        assert s.ps()["long:latest"]["zipmoe"]["active"] == 0
+    finally:
+        s.stop()
