@@ -190,6 +190,13 @@ TENSOR_HINTS: dict[str, dict[str, tuple[int, ...]]] = {
     "qwen4exp": {"per_layer_token_embd.weight": (N_EMBD // 4, 4 * 320)},  # rows of every PLE head
 }
 
+# What llama.cpp's words for a left-out architecture mean, where they do not say it themselves.
+EXPLANATIONS: dict[str, str] = {
+    "deci": "llama.cpp's deci loader (models/deci.cpp) creates no expert tensors, although gguf-py lists them",
+    "dflash": "a speculative drafter: llama.cpp runs it on a target model's hidden states, not on tokens, and its "
+              "own fixture (tests/test-llama-archs.cpp) skips it too",
+}
+
 # Keys added only when the loader asks for them.
 LAZY_KEYS: dict[str, tuple[str, Any]] = {
     "expert_weights_scale": ("f32", 1.0),
@@ -430,7 +437,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{arch}: ok ({sum(t.is_expert for t in spec.tensors)} expert tensors, "
                       f"{len(spec.tensors)} tensors)", flush=True)
             else:
-                data["excluded"][arch] = why.replace(str(REPO / "build" / "llama.cpp") + "/", "")
+                why = why.replace(str(REPO / "build" / "llama.cpp") + "/", "")
+                if arch in EXPLANATIONS:
+                    why = f"{EXPLANATIONS[arch]} ({why})"
+                data["excluded"][arch] = why
                 print(f"{arch}: EXCLUDED: {why}", flush=True)
     data["specs"] = dict(sorted(data["specs"].items()))
     data["excluded"] = dict(sorted(data["excluded"].items()))
