@@ -301,3 +301,20 @@ def test_docs_table_lists_what_holds_per_architecture() -> None:
         assert "yes" in rows[arch].split("|")[2], rows[arch]
     for arch in EXCLUDED.keys() | NOT_VERIFIED.keys():
         assert "yes" not in rows[arch].split("|")[2], rows[arch]
+
+
+def test_generated_models_are_reproducible_and_say_synthetic(tmp_path: Path) -> None:
+    from gguf import GGUFReader
+
+    spec = SPECS["gpt-oss"]
+    a = write_arch_model(tmp_path / "a.gguf", spec)
+    b = write_arch_model(tmp_path / "b.gguf", spec)
+    assert a.read_bytes() == b.read_bytes()
+    assert write_arch_model(tmp_path / "c.gguf", spec, seed=1).read_bytes() != a.read_bytes()
+    reader = GGUFReader(a)
+    assert "SYNTHETIC" in reader.fields["general.name"].contents()
+    assert "SYNTHETIC" in reader.fields["general.description"].contents()
+    shapes = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
+    assert shapes == {t.name: list(t.dims) for t in spec.tensors}
+    experts = [t for t in reader.tensors if t.name.endswith("_exps.weight")]
+    assert experts and all(t.tensor_type.name == "BF16" for t in experts)

@@ -17,6 +17,8 @@ that the loader or the graph refuses, or that crashes stock llama.cpp, goes to t
 llama.cpp's words. Overrides (OVERRIDES) set keys that the loader reads as optional but a runnable model needs.
 
     .venv/bin/python tools/dev/probe_archs.py [--lib-dir build/llama-stock/bin] [ARCH ...]
+    .venv/bin/python tools/dev/probe_archs.py --write DIR [ARCH ...]    # the models themselves
+    .venv/bin/python tools/dev/probe_archs.py --docs                    # docs/architectures.md's table
 """
 
 from __future__ import annotations
@@ -413,9 +415,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=SPECS_PATH)
     p.add_argument("--dry-run", action="store_true", help="print the outcome, write nothing")
     p.add_argument("--docs", action="store_true", help="only rewrite the table of docs/architectures.md")
+    p.add_argument("--write", type=Path, metavar="DIR",
+                   help="only write the generated model of each architecture with a spec (or of ARCH ...) to DIR")
     args = p.parse_args(argv)
     if args.docs:
         write_docs()
+        return 0
+    if args.write:
+        from pyzipmoe.synth_arch import load_specs
+
+        specs = load_specs()
+        args.write.mkdir(parents=True, exist_ok=True)
+        for arch in args.archs or sorted(specs):
+            if arch not in specs:
+                p.error(f"{arch}: no spec (pyzipmoe/synth_arch_specs.json lists it as excluded, or it is unknown)")
+            print(write_arch_model(args.write / f"{arch}.gguf", specs[arch]))
         return 0
     archs = moe_archs(vendored_constants())
     chosen = args.archs or sorted(archs)
