@@ -1,5 +1,5 @@
 """The one cffi module: declarations of the public headers in ggml_zipmoe/include (zipmoe.h, zipmoe-cache.h,
-zipmoe-integrity.h; tests/native/test_native_api.py holds them to the headers) and the loaded library.
+zipmoe-integrity.h, zipmoe-ledger.h; tests/native/test_native_api.py holds them to the headers) and the loaded library.
 
 ABI mode (dlopen) keeps the Python package free of a compile step of its own: the shared library is
 built once by CMake (tools/setup.sh) and found here. cffi releases the GIL during every call, so
@@ -208,6 +208,18 @@ typedef struct {
 int64_t zipmoe_cache_prefill(zipmoe_store * const * stores, int64_t n_stores, int n_threads, zipmoe_prefill_stats * out);
 void zipmoe_stats_get(zipmoe_stats * out);
 void zipmoe_stats_reset(void);
+typedef struct {
+    uint64_t graphs;
+    uint64_t tokens;
+    uint64_t wall_ns;
+    uint64_t compute_ns;
+    uint64_t decode_ns;
+    uint64_t read_wait_ns;
+    uint64_t thread_wait_ns;
+    uint64_t other_ns;
+    uint64_t between_ns;
+} zipmoe_ledger;
+void zipmoe_ledger_get(zipmoe_ledger * out);
 
 size_t  zipmoe_expert_region_bound(const zipmoe_codec_ctx * c, int64_t n_units, int64_t chunk_n);
 int64_t zipmoe_expert_encode(const zipmoe_codec_ctx * c, zipmoe_workspace * ws,

@@ -192,8 +192,10 @@ def _check_one_runtime() -> None:
 def zipmoe_stats(reset: bool = False) -> dict[str, float]:
     """The zipmoe runtime's counters, summed over every zipmoe model in this process: every field of the C
     struct zipmoe_stats (ggml_zipmoe/include/zipmoe.h: stores, experts_decoded, chunks_decoded, bytes_decoded,
-    decode_ns, materialize_calls, ...), plus decode_seconds. With reset=True the counters (not the experts
-    kept) are zeroed after reading.
+    decode_ns, materialize_calls, ...), plus decode_seconds, and the time ledger (ggml_zipmoe/include/zipmoe-ledger.h)
+    as ledger_graphs, ledger_tokens, ledger_wall_ns and its parts ledger_compute_ns, ledger_decode_ns,
+    ledger_read_wait_ns, ledger_thread_wait_ns, ledger_other_ns, ledger_between_ns (pyzipmoe.runtime.ledger reads
+    them per token). With reset=True the counters (not the experts kept) are zeroed after reading.
     """
     from .._native import ffi, lib
 
@@ -202,6 +204,9 @@ def zipmoe_stats(reset: bool = False) -> dict[str, float]:
     lib.zipmoe_stats_get(s)
     out: dict[str, float] = {name: int(getattr(s, name)) for name, _ in ffi.typeof("zipmoe_stats").fields}
     out["decode_seconds"] = out.get("decode_ns", 0) / 1e9
+    ledger = ffi.new("zipmoe_ledger *")
+    lib.zipmoe_ledger_get(ledger)
+    out.update({f"ledger_{name}": int(getattr(ledger, name)) for name, _ in ffi.typeof("zipmoe_ledger").fields})
     if reset:
         lib.zipmoe_stats_reset()
     return out

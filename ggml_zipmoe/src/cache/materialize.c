@@ -17,6 +17,7 @@
  * A second invocation on the same store (another graph) waits until the first has released its plan. */
 #define _GNU_SOURCE
 #include "cache-impl.h"
+#include "zipmoe-ledger.h"
 
 #include <fcntl.h>
 
@@ -251,11 +252,13 @@ int64_t zipmoe_store_materialize_begin(zipmoe_store * s, const void * key, const
         return 0;
     }
     atomic_fetch_add(&s->waiting, 1); /* a guessed read-ahead holding mu stops: the router has decided */
+    const int part = zipmoe_ledger_switch(ZIPMOE_LEDGER_THREAD_WAIT);
     pthread_mutex_lock(&s->mu);
     atomic_fetch_sub(&s->waiting, 1);
     while (s->plan_key != NULL && s->plan_key != key) {
         pthread_cond_wait(&s->cv, &s->mu);
     }
+    zipmoe_ledger_switch(part);
     if (s->plan_key == NULL) {
         s->plan_key    = key;
         s->plan_in     = 0;
@@ -331,7 +334,12 @@ static int64_t end_turn(zipmoe_store * s, zipmoe_turn * turn, const void * ids, 
             while (plan[j].staged && turn->idle && atomic_load(&s->job.items[j].ready) == 0 &&
                    turn->idle(turn->idle_ctx)) {
             } /* (the caller's other work while its bytes are read) */
-            int64_t rc = plan[j].staged ? zipmoe_reader_wait_item(&s->job, j) : ZIPMOE_OK;
+            int64_t rc = ZIPMOE_OK;
+            if (plan[j].staged) {
+                zipmoe_ledger_switch(ZIPMOE_LEDGER_READ_WAIT);
+                rc = zipmoe_reader_wait_item(&s->job, j);
+            }
+            zipmoe_ledger_switch(ZIPMOE_LEDGER_DECODE);
             if (rc == ZIPMOE_OK) {
                 rc = decode_chunk(s, &plan[j], c, ts);
             }
@@ -353,11 +361,14 @@ static int64_t end_turn(zipmoe_store * s, zipmoe_turn * turn, const void * ids, 
             }
             chunks++;
         }
+        zipmoe_ledger_switch(ZIPMOE_LEDGER_OTHER);
         atomic_fetch_add(&g_stats.ns, zipmoe_now_ns() - t0);
         atomic_fetch_add(&g_stats.chunks, (uint64_t) chunks);
     }
 
+    const int part = zipmoe_ledger_switch(ZIPMOE_LEDGER_THREAD_WAIT);
     pthread_mutex_lock(&s->mu);
+    zipmoe_ledger_switch(part);
     if (status < 0) {
         s->plan_failed = 1;
     }
@@ -409,12 +420,14 @@ int64_t zipmoe_store_materialize_wait(zipmoe_store * s, const zipmoe_turn * turn
     if (turn->fast) {
         return ZIPMOE_OK;
     }
+    const int part = zipmoe_ledger_switch(ZIPMOE_LEDGER_THREAD_WAIT);
     pthread_mutex_lock(&s->mu);
     while (s->plan_key != NULL && s->plan_seq == turn->seq) {
         pthread_cond_wait(&s->cv, &s->mu);
     }
     const int failed = s->plan_seq == turn->seq && s->plan_failed; /* (kept until the next plan begins) */
     pthread_mutex_unlock(&s->mu);
+    zipmoe_ledger_switch(part);
     return failed ? ZIPMOE_ERR_CORRUPT : ZIPMOE_OK; /* (a failed chunk's error is recorded) */
 }
 
@@ -429,6 +442,7 @@ static int64_t stream_exponents(zipmoe_store * s, int64_t e, int64_t c, uint8_t 
     const expert_state * x = &s->experts[e]; /* (pinned: set under mu by the plan this thread's _begin saw) */
     int64_t              rc = ZIPMOE_ERR_ARG; /* (not streamed: the caller's rows of it are missing, to be dropped) */
     if (still_streamed(x)) {
+        const int        part    = zipmoe_ledger_switch(ZIPMOE_LEDGER_DECODE);
         const size_t     chunk_n = (size_t) s->info.chunk_n;
         thread_scratch * ts      = cache_thread_scratch(chunk_n, chunk_n + zipmoe_chunk_bound(zipmoe_tensor_codec(s->tensor),
                                                                                             chunk_n));
@@ -441,6 +455,7 @@ static int64_t stream_exponents(zipmoe_store * s, int64_t e, int64_t c, uint8_t 
                                    (size_t) ref->code_size, (uint8_t *) *plane, (size_t) ref->n, x->region + ref->first,
                                    (size_t) ref->n);
         }
+        zipmoe_ledger_switch(part);
     }
     if (rc < 0) {
         cache_record_error(s, e, rc);

@@ -161,7 +161,12 @@ static bool compute_block(mm_rows & m, bool decoded) {
 }
 
 // What a thread decoding for the store does while the bytes of its next chunk are read: a block of decoded rows.
-static int compute_ready_block(void * ctx) { return compute_block(*static_cast<mm_rows *>(ctx), false); }
+static int compute_ready_block(void * ctx) {
+    const int  part = zipmoe_ledger_switch(ZIPMOE_LEDGER_COMPUTE);
+    const bool more = compute_block(*static_cast<mm_rows *>(ctx), false);
+    zipmoe_ledger_switch(part);
+    return more;
+}
 
 void zipmoe_llama_fused_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     auto *              zt  = static_cast<zipmoe_llama_tensor *>(userdata);
@@ -174,9 +179,11 @@ void zipmoe_llama_fused_op(ggml_tensor * dst, int ith, int nth, void * userdata)
     slot_groups         groups;
     zipmoe_turn         turn;
     static const bool   stream = zipmoe_llama_runtime_config().stream != 0;
+    const int           part   = zipmoe_ledger_switch(ZIPMOE_LEDGER_OTHER); // (the ledger's thread: zipmoe-ledger.h)
     // errors are recorded by the store and reported by llama_decode (zipmoe_llama_take_error)
     if (zipmoe_store_materialize_begin(zt->store, dst, ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1],
                                        where, pending, stream ? ZIPMOE_TURN_STREAM : 0, ith, nth, &turn) >= 0) {
+        zipmoe_ledger_switch(ZIPMOE_LEDGER_COMPUTE); // (the activations' conversion)
         const ggml_type_traits_cpu *       traits = ggml_get_type_traits_cpu(w->type);
         const ggml_from_float_t            to_vdt = ggml_get_type_traits_cpu(traits->vec_dot_type)->from_float;
         const size_t                       xq_row = ggml_row_size(traits->vec_dot_type, x->ne[0]);
@@ -196,6 +203,7 @@ void zipmoe_llama_fused_op(ggml_tensor * dst, int ith, int nth, void * userdata)
             }
         }
         group_slots(expert, n_slot, groups);
+        zipmoe_ledger_switch(ZIPMOE_LEDGER_OTHER);
         zipmoe_tensor_info info;
         zipmoe_store_get_info(zt->store, &info);
         const int64_t unit_chunks = stream_unit_chunks(w->ne[0], info.chunk_n);
@@ -216,6 +224,7 @@ void zipmoe_llama_fused_op(ggml_tensor * dst, int ith, int nth, void * userdata)
         turn.idle     = compute_ready_block;
         turn.idle_ctx = &m;
         zipmoe_store_materialize_end(zt->store, &turn, ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1]);
+        zipmoe_ledger_switch(ZIPMOE_LEDGER_COMPUTE);
         while (compute_block(m, false)) {
         }
         if (zipmoe_store_materialize_wait(zt->store, &turn) == ZIPMOE_OK) {
@@ -224,6 +233,7 @@ void zipmoe_llama_fused_op(ggml_tensor * dst, int ith, int nth, void * userdata)
             }
         }
     }
+    zipmoe_ledger_switch(part);
     // the last thread out readies the claims for the next compute (which begins after ggml's barrier)
     if (zt->left.fetch_add(1, std::memory_order_acq_rel) + 1 == nth) {
         for (int64_t k = 0; k < n_slot; k++) {

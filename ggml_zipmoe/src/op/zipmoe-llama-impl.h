@@ -4,6 +4,7 @@
 
 #include "zipmoe-llama.h"
 #include "zipmoe-cache.h"
+#include "zipmoe-ledger.h"
 #include "zipmoe.h"
 
 #include <atomic>

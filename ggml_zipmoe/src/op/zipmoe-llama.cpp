@@ -531,10 +531,12 @@ static ggml_tensor * build_prediction(ggml_context * ctx, zipmoe_llama_tensor * 
 // Called by every graph thread (ith of nth) between the router and ggml_mul_mat_id. The node is
 // unique to this graph, so it keys the invocation for the store's barrier-free protocol.
 static void materialize_op(ggml_tensor * dst, const ggml_tensor * ids, int ith, int nth, void * userdata) {
-    auto * zt = static_cast<zipmoe_llama_tensor *>(userdata);
+    auto *    zt   = static_cast<zipmoe_llama_tensor *>(userdata);
+    const int part = zipmoe_ledger_switch(ZIPMOE_LEDGER_OTHER);
     // errors are recorded by the store and reported by llama_decode (zipmoe_llama_take_error)
     zipmoe_store_materialize(zt->store, dst, ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1],
                              static_cast<int32_t *>(dst->data), ith, nth);
+    zipmoe_ledger_switch(part);
 }
 
 static void materialize_after_guess_op(ggml_tensor * dst, const ggml_tensor * ids, const ggml_tensor * guess,
@@ -631,6 +633,9 @@ static bool check_graph_order(const ggml_cgraph * gf, std::string & msg) {
 }
 
 
+// The tokens of the graph this thread computes now, for its ledger (zipmoe-ledger.h) when it ends.
+static thread_local int64_t g_ledger_tokens = 0;
+
 std::unique_lock<std::mutex> zipmoe_llama_compute_turn(const ggml_cgraph * gf) {
     static std::mutex turn;
     if (g_registry_size.load(std::memory_order_relaxed) == 0) {
@@ -655,13 +660,18 @@ std::unique_lock<std::mutex> zipmoe_llama_compute_turn(const ggml_cgraph * gf) {
     if (routed < 0) {
         return {};
     }
+    zipmoe_ledger_graph_begin(); // (the scan above: a few microseconds, the ledger's first part)
+    zipmoe_ledger_switch(ZIPMOE_LEDGER_THREAD_WAIT);
     std::unique_lock<std::mutex> lock(turn);
+    zipmoe_ledger_switch(ZIPMOE_LEDGER_OTHER);
+    g_ledger_tokens = tokens;
     zipmoe_control_poll(); // a supervisor's new budget, before the graph's budget is chosen (zipmoe-control.cpp)
     if (outputs >= tokens) {
         zipmoe_cache_begin_step(routed);
     } else {
         zipmoe_cache_begin_graph(routed);
     }
+    zipmoe_ledger_switch(ZIPMOE_LEDGER_COMPUTE);
     return lock;
 }
 
@@ -669,6 +679,7 @@ bool zipmoe_llama_take_error(const ggml_cgraph * gf, std::string & msg) {
     if (g_registry_size.load(std::memory_order_relaxed) == 0) {
         return false;
     }
+    zipmoe_ledger_switch(ZIPMOE_LEDGER_OTHER);
     // exactly the stores this graph materialised: another model's errors are its own graph's to report
     bool failed = !check_graph_order(gf, msg);
     for (int i = 0; i < ggml_graph_n_nodes(const_cast<ggml_cgraph *>(gf)); i++) {
@@ -680,5 +691,6 @@ bool zipmoe_llama_take_error(const ggml_cgraph * gf, std::string & msg) {
             }
         }
     }
+    zipmoe_ledger_graph_end(g_ledger_tokens);
     return failed;
 }

@@ -1,0 +1,55 @@
+"""The time ledger (ggml_zipmoe/include/zipmoe-ledger.h): the computing thread's time per token, in parts measured
+each on their own, adds up to the time per token the caller measures, and each part is where the work is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import llama_bin_dir
+
+from pyzipmoe.runtime import ledger
+from pyzipmoe.runtime.timing import time_generation
+
+GEN = 32
+
+
+@pytest.fixture(scope="module")
+def model(small_models: tuple[Path, Path]) -> Path:
+    llama_bin_dir()  # (skips, or fails under CI, without zipmoe's build)
+    return small_models[1]
+
+
+def timed(model: Path, budget: str | None) -> tuple[dict, float]:
+    """The runtime's counters over GEN greedy tokens, and the seconds per token the caller measured."""
+    got = time_generation(model, llama={} if budget is None else {"memory_budget": budget}, warmup=6, gen=GEN,
+                          threads=2)
+    return got["stats"], got["seconds"] / GEN
+
+
+@pytest.mark.parametrize("budget", [None, "30MiB"])  # every expert kept; about half of them (reads, decodes)
+def test_the_parts_add_up_to_the_time_per_token(model: Path, budget: str | None) -> None:
+    stats, measured = timed(model, budget)
+    assert stats["ledger_tokens"] == GEN and stats["ledger_graphs"] == GEN  # one graph a token, each counted once
+    parts = ledger.per_token(stats)
+    assert all(v >= 0 for v in parts.values())
+    assert parts["total"] == pytest.approx(measured, rel=0.05)
+    assert stats["ledger_wall_ns"] == sum(stats[k] for _, k, _ in ledger.PARTS if k != "ledger_between_ns")
+    if budget is None:  # warm and unbounded: nothing is read or decoded while timing
+        assert stats["misses"] == 0 and parts["decode"] == 0 and parts["read_wait"] == 0
+        assert parts["compute"] > 0.8 * parts["total"]
+    else:
+        assert stats["misses"] > 0 and parts["decode"] > 0 and parts["read_wait"] > 0
+        # the decoding thread's share of the decoding is at most the decoding every thread did
+        assert parts["decode"] * GEN * 1e9 <= stats["decode_ns"]
+
+
+def test_table_rows_sum_and_empty() -> None:
+    stats = {"ledger_tokens": 2, "ledger_compute_ns": 6_000_000, "ledger_decode_ns": 2_000_000,
+             "ledger_read_wait_ns": 1_000_000, "ledger_thread_wait_ns": 500_000, "ledger_other_ns": 300_000,
+             "ledger_between_ns": 200_000}
+    parts = ledger.per_token(stats)
+    assert parts["compute"] == pytest.approx(3e-3) and parts["total"] == pytest.approx(5e-3)
+    rows = ledger.table_rows(stats)
+    assert rows[0][1:] == ("3.000", "60.0%") and rows[-1] == ("total", "5.000", "100.0%")
+    assert ledger.per_token({})["total"] == 0 and ledger.table_rows({})[-1] == ("total", "0.000", "-")
