@@ -2,9 +2,9 @@
 
 pyzipmoe.synth writes realistic models of two architectures; this module writes a minimal model of any
 architecture from a spec: its metadata keys and its tensors (names and shapes), as llama.cpp's loader reads them.
-The specs (pyzipmoe/synth_arch_specs.json) are derived by tools/dev/probe_archs.py: it starts from the tensor names
-gguf-py lists for the architecture, asks llama.cpp's loader which keys it needs and which shape each tensor must
-have, and keeps the tensors the loader takes. The values are random (seeded by the tensor's name), the vocabulary
+The specs (pyzipmoe/synth_arch_specs.json) are derived by tools/dev/probe_archs.py: it gives every model the keys of
+llama.cpp's own test fixture, starts from the tensor names gguf-py lists for the architecture, asks llama.cpp's
+loader which shape each tensor must have, and keeps the tensors the loader takes (docs/architectures.md). The values are random (seeded by the tensor's name), the vocabulary
 is pyzipmoe.synth's SentencePiece one; the files say SYNTHETIC in their name and description.
 
 Expert tensors (`blk.N.ffn_{gate,up,down,gate_up}_exps.weight`) are BF16 with synth's statistics, so zipmoe
@@ -121,8 +121,7 @@ def _add_key(w: GGUFWriter, arch: str, k: ArchKey) -> None:
     key = k.key if k.key.startswith(("general.", "tokenizer.")) else f"{arch}.{k.key}"
     vtype = _VALUE_TYPES[k.type]
     if isinstance(k.value, list):
-        w.add_array(key, k.value) if vtype == GGUFValueType.STRING else \
-            w.add_key_value(key, k.value, GGUFValueType.ARRAY, sub_type=vtype)
+        w.add_key_value(key, k.value, GGUFValueType.ARRAY, sub_type=vtype)
     else:
         w.add_key_value(key, k.value, vtype)
 

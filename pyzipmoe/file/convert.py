@@ -245,9 +245,11 @@ def auto_codec(experts: list[Tensor]) -> str:
 # ----------------------------------------------------------------------------------------- the source
 
 
-EXPERT_SIDE_NAME = re.compile(r"blk\.\d+\.(?:ffn_(?:up|gate|down|gate_up)_exps\.(?:bias|scale)|ffn_norm_exps\.weight)")
-"""Per-expert tensors that are not matrices: biases (gpt-oss), output scales, arctic's expert norm. llama.cpp reads
-them beside the expert matrices (ggml_add_id, ggml_mul), not through ggml_mul_mat_id, so they stay plain tensors."""
+EXPERT_SIDE_NAME = re.compile(
+    r"blk\.\d+\.(?:ffn_(?:up|gate|down|gate_up)_exps\.(?:bias|scale|input_scale)|ffn_norm_exps\.weight)")
+"""Per-expert tensors that are not matrices: biases (gpt-oss), output and input scales, arctic's expert norm.
+llama.cpp reads them beside the expert matrices (ggml_add_id, ggml_mul), not through ggml_mul_mat_id, so they stay
+plain tensors."""
 
 
 def unknown_expert_tensors(g: GGUFFile) -> list[Tensor]:
@@ -268,7 +270,7 @@ def expert_tensors(g: GGUFFile) -> list[Tensor]:
     if unknown:
         raise UnsupportedError(f"{g.label}: {_form(unknown[0])} is an expert tensor of a form zipmoe does not know "
                                "(it compresses blk.N.ffn_{up,gate,down,gate_up}_exps.weight, 3-D, and keeps their "
-                               ".bias/.scale); it does not convert the file rather than guess")
+                               ".bias/.scale/.input_scale); it does not convert the file rather than guess")
     experts = [t for t in g.tensors if is_expert_tensor(t)]
     if not experts:
         raise UnsupportedError(f"{g.label}: not a MoE model: no tensor is named "

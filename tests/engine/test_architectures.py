@@ -260,17 +260,22 @@ def test_convert_refuses_an_unknown_expert_tensor_form_naming_it(tmp_path: Path,
 
 
 def test_convert_keeps_expert_biases_scales_and_norms_plain(tmp_path: Path) -> None:
-    """gpt-oss's expert biases, the per-expert scales and arctic's expert norm are kept byte for byte (unpack
-    restores them), only the 3-D expert matrices are compressed."""
+    """gpt-oss's expert biases, per-expert input scales and arctic's expert norm are kept as they are, only the 3-D
+    expert matrices are compressed, and the source is restored byte for byte."""
     from pyzipmoe.file.convert import convert
+    from pyzipmoe.file.verify import verify
+    from pyzipmoe.synth_arch import ArchTensor
 
-    for arch in ("gpt-oss", "arctic"):
-        spec = SPECS[arch]
+    n_expert = next(t.dims[-1] for t in SPECS["qwen3moe"].tensors if t.is_expert)
+    input_scales = _spec_with("qwen3moe", [ArchTensor(f"blk.{i}.ffn_{k}_exps.input_scale", (n_expert,))
+                                           for i in range(2) for k in ("gate", "up", "down")])
+    for arch, spec in (("gpt-oss", SPECS["gpt-oss"]), ("arctic", SPECS["arctic"]), ("qwen3moe", input_scales)):
         side = [t.name for t in spec.tensors if "_exps" in t.name and not t.is_expert]
         assert side, arch
         src = write_arch_model(tmp_path / f"{arch}.gguf", spec)
         report = convert(src, tmp_path / f"{arch}.zipmoe.gguf", threads=1, warn=lambda note: None)
         assert sorted(t.name for t in report.tensors) == sorted(t.name for t in spec.tensors if t.is_expert)
+        verify(tmp_path / f"{arch}.zipmoe.gguf", src, threads=1)  # restores the source byte for byte
 
 
 def test_convert_warns_once_for_an_architecture_it_was_not_checked_on(tmp_path: Path) -> None:
