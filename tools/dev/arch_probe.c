@@ -17,6 +17,9 @@ static char g_err[4096];
 
 static void on_log(enum ggml_log_level level, const char * text, void * user_data) {
     (void) user_data;
+    if (getenv("ARCH_PROBE_VERBOSE")) {
+        fputs(text, stderr);
+    }
     if (level == GGML_LOG_LEVEL_ERROR) {
         const char * p = strstr(text, "error loading model: ");
         if (p) {

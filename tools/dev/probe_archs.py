@@ -192,6 +192,12 @@ TENSOR_HINTS: dict[str, dict[str, tuple[int, ...]]] = {
     "qwen4exp": {"per_layer_token_embd.weight": (N_EMBD // 4, 4 * 320)},  # rows of every PLE head
 }
 
+# Tensors not to offer an architecture (by name without "blk.N."): optional ones whose presence takes the loader down
+# a path its models do not have (kimi-linear reads no q_lora_rank, so a q-lora would have no width).
+SKIP_TENSORS: dict[str, tuple[str, ...]] = {
+    "kimi-linear": ("attn_q_a_norm", "attn_q_a", "attn_q_b"),
+}
+
 # What llama.cpp's words for a left-out architecture mean, where they do not say it themselves.
 EXPLANATIONS: dict[str, str] = {
     "deci": "llama.cpp's deci loader (models/deci.cpp) creates no expert tensors, although gguf-py lists them",
@@ -329,8 +335,11 @@ def probe_arch(probe: Probe, arch: str, templates: list[str], work: Path) -> tup
     keys: dict[str, tuple[str, Any]] = dict(KEY_DEFAULTS)
     keys.update(OVERRIDES.get(arch, {}))
     hints = TENSOR_HINTS.get(arch, {})
+    skip = SKIP_TENSORS.get(arch, ())
     tensors: dict[str, tuple[int, ...] | None] = {n: hints.get(re.sub(r"^blk\.\d+\.", "", n))
-                                                  for n in candidate_tensors(templates, N_LAYER, arch in EXPERT_SCALES)}
+                                                  for n in candidate_tensors(templates, N_LAYER, arch in EXPERT_SCALES)
+                                                  if re.sub(r"^blk\.\d+\.", "", n).rsplit(".", 1)[0] not in skip
+                                                  and re.sub(r"^blk\.\d+\.", "", n) not in skip}
     path = work / f"{arch}.gguf"
     prefix = re.escape(arch) + r"\."
     for _ in range(MAX_STEPS):
