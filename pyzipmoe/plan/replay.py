@@ -72,6 +72,11 @@ def belady_hits(steps: Steps, capacity: int) -> int:
     """The most hits any cache of `capacity` experts can have on `steps` (Belady's MIN, demand paging): a routed
     expert is a hit when resident; a miss enters, and when the cache is over capacity after a step the residents not
     routed in it whose next use is farthest (never first) leave. Counts one hit per routed expert per step."""
+    return int(belady_step_hits(steps, capacity).sum())
+
+
+def belady_step_hits(steps: Steps, capacity: int) -> np.ndarray:
+    """belady_hits step by step: the hits of each step (int64 [len(steps)])."""
     _check_capacity(capacity, steps)
     never = len(steps)
     nxt: list[np.ndarray] = [np.empty(0, np.int64)] * len(steps)  # next use of each routed expert after its step
@@ -83,10 +88,10 @@ def belady_hits(steps: Steps, capacity: int) -> int:
             seen[e] = t
     resident: dict[int, int] = {}  # expert -> its next use
     heap: list[tuple[int, int]] = []  # (-next use, expert), stale entries skipped
-    hits = 0
+    hits = np.zeros(len(steps), np.int64)
     for t, ids in enumerate(steps):
         for e, n in zip((int(x) for x in ids), nxt[t].tolist()):
-            hits += e in resident
+            hits[t] += e in resident
             resident[e] = n
             heapq.heappush(heap, (-n, e))
         current = {int(x) for x in ids}
