@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ZipmoeError
+from ..runtime.completion import CHATML
 from ..runtime.config import BUDGET_ENV, CACHE_MODES, DEFAULT_POLICY, POLICIES, POLICY_ENV
 from .formatting import EXIT_OK, command, fraction, human_size, nonnegative, positive, print_json, render_table
 
@@ -63,11 +64,6 @@ def _package_flags(package: Any, model: str, program: str, keep: Path) -> list[s
     return [*package.llama_program_args(program, template=not roles), *roles]
 
 
-# llama.cpp's own choice for a model without a chat template
-CHATML = ("{%- for message in messages -%}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>\\n' }}{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}")
-
-
 def _roles_template(package: Any, model: str, program: str, keep: Path) -> list[str]:
     """Flags that give llama-cli or llama-server the package's SYSTEM and MESSAGE lines where they have no flag of
     their own for them (MESSAGE for either, SYSTEM for llama-server): a chat template, written under `keep`, that
@@ -80,7 +76,7 @@ def _roles_template(package: Any, model: str, program: str, keep: Path) -> list[
     base = package.template
     if not base:
         field = read_gguf(model).kv.get("tokenizer.chat_template")
-        base = str(field.value) if field is not None else CHATML
+        base = str(field.value) if field is not None else CHATML  # llama.cpp's for a model without one
     history = json.dumps([m.to_dict() for m in package.messages], ensure_ascii=False)
     system = json.dumps([{"role": "system", "content": package.system}] if package.system else [],
                         ensure_ascii=False)

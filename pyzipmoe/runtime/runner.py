@@ -20,6 +20,7 @@ from typing import Any, TextIO
 
 from ..errors import NativeLibraryError, ZipmoeError
 from ..paths import bin_dir
+from .completion import is_chat_turn
 from .config import RuntimeConfig, openmp_environment
 
 PROGRAMS = ("llama-cli", "llama-completion", "llama-server", "llama-bench", "llama-simple")
@@ -202,11 +203,6 @@ def _context_length(model: Path) -> int | None:
         return None
 
 
-def _is_chat(package: Any) -> bool:
-    """Whether a prompt is one chat turn (the package gives it roles or a template), not a raw completion."""
-    return package is not None and bool(package.template or package.system or package.messages)
-
-
 def _prepare(llm: Any, n_ctx: int, package: Any, counts: _Tokens, *, dry: bool, what: str | None = None) -> None:
     """Makes llm run as the package says (its SYSTEM and MESSAGE in front of a chat turn, its TEMPLATE formatting
     it, its sampling parameters such as stop the defaults of either kind of completion) and check the prompt as
@@ -224,7 +220,7 @@ def _prepare(llm: Any, n_ctx: int, package: Any, counts: _Tokens, *, dry: bool, 
 def _stream(llm: Any, prompt: str, package: Any, **kw: Any) -> Any:
     """(text, is the last chunk) of a raw completion, or of a chat turn where the package gives one its roles (llm
     prepared by _prepare)."""
-    if not _is_chat(package):
+    if not is_chat_turn(package):
         for chunk in llm.create_completion(prompt, stream=True, **kw):
             yield chunk["choices"][0]["text"], chunk["choices"][0]["finish_reason"] is not None
         return
@@ -273,7 +269,7 @@ def _within_context(llm: Any, n_ctx: int, package: Any, counts: _Tokens, signatu
         counts.prompt = len(tokens)
         if len(tokens) >= n_ctx:
             said = what or ("the prompt as sent (your text in the model's chat template, after its SYSTEM and MESSAGE "
-                            "lines)" if _is_chat(package) else "the prompt")
+                            "lines)" if is_chat_turn(package) else "the prompt")
             raise ZipmoeError(f"{said} is {len(tokens)} tokens, too many for a context of {n_ctx} (it must leave "
                               "room for a token to generate): raise the context with -c (or the model's PARAMETER "
                               "num_ctx), or shorten the prompt")

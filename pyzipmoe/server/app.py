@@ -20,6 +20,7 @@ from aiohttp import web
 from ..errors import ZipmoeError
 from ..models.name import InvalidNameError, ModelName, ModelNotFoundError
 from ..models.package import ModelPackage
+from ..runtime.completion import is_chat_turn
 from . import ollama as O
 from .children import Child, Models
 
@@ -353,20 +354,13 @@ async def api_generate(request: web.Request) -> web.StreamResponse:
         if not prompt:  # load only
             return web.json_response({"model": child.name, "created_at": O.now(), "response": "", "done": True,
                                       "done_reason": "load"})
-        raw = body.get("raw") or not (system or template or _answers_in_chat(package))
+        raw = body.get("raw") or not (system or template or is_chat_turn(package))
         text = prompt if raw else await _chat_prompt(models, child, prompt, system, template)
         fields = {"prompt": text, "stream": bool(body.get("stream", True)), "cache_prompt": True,
                   **O.sampling_fields(package.parameters, options), **O.format_fields(body.get("format"), chat=False)}
         return await _complete(request, child, fields, t0, load_ns)
     finally:
         models.release(child, keep_alive)
-
-
-def _answers_in_chat(package: ModelPackage) -> bool:
-    """Whether a prompt is one chat turn in the model's template rather than completed as it is: as `zipmoe run
-    MODEL PROMPT` answers it (pyzipmoe.runtime.runner._stream), where the package has a TEMPLATE, SYSTEM or
-    MESSAGE lines."""
-    return bool(package.template or package.system or package.messages)
 
 
 async def _chat_prompt(models: Models, child: Child, prompt: str, system: str | None, template: str | None) -> str:

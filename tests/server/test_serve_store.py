@@ -212,20 +212,40 @@ def test_chat_streamed_and_not(server: Server) -> None:
     assert parts[-1].done and _visible("".join(p.message.content for p in parts)) == _visible(whole.message.content)
 
 
-@pytest.mark.parametrize("model", ["alpha", "beta"])
+# packages made from alpha for the test below: a TEMPLATE without {{ bos_token }} (the vocabulary adds BOS: llama-
+# server's prompt starts with it), and a SYSTEM line without a TEMPLATE (the GGUF has none: llama.cpp's chatml)
+DERIVED = {"nobos": {"from": "alpha", "template": "{% for m in messages %}{{ m.role }}: {{ m.content }}\n"
+                                                  "{% endfor %}assistant:"},
+           "sysonly": {"from": "alpha", "system": "You are a test."}}
+
+
+@pytest.mark.parametrize("model", ["alpha", "beta", "nobos", "sysonly"])
 def test_greedy_tokens_identical_to_zipmoe_run(server: Server, model: str) -> None:
     """alpha has no TEMPLATE, SYSTEM or MESSAGE: both complete the prompt as it is; beta's prompt is one chat turn
-    after its SYSTEM line, in its TEMPLATE."""
-    ran = _zipmoe(server.root, "run", model, PROMPT, "-n", "12", "--temp", "0")
-    assert ran.returncode == 0, ran.stderr[-2000:]
-    expected = ran.stdout.rstrip("\n")
-    served = server.client().generate(model, PROMPT, options=GREEDY)
-    assert served.eval_count == 12 and _visible(served.response)
-    # llama-cpp-python goes on past max_tokens while the text ends in a part of a UTF-8 character (17 tokens
-    # here): the server's 12 tokens begin its text, and 24 go past it
-    assert expected.startswith(_visible(served.response))
-    longer = server.client().generate(model, PROMPT, options={**GREEDY, "num_predict": 24})
-    assert _visible(longer.response).startswith(expected)
+    after its SYSTEM line, in its TEMPLATE; nobos's and sysonly's formatted as llama-server formats them (a BOS
+    where the vocabulary adds one, chatml for a model without a template), by `zipmoe run` too. /api/chat of the
+    same turn answers the same."""
+    client = server.client()
+    if model in DERIVED:
+        status, answer = http_json(f"{server.url}/api/create", {"model": model, "stream": False, **DERIVED[model]})
+        assert status == 200, answer
+    try:
+        ran = _zipmoe(server.root, "run", model, PROMPT, "-n", "12", "--temp", "0")
+        assert ran.returncode == 0, ran.stderr[-2000:]
+        expected = ran.stdout.rstrip("\n")
+        served = client.generate(model, PROMPT, options=GREEDY)
+        assert served.eval_count == 12 and _visible(served.response)
+        # llama-cpp-python goes on past max_tokens while the text ends in a part of a UTF-8 character (17 tokens
+        # here): the server's 12 tokens begin its text, and 24 go past it
+        assert expected.startswith(_visible(served.response))
+        longer = client.generate(model, PROMPT, options={**GREEDY, "num_predict": 24})
+        assert _visible(longer.response).startswith(expected)
+        if model != "alpha":  # a chat turn: /api/chat formats it the same way
+            chat = client.chat(model, [{"role": "user", "content": PROMPT}], options=GREEDY)
+            assert _visible(chat.message.content) == _visible(served.response)
+    finally:
+        if model in DERIVED:
+            client.delete(model)  # (unloaded first)
 
 
 def test_openai_client_names_models_by_store_name(server: Server) -> None:
