@@ -13,7 +13,9 @@ from typing import Any
 
 from ..errors import ZipmoeError
 from ..runtime.completion import CHATML
+from ..runtime.runner import DEFAULT_CONTEXT
 from ..runtime.config import BUDGET_ENV, CACHE_MODES, DEFAULT_POLICY, POLICIES, POLICY_ENV
+from ..server import DEFAULT_HOST, DEFAULT_PORT
 from .formatting import EXIT_OK, command, fraction, human_size, nonnegative, positive, print_json, render_table
 
 LLAMA_COMMANDS = ("run", "serve", "bench")
@@ -301,22 +303,29 @@ def register(sub: Any) -> None:
     p.add_argument("--stats", "-v", "--verbose", dest="stats", action="store_true",
                    help="with -p: print speed and the expert cache's counters (hits per tier, bytes read and decoded, "
                         "time stalled per token) to stderr")
-    _add_llama_options(p, ctx="default: llama.cpp's; with -p the model's, at most 4096")
+    _add_llama_options(p, ctx=f"default: llama.cpp's; with -p the model's, at most {DEFAULT_CONTEXT}")
 
     p = command(
-        sub, "serve", cmd_serve, usage="zipmoe serve [options] MODEL [-- LLAMA_SERVER_ARGS ...]",
-        help="serve a model over HTTP (llama-server)",
-        description="Run llama-server from zipmoe's build of llama.cpp on MODEL: an OpenAI-compatible HTTP API "
-                         "(without llama.cpp's web UI, which the offline build does not embed). Arguments after -- "
-                         "go to llama-server.",
-        examples=("zipmoe serve model.zipmoe.gguf                     http://127.0.0.1:8080",
+        sub, "serve", cmd_serve, usage="zipmoe serve [options] [MODEL] [-- LLAMA_SERVER_ARGS ...]",
+        help="serve the stored models, or one model, over HTTP (llama-server)",
+        description="Without MODEL: serve every model of the store by name (NAME[:TAG]) with Ollama's REST API "
+                         "under /api and OpenAI's under /v1, each loaded on first use in a llama-server of its own "
+                         "and unloaded after --keep-alive, all within one --memory-budget (docs/serving.md). With "
+                         "MODEL: run llama-server from zipmoe's build of llama.cpp on that one model, with its "
+                         "OpenAI-compatible HTTP API (without llama.cpp's web UI, which the offline build does not "
+                         "embed). Arguments after -- go to llama-server.",
+        examples=(f"zipmoe serve                                       http://{DEFAULT_HOST}:{DEFAULT_PORT}/api/tags",
+                  f"OLLAMA_HOST={DEFAULT_HOST}:{DEFAULT_PORT} ollama list        Ollama's client on the stored models",
+                  f"zipmoe serve model.zipmoe.gguf                     http://{DEFAULT_HOST}:{DEFAULT_PORT}",
                   "zipmoe serve model.zipmoe.gguf --host 0.0.0.0 --port 9000 -t 8",
                   "zipmoe serve model.zipmoe.gguf -- -np 4 --jinja",
-                  "curl http://127.0.0.1:8080/completion -d '{\"prompt\": \"Hello\", \"n_predict\": 16}'"))
+                  f"curl http://{DEFAULT_HOST}:{DEFAULT_PORT}/completion -d "
+                  "'{\"prompt\": \"Hello\", \"n_predict\": 16}'"))
     p.add_argument("model", metavar="MODEL", nargs="?",
-                   help="a zipmoe GGUF (or a plain GGUF); without it, every stored model (Ollama's API, docs/serving.md)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    p.add_argument("--port", type=positive, default=8080, help="port (default: %(default)s)")
+                   help="a stored model's name, a zipmoe GGUF or a plain GGUF; without it, every stored model "
+                        "(Ollama's API, docs/serving.md)")
+    p.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=positive, default=DEFAULT_PORT, help="port (default: %(default)s)")
     _add_llama_options(p)
 
     p = command(

@@ -12,10 +12,8 @@ import urllib.request
 from typing import Any
 
 from ..errors import ZipmoeError
-from ..server import DEFAULT_PARALLEL
+from ..server import DEFAULT_HOST, DEFAULT_PARALLEL, DEFAULT_PORT
 from .formatting import EXIT_OK, command, human_size, nonnegative, positive, print_json, render_table
-
-DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080  # (the serve command's own defaults)
 
 
 def serve_store(args: argparse.Namespace) -> int:

@@ -23,6 +23,7 @@ from ..paths import bin_dir
 from .completion import is_chat_turn
 from .config import RuntimeConfig, openmp_environment
 
+DEFAULT_CONTEXT = 4096  # tokens of a completion's context (at most the model's) where none is given (Ollama's)
 PROGRAMS = ("llama-cli", "llama-completion", "llama-server", "llama-bench", "llama-simple")
 
 
@@ -327,7 +328,7 @@ def complete(model: str | os.PathLike[str], prompt: str, *, n_predict: int = 128
     quiet_llama_log()  # llama.cpp's errors are in the exceptions' messages
     path = check_model(model)
     if n_ctx is None:
-        n_ctx = min(4096, _context_length(path) or 4096)
+        n_ctx = min(DEFAULT_CONTEXT, _context_length(path) or DEFAULT_CONTEXT)
     prompt_tokens(path, prompt, package, n_ctx)  # a prompt too long for the context: refused before the model loads
     kwargs: dict[str, Any] = {"n_ctx": n_ctx, "verbose": False, "zipmoe_cache": cache,
                               **{k: v for k, v in (options or {}).items() if v is not None}}

@@ -15,4 +15,5 @@ through which the budget is divided; and Ollama's endpoints, keep_alive per requ
 need a layer in front anyway, which, talking to the children directly, saves the router's second proxy hop.
 """
 
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080  # where `zipmoe serve` listens, and `zipmoe ps`/`stop` call
 DEFAULT_PARALLEL = 4  # requests a model answers at once (llama-server's own default); more wait for a slot

@@ -31,11 +31,11 @@ from ..errors import ZipmoeError
 from ..models.directory import ModelDirectory
 from ..models.name import InvalidNameError, ModelName, ModelNotFoundError
 from ..models.package import ModelPackage
+from ..runtime.runner import DEFAULT_CONTEXT
 from . import DEFAULT_PARALLEL
 from .budget import SharedBudget, Tenant
 from .ollama import DEFAULT_KEEP_ALIVE, ApiError
 
-DEFAULT_CONTEXT = 4096  # tokens, when neither the request, the model's PARAMETER num_ctx nor -c says (Ollama's)
 LOAD_TIMEOUT = 300.0  # seconds a request waits for its model to load (Ollama's OLLAMA_LOAD_TIMEOUT)
 STOP_GRACE = 5.0  # seconds a model's process gets to finish before it is killed
 BIND_TRIES = 3  # ports a model's process is given in turn when another process takes the one it was given
