@@ -12,10 +12,10 @@ VERIFIED: frozenset[str] = frozenset({
     "afmoe", "arctic", "bailingmoe", "bailingmoe2", "bailingmoe3", "cohere2moe", "dbrx", "deepseek", "deepseek2",
     "deepseek2-ocr", "deepseek32", "deepseek4", "dots1", "dots3note", "ernie4_5-moe", "exaone-moe", "gemma4",
     "glm-dsa", "glm4moe", "glm5-next", "gpt-oss", "granite_swa", "granitehybrid", "granitemoe", "grok", "grovemoe",
-    "hunyuan-moe", "hy_v3", "hy_v4", "jamba", "laguna", "lfm2moe", "llada-moe", "llama", "llama-embed", "llama4",
-    "maple", "mellum", "mimo2", "minicpm", "minimax-01", "minimax-m2", "minimax-m3", "mistral3", "mistral4",
-    "nemotron_h_moe", "nomic-bert-moe", "olmoe", "phimoe", "qwen2moe", "qwen35moe", "qwen3moe", "qwen3next",
-    "qwen3vlmoe", "rnd1", "smallthinker", "step35",
+    "hunyuan-moe", "hy_v3", "hy_v4", "jamba", "kimi-k3", "kimi-linear", "laguna", "lfm2moe", "llada-moe", "llama",
+    "llama-embed", "llama4", "maple", "mellum", "mimo2", "minicpm", "minimax-01", "minimax-m2", "minimax-m3",
+    "mistral3", "mistral4", "nemotron_h_moe", "nomic-bert-moe", "olmoe", "phimoe", "qwen2moe", "qwen35moe",
+    "qwen3moe", "qwen3next", "qwen3vlmoe", "qwen4exp", "rnd1", "smallthinker", "step35",
 })
 
 NOT_VERIFIED: dict[str, str] = {}

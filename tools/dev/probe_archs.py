@@ -193,9 +193,13 @@ TENSOR_HINTS: dict[str, dict[str, tuple[int, ...]]] = {
 }
 
 # Tensors not to offer an architecture (by name without "blk.N."): optional ones whose presence takes the loader down
-# a path its models do not have (kimi-linear reads no q_lora_rank, so a q-lora would have no width).
+# a path its models do not have (kimi-linear reads no q_lora_rank, so a q-lora would have no width; the legacy
+# unsplit attn_kv_b of the kimi models does not go with the latent cache their keys describe).
 SKIP_TENSORS: dict[str, tuple[str, ...]] = {
-    "kimi-linear": ("attn_q_a_norm", "attn_q_a", "attn_q_b"),
+    "kimi-linear": ("attn_q_a_norm", "attn_q_a", "attn_q_b", "attn_kv_b"),
+    "kimi-k3": ("attn_kv_b",),
+    # its full-attention layers (1 and 3) build q, k and v apart; a fused qkv there leaves q unset
+    "qwen4exp": ("blk.1.attn_qkv", "blk.3.attn_qkv"),
 }
 
 # What llama.cpp's words for a left-out architecture mean, where they do not say it themselves.
@@ -330,6 +334,12 @@ def _convert(value: Any, vtype: str) -> Any:
 _TYPE_NAMES = {"uint32": "u32", "int32": "i32", "float32": "f32", "bool": "bool", "string": "str", "uint64": "u64"}
 
 
+def _skipped(name: str, skip: tuple[str, ...]) -> bool:
+    """Whether SKIP_TENSORS names `name`, with or without its block and its suffix."""
+    short = re.sub(r"^blk\.\d+\.", "", name)
+    return any(n in skip for n in (name, name.rsplit(".", 1)[0], short, short.rsplit(".", 1)[0]))
+
+
 def probe_arch(probe: Probe, arch: str, templates: list[str], work: Path) -> tuple[ArchSpec | None, str]:
     """(spec, "") or (None, why stock llama.cpp does not run a generated file)."""
     keys: dict[str, tuple[str, Any]] = dict(KEY_DEFAULTS)
@@ -338,8 +348,7 @@ def probe_arch(probe: Probe, arch: str, templates: list[str], work: Path) -> tup
     skip = SKIP_TENSORS.get(arch, ())
     tensors: dict[str, tuple[int, ...] | None] = {n: hints.get(re.sub(r"^blk\.\d+\.", "", n))
                                                   for n in candidate_tensors(templates, N_LAYER, arch in EXPERT_SCALES)
-                                                  if re.sub(r"^blk\.\d+\.", "", n).rsplit(".", 1)[0] not in skip
-                                                  and re.sub(r"^blk\.\d+\.", "", n) not in skip}
+                                                  if not _skipped(n, skip)}
     path = work / f"{arch}.gguf"
     prefix = re.escape(arch) + r"\."
     for _ in range(MAX_STEPS):
