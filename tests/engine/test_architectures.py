@@ -134,7 +134,7 @@ def stock() -> Path:
 
 def _case(arch: str) -> Any:
     if arch in EXCLUDED:
-        return pytest.param(arch, marks=pytest.mark.skip(reason=f"stock llama.cpp does not run it: {EXCLUDED[arch]}"))
+        return pytest.param(arch, marks=pytest.mark.skip(reason=f"left out: {EXCLUDED[arch]}"))
     if arch in NOT_VERIFIED:
         return pytest.param(arch, marks=pytest.mark.xfail(strict=True, reason=NOT_VERIFIED[arch]))
     return arch

@@ -516,7 +516,7 @@ def docs_table(specs: dict[str, ArchSpec], excluded: dict[str, str]) -> str:
     for arch in sorted(specs.keys() | excluded.keys()):
         if arch in excluded:
             why = excluded[arch].replace("|", "\\|")
-            rows.append(f"| `{arch}` | no | | stock llama.cpp does not run a generated file: {why} |")
+            rows.append(f"| `{arch}` | no | | left out: {why} |")
         elif arch in VERIFIED:
             rows.append(f"| `{arch}` | yes | {expert_forms(specs[arch])} | |")
         else:
