@@ -191,12 +191,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ZipmoeError("the planner plans one model at a time: bench one zipmoe model under --memory-budget, or "
                           "give --hot-share (and --sm-share) to split every model's budget the same way")
     settings = _cache_settings(args, zipmoe_models[0] if zipmoe_models else args.models[0])
+    if args.limit and BUDGET_ENV not in settings:
+        raise ZipmoeError("--limit is the best speed of a cache of the budget's size: give --memory-budget")
     os.environ.update(settings)
     results, records = runner.llama_bench(args.models, [*flags, *_llama_args(args)], cache=args.cache)
     budget = int(settings[BUDGET_ENV]) if BUDGET_ENV in settings else None
+    reports = _near_limit(args, zipmoe_models, budget)
     if args.json:
         print_json({"results": [r.to_dict() for r in results], "cache": args.cache or "unbounded",
-                    "memory_budget": budget, "policy": settings.get(POLICY_ENV), "llama_bench": records})
+                    "memory_budget": budget, "policy": settings.get(POLICY_ENV), "llama_bench": records,
+                    "timed": {m: r.to_dict() for m, r in reports.items()}})
         return EXIT_OK
     header = ("model", "size", "params", "threads", "ubatch", "test", "tokens/s")
     rows = [(r.model, human_size(r.model_size), f"{r.model_n_params / 1e6:.1f} M", str(r.n_threads), str(r.n_ubatch),
@@ -204,7 +208,33 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(render_table(header, rows))
     print(f"llama-bench, {args.repetitions} repetitions{', no warmup' if args.no_warmup else ' after a warmup run'}; "
           f"zipmoe cache: {_cache_in_force(args, budget, settings.get(POLICY_ENV))}")
+    _print_near_limit(args, reports)
     return EXIT_OK
+
+
+def _near_limit(args: argparse.Namespace, models: list[str], budget: int | None) -> dict[str, Any]:
+    """With --ledger or --limit: each zipmoe model's timed generation (its ledger; with --limit, its speed against
+    the limit model for the budget's cache), {model: pyzipmoe.runtime.near_limit.Report}."""
+    if not models or not (args.ledger or args.limit) or args.n_gen == 0:
+        return {}
+    from ..plan.calibration import usable_cores
+    from ..runtime import near_limit
+
+    llama = {k: v for k, v in {"memory_budget": args.memory_budget, "cache_policy": args.policy,
+                               "hot_share": args.hot_share, "sm_share": args.sm_share, "trace": args.trace,
+                               "planner": args.planner}.items() if v is not None}
+    threads = args.threads or usable_cores()
+    return {m: near_limit.measure(m, llama=llama, threads=threads, budget_bytes=budget if args.limit else None,
+                                  gen=args.n_gen) for m in models}
+
+
+def _print_near_limit(args: argparse.Namespace, reports: dict[str, Any]) -> None:
+    from ..runtime import ledger, near_limit
+
+    for model, report in reports.items():
+        print(f"\n{model}: {near_limit.limit_line(report)}")
+        if args.ledger:
+            print(render_table(("part", "ms/token", "share"), ledger.table_rows(report.stats)))
 
 
 def _cache_in_force(args: argparse.Namespace, budget: int | None, policy: str | None) -> str:
@@ -334,11 +364,15 @@ def register(sub: Any) -> None:
         description="Measure prompt processing (ppN) and generation (tgN) speed in tokens/s with llama-bench "
                          "from zipmoe's build of llama.cpp. Give several models to compare them, e.g. a BF16 GGUF and "
                          "its zipmoe GGUF. llama-bench's warmup run decodes most experts, so by default this measures "
-                         "a warm expert cache; --no-warmup measures the first run after loading. Arguments after -- "
-                         "go to llama-bench.",
+                         "a warm expert cache; --no-warmup measures the first run after loading. --ledger and "
+                         "--limit add a timed greedy generation of each zipmoe model: where its time goes, and its "
+                         "speed as a share of the best any cache of the budget's size could reach on that run's "
+                         "routing (Belady's hits, reads overlapped with compute, decoding on every core; "
+                         "pyzipmoe/plan/limit.py). Arguments after -- go to llama-bench.",
         examples=("zipmoe bench model.zipmoe.gguf",
                   "zipmoe bench model-bf16.gguf model.zipmoe.gguf -p 256 -n 64 -t 8",
                   "zipmoe bench model.zipmoe.gguf --cache none --json",
+                  "zipmoe bench model.zipmoe.gguf --memory-budget 4GiB --ledger --limit -n 64",
                   "zipmoe bench model.zipmoe.gguf -- -ub 1,512"))
     p.add_argument("models", nargs="+", metavar="MODEL", help="one or more GGUFs (zipmoe or plain)")
     p.add_argument("-p", "--n-prompt", type=nonnegative, default=512, metavar="N",
@@ -349,4 +383,13 @@ def register(sub: Any) -> None:
                    help="repetitions of each test (default: %(default)s)")
     p.add_argument("--no-warmup", action="store_true", help="no warmup run: the first repetition is a cold start")
     p.add_argument("--json", action="store_true", help="print the results (and llama-bench's records) as JSON")
+    p.add_argument("--ledger", action="store_true",
+                   help="after llama-bench, time -n tokens of greedy generation of each zipmoe model in a fresh "
+                        "process and print where a token's time goes: compute, decode, waiting for reads, waiting "
+                        "for other threads, zipmoe's bookkeeping, outside the graph")
+    p.add_argument("--limit", action="store_true",
+                   help="with --memory-budget: time -n tokens of greedy generation of each zipmoe model and give "
+                        "its speed as a share of the limit model's for the budget's expert cache, on that run's own "
+                        "routing, with this machine's rates (zipmoe calibrate's, measured if none are kept; the "
+                        "compute per token from the same generation unbounded)")
     _add_llama_options(p, ctx=None)

@@ -19,6 +19,7 @@ upper bound for one-layout caches and a target, not a proof about every mix.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -96,3 +97,21 @@ def limit(routing: Routing, rates: Rates, sizes: ExpertSizes, cache_bytes: int, 
     if not candidates:
         raise ValueError(f"limit: a cache of {cache_bytes} bytes holds fewer than a step's {widest} routed experts")
     return max(candidates, key=lambda c: c.tokens_per_second)
+
+
+def from_calibration(cal: Any, *, compute_seconds_per_token: float | None = None,
+                     cores: int | None = None) -> tuple[Rates, ExpertSizes]:
+    """Rates and sizes from a calibration of the model (pyzipmoe.plan.calibration.Calibration): a cold read of an
+    expert's regions (its bytes at the measured bandwidth, plus one read's latency), the runtime's core-seconds to
+    decode one expert, the compute per token (given, else the calibration's base_seconds_per_token) and the cores
+    (given: the run's threads, else the calibration's). BF16 experts decode to 2 bytes a value; raw ones are read as
+    they are stored. ValueError without a compute per token."""
+    compute = compute_seconds_per_token if compute_seconds_per_token is not None else cal.base_seconds_per_token
+    if compute is None:
+        raise ValueError("limit: no compute per token (the calibration has no base_seconds_per_token: give it)")
+    compressed = int(cal.expert_compressed_bytes)
+    decoded = compressed if cal.codec == "raw" else 2 * int(cal.expert_values)
+    rates = Rates(read_seconds_per_expert=cal.read_latency + compressed / cal.disk_bandwidth,
+                  decode_core_seconds_per_expert=float(cal.t_decode), compute_seconds_per_token=float(compute),
+                  cores=int(cores or cal.cores))
+    return rates, ExpertSizes(decoded_bytes=decoded, compressed_bytes=compressed)

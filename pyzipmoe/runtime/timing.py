@@ -33,17 +33,20 @@ class TimingError(ZipmoeError):
 
 def time_generation(model: str | os.PathLike[str], *, llama: Mapping[str, Any] | None = None, warmup: int = 16,
                     gen: int = 24, threads: int = 2, replan: bool = False, routing: bool = False,
-                    timeout: float = 600, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+                    timeout: float = 600, env: Mapping[str, str] | None = None,
+                    record: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """Runs `model` in a fresh process (pyzipmoe.Llama(model, **llama)): the prompt, `warmup` greedy tokens,
     then `gen` timed tokens. With `replan` (a model run with the planner), the monitor re-plans once from the
     routing of the warm-up, then stops, and `warmup` // 2 more tokens settle the new plan before timing.
     Returns {"tps", "seconds", "stats" (the runtime's counters over the timed tokens), "predicted_live" (the
     re-plan's predicted tokens/s, or None), "routing" (with `routing`: {block: [[experts of a token], ...]} of
-    the warm-up's generated tokens, else None), "tokens" (every generated token, warm-up included)}."""
+    the warm-up's generated tokens, else None), "tokens" (every generated token, warm-up included), "timed_from"}.
+    With `record`, the run's routing (every step, the prompt's included: pyzipmoe.plan.trace) is written there, and
+    "timed_from" is the first timed step in it (else None)."""
     from . import runner
 
     job = {"model": str(model), "llama": dict(llama or {}), "warmup": warmup, "gen": gen, "threads": threads,
-           "replan": replan, "routing": routing}
+           "replan": replan, "routing": routing, "record": None if record is None else str(record)}
     # the runtime's defaults, except what `llama` asks for; where the build is (ZIPMOE_BUILD_DIR) is kept
     base = {k: v for k, v in (os.environ if env is None else env).items() if k not in RUNTIME_ENV}
     run_env = runner.environment(base=base)
@@ -66,8 +69,9 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
 
     from .llama import Llama, last_logits, zipmoe_stats
 
+    record = job.get("record")
     llm = Llama(job["model"], n_ctx=512, n_threads=job["threads"], n_threads_batch=job["threads"], verbose=False,
-                **job["llama"])
+                **job["llama"], **({"record_routing": True} if record else {}))
     llm.eval(llm.tokenize(PROMPT))
     tokens: list[int] = []
 
@@ -93,13 +97,17 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
         monitor.stop()  # nothing else changes while timing
         for _ in range(job["warmup"] // 2):
             step()
+    timed_from = llm.recorded_routing().n_steps if record else None
     zipmoe_stats(reset=True)
     t0 = time.perf_counter()
     for _ in range(job["gen"]):
         step()
     seconds = time.perf_counter() - t0
-    return {"tps": job["gen"] / seconds, "seconds": seconds, "stats": zipmoe_stats(), "predicted_live": predicted,
-            "routing": routing, "tokens": tokens}
+    stats = zipmoe_stats()
+    if record:
+        llm.save_routing(record)
+    return {"tps": job["gen"] / seconds, "seconds": seconds, "stats": stats, "predicted_live": predicted,
+            "routing": routing, "tokens": tokens, "timed_from": timed_from}
 
 
 if __name__ == "__main__":

@@ -3,10 +3,13 @@ each on their own, adds up to the time per token the caller measures, and each p
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from helpers import llama_bin_dir
+from helpers import llama_bin_dir, unavailable, worker_env
 
 from pyzipmoe.runtime import ledger
 from pyzipmoe.runtime.timing import time_generation
@@ -53,3 +56,33 @@ def test_table_rows_sum_and_empty() -> None:
     rows = ledger.table_rows(stats)
     assert rows[0][1:] == ("3.000", "60.0%") and rows[-1] == ("total", "5.000", "100.0%")
     assert ledger.per_token({})["total"] == 0 and ledger.table_rows({})[-1] == ("total", "0.000", "-")
+
+
+def bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pyzipmoe", "bench", *args], env=worker_env(llama_bin_dir()),
+                          capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL, check=False)
+
+
+def test_bench_prints_the_ledger_and_the_share_of_the_limit(model: Path) -> None:
+    if not (llama_bin_dir() / "llama-bench").exists():
+        unavailable("llama-bench is not built")
+    done = bench(str(model), "--memory-budget", "30MiB", "--ledger", "--limit", "-p", "0", "-n", "8", "-r", "1",
+                 "-t", "2", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    timed = json.loads(done.stdout)["timed"][str(model)]
+    assert timed["stats"]["ledger_tokens"] == 8 and timed["stats"]["misses"] > 0
+    lim = timed["limit"]
+    assert lim["tokens"] == 8 and lim["routed"] == 8 * 4 * 4  # 4 MoE layers, top-4
+    assert lim["hits"] < lim["routed"] and timed["share_of_limit"] == pytest.approx(
+        timed["tokens_per_second"] / lim["tokens_per_second"])
+    assert timed["cache_bytes"] < 30 << 20
+    done = bench(str(model), "--ledger", "-p", "0", "-n", "4", "-r", "1", "-t", "2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "(no budget: no limit)" in done.stdout and "\ntotal " in done.stdout and "read_wait" in done.stdout
+
+
+def test_limit_needs_a_budget(model: Path) -> None:
+    done = bench(str(model), "--limit", "-p", "0", "-n", "4")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip() == "zipmoe: error: --limit is the best speed of a cache of the budget's size: give " \
+                                  "--memory-budget"

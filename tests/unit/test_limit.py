@@ -71,3 +71,21 @@ def test_too_small_a_cache_and_bad_rates_are_refused() -> None:
         limit(r, Rates(1, 1, 0, 1), SIZES, cache_bytes=1000)
     with pytest.raises(ValueError, match="timed_from"):
         limit(r, RATES, SIZES, cache_bytes=1000, timed_from=1)
+
+
+def test_rates_from_a_calibration() -> None:
+    from types import SimpleNamespace
+
+    from pyzipmoe.plan.limit import from_calibration
+
+    cal = SimpleNamespace(base_seconds_per_token=0.02, expert_compressed_bytes=3_000_000, codec="huff",
+                          expert_values=2_000_000, read_latency=1e-4, disk_bandwidth=1e9, t_decode=0.004, cores=8)
+    rates, sizes = from_calibration(cal, cores=2)
+    assert rates == Rates(read_seconds_per_expert=pytest.approx(3.1e-3), decode_core_seconds_per_expert=0.004,
+                          compute_seconds_per_token=0.02, cores=2)
+    assert sizes == ExpertSizes(decoded_bytes=4_000_000, compressed_bytes=3_000_000)
+    assert from_calibration(cal, compute_seconds_per_token=0.5)[0].compute_seconds_per_token == 0.5
+    raw = SimpleNamespace(**{**vars(cal), "codec": "raw", "base_seconds_per_token": None})
+    assert from_calibration(raw, compute_seconds_per_token=1.0)[1].decoded_bytes == 3_000_000
+    with pytest.raises(ValueError, match="compute per token"):
+        from_calibration(raw)
