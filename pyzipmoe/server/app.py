@@ -127,35 +127,75 @@ async def _upstream_error(r: aiohttp.ClientResponse) -> O.ApiError:
     return O.ApiError(r.status, message or "error")
 
 
-async def _sse(r: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
-    """The events of llama-server's server-sent stream, decoded; an `error` event raises ApiError."""
-    async for raw in r.content:
-        line = raw.decode("utf-8", "replace").strip()
-        if line.startswith("data:"):
+async def _sse(r: aiohttp.ClientResponse) -> AsyncIterator[list[dict[str, Any]]]:
+    """The events of llama-server's server-sent stream, decoded, in lists: the events of each read (one a read while
+    a token takes longer to compute than to pass on; several when the front falls behind, which it then answers
+    with one write). Ends at `[DONE]` or the stream's end; an `error` event raises ApiError."""
+    rest = b""
+    async for data in r.content.iter_any():
+        *lines, rest = (rest + data).split(b"\n")
+        events, done = _events(lines)
+        if events:
+            yield events
+        if done:
+            return
+    if rest.strip():
+        events, _ = _events([rest])
+        if events:
+            yield events
+
+
+def _events(lines: list[bytes]) -> tuple[list[dict[str, Any]], bool]:
+    """The events in whole lines of a server-sent stream, and whether `[DONE]` ended it."""
+    events = []
+    for raw in lines:
+        line = raw.strip()
+        if line.startswith(b"data:"):
             data = line[5:].strip()
-            if data == "[DONE]":
-                return
+            if data == b"[DONE]":
+                return events, True
             event = json.loads(data)
             if isinstance(event, dict) and "error" in event and not event.get("choices"):
                 err = event["error"]
                 raise O.ApiError(500, err.get("message", str(err)) if isinstance(err, dict) else str(err))
-            yield event
-        elif line.startswith("error:"):
+            events.append(event)
+        elif line.startswith(b"error:"):
             err = json.loads(line[6:].strip())
             raise O.ApiError(500, err.get("message", str(err)) if isinstance(err, dict) else str(err))
+    return events, False
 
 
 class _Ndjson:
-    """A streamed answer: one JSON object a line (application/x-ndjson), as Ollama streams."""
+    """A streamed answer: one JSON object a line (application/x-ndjson), as Ollama streams. The lines of one model
+    are written from a template with only the text and the time in it: a token costs one string's JSON escaping
+    rather than a dictionary's building and encoding (the server's CPU per token is taken from the model's)."""
 
-    def __init__(self, request: web.Request) -> None:
+    def __init__(self, request: web.Request, model: str, field: str = "response") -> None:
         self.request = request
         self.response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        head = json.dumps({"model": model}, ensure_ascii=False)[:-1]
+        # generate: {"model": M, "created_at": T, "response": TEXT, "done": false}
+        # chat: {"model": M, "created_at": T, "message": {"role": "assistant", "content": TEXT}, "done": false}
+        self._head = f'{head}, "created_at": "'
+        self._middle, self._tail = (('", "response": ', ', "done": false}\n') if field == "response" else
+                                    ('", "message": {"role": "assistant", "content": ', '}, "done": false}\n'))
 
-    async def send(self, obj: Mapping[str, Any]) -> None:
+    def text(self, text: str) -> bytes:
+        """A line with one piece of generated text."""
+        return (self._head + O.now() + self._middle + json.dumps(text, ensure_ascii=False) + self._tail).encode()
+
+    @staticmethod
+    def line(obj: Mapping[str, Any]) -> bytes:
+        return json.dumps(obj, ensure_ascii=False).encode() + b"\n"
+
+    async def write(self, data: bytes) -> None:
         if not self.response.prepared:
             await self.response.prepare(self.request)
-        await self.response.write(json.dumps(obj, ensure_ascii=False).encode() + b"\n")
+        if data:
+            await self.response.write(data)
+
+    async def send(self, obj: Mapping[str, Any]) -> None:
+        await self.write(self.line(obj))
 
 
 # ------------------------------------------------------------------------------------------ the store
@@ -291,7 +331,7 @@ async def api_create(request: web.Request) -> web.StreamResponse:
         except ZipmoeError as e:
             raise O.bad_request(str(e)) from None
     if body.get("stream", True):
-        out = _Ndjson(request)
+        out = _Ndjson(request, name)
         await out.send({"status": "success"})
         await out.response.write_eof()
         return out.response
@@ -401,15 +441,22 @@ async def _complete(request: web.Request, child: Child, fields: dict[str, Any], 
             return web.json_response({**head, "created_at": O.now(), "response": data.get("content", ""),
                                       "done": True, "done_reason": O.done_reason(data.get("stop_type")),
                                       **O.durations(data.get("timings"), time.monotonic_ns() - t0, load_ns)})
-        out = _Ndjson(request)
+        out = _Ndjson(request, child.name)
         try:
-            async for event in _sse(r):
-                if event.get("content"):
-                    await out.send({**head, "created_at": O.now(), "response": event["content"], "done": False})
-                if event.get("stop"):
-                    await out.send({**head, "created_at": O.now(), "response": "", "done": True,
-                                    "done_reason": O.done_reason(event.get("stop_type")),
-                                    **O.durations(event.get("timings"), time.monotonic_ns() - t0, load_ns)})
+            async for events in _sse(r):
+                lines, stop = [], None
+                for event in events:
+                    if event.get("content"):
+                        lines.append(out.text(event["content"]))
+                    if event.get("stop"):
+                        stop = event
+                        break
+                if stop is not None:
+                    lines.append(out.line({**head, "created_at": O.now(), "response": "", "done": True,
+                                           "done_reason": O.done_reason(stop.get("stop_type")),
+                                           **O.durations(stop.get("timings"), time.monotonic_ns() - t0, load_ns)}))
+                await out.write(b"".join(lines))
+                if stop is not None:
                     break
         except O.ApiError as e:
             await out.send({"error": e.message})
@@ -478,24 +525,30 @@ async def _chat(request: web.Request, child: Child, fields: dict[str, Any], stre
                       **O.durations(data.get("timings"), time.monotonic_ns() - t0, load_ns)}
             if not stream:
                 return web.json_response(answer)
-            out = _Ndjson(request)  # tools: the answer as one chunk, then the end
+            out = _Ndjson(request, child.name)  # tools: the answer as one chunk, then the end
             await out.send({**answer, "done": False})
             await out.send({**head, "created_at": O.now(), "message": {"role": "assistant", "content": ""},
                             "done": True, "done_reason": answer["done_reason"],
                             **{k: answer[k] for k in answer if k.endswith(("duration", "count"))}})
             await out.response.write_eof()
             return out.response
-        out = _Ndjson(request)
+        out = _Ndjson(request, child.name, "message")
         reason, timings = "stop", None
         try:
-            async for event in _sse(r):
-                timings = event.get("timings") or timings
-                for choice in event.get("choices") or ():
-                    delta = choice.get("delta") or {}
-                    if delta.get("content") or delta.get("reasoning_content"):
-                        await out.send({**head, "created_at": O.now(), "message": _message(delta), "done": False})
-                    if choice.get("finish_reason"):
-                        reason = O.done_reason(None, choice["finish_reason"])
+            async for events in _sse(r):
+                lines = []
+                for event in events:
+                    timings = event.get("timings") or timings
+                    for choice in event.get("choices") or ():
+                        delta = choice.get("delta") or {}
+                        if delta.get("reasoning_content") or delta.get("tool_calls"):
+                            lines.append(out.line({**head, "created_at": O.now(), "message": _message(delta),
+                                                   "done": False}))
+                        elif delta.get("content"):
+                            lines.append(out.text(delta["content"]))
+                        if choice.get("finish_reason"):
+                            reason = O.done_reason(None, choice["finish_reason"])
+                await out.write(b"".join(lines))
             await out.send({**head, "created_at": O.now(), "message": {"role": "assistant", "content": ""},
                             "done": True, "done_reason": reason,
                             **O.durations(timings, time.monotonic_ns() - t0, load_ns)})

@@ -12,11 +12,12 @@ What maps to what (Ollama's docs/api.md; llama-server's tools/server/README.md):
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
+import time
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timezone
 from typing import Any
 
 DEFAULT_KEEP_ALIVE = 300.0  # seconds a model stays loaded after its last request (Ollama's 5m)
@@ -194,8 +195,16 @@ def ollama_tool_calls(calls: Sequence[Mapping[str, Any]] | None) -> list[dict[st
 
 
 def now() -> str:
-    """A timestamp as Ollama writes created_at (RFC 3339, UTC)."""
-    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+    """A timestamp as Ollama writes created_at (RFC 3339, UTC, microseconds). Written for every streamed token: the
+    date and time of day are formatted once a second."""
+    t = time.time()
+    second = int(t)
+    return f"{_second(second)}.{int((t - second) * 1e6):06d}Z"
+
+
+@functools.lru_cache(maxsize=2)
+def _second(second: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
 
 
 def done_reason(stop_type: str | None, finish_reason: str | None = None) -> str:

@@ -15,7 +15,10 @@ First token: from sending the request to the first byte of generated text, at th
 after the first over the time from the first to the last, at the client (what a user sees; llama-server's own
 timings are reported beside it). Outside llama-server: a request's wall time at the client less llama-server's
 own prompt and generation time (its timings): HTTP, queueing, templating, and the layer; on a machine shared with
-other work the computation's time varies far more than this does.
+other work the computation's time varies far more than this does. Front CPU per token: the CPU time (user and
+system, /proc/PID/stat) the `zipmoe serve` process itself spent on a row's requests, over the tokens it passed on:
+what the layer takes from the model's computation where the cores are all busy (where a core is free, nothing);
+as a share of a token's time at the baseline's tokens/s, the most the layer can cost in tokens/s.
 
 The model (preset small by default) is generated with pyzipmoe.synth into --workdir and stored in a store there.
 
@@ -123,6 +126,12 @@ def stream(port: int, path: str, body: dict[str, Any]) -> dict[str, float]:
             "server_tps": server_tps, "outside_ms": (end - t0) * 1e3 - server_ms}
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process so far (not its children's)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
     from pyzipmoe import synth
     from pyzipmoe.models.directory import ModelDirectory
@@ -163,6 +172,7 @@ def run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
                              "--memory-budget", str(budget * (2 if args.switch else 1)), "--parallel", "1",
                              "-t", str(args.threads)], {**env, "PYTHONPATH": str(REPO)}, work / "zipmoe.log"))
         _wait(ports["zipmoe"], "/api/version", procs[-1], work / "zipmoe.log")
+        front = procs[-1]
         if args.router:
             models_dir = work / "router-models"
             models_dir.mkdir(exist_ok=True)
@@ -192,7 +202,10 @@ def run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
             order = list(rows) if rep % 2 == 0 else list(reversed(rows))
             for name in order:
                 port, path, body = rows[name]
-                samples[name].append(stream(port, path, body))
+                c0 = _cpu_seconds(front.pid)
+                sample = stream(port, path, body)
+                sample["front_cpu"] = _cpu_seconds(front.pid) - c0 if port == ports["zipmoe"] else 0.0
+                samples[name].append(sample)
         switch: dict[str, Any] = {}
         if args.switch:
             api = rows["zipmoe /api"][2]
@@ -209,6 +222,8 @@ def run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
     summary = {name: {k: statistics.median(s[k] for s in samples[name]) for k in ("first", "tps", "server_tps",
                                                                                   "pieces", "outside_ms")}
                for name in samples}
+    for name, s in samples.items():  # summed: the CPU clock ticks in 10 ms steps, far coarser than a request
+        summary[name]["front_cpu_per_token"] = sum(x["front_cpu"] for x in s) / max(1, sum(x["pieces"] for x in s))
     return {"preset": args.preset, "gen": args.gen, "reps": args.reps, "threads": args.threads, "budget": budget,
             "whole": need.whole, "rows": summary, "samples": samples, "switch": switch,
             "load": [load0, os.getloadavg()[0]]}
@@ -237,6 +252,12 @@ def print_report(res: dict[str, Any]) -> None:
           "prompt and generation time)")
     for name, r in res["rows"].items():
         print(f"{name:14} {r['outside_ms']:18.2f} ms {r['outside_ms'] - base['outside_ms']:+9.2f} ms")
+    print()
+    print(f"{'':14} {'front CPU a token':>18} {'of a token at baseline speed':>30}")
+    for name, r in res["rows"].items():
+        if "front_cpu_per_token" in r and name.startswith("zipmoe"):
+            cpu = r["front_cpu_per_token"]
+            print(f"{name:14} {cpu * 1e6:15.0f} us {cpu * base['tps'] * 100:29.2f}%")
     load = res.get("load")
     if load:
         print(f"load average (1 min) before and after: {load[0]:.2f}, {load[1]:.2f} on {os.cpu_count()} CPUs; "
