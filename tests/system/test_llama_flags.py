@@ -80,7 +80,8 @@ def test_completion_flag_twin_and_variable_agree(llama_lib_dir: Path, zipmoe_mod
     refused_var = completion(llama_lib_dir, zipmoe_model, base, clean_env(llama_lib_dir, **{var: bad}))
     assert refused_flag.returncode != 0 and refused_var.returncode != 0
     assert f"{var}={bad}" in refused_var.stderr or f"memory budget {bad}" in refused_var.stderr, refused_var.stderr
-    assert f"={bad} is not" in refused_flag.stderr or "is not a size" in refused_flag.stderr, refused_flag.stderr
+    assert f"={bad} is not" in refused_flag.stderr or f"{flag} {bad} is not a memory budget" in refused_flag.stderr, \
+        refused_flag.stderr
 
 
 def test_completion_budget_gives_the_bf16_tokens(llama_lib_dir: Path, tiny_model: Path, zipmoe_model: Path) -> None:
@@ -275,3 +276,156 @@ def test_no_budget_no_restart(llama_lib_dir: Path, tiny_model: Path, tmp_path: P
         assert OPENMP_SPIN[0] not in srv.environ()
     finally:
         srv.close()
+
+
+def run_program(lib_dir: Path, name: str, args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(program(lib_dir, name)), *args], env=env, capture_output=True, text=True,
+                          errors="surrogateescape", timeout=TIMEOUT, stdin=subprocess.DEVNULL, check=False)
+
+
+BAD_BUDGET = [("flag", ["--memory-budget", "abc"], {}, "--memory-budget abc"),
+              ("twin", [], {"LLAMA_ARG_MEMORY_BUDGET": "abc"}, "LLAMA_ARG_MEMORY_BUDGET=abc"),
+              ("variable", [], {"ZIPMOE_MEMORY_BUDGET": "abc"}, "ZIPMOE_MEMORY_BUDGET=abc"),
+              ("over 100%", ["--memory-budget", "150%"], {}, "--memory-budget 150%")]
+
+
+@pytest.mark.parametrize("name", ["llama-completion", "llama-cli", "llama-server"])
+@pytest.mark.parametrize("how,flags,extra,named", BAD_BUDGET, ids=[b[0] for b in BAD_BUDGET])
+def test_a_bad_budget_is_refused_while_the_arguments_are_parsed(llama_lib_dir: Path, zipmoe_model: Path, name: str,
+                                                                how: str, flags: list[str], extra: dict[str, str],
+                                                                named: str) -> None:
+    """One line naming what the user gave (the flag, its twin or the variable), exit status 1, before the model is
+    read: no load error, no memory-fit pass."""
+    prompt = [] if name == "llama-server" else ["-n", "1", "-p", PROMPT]
+    done = run_program(llama_lib_dir, name, ["-m", str(zipmoe_model), *prompt, *flags],
+                       clean_env(llama_lib_dir, **extra))
+    assert done.returncode == 1, done.stderr[-2000:]
+    lines = [ln for ln in done.stderr.splitlines() if "abc" in ln or "150%" in ln]
+    assert lines == [f"error: {named} is not a memory budget: write e.g. 6GiB, 512MiB, 60% or auto"], done.stderr
+    assert "llama_model_load" not in done.stderr and "common_fit_params" not in done.stderr, done.stderr
+
+
+def test_llama_bench_refuses_a_bad_budget_before_loading(llama_lib_dir: Path, zipmoe_model: Path) -> None:
+    done = bench(llama_lib_dir, zipmoe_model, ["--memory-budget", "12 parsecs"], clean_env(llama_lib_dir))
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        "error: --memory-budget 12 parsecs is not a memory budget: write e.g. 6GiB, 512MiB, 60% or auto"], done.stderr
+
+
+@pytest.mark.parametrize("name,flags", [("llama-completion", ["-t", "100000"]), ("llama-completion", ["-tb", "600"]),
+                                        ("llama-cli", ["-t", "513"]), ("llama-server", ["-t", "513"]),
+                                        ("llama-bench", ["-t", "2,513"])])
+def test_more_threads_than_ggml_runs_is_a_clear_error(llama_lib_dir: Path, tiny_model: Path, name: str,
+                                                     flags: list[str]) -> None:
+    """Above GGML_MAX_N_THREADS (512) ggml's thread pool crashed (a segfault in libgomp): one line, exit status 1.
+    (Counts just above the limit but for llama-completion's: before the check, llama-cli started them all.)"""
+    args = ["-m", str(tiny_model), *flags] + ([] if name in ("llama-bench", "llama-server") else
+                                              ["-n", "1", "-p", PROMPT])
+    if name == "llama-bench":
+        args += ["-p", "0", "-n", "1", "-r", "1"]
+    done = run_program(llama_lib_dir, name, args, clean_env(llama_lib_dir))
+    assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
+    flag, count = flags[0], flags[1].split(",")[-1]
+    assert f"error: {flag} {count}: more threads than ggml runs (at most 512)" in done.stderr.splitlines(), \
+        done.stderr[-2000:]
+
+
+def test_auto_is_a_budget_of_the_bare_programs(llama_lib_dir: Path, zipmoe_model: Path) -> None:
+    """`--memory-budget auto` as `zipmoe run` takes it: the memory available less a margin, at most the whole model
+    (on this machine: the whole model), and the tokens stay the BF16 model's."""
+    need = model_memory(zipmoe_model)
+    plain = completion(llama_lib_dir, zipmoe_model, [], clean_env(llama_lib_dir))
+    auto = completion(llama_lib_dir, zipmoe_model, ["--memory-budget", "auto"], clean_env(llama_lib_dir))
+    assert auto.returncode == 0, auto.stderr[-2000:]
+    assert auto.stdout == plain.stdout
+    whole = human_size(need.minimum + need.expert_bytes)
+    assert any(ln.startswith(f"zipmoe: memory budget {whole} (auto: the memory available less a margin")
+               for ln in zipmoe_lines(auto.stderr)), auto.stderr[-2000:]
+
+
+def completion_quiet(lib_dir: Path, model: Path, flags: list[str]) -> subprocess.CompletedProcess[str]:
+    """llama-completion at its default verbosity."""
+    return run_program(lib_dir, "llama-completion", ["-m", str(model), "-n", "2", "-p", PROMPT, "--temp", "0",
+                                                     "-no-cnv", "-t", "2", "-c", "128", *flags], clean_env(lib_dir))
+
+
+@pytest.mark.parametrize("which", ["zipmoe", "plain"])
+def test_the_budget_line_is_shown_once_at_default_verbosity(llama_lib_dir: Path, zipmoe_model: Path,
+                                                            tiny_model: Path, which: str) -> None:
+    """Without -v: one line says the budget and its split (a plain MoE GGUF is budgeted too)."""
+    model = zipmoe_model if which == "zipmoe" else tiny_model
+    done = completion_quiet(llama_lib_dir, model, ["--memory-budget", budget_for(zipmoe_model)])
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [ln for ln in zipmoe_lines(done.stderr) if ln.startswith("zipmoe: memory budget ")]
+    assert len(lines) == 1 and "cache tiers" in lines[0], done.stderr[-3000:]
+
+
+def help_text(lib_dir: Path, name: str) -> str:
+    done = run_program(lib_dir, name, ["--help"], clean_env(lib_dir))
+    assert done.returncode == 0
+    return done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("name", ["llama-completion", "llama-bench"])
+def test_the_help_says_what_the_runtime_does(llama_lib_dir: Path, name: str) -> None:
+    """The default policy is lfuda (the loader's), every policy the help names is one the loader takes, and a plain
+    MoE GGUF is budgeted (zipmoe_plain_weights), not ignored."""
+    text = " ".join(help_text(llama_lib_dir, name).split())
+    assert "(default: lfuda)" in text and "(default: tlfu)" not in text
+    assert "a plain GGUF ignores it" not in text
+    assert "plain GGUF" in text and "or auto" in text
+    source = (Path(__file__).parents[2] / "ggml_zipmoe/src/op/zipmoe-config.cpp").read_text()
+    for policy in ("lfuda", "tlfu", "lru", "lfu", "fifo"):
+        assert f"{{ \"{policy}\", ZIPMOE_POLICY_" in source and f" {policy}" in text, policy
+
+
+def dense_from(moe: Path, out: Path) -> Path:
+    """`moe` (the tiny qwen3moe model) as a dense qwen3 model: its expert tensors and router replaced by one dense
+    feed-forward block per layer, its metadata renamed. A model without experts that llama.cpp runs."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader, n_ff = GGUFReader(moe), 64
+    w = GGUFWriter(out, "qwen3")
+    for f in reader.fields.values():
+        name = f.name.replace("qwen3moe.", "qwen3.")
+        if f.name.startswith("GGUF.") or f.name == "general.architecture" or "expert" in name or \
+                name == "qwen3.feed_forward_length":
+            continue
+        if f.types[0] == GGUFValueType.ARRAY:
+            strings = f.types[-1] == GGUFValueType.STRING
+            w.add_array(name, [bytes(f.parts[i]).decode() if strings else f.parts[i].tolist()[0] for i in f.data])
+        elif f.types[0] == GGUFValueType.STRING:
+            w.add_string(name, bytes(f.parts[f.data[0]]).decode())
+        else:
+            w.add_key_value(name, f.parts[f.data[0]].tolist()[0], f.types[0])
+    w.add_feed_forward_length(n_ff)
+    rng = np.random.default_rng(0)
+    for t in reader.tensors:
+        if "_exps" not in t.name and "ffn_gate_inp" not in t.name:
+            data = np.array(t.data)
+            typed = int(t.tensor_type) not in (0, 1)  # (F32 and F16 go as numpy arrays)
+            w.add_tensor(t.name, data, raw_shape=data.shape if typed else None,
+                         raw_dtype=t.tensor_type if typed else None)
+        elif "ffn_down_exps" in t.name:
+            w.add_tensor(t.name.replace("_exps", ""), rng.normal(0, 0.02, (int(t.shape[1]), n_ff)).astype(np.float32))
+        elif "_exps" in t.name:
+            w.add_tensor(t.name.replace("_exps", ""), rng.normal(0, 0.02, (n_ff, int(t.shape[0]))).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.mark.parametrize("budget", ["64MiB", "auto"])
+def test_a_budget_for_a_model_without_experts_is_one_warning(llama_lib_dir: Path, tiny_model: Path, tmp_path: Path,
+                                                             budget: str) -> None:
+    """The model loads and runs as without a budget, and one line says that the budget does not apply."""
+    dense = dense_from(tiny_model, tmp_path / "dense.gguf")
+    plain = completion_quiet(llama_lib_dir, dense, [])
+    budgeted = completion_quiet(llama_lib_dir, dense, ["--memory-budget", budget])
+    assert plain.returncode == 0 and budgeted.returncode == 0, budgeted.stderr[-2000:]
+    assert budgeted.stdout == plain.stdout
+    said = [ln for ln in budgeted.stderr.splitlines() if "zipmoe" in ln]
+    assert len(said) == 1 and "this model has none, so it loads as without a budget" in said[0], said
