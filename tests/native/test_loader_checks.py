@@ -181,3 +181,27 @@ def test_every_load_mode_gives_the_same_tokens_from_cold_reads(zipmoe_model: Pat
     r = _child({"budget": budget, "mode": MODES["dio"], "good": str(zipmoe_model), "env": {"ZIPMOE_DIRECT_IO": "0"}},
                lib_dir)
     assert r.get("text") == texts["mmap"] and r["direct_fds"] == 0, r
+
+
+def test_llama_and_verify_refuse_a_version_1_file_with_quantized_experts(zipmoe_model: Path, tmp_path: Path) -> None:
+    """Version 1 promises BF16 experts; a file that says version 1 over Q8_0 experts (its record forged to match)
+    is damaged metadata: `zipmoe verify` refused it, the loader ran it."""
+    from test_expert_types import write_model
+
+    from pyzipmoe.file import convert
+
+    src, packed = tmp_path / "q8.gguf", tmp_path / "q8.zipmoe.gguf"
+    write_model(src, {"up": "Q8_0", "gate": "Q8_0", "down": "Q8_0"})
+    convert.convert(src, packed, threads=1)
+    raw = bytearray(packed.read_bytes())
+    at = _kv_value_at(raw, "zipmoe.version")
+    assert struct.unpack_from("<I", raw, at)[0] == metadata.TYPED_FORMAT_VERSION
+    struct.pack_into("<I", raw, at, metadata.FORMAT_VERSION)
+    forge_integrity(raw, format.read_gguf(packed))
+    v1 = tmp_path / "q8-v1.zipmoe.gguf"
+    v1.write_bytes(bytes(raw))
+    with pytest.raises(ZipmoeError, match="zipmoe.version 1 with a Q8_0 expert tensor"):
+        verify.verify(v1)
+    (r,) = _llama_runs(zipmoe_model, [v1], tmp_path)
+    assert r["class"] == "refused" and r["stage"] == "load", r
+    assert "zipmoe.version 1 with a q8_0 expert tensor" in r["reason"].lower(), r
