@@ -1,5 +1,5 @@
 /* types.c - which ggml types zipmoe stores, and how: the block sizes of ggml's type traits (ggml.c), restated
- * here because the library does not link ggml; tests/native/test_types.py checks them against gguf-py's. */
+ * here because the library does not link ggml; tests/native/test_expert_types.py checks them against gguf-py's. */
 #include "zipmoe-impl.h"
 
 typedef struct {
