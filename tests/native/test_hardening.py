@@ -454,8 +454,8 @@ def _server(zipmoe_model: Path, env: dict[str, str], log: Path) -> tuple[subproc
 
 def test_the_control_file_truncated_or_garbled_under_a_running_server(zipmoe_model: Path, tmp_path: Path) -> None:
     """The control file is read with pread, not through a mapping: truncated under llama-server (which killed it
-    with SIGBUS), the budget stays and one warning says so; a split naming a policy that does not exist is refused
-    before it is taken for one."""
+    with SIGBUS), the budget stays and one warning says so; replaced, the server keeps the file it opened; a split
+    naming a policy that does not exist is refused before it is taken for one."""
     import helpers
 
     ctl, log = tmp_path / "control", tmp_path / "server.log"
@@ -476,6 +476,13 @@ def test_the_control_file_truncated_or_garbled_under_a_running_server(zipmoe_mod
                                                                "temperature": 0}, 120)
         assert status == 200 and proc.poll() is None, (status, body)
         assert os.path.getsize(ctl) == 0  # (nothing written to a file that is no longer a control file)
+        fresh = tmp_path / "fresh"
+        fresh.write_bytes(struct.pack("<16Q", CONTROL_MAGIC, 4, 99, *[0] * 13))
+        os.replace(fresh, ctl)  # replaced: the server keeps the file it opened
+        time.sleep(0.3)
+        status, body = helpers.http_json(url + "/completion", {"prompt": "The expert", "n_predict": 4,
+                                                               "temperature": 0}, 120)
+        assert status == 200 and proc.poll() is None, (status, body)
     finally:
         helpers.kill_group(proc)
     text = log.read_text(errors="replace")
