@@ -559,11 +559,38 @@ async def _chat(request: web.Request, child: Child, fields: dict[str, Any], stre
 
 
 async def api_embed(request: web.Request) -> web.Response:
+    """Embeddings of one text or several (/api/embed: L2-normalised, as Ollama's; the older /api/embeddings: one
+    text's, as the model makes it), from llama-server's /v1/embeddings in a process started with --embeddings."""
+    t0 = time.monotonic_ns()
     body = await _body(request)
     models = request.app[MODELS_KEY]
+    keep_alive = _keep_alive(request, body)
+    legacy = request.path == "/api/embeddings"
+    texts = O.embed_inputs(body.get("prompt"), "prompt") if legacy else O.embed_inputs(body.get("input"))
+    dimensions = None if legacy else O.embed_dimensions(body.get("dimensions"))
+    options = O.check_options(body.get("options"))
     package = await models.package(body.get("model"))
-    raise O.bad_request(f"{package.name.display} does not support embeddings: the server runs its models for text "
-                        "generation (llama-server without --embeddings)")
+    t1 = time.monotonic_ns()
+    child = await models.acquire(package, num_ctx=options.get("num_ctx"), embeddings=True)
+    load_ns = time.monotonic_ns() - t1
+    try:
+        if not texts:  # load only
+            return web.json_response({"embedding": []} if legacy else {"model": child.name, "embeddings": []})
+        fields: dict[str, Any] = {"input": texts, "model": child.name}
+        if legacy:
+            fields["embd_normalize"] = -1  # (llama-server's: none)
+        async with models.session.post(f"{child.url}/v1/embeddings", json=fields, headers=child.headers) as r:
+            if r.status != 200:
+                raise await _upstream_error(r)
+            data = await r.json()
+    finally:
+        models.release(child, keep_alive)
+    vectors = [O.shorten(d["embedding"], dimensions) for d in sorted(data["data"], key=lambda d: d["index"])]
+    if legacy:
+        return web.json_response({"embedding": vectors[0]})
+    return web.json_response({"model": child.name, "embeddings": vectors,
+                              "total_duration": time.monotonic_ns() - t0, "load_duration": load_ns,
+                              "prompt_eval_count": int((data.get("usage") or {}).get("prompt_tokens", 0))})
 
 
 # ------------------------------------------------------------------------------------------ OpenAI's API
@@ -589,7 +616,7 @@ async def v1_proxy(request: web.Request) -> web.StreamResponse:
     body = await _body(request)
     models = request.app[MODELS_KEY]
     package = await models.package(body.get("model"))
-    child = await models.acquire(package)
+    child = await models.acquire(package, embeddings=request.path == "/v1/embeddings")
     try:
         body["model"] = child.name
         if isinstance(body.get("messages"), list):

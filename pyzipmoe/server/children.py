@@ -73,6 +73,7 @@ class Child:
     control: Any = None
     log: Path | None = None
     load_seconds: float = 0.0
+    embeddings: bool = False  # started with llama-server's --embeddings (it then answers both kinds of request)
     active: int = 0  # requests in flight
     expires: float | None = None  # time.time() when it is unloaded; None: kept
     token: str = field(default_factory=lambda: secrets.token_urlsafe(24))  # its API key: only the server calls it
@@ -110,6 +111,19 @@ def _without(flags: list[str], flag: str) -> list[str]:
         else:
             out.append(f)
     return out
+
+
+def _pooling(path: str, llama_args: Sequence[str]) -> list[str]:
+    """How a model's process pools a text's token embeddings into one: the GGUF's own way (an embedding model's),
+    else the mean (a generative model's, which has none); the server's `-- --pooling` wins."""
+    from ..file.gguf import read_gguf
+
+    if "--pooling" in llama_args:
+        return []
+    kv = read_gguf(path).kv
+    arch = kv["general.architecture"].value if "general.architecture" in kv else ""
+    field = kv.get(f"{arch}.pooling_type")
+    return [] if field is not None and int(field.value) != 0 else ["--pooling", "mean"]
 
 
 def free_port() -> int:
@@ -209,9 +223,11 @@ class Models:
         assert self._session is not None, "Models.start() first"
         return self._session
 
-    async def acquire(self, package: ModelPackage, *, num_ctx: int | None = None) -> Child:
+    async def acquire(self, package: ModelPackage, *, num_ctx: int | None = None, embeddings: bool = False
+                      ) -> Child:
         """The model's running process, loaded if it is not (waiting for a load under way), counted as busy until
-        `release`."""
+        `release`. embeddings: one that answers embedding requests (a process started without them is started
+        again with them, and keeps them: it answers completions too)."""
         key = str(package.name)
         lock = self._locks.setdefault(key, asyncio.Lock())
         try:
@@ -224,12 +240,15 @@ class Models:
                 await self._unload(child)  # its process ended (killed, crashed): started again below
                 child = None
             if child is not None and (child.package.digest != package.digest
-                                      or (num_ctx is not None and num_ctx != child.num_ctx)):
-                await self._wait_idle(child)  # a new context (or a model replaced in the store): started again
+                                      or (num_ctx is not None and num_ctx != child.num_ctx)
+                                      or (embeddings and not child.embeddings)):
+                # a new context, embeddings (or a model replaced in the store): started again
+                embeddings = embeddings or child.embeddings
+                await self._wait_idle(child)
                 await self._unload(child)
                 child = None
             if child is None:
-                child = await self._load(key, package, num_ctx)
+                child = await self._load(key, package, num_ctx, embeddings)
             child.active += 1
             child.idle.clear()
             child.expires = None
@@ -297,7 +316,7 @@ class Models:
             return int(given)
         return min(DEFAULT_CONTEXT, trained or DEFAULT_CONTEXT)
 
-    async def _load(self, key: str, package: ModelPackage, num_ctx: int | None) -> Child:
+    async def _load(self, key: str, package: ModelPackage, num_ctx: int | None, embeddings: bool = False) -> Child:
         from ..runtime.budget import model_memory
         from ..runtime.llama import is_zipmoe_file
 
@@ -322,7 +341,7 @@ class Models:
                 await self._unload(self.children[victim])
         self.budget.make_room(tenant)
         await self._settle()
-        child = Child(key, package.name.display, package, ctx)
+        child = Child(key, package.name.display, package, ctx, embeddings=embeddings)
         t0 = time.monotonic()
         try:
             argv, env = await asyncio.to_thread(self._spawn, child, tenant, share, zipmoe, need.other_bytes)
@@ -380,6 +399,8 @@ class Models:
                 "-c", str(child.num_ctx * s.parallel), "--alias", child.name]  # each slot: the whole num_ctx
         if s.threads is not None:
             argv += ["-t", str(s.threads)]
+        if child.embeddings:
+            argv += ["--embeddings", *_pooling(path, s.llama_args)]
         argv += list(s.llama_args)
         child.log = self._log_dir / f"{child.name.replace('/', '_')}.{child.port}.log"
         self.budget.add(tenant, share, control=child.control, sizes=sizes, warm_fast=warm_fast,

@@ -116,6 +116,35 @@ def check_options(options: Any) -> dict[str, Any]:
     return out
 
 
+def embed_inputs(value: Any, key: str = "input") -> list[str]:
+    """The texts of an embedding request: Ollama's `input` (a string or a list of them; none: load the model only)
+    or the older /api/embeddings' `prompt`."""
+    if value is None or value == "":
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise bad_request(f"{key} must be a string or a list of strings")
+
+
+def embed_dimensions(value: Any) -> int | None:
+    if value is None or value == 0:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise bad_request(f"dimensions must be a positive integer, not {json.dumps(value)}")
+    return value
+
+
+def shorten(vector: Sequence[float], dimensions: int | None) -> list[float]:
+    """An embedding cut to its first `dimensions` and scaled to length 1 again, as Ollama answers `dimensions`."""
+    if dimensions is None or dimensions >= len(vector):
+        return list(vector)
+    head = list(vector[:dimensions])
+    norm = math.sqrt(sum(x * x for x in head))
+    return [x / norm for x in head] if norm > 0 else head
+
+
 def sampling_fields(parameters: Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, Any]:
     """llama-server's sampling fields: the model's PARAMETERs (a Modelfile's names are Ollama's options), then the
     request's options, which win; stop strings of both apply, as in Ollama."""

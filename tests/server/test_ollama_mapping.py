@@ -27,6 +27,21 @@ def test_a_bad_keep_alive_is_a_400(given: object) -> None:
     assert e.value.status == 400 and "keep_alive" in e.value.message
 
 
+def test_embedding_inputs_dimensions_and_shortening() -> None:
+    assert O.embed_inputs("a") == ["a"] and O.embed_inputs(["a", "b"]) == ["a", "b"]
+    assert O.embed_inputs(None) == [] and O.embed_inputs("") == []
+    for bad in (3, ["a", 1], {"a": 1}):
+        with pytest.raises(O.ApiError) as e:
+            O.embed_inputs(bad)
+        assert e.value.status == 400
+    assert O.embed_dimensions(None) is None and O.embed_dimensions(0) is None and O.embed_dimensions(4) == 4
+    for bad in (-1, 2.5, True, "4"):
+        with pytest.raises(O.ApiError):
+            O.embed_dimensions(bad)
+    assert O.shorten([3.0, 4.0, 12.0], 2) == [0.6, 0.8]
+    assert O.shorten([1.0, 2.0], 5) == [1.0, 2.0] and O.shorten([1.0, 2.0], None) == [1.0, 2.0]
+
+
 def test_options_become_llama_server_fields_and_the_request_wins() -> None:
     params = {"temperature": 0.7, "top_k": 20, "stop": ["<end>"], "num_ctx": 2048, "memory_budget": "1GiB"}
     options = O.check_options({"temperature": 0, "num_predict": 12, "seed": 7, "top_p": 0.9, "min_p": 0.05,
