@@ -89,3 +89,26 @@ def test_rates_from_a_calibration() -> None:
     assert from_calibration(raw, compute_seconds_per_token=1.0)[1].decoded_bytes == 3_000_000
     with pytest.raises(ValueError, match="compute per token"):
         from_calibration(raw)
+
+
+def test_bench_budget_reports_the_limit_of_each_row(tmp_path) -> None:
+    """bench_budget's row: the hand case above (200 bytes of cache, 5 tokens in 11 s) as llama-completion's eval
+    speed of the generated steps after a prompt step, and zipmoe's measured tg as a share of it."""
+    from helpers import load_tool
+
+    from pyzipmoe.plan import trace
+
+    bb = load_tool("bench/bench_budget.py")
+    path = tmp_path / "r.npz"
+    trace.save(path, routing([[e] for e in ORDER]))
+    res = {"tg_threads": 2, "limit_inputs": {"uniform": {
+        "routing_file": str(path), "timed_from": 1, "other_bytes": 1000,
+        "rates": {"read_seconds_per_expert": 3.0, "decode_core_seconds_per_expert": 2.0, "cores": 2},
+        "sizes": {"decoded_bytes": 100, "compressed_bytes": 50}}}}
+    z, free = {"tps": 0.4, "zipmoe_budget_bytes": 1200}, {"tps": 1.0}  # compute: 1 s a token
+    got = bb.row_limit(res, "uniform", z, free)
+    # steps 1..4: miss 3 + hit 1 + hit 1 + miss 3 = 8 s for 4 tokens
+    assert got["tps"] == pytest.approx(0.5) and got["share"] == pytest.approx(0.8) and got["layout"] == "decoded"
+    res["tg_threads"] = None  # llama-simple: its speed is the generated tokens (5) over prompt and generation (11 s)
+    assert bb.row_limit(res, "uniform", z, free)["tps"] == pytest.approx(5 / 11)
+    assert bb.row_limit(res, "skewed", z, free) is None and bb.row_limit(res, "uniform", None, free) is None

@@ -769,6 +769,85 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+# ------------------------------------------------------------------------------------------ the limit model
+
+RECORD_CHILD = """
+import json, sys
+import numpy as np
+from pyzipmoe import Llama
+from pyzipmoe.runtime.llama import last_logits
+job = json.loads(sys.argv[1])
+ctx = job["gen"] + 64
+llm = Llama(job["model"], n_ctx=ctx, n_batch=ctx, n_ubatch=ctx, n_threads=job["threads"], verbose=False,
+            record_routing=True)
+prompt = llm.tokenize(job["prompt"].encode())
+llm.eval(prompt)
+timed_from = llm.recorded_routing().n_steps
+for _ in range(job["gen"] - 1):  # greedy; the prompt's step gave the first token
+    llm.eval([int(np.argmax(last_logits(llm)))])
+llm.save_routing(job["out"])
+print(json.dumps({"timed_from": timed_from}))
+"""
+
+
+def record_limit_inputs(res: dict[str, Any], threads: int) -> None:
+    """For the limit model of every row (pyzipmoe/plan/limit.py; summarize computes it): each routing's zipmoe model
+    run unlimited by pyzipmoe.Llama on tg's prompt, greedy, its routing recorded (routing does not depend on the
+    budget), and this machine's calibration of the model's reads and decodes (zipmoe calibrate, through the stores).
+    Kept in res["limit_inputs"]; a failure is noted there, not fatal."""
+    from pyzipmoe.plan.limit import from_calibration
+    from pyzipmoe.runtime import runner
+    from pyzipmoe.runtime.budget import model_memory
+    from pyzipmoe.runtime.measure import calibrate
+
+    out: dict[str, Any] = {}
+    for routing, m in res["models"].items():
+        path = Path(m["zipmoe"]).with_suffix(".routing.npz")
+        job = {"model": m["zipmoe"], "gen": res["gen_tokens"], "prompt": res["prompt"], "threads": threads,
+               "out": str(path)}
+        try:
+            done = subprocess.run([sys.executable, "-c", RECORD_CHILD, json.dumps(job)],
+                                  env={**runner.environment(), "PYTHONPATH": str(REPO)}, capture_output=True,
+                                  text=True, timeout=res["timeout_s"], check=False)
+            if done.returncode != 0:
+                raise BenchError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed")
+            rates, sizes = from_calibration(calibrate(m["zipmoe"], engine=False), compute_seconds_per_token=1.0,
+                                            cores=threads)
+            out[routing] = {"routing_file": str(path), "timed_from": json.loads(done.stdout.splitlines()[-1])[
+                "timed_from"], "rates": vars(rates), "sizes": vars(sizes),
+                "other_bytes": model_memory(m["zipmoe"]).other_bytes}
+        except Exception as e:  # noqa: BLE001 (the limit is a report's extra: the runs stand without it)
+            out[routing] = {"error": f"{type(e).__name__}: {e}"}
+            say(f"warning: no limit model for {routing}: {out[routing]['error']}")
+    res["limit_inputs"] = out
+
+
+def row_limit(res: dict[str, Any], routing: str, z: dict[str, Any] | None,
+              free: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The limit model for zipmoe's tg run z under its budget: the compute per token is zipmoe's own unconstrained
+    tg's (free), the cache the budget less the weights that are not experts. llama-simple's speed counts the
+    prompt's time too (its generated tokens over prompt and generation), so its limit does; llama-completion's
+    eval speed is the generation's alone."""
+    from pyzipmoe.plan import trace
+    from pyzipmoe.plan.limit import ExpertSizes, Rates, limit
+
+    got = (res.get("limit_inputs") or {}).get(routing)
+    if not got or "error" in got or not z or not free or not z.get("tps") or not free.get("tps") \
+            or not z.get("zipmoe_budget_bytes"):
+        return None
+    rates = Rates(**{**got["rates"], "compute_seconds_per_token": 1 / free["tps"]})
+    recorded = trace.load(got["routing_file"])
+    with_prompt = not res.get("tg_threads")
+    try:
+        lim = limit(recorded, rates, ExpertSizes(**got["sizes"]), z["zipmoe_budget_bytes"] - got["other_bytes"],
+                    timed_from=0 if with_prompt else got["timed_from"])
+    except ValueError as e:
+        return {"error": str(e)}
+    generated = int(recorded.tokens[got["timed_from"]:].sum()) + 1  # (the prompt's step gives the first token)
+    tps = generated / lim.seconds if with_prompt else lim.tokens_per_second
+    return {"tps": tps, "share": z["tps"] / tps, "hits": lim.hits / max(1, lim.routed), "layout": lim.layout}
+
+
 # ------------------------------------------------------------------------------------------ the report
 
 
@@ -832,6 +911,8 @@ def summarize(res: dict[str, Any]) -> None:
             free = get("zipmoe", "tg", None)
             if budget is not None and z and free and z.get("tps") and free.get("tps"):
                 row["zipmoe_keeps"] = z["tps"] / free["tps"]  # of zipmoe's own unconstrained tg
+            if budget is not None:
+                row["limit"] = row_limit(res, routing, z, free)
             if res.get("variant"):
                 for test in ("tg", "pp"):
                     row[f"variant_{test}_ratio"] = ratio(get("variant", test), get("zipmoe", test))
@@ -1078,6 +1159,18 @@ def print_report(res: dict[str, Any]) -> None:
                          for test in res["tests"]]
                 same = {None: "-", True: "same text", False: "DIFFERENT TEXT"}[row.get("variant_match")]
                 print(f"  {'unconstrained' if b is None else f'{b:g}%':<13} {'; '.join(parts)}; {same}")
+        limits = [row for row in res["rows"][routing] if row.get("limit")]
+        if limits:
+            print("zipmoe tg against the limit model (the best a cache of its budget could reach on this prompt's "
+                  "routing: Belady's hits, reads overlapped with compute, decoding on every core; compute per token "
+                  "from zipmoe's unconstrained tg; pyzipmoe/plan/limit.py):")
+            for row in limits:
+                lim, z = row["limit"], _find(runs, routing, row["budget_pct"], "zipmoe", "tg")
+                print(f"  {row['budget_pct']:g}%{'':<8} " + (f"no limit: {lim['error']}" if "error" in lim else
+                      f"{_fmt_tps(z)} = {lim['share']:.0%} of {lim['tps']:.2f} t/s (Belady's hits {lim['hits']:.0%}, "
+                      f"experts kept {lim['layout']})"))
+        elif (res.get("limit_inputs") or {}).get(routing, {}).get("error"):
+            print(f"no limit model: {res['limit_inputs'][routing]['error']}")
         nr_differs = [row["budget_pct"] for row in res["rows"][routing] if row.get("stock_nr_same_text") is False]
         if nr_differs:
             print("stock-nr generated other text than stock (--no-repack computes the repacked types with other "
@@ -1362,6 +1455,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("bench_budget: interrupted", file=sys.stderr)
         return 130
+    if "tg" in args.tests and converted(res):
+        say("recording the routing and calibrating for the limit model ...")
+        record_limit_inputs(res, args.tg_threads or 4)  # (llama-simple: llama.cpp's default of 4 threads)
     summarize(res)
     if args.json:
         args.json.write_text(json.dumps(res, indent=2) + "\n")
