@@ -41,7 +41,7 @@ def test_sizes_past_what_a_machine_has_are_refused_in_one_line(text, says):
 def test_a_modelfile_size_past_the_bound_is_a_modelfile_error():
     from pyzipmoe.models.modelfile import ModelfileError, parse
 
-    with pytest.raises(ModelfileError, match="line 2: .* is not a size"):
+    with pytest.raises(ModelfileError, match="line 2: .* is more than zipmoe can address"):
         parse("FROM x.gguf\nPARAMETER memory_budget " + "9" * 400 + "\n", source="M")
 
 
