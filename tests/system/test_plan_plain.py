@@ -200,7 +200,7 @@ def test_plan_prints_a_plan_for_every_kind(kind: str, models: dict[str, Path], c
 def test_a_plain_gguf_without_experts_is_refused(non_moe_gguf: Path, capsys: pytest.CaptureFixture[str]):
     code = zipmoe_main(["plan", str(non_moe_gguf), "--memory-budget", "1MiB"])
     out, err = capsys.readouterr()
-    assert code == 1 and out == "" and "expert_count is missing" in err and err.count("\n") == 1, err
+    assert code == 2 and out == "" and "expert_count is missing" in err and err.count("\n") == 1, err
 
 
 # -------------------------------------------------------------------------------------- calibrate
