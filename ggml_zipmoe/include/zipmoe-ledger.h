@@ -11,7 +11,8 @@
  *   read_wait    waiting for bytes the reader has yet to bring from the file
  *   thread_wait  waiting for other threads: the graph's siblings finishing their share of an invocation, another
  *                invocation's plan, another graph's turn, a store's lock
- *   other        zipmoe's own work in its ops: plans, evictions, publishing, the ids' places
+ *   other        zipmoe's own work in its ops: plans, evictions, publishing, the ids' places, the fused op's setup
+ *                (the activations converted for its rows)
  *   between      from a graph's end to the same thread's next graph: llama.cpp's work outside the graph
  *                (inputs, logits), sampling and the caller (zipmoe_stats_reset starts a fresh span)
  * Clock reads only (CLOCK_MONOTONIC), on that thread only; the sums are process-wide and zeroed by

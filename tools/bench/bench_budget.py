@@ -790,13 +790,23 @@ print(json.dumps({"timed_from": timed_from}))
 """
 
 
+def record_env() -> dict[str, str]:
+    """The recording child's environment: zipmoe's build, the runtime's defaults (no budget from outside)."""
+    from pyzipmoe.runtime import runner
+    from pyzipmoe.runtime.config import RUNTIME_ENV
+
+    env = runner.environment(base={k: v for k, v in os.environ.items() if k not in RUNTIME_ENV})
+    env["LLAMA_CPP_LIB_PATH"] = str(runner.bin_dir())
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
 def record_limit_inputs(res: dict[str, Any], threads: int) -> None:
     """For the limit model of every row (pyzipmoe/plan/limit.py; summarize computes it): each routing's zipmoe model
     run unlimited by pyzipmoe.Llama on tg's prompt, greedy, its routing recorded (routing does not depend on the
     budget), and this machine's calibration of the model's reads and decodes (zipmoe calibrate, through the stores).
     Kept in res["limit_inputs"]; a failure is noted there, not fatal."""
     from pyzipmoe.plan.limit import from_calibration
-    from pyzipmoe.runtime import runner
     from pyzipmoe.runtime.budget import model_memory
     from pyzipmoe.runtime.measure import calibrate
 
@@ -807,7 +817,7 @@ def record_limit_inputs(res: dict[str, Any], threads: int) -> None:
                "out": str(path)}
         try:
             done = subprocess.run([sys.executable, "-c", RECORD_CHILD, json.dumps(job)],
-                                  env={**runner.environment(), "PYTHONPATH": str(REPO)}, capture_output=True,
+                                  env=record_env(), capture_output=True,
                                   text=True, timeout=res["timeout_s"], check=False)
             if done.returncode != 0:
                 raise BenchError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed")

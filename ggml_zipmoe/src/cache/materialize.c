@@ -331,12 +331,16 @@ static int64_t end_turn(zipmoe_store * s, zipmoe_turn * turn, const void * ids, 
          * A thread whose chunk is not read yet sleeps until it is. */
         for (int64_t g; status == 0 && (g = atomic_fetch_add(&s->next_chunk, 1)) < plan_n * n_chunks;) {
             const int64_t j = g / n_chunks, c = g % n_chunks;
-            while (plan[j].staged && turn->idle && atomic_load(&s->job.items[j].ready) == 0 &&
-                   turn->idle(turn->idle_ctx)) {
-            } /* (the caller's other work while its bytes are read) */
+            if (plan[j].staged && turn->idle && atomic_load(&s->job.items[j].ready) == 0) {
+                zipmoe_ledger_switch(ZIPMOE_LEDGER_COMPUTE); /* (the caller's other work while its bytes are read) */
+                while (atomic_load(&s->job.items[j].ready) == 0 && turn->idle(turn->idle_ctx)) {
+                }
+            }
             int64_t rc = ZIPMOE_OK;
             if (plan[j].staged) {
-                zipmoe_ledger_switch(ZIPMOE_LEDGER_READ_WAIT);
+                if (atomic_load(&s->job.items[j].ready) == 0) { /* (no clock read where the bytes are there) */
+                    zipmoe_ledger_switch(ZIPMOE_LEDGER_READ_WAIT);
+                }
                 rc = zipmoe_reader_wait_item(&s->job, j);
             }
             zipmoe_ledger_switch(ZIPMOE_LEDGER_DECODE);

@@ -161,12 +161,8 @@ static bool compute_block(mm_rows & m, bool decoded) {
 }
 
 // What a thread decoding for the store does while the bytes of its next chunk are read: a block of decoded rows.
-static int compute_ready_block(void * ctx) {
-    const int  part = zipmoe_ledger_switch(ZIPMOE_LEDGER_COMPUTE);
-    const bool more = compute_block(*static_cast<mm_rows *>(ctx), false);
-    zipmoe_ledger_switch(part);
-    return more;
-}
+// (the store counts its time as compute in the ledger: zipmoe-ledger.h)
+static int compute_ready_block(void * ctx) { return compute_block(*static_cast<mm_rows *>(ctx), false); }
 
 void zipmoe_llama_fused_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     auto *              zt  = static_cast<zipmoe_llama_tensor *>(userdata);
@@ -179,11 +175,12 @@ void zipmoe_llama_fused_op(ggml_tensor * dst, int ith, int nth, void * userdata)
     slot_groups         groups;
     zipmoe_turn         turn;
     static const bool   stream = zipmoe_llama_runtime_config().stream != 0;
-    const int           part   = zipmoe_ledger_switch(ZIPMOE_LEDGER_OTHER); // (the ledger's thread: zipmoe-ledger.h)
+    // the ledger (zipmoe-ledger.h): the op's setup (the activations' conversion too) is zipmoe's other work, the rows
+    // compute; two clock reads an invocation where every expert is decoded
+    const int           part   = zipmoe_ledger_switch(ZIPMOE_LEDGER_OTHER);
     // errors are recorded by the store and reported by llama_decode (zipmoe_llama_take_error)
     if (zipmoe_store_materialize_begin(zt->store, dst, ids->data, ids->ne[0], ids->ne[1], ids->nb[0], ids->nb[1],
                                        where, pending, stream ? ZIPMOE_TURN_STREAM : 0, ith, nth, &turn) >= 0) {
-        zipmoe_ledger_switch(ZIPMOE_LEDGER_COMPUTE); // (the activations' conversion)
         const ggml_type_traits_cpu *       traits = ggml_get_type_traits_cpu(w->type);
         const ggml_from_float_t            to_vdt = ggml_get_type_traits_cpu(traits->vec_dot_type)->from_float;
         const size_t                       xq_row = ggml_row_size(traits->vec_dot_type, x->ne[0]);
@@ -203,7 +200,6 @@ void zipmoe_llama_fused_op(ggml_tensor * dst, int ith, int nth, void * userdata)
             }
         }
         group_slots(expert, n_slot, groups);
-        zipmoe_ledger_switch(ZIPMOE_LEDGER_OTHER);
         zipmoe_tensor_info info;
         zipmoe_store_get_info(zt->store, &info);
         const int64_t unit_chunks = stream_unit_chunks(w->ne[0], info.chunk_n);
