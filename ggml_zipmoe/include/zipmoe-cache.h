@@ -49,6 +49,21 @@ ZIPMOE_API int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_byte
 #define ZIPMOE_MAX_SLOT_RULES 4096
 ZIPMOE_API int64_t zipmoe_cache_set_slots(const char * prefix, int64_t hot, int64_t warm, int64_t sm);
 
+/* A planner's slots as ZIPMOE_PLAN and --cache-plan write them, "<layer>:<hot>,<warm>,<sm>;..." (pyzipmoe.plan.solver
+ * encodes it; blanks before a number and a final ';' are allowed): each rule in turn to fn (which may be NULL: only
+ * check), stopping at the first result of fn that is not ZIPMOE_OK and returning it. ZIPMOE_ERR_CORRUPT where the
+ * text is no plan (anything but digits where a number goes, a layer above INT32_MAX, a count above INT64_MAX);
+ * ZIPMOE_ERR_ARG where it has more than ZIPMOE_MAX_SLOT_RULES rules. */
+typedef int64_t (*zipmoe_plan_rule_fn)(void * arg, int32_t layer, int64_t hot, int64_t warm, int64_t sm);
+ZIPMOE_API int64_t zipmoe_plan_parse(const char * text, zipmoe_plan_rule_fn fn, void * arg);
+/* What is wrong with a plan zipmoe_plan_parse refused with rc, as the end of a sentence that names the plan. */
+ZIPMOE_API const char * zipmoe_plan_problem(int64_t rc);
+
+/* The eviction policy named by ZIPMOE_CACHE_POLICY and --cache-policy: lfuda, tlfu, lru, lfu or fifo (ZIPMOE_OK,
+ * *out set), or ZIPMOE_ERR_ARG. */
+#define ZIPMOE_POLICY_NAMES "lfuda, tlfu, lru, lfu or fifo"
+ZIPMOE_API int64_t zipmoe_policy_parse(const char * name, zipmoe_policy * out);
+
 /* 1 (default): a store's invocation evicts what every other store's last invocation decoded beyond its limits,
  * which the engine must have read by then (ggml runs each op's matmul before the next expert tensor's op); the
  * budget then holds one expert tensor in flight. 0: only stores of other layers ("blk.N." names), for an engine

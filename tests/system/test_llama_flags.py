@@ -80,7 +80,7 @@ def test_completion_flag_twin_and_variable_agree(llama_lib_dir: Path, zipmoe_mod
     refused_var = completion(llama_lib_dir, zipmoe_model, base, clean_env(llama_lib_dir, **{var: bad}))
     assert refused_flag.returncode != 0 and refused_var.returncode != 0
     assert f"{var}={bad}" in refused_var.stderr or f"memory budget {bad}" in refused_var.stderr, refused_var.stderr
-    assert f"={bad} is not" in refused_flag.stderr or f"{flag} {bad} is not a memory budget" in refused_flag.stderr, \
+    assert f"={bad} is not" in refused_flag.stderr or f"error: {flag} {bad} is not" in refused_flag.stderr, \
         refused_flag.stderr
 
 
@@ -162,7 +162,8 @@ def test_bench_flag_and_variable_agree(llama_lib_dir: Path, zipmoe_model: Path) 
                                         ZIPMOE_MEMORY_BUDGET=budget, ZIPMOE_HOT_SHARE="0.5")
     assert zipmoe_lines(by_flag.stderr) == zipmoe_lines(by_var.stderr) and zipmoe_lines(by_flag.stderr)
     refused = bench(llama_lib_dir, zipmoe_model, ["--cache-policy", "nope"], clean_env(llama_lib_dir))
-    assert refused.returncode != 0 and "ZIPMOE_CACHE_POLICY=nope is not a policy" in refused.stderr
+    assert refused.returncode == 1
+    assert refused.stderr.splitlines() == ["error: --cache-policy nope is not a policy (lfuda, tlfu, lru, lfu or fifo)"]
     missing = bench(llama_lib_dir, zipmoe_model, ["--memory-budget"], clean_env(llama_lib_dir))
     assert missing.returncode != 0
 
@@ -305,6 +306,29 @@ def test_a_bad_budget_is_refused_while_the_arguments_are_parsed(llama_lib_dir: P
     assert "llama_model_load" not in done.stderr and "common_fit_params" not in done.stderr, done.stderr
 
 
+BAD_SETTINGS = [("policy", ["--cache-policy", "lfru"], {}, "error: --cache-policy lfru is not a policy (lfuda, tlfu, "
+                 "lru, lfu or fifo)"),
+                ("policy variable", [], {"ZIPMOE_CACHE_POLICY": "LRU"}, "error: ZIPMOE_CACHE_POLICY=LRU is not a "
+                 "policy (lfuda, tlfu, lru, lfu or fifo)"),
+                ("plan", ["--cache-plan", "0:1,1"], {}, "error: --cache-plan 0:1,1 is not a plan "
+                 "(\"<layer>:<hot>,<warm>,<sm>;...\", as `zipmoe plan` prints)"),
+                ("plan twin", [], {"LLAMA_ARG_CACHE_PLAN": "0:1,1,99999999999999999999"}, "error: "
+                 "LLAMA_ARG_CACHE_PLAN=0:1,1,99999999999999999999 is not a plan (\"<layer>:<hot>,<warm>,<sm>;...\", "
+                 "as `zipmoe plan` prints)")]
+
+
+@pytest.mark.parametrize("how,flags,extra,line", BAD_SETTINGS, ids=[b[0] for b in BAD_SETTINGS])
+def test_a_bad_policy_or_plan_is_refused_while_the_arguments_are_parsed(llama_lib_dir: Path, zipmoe_model: Path,
+                                                                         how: str, flags: list[str],
+                                                                         extra: dict[str, str], line: str) -> None:
+    """What zipmoe's parsers refuse without a model is refused before loading (at load it was printed twice, the
+    memory-fit pass's between): one line, exit status 1."""
+    done = run_program(llama_lib_dir, "llama-completion", ["-m", str(zipmoe_model), "-n", "1", "-p", PROMPT, *flags],
+                       clean_env(llama_lib_dir, **extra))
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert [ln for ln in done.stderr.splitlines() if "error" in ln] == [line], done.stderr[-2000:]
+
+
 def test_llama_bench_refuses_a_bad_budget_before_loading(llama_lib_dir: Path, zipmoe_model: Path) -> None:
     done = bench(llama_lib_dir, zipmoe_model, ["--memory-budget", "12 parsecs"], clean_env(llama_lib_dir))
     assert done.returncode == 1
@@ -374,7 +398,7 @@ def test_the_help_says_what_the_runtime_does(llama_lib_dir: Path, name: str) -> 
     assert "(default: lfuda)" in text and "(default: tlfu)" not in text
     assert "a plain GGUF ignores it" not in text
     assert "plain GGUF" in text and "or auto" in text
-    source = (Path(__file__).parents[2] / "ggml_zipmoe/src/op/zipmoe-config.cpp").read_text()
+    source = (Path(__file__).parents[2] / "ggml_zipmoe/src/cache/config.c").read_text()  # (zipmoe_policy_parse)
     for policy in ("lfuda", "tlfu", "lru", "lfu", "fifo"):
         assert f"{{ \"{policy}\", ZIPMOE_POLICY_" in source and f" {policy}" in text, policy
 

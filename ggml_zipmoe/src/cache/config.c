@@ -384,6 +384,85 @@ int64_t zipmoe_cache_set_slots(const char * prefix, int64_t hot, int64_t warm, i
     return rc;
 }
 
+/* A count of a plan: optional blanks, then decimal digits, at most max (no sign, no overflow); the end, or NULL. */
+static const char * plan_number(const char * p, uint64_t max, uint64_t * out) {
+    while (*p == ' ' || *p == '\t') {
+        p++;
+    }
+    if (*p < '0' || *p > '9') {
+        return NULL;
+    }
+    for (*out = 0; *p >= '0' && *p <= '9'; p++) {
+        const uint64_t digit = (uint64_t) (*p - '0');
+        if (*out > (max - digit) / 10) {
+            return NULL;
+        }
+        *out = *out * 10 + digit;
+    }
+    return p;
+}
+
+int64_t zipmoe_plan_parse(const char * text, zipmoe_plan_rule_fn fn, void * arg) {
+    if (!text) {
+        return ZIPMOE_ERR_ARG;
+    }
+    size_t n_rules = 0;
+    for (const char * p = text; *p;) {
+        uint64_t v[4] = { 0 };
+        for (int i = 0; i < 4 && p; i++) {
+            p = plan_number(p, i == 0 ? (uint64_t) INT32_MAX : (uint64_t) INT64_MAX, &v[i]);
+            if (p && i < 3) {
+                p = *p == (i == 0 ? ':' : ',') ? p + 1 : NULL;
+            }
+        }
+        if (!p || (*p != ';' && *p != 0)) {
+            return ZIPMOE_ERR_CORRUPT;
+        }
+        p += *p == ';';
+        if (++n_rules > ZIPMOE_MAX_SLOT_RULES) {
+            return ZIPMOE_ERR_ARG;
+        }
+        const int64_t rc = fn ? fn(arg, (int32_t) v[0], (int64_t) v[1], (int64_t) v[2], (int64_t) v[3]) : ZIPMOE_OK;
+        if (rc != ZIPMOE_OK) {
+            return rc;
+        }
+    }
+    return ZIPMOE_OK;
+}
+
+#define PLAN_STR_(x) #x
+#define PLAN_STR(x)  PLAN_STR_(x)
+
+const char * zipmoe_plan_problem(int64_t rc) {
+    switch (rc) {
+        case ZIPMOE_ERR_CORRUPT:
+            return " is not a plan (\"<layer>:<hot>,<warm>,<sm>;...\", as `zipmoe plan` prints)";
+        case ZIPMOE_ERR_ARG:
+            return " has rules for more layers than the cache's limit of " PLAN_STR(ZIPMOE_MAX_SLOT_RULES);
+        default:
+            return " cannot be kept (out of memory)";
+    }
+}
+
+int64_t zipmoe_policy_parse(const char * name, zipmoe_policy * out) {
+    static const struct {
+        const char *  name;
+        zipmoe_policy policy;
+    } names[] = {
+        { "lfuda", ZIPMOE_POLICY_LFUDA }, { "tlfu", ZIPMOE_POLICY_TOKEN_LFU }, { "lru", ZIPMOE_POLICY_LRU },
+        { "lfu", ZIPMOE_POLICY_LFU },     { "fifo", ZIPMOE_POLICY_FIFO },
+    };
+    for (size_t i = 0; name && i < sizeof names / sizeof names[0]; i++) {
+        if (strcmp(name, names[i].name) == 0) {
+            if (out) {
+                *out = names[i].policy;
+            }
+            return ZIPMOE_OK;
+        }
+    }
+    return ZIPMOE_ERR_ARG;
+}
+
 /* Under s->mu: the store's tier limits for the current configuration. */
 void cache_refresh_limits(zipmoe_store * s) {
     pthread_mutex_lock(&g_cfg.mu);

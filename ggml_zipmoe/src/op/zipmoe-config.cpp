@@ -67,58 +67,19 @@ static bool parse_fraction(const char * name, const char * v, double & out, std:
     return true;
 }
 
-// A count of ZIPMOE_PLAN: optional blanks, then decimal digits, at most max (no sign, no overflow); the end, or
-// nullptr.
-static const char * plan_number(const char * p, uint64_t max, uint64_t & out) {
-    while (*p == ' ' || *p == '\t') {
-        p++;
-    }
-    if (*p < '0' || *p > '9') {
-        return nullptr;
-    }
-    for (out = 0; *p >= '0' && *p <= '9'; p++) {
-        const uint64_t digit = (uint64_t) (*p - '0');
-        if (out > (max - digit) / 10) {
-            return nullptr;
-        }
-        out = out * 10 + digit;
-    }
-    return p;
-}
-
-// ZIPMOE_PLAN: a planner's slots per layer, "<layer>:<hot>,<warm>,<sm>;..." (pyzipmoe.plan.solver encodes it), at
-// most ZIPMOE_MAX_SLOT_RULES layers.
+// ZIPMOE_PLAN: a planner's slots per layer (zipmoe_plan_parse reads them), at most ZIPMOE_MAX_SLOT_RULES layers.
 static bool apply_plan(const char * plan, std::string & err) {
     zipmoe_cache_set_slots(nullptr, 0, 0, 0);
-    const std::string bad = std::string("ZIPMOE_PLAN=") + plan + " is not a plan (\"<layer>:<hot>,<warm>,<sm>;...\", as `zipmoe plan` prints)";
-    for (const char * p = plan; *p;) {
-        uint64_t v[4] = {};
-        for (int i = 0; i < 4 && p; i++) {
-            p = plan_number(p, i == 0 ? (uint64_t) INT32_MAX : (uint64_t) INT64_MAX, v[i]);
-            if (p && i < 3) {
-                p = *p == (i == 0 ? ':' : ',') ? p + 1 : nullptr;
-            }
-        }
-        if (!p || (*p != ';' && *p != '\0')) {
-            zipmoe_cache_set_slots(nullptr, 0, 0, 0);
-            err = bad;
-            return false;
-        }
-        const std::string prefix = "blk." + std::to_string(v[0]) + ".";
-        if (const int64_t rc = zipmoe_cache_set_slots(prefix.c_str(), (int64_t) v[1], (int64_t) v[2], (int64_t) v[3]);
-            rc != ZIPMOE_OK) {
-            zipmoe_cache_set_slots(nullptr, 0, 0, 0);
-            err = rc == ZIPMOE_ERR_ARG ? "ZIPMOE_PLAN has rules for more than " + std::to_string(ZIPMOE_MAX_SLOT_RULES) +
-                                             " layers, the cache's limit (the first beyond it: layer " +
-                                             std::to_string(v[0]) + ")"
-                                       : std::string("ZIPMOE_PLAN cannot be kept: ") + zipmoe_status_str(rc);
-            return false;
-        }
-        p += *p == ';';
+    const int64_t rc = zipmoe_plan_parse(plan, [](void *, int32_t layer, int64_t hot, int64_t warm, int64_t sm) {
+        return zipmoe_cache_set_slots(("blk." + std::to_string(layer) + ".").c_str(), hot, warm, sm);
+    }, nullptr);
+    if (rc != ZIPMOE_OK) {
+        zipmoe_cache_set_slots(nullptr, 0, 0, 0);
+        err = std::string("ZIPMOE_PLAN=") + plan + zipmoe_plan_problem(rc);
+        return false;
     }
     return true;
 }
-
 
 // The load line's word on the budget's changes: a plain GGUF's stays fixed (nothing supervises it, whoever ran it).
 static std::string control_note(bool raw) {
@@ -209,23 +170,9 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
     } else {
         info = "zipmoe: no memory budget: decoded experts are kept (set ZIPMOE_MEMORY_BUDGET or --memory-budget)";
     }
-    if (const char * v = env.cache_policy) {
-        static const std::pair<const char *, zipmoe_policy> names[] = {
-            { "tlfu", ZIPMOE_POLICY_TOKEN_LFU }, { "lru", ZIPMOE_POLICY_LRU },
-            { "lfu", ZIPMOE_POLICY_LFU },        { "fifo", ZIPMOE_POLICY_FIFO },
-            { "lfuda", ZIPMOE_POLICY_LFUDA },
-        };
-        bool found = false;
-        for (const auto & [name, p] : names) {
-            if (std::strcmp(v, name) == 0) {
-                policy = p;
-                found  = true;
-            }
-        }
-        if (!found) {
-            err = std::string("ZIPMOE_CACHE_POLICY=") + v + " is not a policy (tlfu, lru, lfu, fifo or lfuda)";
-            return false;
-        }
+    if (const char * v = env.cache_policy; v && zipmoe_policy_parse(v, &policy) != ZIPMOE_OK) {
+        err = std::string("ZIPMOE_CACHE_POLICY=") + v + " is not a policy (" ZIPMOE_POLICY_NAMES ")";
+        return false;
     }
     if (const char * v = env.direct_io) {
         if (std::strcmp(v, "0") != 0 && std::strcmp(v, "1") != 0) {
