@@ -410,7 +410,8 @@ async def _chat_prompt(models: Models, child: Child, prompt: str, system: str | 
     messages = child.package.chat_messages(turn)
     if template is not None:
         return _render(template, messages)
-    async with models.session.post(f"{child.url}/apply-template", json={"messages": messages}, headers=child.headers) as r:
+    async with models.session.post(f"{child.url}/apply-template", json={"messages": messages},
+                                   headers=child.headers) as r:
         if r.status != 200:
             raise await _upstream_error(r)
         return str((await r.json())["prompt"])
