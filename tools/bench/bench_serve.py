@@ -13,7 +13,8 @@ Rows (each a streamed chat turn, greedy, --gen tokens; medians of --reps interle
                  token after a switch, and whether any model's process was started again (reloads)
 First token: from sending the request to the first byte of generated text, at the client. Tokens/s: the tokens
 after the first over the time from the first to the last, at the client (what a user sees; llama-server's own
-timings are reported beside it). Outside llama-server: a request's wall time at the client less llama-server's
+timings are reported beside it; client/server: the first over the second, the share of llama-server's own rate
+that reaches the client, which the machine's noise in the computation leaves alone). Outside llama-server: a request's wall time at the client less llama-server's
 own prompt and generation time (its timings): HTTP, queueing, templating, and the layer; on a machine shared with
 other work the computation's time varies far more than this does. Front CPU per token: the CPU time (user and
 system, /proc/PID/stat) the `zipmoe serve` process itself spent on a row's requests, over the tokens it passed on:
@@ -241,12 +242,15 @@ def print_report(res: dict[str, Any]) -> None:
           f"{res['budget'] / 2**20:.1f} MiB (the whole model: {res['whole'] / 2**20:.1f} MiB); medians of "
           f"{res['reps']} interleaved rounds")
     print(f"{'':14} {'first token':>12} {'vs baseline':>12} {'tokens/s':>10} {'vs baseline':>12} "
-          f"{'server tok/s':>13} {'its range':>14}")
+          f"{'server tok/s':>13} {'its range':>14} {'client/server':>14}")
     for name, r in res["rows"].items():
         tps = [x["server_tps"] for x in res["samples"][name]]
+        # tokens/s at the client over the same process's own: what the path from llama-server to the client keeps
+        # of its rate, which the machine's noise in the computation leaves alone
+        kept = f"{r['tps'] / r['server_tps'] * 100:13.1f}%" if r["server_tps"] else f"{'':>14}"
         print(f"{name:14} {r['first'] * 1e3:9.2f} ms {(r['first'] - base['first']) * 1e3:+9.2f} ms "
               f"{r['tps']:10.1f} {(r['tps'] / base['tps'] - 1) * 100 if base['tps'] else 0:+11.1f}% "
-              f"{r['server_tps']:13.1f} {min(tps):6.0f}-{max(tps):<7.0f}")
+              f"{r['server_tps']:13.1f} {min(tps):6.0f}-{max(tps):<7.0f} {kept}")
     print()
     print(f"{'':14} {'outside llama-server':>21} {'vs baseline':>12}   (a request's wall time less llama-server's own "
           "prompt and generation time)")
