@@ -162,3 +162,47 @@ def test_shared_budget_publishes_each_model_s_share_through_its_control_file(zip
     finally:
         for c in controls.values():
             c.close()
+
+
+class _Content:
+    """What _sse reads of a response: its body in the reads given."""
+
+    def __init__(self, reads: list[bytes]) -> None:
+        self.reads = reads
+
+    async def iter_any(self):  # type: ignore[no-untyped-def]
+        for r in self.reads:
+            yield r
+
+
+class _Response:
+    def __init__(self, reads: list[bytes]) -> None:
+        self.content = _Content(reads)
+
+
+def _events_of(reads: list[bytes]) -> list[list[dict]]:
+    import asyncio
+
+    from pyzipmoe.server.app import _sse
+
+    async def collect() -> list[list[dict]]:
+        return [batch async for batch in _sse(_Response(reads))]  # type: ignore[arg-type]
+
+    return asyncio.run(collect())
+
+
+def test_server_sent_events_split_across_reads_and_batched_within_one() -> None:
+    """llama-server's stream as the front reads it: an event split over two reads comes out whole, the events of one
+    read come out together (answered with one write), [DONE] ends it, a last event without a newline still counts."""
+    a, b, c = b'data: {"content": "a"}\n\n', b'data: {"content": "b"}\n\n', b'data: {"content": "c", "stop": true}'
+    assert _events_of([a[:9], a[9:] + b, c]) == [[{"content": "a"}, {"content": "b"}],
+                                                 [{"content": "c", "stop": True}]]
+    assert _events_of([a + b + b"data: [DONE]\n\n" + a]) == [[{"content": "a"}, {"content": "b"}]]
+    assert _events_of([b": comment\n\n", a]) == [[{"content": "a"}]]
+
+
+def test_an_error_in_the_stream_is_an_api_error() -> None:
+    for reads in ([b'data: {"error": {"message": "boom"}}\n\n'], [b'error: {"message": "boom"}\n\n']):
+        with pytest.raises(O.ApiError) as e:
+            _events_of(reads)
+        assert e.value.message == "boom"
