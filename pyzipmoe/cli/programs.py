@@ -31,7 +31,29 @@ def _common_llama_flags(args: argparse.Namespace) -> list[str]:
         flags += ["-t", str(args.threads)]
     if getattr(args, "ctx_size", None) is not None:
         flags += ["-c", str(args.ctx_size)]
+    if getattr(args, "rpc", None):
+        flags += ["--rpc", args.rpc, "-ngl", "all"]  # (every layer on the devices; -ngl after -- wins)
+    if getattr(args, "tensor_split", None):
+        flags += ["-ts", ",".join(f"{x:g}" for x in args.tensor_split)]
     return flags
+
+
+def _rpc_options(args: argparse.Namespace) -> dict[str, Any]:
+    """--rpc and --tensor-split as pyzipmoe.Llama's arguments (none given: none)."""
+    if not getattr(args, "rpc", None):
+        return {}
+    return {"rpc_servers": args.rpc, **({"tensor_split": args.tensor_split} if args.tensor_split else {})}
+
+
+def split_list(text: str) -> list[float]:
+    """--tensor-split: comma-separated non-negative proportions, e.g. 3,1."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if not values or any(not v >= 0 for v in values) or sum(values) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: proportions must be >= 0, not all 0")
+    return values
 
 
 def _is_text(prompt: str) -> bool:
@@ -131,7 +153,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                                  options={"memory_budget": args.memory_budget,
                                           "cache_policy": args.policy, "hot_share": args.hot_share,
                                           "sm_share": args.sm_share, "trace": args.trace,
-                                          "planner": args.planner})
+                                          "planner": args.planner, **_rpc_options(args)})
     print()
     if args.stats:
         runner.print_completion_stats(completion)
@@ -156,6 +178,8 @@ def _check_history(model: str, package: Any, n_ctx: int | None, extra: list[str]
 
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.model is None:
+        if args.rpc:
+            raise ZipmoeError("--rpc splits one model: give it, zipmoe serve MODEL --rpc HOST:PORT,...")
         from .server import serve_store
 
         return serve_store(args)
@@ -269,10 +293,19 @@ def _cache_settings(args: argparse.Namespace, model: str) -> dict[str, str]:
                                sm_share=args.sm_share, trace=args.trace, is_zipmoe=is_zipmoe, use_planner=use_planner)
 
 
-def _add_llama_options(p: argparse.ArgumentParser, *, ctx: str | None = "default: llama.cpp's") -> None:
+def _add_llama_options(p: argparse.ArgumentParser, *, ctx: str | None = "default: llama.cpp's",
+                       rpc: bool = True) -> None:
     p.add_argument("-t", "--threads", type=positive, metavar="N", help="CPU threads (default: llama.cpp's)")
     if ctx:
         p.add_argument("-c", "--ctx-size", type=positive, metavar="N", help=f"context size in tokens ({ctx})")
+    if rpc:
+        p.add_argument("--rpc", metavar="SERVERS",
+                       help="split the model's layers across ggml-rpc-server processes, host:port,... (llama.cpp's "
+                            "--rpc, with every layer offloaded). A zipmoe model's experts stay on this machine and "
+                            "run on its CPU under its --memory-budget (docs/rpc.md)")
+        p.add_argument("-ts", "--tensor-split", type=split_list, metavar="N0,N1,...",
+                       help="with --rpc: the share of the layers for each server, e.g. 1,1 (default: by their free "
+                            "memory)")
     p.add_argument("--memory-budget", metavar="SIZE",
                    help="everything the model may keep resident: e.g. 6GiB, 512MiB, 60%%, or auto (what the machine "
                         "or container has free, less a margin). It holds the weights that are not experts, the "
@@ -392,4 +425,4 @@ def register(sub: Any) -> None:
                         "its speed as a share of the limit model's for the budget's expert cache, on that run's own "
                         "routing, with this machine's rates (zipmoe calibrate's, measured if none are kept; the "
                         "compute per token from the same generation unbounded)")
-    _add_llama_options(p, ctx=None)
+    _add_llama_options(p, ctx=None, rpc=False)

@@ -23,11 +23,12 @@ import contextlib
 import ctypes
 import logging
 import os
+import socket
 import struct
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,55 @@ def library_supports_zipmoe(path: Path | None = None) -> bool:
         return ZIPMOE_LIB_NAME in _elf_needed(path)
     except (OSError, ValueError, struct.error, IndexError):
         return False
+
+
+# ------------------------------------------------------------------------------------------ RPC servers
+
+RPC_CONNECT_TIMEOUT = 10.0  # seconds for an endpoint to accept a connection before it counts as not answering
+_rpc_added: set[str] = set()
+
+
+def rpc_endpoints(servers: str | Sequence[str]) -> list[str]:
+    """ "host:port,host:port" (or a list of such) as a list of endpoints; a malformed one raises ZipmoeLoadError."""
+    items = servers.split(",") if isinstance(servers, str) else list(servers)
+    endpoints = [e.strip() for e in items if e.strip()]
+    if not endpoints:
+        raise ZipmoeLoadError("rpc_servers names no server (host:port,...)")
+    for e in endpoints:
+        host, _, port = e.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ZipmoeLoadError(f"RPC server {e!r} is not host:port")
+    return endpoints
+
+
+def add_rpc_servers(servers: str | Sequence[str]) -> list[str]:
+    """Adds the devices of ggml-rpc-server endpoints to this process's ggml (what llama.cpp's --rpc does), once
+    per endpoint; each must accept a connection first (ggml-rpc ends the process when it cannot connect)."""
+    endpoints = rpc_endpoints(servers)
+    for e in endpoints:
+        host, _, port = e.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=RPC_CONNECT_TIMEOUT).close()
+        except OSError as err:
+            raise ZipmoeLoadError(f"cannot connect to the RPC server {e} ({err.strerror or err}); start "
+                                  "ggml-rpc-server there (docs/rpc.md)") from None
+    ggml = ctypes.CDLL(str(loaded_library().parent / "libggml.so"))
+    ggml.ggml_backend_reg_by_name.restype = ctypes.c_void_p
+    ggml.ggml_backend_reg_by_name.argtypes = [ctypes.c_char_p]
+    ggml.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+    ggml.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    ggml.ggml_backend_register.argtypes = [ctypes.c_void_p]
+    reg = ggml.ggml_backend_reg_by_name(b"RPC")
+    add = ggml.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_rpc_add_server") if reg else None
+    if not add:
+        raise UnsupportedError(f"the libllama in use ({loaded_library()}) was built without the RPC backend; "
+                               "build it with `bash tools/setup.sh`")
+    add_server = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)(add)
+    for e in endpoints:
+        if e not in _rpc_added:
+            ggml.ggml_backend_register(add_server(e.encode()))
+            _rpc_added.add(e)
+    return endpoints
 
 
 # -------------------------------------------------------------------------------- llama.cpp's error log
@@ -311,6 +361,11 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
     prefill: fill the cache at load, on every core, so that the first tokens find their experts decoded (as
         llama.cpp's read-ahead fills the page cache for a plain model). None (default): as ZIPMOE_PREFILL says
         (on unless "0").
+    rpc_servers: ggml-rpc-server endpoints, "host:port,host:port" or a list (llama.cpp's --rpc): their devices join
+        this process (for every model it loads from then on, as --rpc does) and the model's layers are split across
+        them by tensor_split (default: by their free memory); n_gpu_layers defaults to all layers then. A zipmoe
+        model's experts stay in this process and run on its CPU under its budget (docs/rpc.md). An endpoint that
+        does not answer raises ZipmoeLoadError before anything is loaded.
     n_ctx, n_threads, n_threads_batch (llama_cpp.Llama's): checked before they reach llama.cpp's 32-bit fields, a
         context from 0 (the model's) to config.MAX_CONTEXT tokens, threads from 1 to config.MAX_THREADS (ggml's
         maximum; None or 0: llama-cpp-python's default, at most that); a ValueError (ZipmoeError) says which.
@@ -323,10 +378,14 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
                  memory_budget: str | int | None = None, cache_policy: str | None = None,
                  hot_share: float | None = None, sm_share: float | None = None, trace: str | None = None,
                  plan: str | None = None, planner: bool | None = None, adapt: bool | None = None,
-                 prefill: bool | None = None, record_routing: bool = False, **kwargs: Any) -> None:
+                 prefill: bool | None = None, record_routing: bool = False,
+                 rpc_servers: str | Sequence[str] | None = None, **kwargs: Any) -> None:
         self._stack = contextlib.ExitStack()  # llama_cpp.Llama.__del__ closes it, also after a failed __init__
         self.zipmoe_monitor = None
         _check_limits(kwargs)
+        if rpc_servers:
+            add_rpc_servers(rpc_servers)
+            kwargs.setdefault("n_gpu_layers", -1)  # (llama-cpp-python's default, 0, would leave them unused)
         if zipmoe_cache not in CACHE_MODES:
             raise ValueError(f"zipmoe_cache must be one of {', '.join(CACHE_MODES)}, not {zipmoe_cache!r}")
         self.zipmoe_cache = zipmoe_cache
