@@ -1,0 +1,211 @@
+"""A model split across llama.cpp's RPC servers (ggml-rpc-server, --rpc): the same logits as in one process.
+
+Two ggml-rpc-server processes on 127.0.0.1 (different ports) each take one of a tiny model's two MoE layers
+(tensor_split 1,2 over its three: the output layer goes with the second; every layer offloaded). A zipmoe model's expert ops cannot run on a server (their parameters are
+the client's pointers; patches/0012): its experts stay in the client and its expert nodes run on the client's CPU,
+and the logits of the prompt and of 16 greedy tokens must be bit-identical to the single-process run's, unbounded
+and under the tightest budget; a plain BF16 model too (stock RPC). A server killed mid-run: the client ends with one
+line and exit status 1, within seconds (no hang, no abort). A server that does not answer: refused before loading.
+
+Each run is a child process (a crash fails one test). These tests need zipmoe's build with the RPC backend
+(build/bin/ggml-rpc-server, libllama.so) and llama-cpp-python: without them they are skipped (failed under CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import assert_bit_identical, kill_group, llama_bin_dir, stderr_tail, unavailable, worker_env
+
+PROMPT = "the expert model said hello to the world of water and time"
+N_GEN = 16
+TIMEOUT = 300  # seconds for one child process
+KILL_DEADLINE = 30  # seconds from a server's death to the client's exit
+
+
+# ----------------------------------------------------------------------------------------- servers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(bin_dir: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A ggml-rpc-server on 127.0.0.1 (one thread), once it accepts connections: (process, "host:port")."""
+    program = bin_dir / "ggml-rpc-server"
+    if not program.is_file():
+        unavailable(f"{program} was not built (the build turns GGML_RPC on)")
+    port = _free_port()
+    proc = subprocess.Popen([str(program), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+                            stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env=worker_env(bin_dir))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"ggml-rpc-server exited ({proc.returncode}): {log.read_text()[-2000:]}"
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, f"127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.1)
+    kill_group(proc)
+    raise AssertionError(f"ggml-rpc-server did not listen on {port}: {log.read_text()[-2000:]}")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Two servers for the module's runs (a server serves one client at a time, and frees its memory after)."""
+    bin_dir = llama_bin_dir()
+    logs = tmp_path_factory.mktemp("rpc")
+    procs = []
+    try:
+        for i in range(2):
+            procs.append(start_server(bin_dir, logs / f"server{i}.log"))
+        yield ",".join(ep for _, ep in procs)
+    finally:
+        for proc, _ in procs:
+            kill_group(proc)
+
+
+# ------------------------------------------------------------------------------------------ worker
+
+WORKER = r"""
+import json, sys
+import numpy as np
+job = json.loads(sys.argv[1])
+from pyzipmoe.runtime.llama import Llama
+llm = Llama(job["model"], n_ctx=128, n_threads=2, n_threads_batch=2, logits_all=True, seed=0, verbose=job["verbose"],
+            prefill=False, **job["llama"])
+print("loaded", flush=True)
+tokens = llm.tokenize(job["prompt"].encode())
+llm.eval(tokens)
+generated = []
+for _ in range(job["n_gen"]):
+    nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    generated.append(nxt)
+    print("token", nxt, flush=True)
+    llm.eval([nxt])
+np.save(job["out"], np.array(llm.scores[: llm.n_tokens], dtype=np.float32))
+print(json.dumps({"generated": generated}))
+llm.close()
+"""
+
+
+def _job(model: Path, out: Path, llama: dict[str, Any], n_gen: int = N_GEN, verbose: bool = False) -> str:
+    return json.dumps({"model": str(model), "out": str(out), "llama": llama, "prompt": PROMPT, "n_gen": n_gen,
+                       "verbose": verbose})
+
+
+def run(model: Path, out: Path, llama: dict[str, Any], verbose: bool = False) -> tuple[list[int], np.ndarray, str]:
+    """The prompt's and N_GEN greedy tokens' logits of `model` loaded with `llama` (Llama's arguments) in a child:
+    (generated tokens, float32 logits [positions, n_vocab], its stderr)."""
+    done = subprocess.run([sys.executable, "-c", WORKER, _job(model, out, llama, verbose=verbose)],
+                          env=worker_env(llama_bin_dir()), capture_output=True, text=True, timeout=TIMEOUT,
+                          check=False)
+    assert done.returncode == 0, f"the worker failed ({done.returncode}) on {model}:\n{stderr_tail(done.stderr)}"
+    return json.loads(done.stdout.strip().splitlines()[-1])["generated"], np.load(out), done.stderr
+
+
+def _split(servers: str) -> dict[str, Any]:
+    return {"rpc_servers": servers, "tensor_split": [1.0, 2.0], "n_gpu_layers": -1}
+
+
+# ------------------------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("budget", [None, "minimum"])
+def test_zipmoe_split_across_two_servers_is_bit_identical(zipmoe_model: Path, servers: str, budget: str | None,
+                                                          tmp_path: Path) -> None:
+    """A MoE layer on each server: the experts run on the client's CPU (one log line says so), the logits and
+    the greedy tokens are the single-process run's, bit for bit, also under the tightest budget."""
+    from pyzipmoe.runtime.budget import model_memory
+
+    zipmoe = {} if budget is None else {"memory_budget": str(model_memory(zipmoe_model).minimum)}
+    ref_tokens, ref, _ = run(zipmoe_model, tmp_path / "one.npy", zipmoe)
+    tokens, got, err = run(zipmoe_model, tmp_path / "rpc.npy", {**zipmoe, **_split(servers)}, verbose=True)
+    assert tokens == ref_tokens
+    assert_bit_identical(got, ref, f"zipmoe over RPC (budget {budget})")
+    said = [ln for ln in err.splitlines() if "experts of layers on RPC devices" in ln]
+    assert len(said) == 1 and "run on its CPU" in said[0], stderr_tail(err)
+    # a layer did go to each server (else this compares the single-process run with itself)
+    for endpoint in servers.split(","):
+        assert any(endpoint in ln and "KV buffer size" in ln for ln in err.splitlines()), stderr_tail(err)
+
+
+def test_plain_model_split_across_two_servers_is_bit_identical(tiny_model: Path, servers: str,
+                                                               tmp_path: Path) -> None:
+    """A plain BF16 model over the same servers: stock RPC (its experts go to the servers), the same logits."""
+    ref_tokens, ref, _ = run(tiny_model, tmp_path / "one.npy", {})
+    tokens, got, err = run(tiny_model, tmp_path / "rpc.npy", _split(servers), verbose=True)
+    assert tokens == ref_tokens
+    assert_bit_identical(got, ref, "plain BF16 model over RPC")
+    assert "experts of layers on RPC devices" not in err
+
+
+def test_server_killed_mid_run_ends_the_client_with_one_line(zipmoe_model: Path, tmp_path: Path) -> None:
+    """One of the two servers is killed after the client's first generated token: the client exits with status 1
+    and a line saying the connection to an RPC server was lost, within KILL_DEADLINE seconds (no hang, no
+    SIGABRT with a backtrace)."""
+    bin_dir = llama_bin_dir()
+    procs = [start_server(bin_dir, tmp_path / f"server{i}.log") for i in range(2)]
+    client = None
+    try:
+        job = _job(zipmoe_model, tmp_path / "x.npy", _split(",".join(ep for _, ep in procs)), n_gen=10_000)
+        client = subprocess.Popen([sys.executable, "-c", WORKER, job], env=worker_env(bin_dir),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        first = ""
+        while not first.startswith("token"):
+            first = client.stdout.readline()
+            assert first, f"the client ended before generating: {stderr_tail(client.stderr.read())}"
+        kill_group(procs[1][0])
+        killed = time.monotonic()
+        try:
+            _, err = client.communicate(timeout=KILL_DEADLINE)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the client still runs {KILL_DEADLINE} s after its server died")
+        assert time.monotonic() - killed < KILL_DEADLINE
+        assert client.returncode == 1, f"exit status {client.returncode}:\n{stderr_tail(err)}"
+        lines = [ln for ln in err.splitlines() if ln.startswith("error: ggml-rpc: lost the connection")]
+        assert len(lines) == 1, stderr_tail(err)
+    finally:
+        if client is not None and client.poll() is None:
+            kill_group(client)
+        for proc, _ in procs:
+            kill_group(proc)
+
+
+def test_unreachable_server_is_refused_before_loading(zipmoe_model: Path, tmp_path: Path) -> None:
+    """An endpoint nobody listens on: ZipmoeLoadError naming it (ggml-rpc itself would end the process)."""
+    port = _free_port()
+    code = ("import sys\nfrom pyzipmoe.runtime.llama import Llama, ZipmoeLoadError\n"
+            f"try:\n    Llama({str(zipmoe_model)!r}, rpc_servers='127.0.0.1:{port}', verbose=False)\n"
+            "except ZipmoeLoadError as e:\n    print('refused:', e)\n    sys.exit(3)\n")
+    done = subprocess.run([sys.executable, "-c", code], env=worker_env(llama_bin_dir()), capture_output=True,
+                          text=True, timeout=TIMEOUT, check=False)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert f"cannot connect to the RPC server 127.0.0.1:{port}" in done.stdout
+
+
+def test_cli_passes_rpc_and_split_to_llama_programs() -> None:
+    """zipmoe run / serve give llama-cli and llama-server --rpc, every layer offloaded and the split; the one-shot
+    path gives pyzipmoe.Llama the same as arguments."""
+    from pyzipmoe.cli.programs import _common_llama_flags, _rpc_options, split_list
+
+    args = argparse.Namespace(threads=None, ctx_size=None, rpc="h1:1,h2:2", tensor_split=split_list("3,1"))
+    flags = _common_llama_flags(args)
+    assert flags == ["--rpc", "h1:1,h2:2", "-ngl", "all", "-ts", "3,1"]
+    assert _rpc_options(args) == {"rpc_servers": "h1:1,h2:2", "tensor_split": [3.0, 1.0]}
+    assert _common_llama_flags(argparse.Namespace(threads=None, ctx_size=None, rpc=None, tensor_split=None)) == []
+    with pytest.raises(argparse.ArgumentTypeError):
+        split_list("1,x")
