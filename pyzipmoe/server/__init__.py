@@ -2,10 +2,15 @@
 (/api/*) and OpenAI's (/v1/*), and one memory budget shared by the models it has loaded.
 
     client ──HTTP──► front (this package, aiohttp, one process)
-                       ollama.py    Ollama's requests and answers <-> llama-server's, pure functions
-                       app.py       the routes: /api/* translated, /v1/* passed through, errors, CORS
-                       children.py  one llama-server per loaded model: load on first use, keep_alive, LRU
-                       budget.py    the server's budget divided between the loaded models (control files)
+                       ollama.py           Ollama's requests and answers <-> llama-server's, pure functions
+                       app.py              the app: its route table, errors, CORS
+                       store_routes.py     /api/tags, show, ps, copy, delete, create
+                       generate_routes.py  /api/generate, chat, embed: translated to llama-server's and back
+                       openai_routes.py    /v1/*: passed through
+                       request.py          what every route reads of a request
+                       stream.py           llama-server's errors and server-sent events in, Ollama's NDJSON out
+                       children.py         one llama-server per loaded model: load on first use, keep_alive, LRU
+                       budget.py           the server's budget divided between the loaded models (control files)
                      ──HTTP──► llama-server -m <blob>   (one per loaded model, on a loopback port)
 
 Why a Python front and a process per model of its own rather than llama-server's router mode (docs/serving.md):

@@ -165,7 +165,7 @@ def test_shared_budget_publishes_each_model_s_share_through_its_control_file(zip
 
 
 class _Content:
-    """What _sse reads of a response: its body in the reads given."""
+    """What sse reads of a response: its body in the reads given."""
 
     def __init__(self, reads: list[bytes]) -> None:
         self.reads = reads
@@ -183,10 +183,10 @@ class _Response:
 def _events_of(reads: list[bytes]) -> list[list[dict]]:
     import asyncio
 
-    from pyzipmoe.server.app import _sse
+    from pyzipmoe.server.stream import sse
 
     async def collect() -> list[list[dict]]:
-        return [batch async for batch in _sse(_Response(reads))]  # type: ignore[arg-type]
+        return [batch async for batch in sse(_Response(reads))]  # type: ignore[arg-type]
 
     return asyncio.run(collect())
 
