@@ -169,7 +169,7 @@ def _check_history(model: str, package: Any, n_ctx: int | None, extra: list[str]
     if {"-c", "--ctx-size"} & set(extra):
         return
     from ..runtime import runner
-    from ..runtime.llama import quiet_llama_log
+    from ..runtime.libllama import quiet_llama_log
 
     quiet_llama_log()
     runner.prompt_tokens(model, "", package, n_ctx,

@@ -15,208 +15,27 @@ Importing ``pyzipmoe`` points llama-cpp-python at ``build/bin/libllama.so`` (``L
   own message is included even with ``verbose=False``), a damaged expert found while decoding (``llama_decode``
   fails; the message names tensor and expert).
 * ``zipmoe_stats()``: the runtime's counters (process-wide: every zipmoe model loaded in this process).
+
+The import of llama-cpp-python, the library check and llama.cpp's log are in libllama.py, RPC servers in rpc.py,
+the routing recorder (``record_routing``) in routing_recorder.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import logging
 import os
-import socket
-import struct
 import sys
-import threading
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..errors import NativeLibraryError, UnsupportedError, ZipmoeError
-from ..paths import ZIPMOE_LIB_NAME, bin_dir, llama_lib_dir
+from ..paths import ZIPMOE_LIB_NAME, bin_dir
 from .config import (BUDGET_ENV, CACHE_MODES, MAX_THREADS, PLAN_ENV, RuntimeConfig, check_context, check_threads,
-                     split_shares, use_zipmoe_llama)
-
-
-class ZipmoeLoadError(ZipmoeError, ValueError):
-    """A model could not be loaded (llama-cpp-python raises ValueError there, so this is one too)."""
-
-
-class ZipmoeDecodeError(ZipmoeError, RuntimeError):
-    """llama_decode failed on a zipmoe model, typically a damaged expert (llama-cpp-python raises RuntimeError)."""
-
-
-def _import_llama_cpp() -> Any:
-    use_zipmoe_llama()
-    try:
-        import llama_cpp
-    except ModuleNotFoundError as e:
-        if e.name != "llama_cpp":
-            raise
-        raise NativeLibraryError("llama-cpp-python is not installed; `bash tools/setup.sh` installs it "
-                                 "(its Python part, which runs zipmoe's libllama)") from None
-    except (FileNotFoundError, OSError, RuntimeError) as e:  # libllama missing or not loadable
-        where = os.environ.get("LLAMA_CPP_LIB_PATH") or "llama_cpp/lib"
-        raise NativeLibraryError(f"llama-cpp-python cannot load libllama from {where} ({e}); build zipmoe's "
-                                 f"llama.cpp with `bash tools/setup.sh` (it goes to {bin_dir()}) or "
-                                 "point LLAMA_CPP_LIB_PATH at it") from None
-    return llama_cpp
-
-
-llama_cpp = _import_llama_cpp()
-
-
-# ------------------------------------------------------------------------------------------ the library
-
-
-def loaded_library() -> Path:
-    """The libllama that llama-cpp-python opened in this process."""
-    return Path(llama_cpp.llama_cpp._lib._name).resolve()
-
-
-def _elf_needed(path: Path) -> list[str]:
-    """DT_NEEDED entries of a 64-bit little-endian ELF shared library ([] if it is something else)."""
-    with open(path, "rb") as f:
-        data = f.read()
-    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
-        return []
-    shoff, = struct.unpack_from("<Q", data, 0x28)
-    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
-    needed = []
-    for _name, sh_type, _flags, _addr, offset, size, link, _info, _align, entsize in sections:
-        if sh_type != 6 or not entsize:  # SHT_DYNAMIC
-            continue
-        strtab = sections[link][4]
-        for pos in range(offset, offset + size, entsize):
-            tag, val = struct.unpack_from("<qQ", data, pos)
-            if tag == 0:  # DT_NULL
-                break
-            if tag == 1:  # DT_NEEDED
-                end = data.index(b"\0", strtab + val)
-                needed.append(data[strtab + val:end].decode())
-    return needed
-
-
-def library_supports_zipmoe(path: Path | None = None) -> bool:
-    """Whether a libllama (default: the loaded one) is zipmoe's build: it links libggml-zipmoe, or it is the
-    library of this checkout's build."""
-    path = Path(path).resolve() if path is not None else loaded_library()
-    ours = llama_lib_dir()
-    if ours is not None and path.parent == ours.resolve():
-        return True
-    try:
-        return ZIPMOE_LIB_NAME in _elf_needed(path)
-    except (OSError, ValueError, struct.error, IndexError):
-        return False
-
-
-# ------------------------------------------------------------------------------------------ RPC servers
-
-RPC_CONNECT_TIMEOUT = 10.0  # seconds for an endpoint to accept a connection before it counts as not answering
-_rpc_added: set[str] = set()
-
-
-def rpc_endpoints(servers: str | Sequence[str]) -> list[str]:
-    """ "host:port,host:port" (or a list of such) as a list of endpoints; a malformed one raises ZipmoeLoadError."""
-    items = servers.split(",") if isinstance(servers, str) else list(servers)
-    endpoints = [e.strip() for e in items if e.strip()]
-    if not endpoints:
-        raise ZipmoeLoadError("rpc_servers names no server (host:port,...)")
-    for e in endpoints:
-        host, _, port = e.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ZipmoeLoadError(f"RPC server {e!r} is not host:port")
-    return endpoints
-
-
-def add_rpc_servers(servers: str | Sequence[str]) -> list[str]:
-    """Adds the devices of ggml-rpc-server endpoints to this process's ggml (what llama.cpp's --rpc does), once
-    per endpoint; each must accept a connection first (ggml-rpc ends the process when it cannot connect)."""
-    endpoints = rpc_endpoints(servers)
-    for e in endpoints:
-        host, _, port = e.rpartition(":")
-        try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=RPC_CONNECT_TIMEOUT).close()
-        except OSError as err:
-            raise ZipmoeLoadError(f"cannot connect to the RPC server {e} ({err.strerror or err}); start "
-                                  "ggml-rpc-server there (docs/rpc.md)") from None
-    ggml = ctypes.CDLL(str(loaded_library().parent / "libggml.so"))
-    ggml.ggml_backend_reg_by_name.restype = ctypes.c_void_p
-    ggml.ggml_backend_reg_by_name.argtypes = [ctypes.c_char_p]
-    ggml.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
-    ggml.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-    ggml.ggml_backend_register.argtypes = [ctypes.c_void_p]
-    reg = ggml.ggml_backend_reg_by_name(b"RPC")
-    add = ggml.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_rpc_add_server") if reg else None
-    if not add:
-        raise UnsupportedError(f"the libllama in use ({loaded_library()}) was built without the RPC backend; "
-                               "build it with `bash tools/setup.sh`")
-    add_server = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)(add)
-    for e in endpoints:
-        if e not in _rpc_added:
-            ggml.ggml_backend_register(add_server(e.encode()))
-            _rpc_added.add(e)
-    return endpoints
-
-
-# -------------------------------------------------------------------------------- llama.cpp's error log
-
-
-class _ErrorLog:
-    """llama.cpp's log callback: prints as llama-cpp-python means to, and remembers recent error messages.
-
-    llama-cpp-python 0.3.36's own callback maps an older ggml enum, so with verbose=False it prints llama.cpp's
-    warnings and hides its errors; this one maps this llama.cpp's levels (ggml.h: NONE 0, DEBUG 1, INFO 2, WARN 3,
-    ERROR 4, CONT 5), still honouring llama-cpp-python's verbose switch (its logger's level). Errors are also
-    kept, so that exceptions can say what llama.cpp said. `quiet` stops all printing (the zipmoe command, whose
-    errors are one line).
-    """
-
-    GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT = 4, 5
-    LEVELS = (logging.CRITICAL, logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR)  # by ggml level
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.lines: deque[tuple[int, str]] = deque(maxlen=64)  # (serial number, text)
-        self.serial = 0
-        self.last_level = 0
-        self.quiet = False
-        self.logger = logging.getLogger("llama-cpp-python")  # set_verbose() sets its level
-        self.callback = llama_cpp.llama_log_callback(self._log)  # kept alive by self
-        llama_cpp.llama_log_set(self.callback, ctypes.c_void_p(0))
-
-    def _log(self, level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-        if level != self.GGML_LOG_LEVEL_CONT:
-            self.last_level = level
-        msg = text.decode("utf-8", "replace")
-        if self.last_level == self.GGML_LOG_LEVEL_ERROR:
-            with self.lock:
-                self.serial += 1
-                self.lines.append((self.serial, msg))
-        if not self.quiet and self.logger.level <= (self.LEVELS[self.last_level] if 0 <= self.last_level < 5
-                                                            else logging.DEBUG):
-            print(msg, end="", flush=True, file=sys.stderr)
-
-    def mark(self) -> int:
-        with self.lock:
-            return self.serial
-
-    def since(self, mark: int) -> str:
-        """The error text logged after mark(), on one line."""
-        with self.lock:
-            text = "".join(t for serial, t in self.lines if serial > mark)
-        return " ".join(text.split())
-
-
-_error_log = _ErrorLog()
-
-
-def quiet_llama_log(quiet: bool = True) -> None:
-    """Stop (or resume) printing llama.cpp's log; errors still reach the exceptions' messages."""
-    _error_log.quiet = quiet
+                     split_shares)
+from .libllama import (ZipmoeDecodeError, ZipmoeLoadError, error_log, library_supports_zipmoe, llama_cpp,
+                       loaded_library)
+from .routing_recorder import RoutingRecorder
+from .rpc import add_rpc_servers
 
 
 # ------------------------------------------------------------------------------------------ statistics
@@ -420,7 +239,7 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
                                         sm_share=sm_share, trace=trace, is_zipmoe=self.is_zipmoe, plan=plan,
                                         use_planner=planner, mapped=mapped)
         cache_env.update(RuntimeConfig(cache=zipmoe_cache, prefill=prefill).to_env())
-        mark = _error_log.mark()
+        mark = error_log.mark()
         try:
             with contextlib.ExitStack() as env:  # what is not given stays as the environment says
                 for name, value in cache_env.items():
@@ -429,7 +248,7 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
         except ValueError as e:
             if "does not exist" in str(e):
                 raise
-            raise self._load_error(model_path, e, _error_log.since(mark), kwargs.get("n_ctx", 512)) from e
+            raise self._load_error(model_path, e, error_log.since(mark), kwargs.get("n_ctx", 512)) from e
         before_decode, after_decode, counted = self._wrap_decode(model_path)
         self._recorder: RoutingRecorder | None = None
         if record_routing:
@@ -525,11 +344,11 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
         def checked_decode(batch: Any) -> None:
             for call in before:
                 call()
-            mark = _error_log.mark()
+            mark = error_log.mark()
             try:
                 decode(batch)
             except RuntimeError as e:
-                details = [m for m in (_error_log.since(mark),) if m]  # libllama logged the zipmoe error
+                details = [m for m in (error_log.since(mark),) if m]  # libllama logged the zipmoe error
                 if not details:
                     raise
                 raise ZipmoeDecodeError(f"{path}: {e}: {'; '.join(details)}") from e
@@ -558,69 +377,8 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
         trace.save(path, self.recorded_routing())
 
 
-class RoutingRecorder:
-    """Collects the runtime's routing log (zipmoe_cache_routing) of every MoE block after each decode: the log keeps
-    the last 512 invocations of a store, one per ubatch (a graph computed), so each decode's entries are read before
-    the next can push them out. How many a block logged comes from its activation counters (rows routed): llama.cpp
-    computes the last block only for the rows whose logits are wanted (a prompt's last token), so a prompt's other
-    ubatches route nothing there, and their steps record no expert in that block."""
-
-    def __init__(self, model_path: str, n_ubatch: int) -> None:
-        from ..plan.inputs import geometry_from_gguf
-
-        g = geometry_from_gguf(model_path)
-        self.layers, self.n_expert, self.k = g.layers, g.n_expert, g.n_expert_used
-        self.n_ubatch = max(1, int(n_ubatch))
-        self.words = (self.n_expert + 63) // 64
-        self.steps: list[np.ndarray] = []  # bool [n_layer, n_expert] each
-        self.tokens: list[int] = []
-        self.rows = [self._activations(layer).sum() for layer in self.layers]
-
-    def _activations(self, layer: int) -> np.ndarray:
-        from .._native import ffi, lib
-
-        buf = np.zeros(self.n_expert, np.uint64)
-        lib.zipmoe_cache_activations(f"blk.{layer}.".encode(), ffi.cast("uint64_t *", ffi.from_buffer(buf)),
-                                     self.n_expert)
-        return buf
-
-    def note_decode(self, n_tokens: int) -> None:
-        from .._native import ffi, lib
-
-        sizes = [min(self.n_ubatch, n_tokens - i) for i in range(0, n_tokens, self.n_ubatch)]
-        if not sizes:
-            return
-        n = len(sizes)
-        masks = np.zeros(n * self.words, np.uint64)
-        step = np.zeros((n, len(self.layers), self.n_expert), bool)
-        for i, layer in enumerate(self.layers):
-            total = int(self._activations(layer).sum())
-            rows, self.rows[i] = (total - int(self.rows[i])) // self.k, total
-            # the ubatches holding the decode's last `rows` tokens (all of them, or those whose logits are wanted)
-            first = n_tokens - min(rows, n_tokens)
-            logged = n - first // self.n_ubatch if rows else 0
-            if logged == 0:
-                continue
-            got = lib.zipmoe_cache_routing(f"blk.{layer}.".encode(), ffi.cast("uint64_t *", ffi.from_buffer(masks)),
-                                           self.words, logged)
-            if got != logged:
-                raise ZipmoeError(f"routing recorder: block {layer} logged {got} step(s) of a decode of {n_tokens} "
-                                  f"token(s) ({logged} expected)")
-            bits = np.unpackbits(masks[: logged * self.words].view(np.uint8), bitorder="little")
-            step[n - logged:, i] = bits.reshape(logged, self.words * 64)[:, : self.n_expert].astype(bool)
-        self.steps.extend(step)
-        self.tokens.extend(sizes)
-
-    def routing(self) -> Any:
-        from ..plan import trace
-
-        routed = np.stack(self.steps) if self.steps else np.zeros((0, len(self.layers), self.n_expert), bool)
-        return trace.Routing(routed=routed, layers=np.asarray(self.layers, np.int32),
-                             tokens=np.asarray(self.tokens, np.int32), k=self.k)
-
-
 __all__ = ["CACHE_MODES", "Llama", "ZipmoeDecodeError", "ZipmoeLoadError", "is_zipmoe_file", "library_supports_zipmoe",
-           "loaded_library", "quiet_llama_log", "zipmoe_stats", "zipmoe_stats_reset"]
+           "loaded_library", "zipmoe_stats", "zipmoe_stats_reset"]
 
 
 if __name__ == "__main__":  # pragma: no cover - a quick look: python -m pyzipmoe.runtime.llama MODEL [PROMPT]

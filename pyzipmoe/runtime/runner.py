@@ -323,7 +323,8 @@ def complete(model: str | os.PathLike[str], prompt: str, *, n_predict: int = 128
     (llama-completion, the llama.cpp program for this, loses the end of its output in this llama.cpp version:
     its logger is never flushed at exit, so redirected output comes out truncated or empty.)
     """
-    from .llama import Llama, quiet_llama_log
+    from .libllama import quiet_llama_log
+    from .llama import Llama
 
     quiet_llama_log()  # llama.cpp's errors are in the exceptions' messages
     path = check_model(model)
