@@ -1,5 +1,5 @@
 """Files that appear whole or not at all: written under a temporary name beside their place, synced, then renamed
-over it. zipmoe's outputs (convert, unpack: pyzipmoe.file.convert.atomic_output) and the model store's files
+over it. zipmoe's outputs (convert, unpack: pyzipmoe.file.fileio.atomic_output) and the model store's files
 (pyzipmoe.models.blobs._atomic_file) are written this way."""
 
 from __future__ import annotations

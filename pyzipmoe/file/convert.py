@@ -9,34 +9,33 @@ written in order. Peak memory is a few experts per thread, whatever the size of 
 
 Outputs are written to a temporary file next to the destination and renamed when complete, so an
 error or Ctrl-C never leaves a half-written file under the destination's name.
+
+Which tensors are stored and how: expert_forms.py; the bounded-memory file helpers (shared with verify): fileio.py;
+the sizes reported: sizes.py.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
-import re
 import sys
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from . import codec as zcodec
-from ..atomic import replacing
-from ..errors import FormatError, UnsupportedError, ZipmoeError
+from ..errors import UnsupportedError, ZipmoeError
 from ..progress import Progress, Silent
-from .gguf import GGML_TYPE_BF16, GGML_TYPE_F16, GGUFFile, Tensor, align_up, pread_exact, read_gguf, type_name
+from .expert_forms import auto_codec, check_codec_fits, expert_tensors, format_version
+from .fileio import (BLOCK, atomic_output, byte_blocks, ordered, pread_into, read_into, refuse_same_file,
+                     tensors_by_offset, thread_count)
+from .gguf import GGUFFile, Tensor, align_up, pread_exact, read_gguf, type_name
 from .metadata import (
-    FORMAT_VERSION,
-    TYPED_FORMAT_VERSION,
     ExpertShape,
     ZipmoeMeta,
     build_index,
@@ -47,178 +46,11 @@ from .metadata import (
     zipmoe_slots,
 )
 from .reader import ZipmoeFile, open_zipmoe, restore_zeros
+from .sizes import SizeRow, TensorStats, size_rows
 from .writer import ZipmoeWriter
 
-
-BLOCK = 8 << 20  # bytes per read when copying or scanning: large enough for sequential throughput
 CODEC_CHOICES = ("auto", "huff", "esc", "zstd")
 CHUNK_MAX = 1 << 24  # ZIPMOE_CHUNK_MAX of zipmoe.h
-
-T = TypeVar("T")
-R = TypeVar("R")
-
-
-# ------------------------------------------------------------------------------------------ statistics
-
-
-@dataclass(frozen=True)
-class TensorStats:
-    """Sizes of one expert tensor; zipmoe_bytes is None while it is not compressed. bf16_bytes is the source
-    tensor's size, whatever its type; exponent_entropy the entropy of its code bytes (exponents of BF16, code bytes
-    of F16), or of all its bytes for byte-layout types."""
-
-    name: str
-    dims: tuple[int, ...]
-    bf16_bytes: int
-    zipmoe_bytes: int | None
-    exponent_entropy: float
-    ggml_type: int = GGML_TYPE_BF16
-
-    @property
-    def split(self) -> bool:
-        layout = zcodec.type_layout(self.ggml_type)
-        return layout is not None and layout.split
-
-    @property
-    def floor(self) -> float:
-        """Smallest size fraction an order-0 code can reach: for a split type 8 raw bits plus H(code byte) bits of 16;
-        for a byte-layout type H(byte) bits of 8 (what entropy coding its bytes could reach; they are stored raw)."""
-        return (8 + self.exponent_entropy) / 16 if self.split else self.exponent_entropy / 8
-
-    @property
-    def ratio(self) -> float | None:
-        return None if self.zipmoe_bytes is None else self.zipmoe_bytes / self.bf16_bytes
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "dims": list(self.dims), "type": type_name(self.ggml_type), "floor": self.floor,
-                "ratio": self.ratio, "floor_gap_pct": _gap_pct(self.ratio, self.floor)}
-
-
-@dataclass(frozen=True)
-class SizeRow:
-    """A line of the size table: a group of tensors, or the rest of the file, or the whole file."""
-
-    label: str
-    n_tensors: int
-    bf16_bytes: int
-    zipmoe_bytes: int | None
-    floor_bytes: float
-
-    @property
-    def ratio(self) -> float | None:
-        return None if self.zipmoe_bytes is None or not self.bf16_bytes else self.zipmoe_bytes / self.bf16_bytes
-
-    @property
-    def floor(self) -> float:
-        return self.floor_bytes / self.bf16_bytes if self.bf16_bytes else 1.0
-
-    @property
-    def floor_gap_pct(self) -> float | None:
-        return _gap_pct(self.ratio, self.floor)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ratio": self.ratio, "floor": self.floor, "floor_gap_pct": self.floor_gap_pct}
-
-
-def _gap_pct(ratio: float | None, floor: float) -> float | None:
-    """How far the achieved size fraction is above the entropy floor, in percent."""
-    return None if ratio is None else (ratio / floor - 1) * 100
-
-
-def _group_label(name: str) -> str:
-    """blk.7.ffn_down_exps.weight -> ffn_down_exps."""
-    return name.split(".")[2]
-
-
-def size_rows(tensors: Iterable[TensorStats], *, source_size: int, output_size: int | None) -> list[SizeRow]:
-    """Rows per expert group (ffn_up_exps, ...), then the rest of the file, then the whole file."""
-    tensors = list(tensors)
-    compressed = output_size is not None
-    rows = []
-    for label in sorted({_group_label(t.name) for t in tensors}):
-        group = [t for t in tensors if _group_label(t.name) == label]
-        rows.append(SizeRow(label, len(group), sum(t.bf16_bytes for t in group),
-                            sum(t.zipmoe_bytes or 0 for t in group) if compressed else None,
-                            sum(t.bf16_bytes * t.floor for t in group)))
-    expert_bf16 = sum(t.bf16_bytes for t in tensors)
-    expert_zipmoe = sum(t.zipmoe_bytes or 0 for t in tensors)
-    expert_floor = sum(t.bf16_bytes * t.floor for t in tensors)
-    other = source_size - expert_bf16
-    rows.append(SizeRow("other tensors + header", 0, other,
-                        output_size - expert_zipmoe if compressed else None, other))
-    rows.append(SizeRow("whole file", 0, source_size, output_size, expert_floor + other))
-    return rows
-
-
-# -------------------------------------------------------------------------------------------- helpers
-
-
-def _ordered(pool: ThreadPoolExecutor, fn: Callable[[T], R], items: Iterable[T], depth: int) -> Iterator[R]:
-    """fn over items on the pool, results in order, at most `depth` submitted and not yet consumed
-    (this bounds memory: each result may be a whole expert)."""
-    pending: deque[Future[R]] = deque()
-    try:
-        for item in items:
-            pending.append(pool.submit(fn, item))
-            if len(pending) >= depth:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
-    finally:
-        for f in pending:
-            f.cancel()
-
-
-def pread_into(fd: int, out: np.ndarray, offset: int, label: str) -> np.ndarray:
-    """Fills `out` from the file at `offset`, without an intermediate bytes object."""
-    view = memoryview(out).cast("B")
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise FormatError(f"{label}: truncated file (nothing to read at offset {offset + done})")
-        done += n
-    return out
-
-
-def _read_into(f: BinaryIO, view: memoryview, label: str) -> None:
-    done = 0
-    while done < len(view):
-        n = f.readinto(view[done:])
-        if not n:
-            raise FormatError(f"{label}: the file ended early; was it changed while being read?")
-        done += n
-
-
-def byte_blocks(size: int, block: int = BLOCK) -> Iterator[tuple[int, int]]:
-    """(start, length) of consecutive blocks covering [0, size)."""
-    for start in range(0, size, block):
-        yield start, min(block, size - start)
-
-
-def thread_count(threads: int | None) -> int:
-    n = threads if threads is not None else (os.cpu_count() or 1)
-    if n < 1:
-        raise ZipmoeError(f"--threads must be at least 1, got {n}")
-    return n
-
-
-@contextmanager
-def atomic_output(dst: Path) -> Iterator[BinaryIO]:
-    """A new file that appears as `dst` only once the block completes; removed on any error or Ctrl-C."""
-    # checked first: these would otherwise fail only at the end, or name the temporary file
-    if dst.is_dir():
-        raise IsADirectoryError(errno.EISDIR, "the output is a directory", str(dst))
-    if not dst.parent.is_dir():
-        raise FileNotFoundError(errno.ENOENT, "no such directory for the output", str(dst.parent))
-    # 0o666 lets the umask decide, as for any new file
-    with replacing(dst, 0o666, "w+b") as f:
-        yield f
-
-
-def refuse_same_file(a: Path, b: Path) -> None:
-    if a.resolve() == b.resolve() or (b.exists() and a.exists() and os.path.samefile(a, b)):
-        raise ZipmoeError(f"{b}: the output would overwrite the input; choose another file name")
 
 
 def _codec_name(name: str) -> str:
@@ -227,60 +59,7 @@ def _codec_name(name: str) -> str:
     return name
 
 
-def format_version(experts: list[Tensor]) -> int:
-    """1 for all-BF16 experts (what every zipmoe reader reads), else 2: a reader that knows only BF16 experts
-    refuses the file by its version instead of taking other bits for BF16."""
-    return FORMAT_VERSION if all(t.ggml_type == GGML_TYPE_BF16 for t in experts) else TYPED_FORMAT_VERSION
-
-
-def auto_codec(experts: list[Tensor]) -> str:
-    """The codec "auto" means for these experts: huff, unless every split expert is F16, whose code bytes zstd-1
-    codes as small and decodes faster (zcodec.DEFAULT_F16_CODEC)."""
-    split = [t for t in experts if (layout := expert_layout(t)) is not None and layout.split]
-    if split and all(t.ggml_type == GGML_TYPE_F16 for t in split):
-        return zcodec.DEFAULT_F16_CODEC
-    return zcodec.DEFAULT_CODEC
-
-
 # ----------------------------------------------------------------------------------------- the source
-
-
-EXPERT_SIDE_NAME = re.compile(
-    r"blk\.\d+\.(?:ffn_(?:up|gate|down|gate_up)_exps\.(?:bias|scale|input_scale)|ffn_norm_exps\.weight)")
-"""Per-expert tensors that are not matrices: biases (gpt-oss), output and input scales, arctic's expert norm.
-llama.cpp reads them beside the expert matrices (ggml_add_id, ggml_mul), not through ggml_mul_mat_id, so they stay
-plain tensors."""
-
-
-def unknown_expert_tensors(g: GGUFFile) -> list[Tensor]:
-    """Tensors named like expert tensors (`_exps`) in a form zipmoe knows neither to compress nor to keep: compressing
-    or keeping a form it was never checked on would be a guess about how llama.cpp reads it."""
-    return [t for t in g.tensors if "_exps" in t.name and not is_expert_tensor(t) and not
-            (EXPERT_SIDE_NAME.fullmatch(t.name) and len(t.dims) <= 2)]
-
-
-def _form(t: Tensor) -> str:
-    return f"{t.name} ({len(t.dims)}-D {'x'.join(map(str, t.dims))}, {type_name(t.ggml_type)})"
-
-
-def expert_tensors(g: GGUFFile) -> list[Tensor]:
-    """The tensors zipmoe stores; refuses a file that has none, an expert tensor of a type it cannot store, or an
-    `_exps` tensor of a form it does not know (unknown_expert_tensors)."""
-    unknown = unknown_expert_tensors(g)
-    if unknown:
-        raise UnsupportedError(f"{g.label}: {_form(unknown[0])} is an expert tensor of a form zipmoe does not know "
-                               "(it compresses blk.N.ffn_{up,gate,down,gate_up}_exps.weight, 3-D, and keeps their "
-                               ".bias/.scale/.input_scale); it does not convert the file rather than guess")
-    experts = [t for t in g.tensors if is_expert_tensor(t)]
-    if not experts:
-        raise UnsupportedError(f"{g.label}: not a MoE model: no tensor is named "
-                               "blk.N.ffn_{up,gate,down,gate_up}_exps.weight, so there is nothing to compress")
-    other = [t for t in experts if expert_layout(t) is None]
-    if other:
-        types = sorted({type_name(t.ggml_type) for t in other})
-        raise UnsupportedError(f"{g.label}: expert tensors are {'/'.join(types)} (e.g. {other[0].name}); zipmoe "
-                               "stores BF16, F16, F32 and block-quantized experts, not these")
-    return experts
 
 
 def _code_histogram(t: Tensor, view: memoryview, hist: np.ndarray) -> None:
@@ -290,15 +69,6 @@ def _code_histogram(t: Tensor, view: memoryview, hist: np.ndarray) -> None:
         zcodec.exponent_histogram(np.frombuffer(view, np.uint16), hist)
     else:
         zcodec.byte_histogram(np.frombuffer(view, np.uint8), hist)
-
-
-def _check_codec_fits(g: GGUFFile, experts: list[Tensor], codec_name: str) -> None:
-    """esc gives short codes to 10 code bytes; F16's code bytes (exponent and 3 mantissa bits) spread over ~8 times
-    as many, so esc made F16 experts larger than they are (+9% on all-MiniLM-L6-v2: bench_codec.py)."""
-    f16 = [t for t in experts if t.ggml_type == GGML_TYPE_F16]
-    if codec_name == "esc" and f16:
-        raise UnsupportedError(f"{g.label}: the esc codec does not fit F16 experts (e.g. {f16[0].name}): it would "
-                               "store them larger than they are; use huff (the default) or zstd")
 
 
 def _check_zero_gaps(g: GGUFFile, experts: list[Tensor]) -> None:
@@ -319,15 +89,6 @@ class SourceScan:
     histograms: dict[str, np.ndarray]  # code-byte histogram of each expert tensor (_code_histogram)
 
 
-def tensors_by_offset(g: GGUFFile) -> list[Tensor]:
-    """Tensors in file order; refuses overlaps (the bytes could not be restored from one copy)."""
-    ordered = sorted(g.tensors, key=lambda t: t.file_offset)
-    for a, b in zip(ordered, ordered[1:]):
-        if b.file_offset < a.file_offset + a.nbytes:
-            raise FormatError(f"{g.label}: tensors {a.name} and {b.name} overlap")
-    return ordered
-
-
 def scan_source(f: BinaryIO, g: GGUFFile, experts: Iterable[Tensor], progress: Progress) -> SourceScan:
     """Pass 1: one sequential read of the whole file for its sha256 and the experts' code-byte histograms,
     checking that the bytes between tensors are zero (unpack restores them as zeros)."""
@@ -341,7 +102,7 @@ def scan_source(f: BinaryIO, g: GGUFFile, experts: Iterable[Tensor], progress: P
     def read(size: int, what: str, visit: Callable[[memoryview], None] | None = None) -> None:
         for _, n in byte_blocks(size):
             view = memoryview(buf)[:n]
-            _read_into(f, view, g.label)
+            read_into(f, view, g.label)
             sha.update(view)
             if visit is not None:
                 visit(view)
@@ -432,7 +193,7 @@ def _expert_regions(pool: ThreadPoolExecutor, fd: int, t: Tensor, coder: zcodec.
         return coder.encode_expert(values, shape.chunk_n)
 
     pos = 0
-    for e, enc in enumerate(_ordered(pool, encode, range(shape.n_expert), settings.depth)):
+    for e, enc in enumerate(ordered(pool, encode, range(shape.n_expert), settings.depth)):
         start = align_up(pos, region_alignment(size))
         yield bytes(start - pos)
         table.regions[e] = (start, enc.region.size)
@@ -514,7 +275,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, codec: 
         (warn or _print_warning)(note)
     if codec_name == "auto":
         codec_name = auto_codec(experts)
-    _check_codec_fits(g, experts, codec_name)
+    check_codec_fits(g, experts, codec_name)
     _check_zero_gaps(g, experts)
     settings = _Settings(codec_name, level if codec_name == "zstd" else 0, chunk_n, threads + 2)
     try:

@@ -20,10 +20,10 @@ import numpy as np
 
 from ..errors import EXIT_DIFFERENT, FormatError, ZipmoeError
 from ..progress import Progress, Silent
-from .convert import (
-    _ordered,
+from .fileio import (
     atomic_output,
     byte_blocks,
+    ordered,
     pread_into,
     refuse_same_file,
     tensors_by_offset,
@@ -76,7 +76,7 @@ def _decoded(pool: ThreadPoolExecutor, fd: int, c: CompressedTensor, depth: int,
 
     expert_bytes = info.expert_size
     unit = 2 if info.split else 1
-    for e, values in enumerate(_ordered(pool, decode, range(info.n_expert), depth)):
+    for e, values in enumerate(ordered(pool, decode, range(info.n_expert), depth)):
         yield Piece(c.source.file_offset + e * expert_bytes, values.view(np.uint8), c.name, e, unit=unit)
 
 

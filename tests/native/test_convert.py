@@ -14,6 +14,7 @@ import pytest
 
 from pyzipmoe.file import codec
 from pyzipmoe.file import convert
+from pyzipmoe.file import fileio
 from pyzipmoe.file import verify
 from pyzipmoe.file import gguf as format
 from pyzipmoe.file import metadata
@@ -99,7 +100,7 @@ def test_ordered_keeps_order_and_bounds_work_in_flight() -> None:
 
     submitted = []
     with ThreadPoolExecutor(8) as pool:
-        results = list(convert._ordered(pool, work, (submitted.append(i) or i for i in range(50)), depth=3))
+        results = list(fileio.ordered(pool, work, (submitted.append(i) or i for i in range(50)), depth=3))
     assert results == [i * i for i in range(50)]
     assert peak <= 3
 

@@ -59,7 +59,8 @@ class BenchError(Exception):
 
 # the code that writes the cached models, under pyzipmoe/: a change to it makes them again
 SYNTH_SOURCES = ["synth.py"]
-CONVERT_SOURCES = ["file/convert.py", "file/writer.py", "file/metadata.py", "file/codec.py", "_native.py"]
+CONVERT_SOURCES = ["file/convert.py", "file/expert_forms.py", "file/fileio.py", "file/sizes.py", "file/writer.py",
+                   "file/metadata.py", "file/codec.py", "_native.py"]
 
 
 def _stamp(sources: list[str], extra: str) -> str:
