@@ -452,7 +452,7 @@ def _server(zipmoe_model: Path, env: dict[str, str], log: Path) -> tuple[subproc
     return proc, url
 
 
-def test_the_control_file_truncated_or_garbled_under_a_running_server(zipmoe_model: Path, tmp_path: Path) -> None:
+def test_llama_server_survives_the_control_file_truncated_or_garbled(zipmoe_model: Path, tmp_path: Path) -> None:
     """The control file is read with pread, not through a mapping: truncated under llama-server (which killed it
     with SIGBUS), the budget stays and one warning says so; replaced, the server keeps the file it opened; a split
     naming a policy that does not exist is refused before it is taken for one."""
@@ -504,13 +504,13 @@ def _completion(zipmoe_model: Path, env: dict[str, str]) -> subprocess.Completed
 
 @pytest.mark.parametrize("plan", ["0:99999999999999999999,1,1", "0:1,9223372036854775808,1", "4294967296:1,1,1",
                                   "0:-1,1,1", "0:+1,1,1", "0:1,1", "0:1,1,1,", "0:1,1,1;x"])
-def test_a_plan_with_numbers_out_of_range_is_refused(zipmoe_model: Path, plan: str) -> None:
+def test_llama_refuses_a_plan_with_numbers_out_of_range(zipmoe_model: Path, plan: str) -> None:
     """ZIPMOE_PLAN's numbers are checked (sscanf's %d and %lld overflowed: undefined, in practice a huge count)."""
     done = _completion(zipmoe_model, {"ZIPMOE_MEMORY_BUDGET": "100%", "ZIPMOE_PLAN": plan})
     assert done.returncode == 1 and done.stderr.count(f"ZIPMOE_PLAN={plan} is not a plan") == 1, done.stderr[-2000:]
 
 
-def test_a_plan_beyond_the_slot_rules_is_refused(zipmoe_model: Path) -> None:
+def test_llama_refuses_a_plan_beyond_the_slot_rules(zipmoe_model: Path) -> None:
     """Rules beyond the cache's 4096 were dropped silently (the layers after them ran without a plan)."""
     plan = ";".join(f"{layer}:1,1,0" for layer in range(4097))
     done = _completion(zipmoe_model, {"ZIPMOE_MEMORY_BUDGET": "100%", "ZIPMOE_PLAN": plan})

@@ -22,7 +22,7 @@ if [ ! -e "$libasan" ] || [ "$libasan" = libasan.so ]; then
     echo "sanitize.sh: $CC_ASAN has no libasan.so (Debian/Ubuntu: the compiler's libasan package)" >&2
     exit 1
 fi
-# the tests of the native code; those that need llama.cpp (not built here) are left out
+# the tests of the native code; those that need llama.cpp (not built here) are left out: their names say "llama"
 ZIPMOE_BUILD_DIR="$BUILD" LD_PRELOAD="$libasan" \
 ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:detect_stack_use_after_return=1 \
 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
