@@ -157,7 +157,7 @@ class Models:
         self._locks: dict[str, asyncio.Lock] = {}
         self._packages: dict[str, tuple[tuple[int, int, int], ModelPackage]] = {}  # name -> (manifest stat, package)
         self._log_dir = settings.log_dir or Path(tempfile.mkdtemp(prefix="zipmoe-server-"))
-        self._session: aiohttp.ClientSession | None = None
+        self._http: aiohttp.ClientSession | None = None
         self._reaper: asyncio.Task[None] | None = None
 
     # -- names
@@ -206,7 +206,7 @@ class Models:
     # -- life cycle
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         self._reaper = asyncio.create_task(self._reap())
 
     async def close(self) -> None:
@@ -215,13 +215,13 @@ class Models:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         await asyncio.gather(*(self._unload(c) for c in list(self.children.values())), return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
+        if self._http is not None:
+            await self._http.close()
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        assert self._session is not None, "Models.start() first"
-        return self._session
+    def http(self) -> aiohttp.ClientSession:
+        assert self._http is not None, "Models.start() first"
+        return self._http
 
     async def acquire(self, package: ModelPackage, *, num_ctx: int | None = None, embeddings: bool = False
                       ) -> Child:
@@ -425,7 +425,7 @@ class Models:
                 raise ApiError(500, f"{child.name} failed to load (exit status {child.proc.returncode})"
                                     + (f": {why}" if why else ""))
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                async with self.session.get(f"{child.url}/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                async with self.http.get(f"{child.url}/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
                     if r.status == 200:
                         return
             if time.monotonic() > deadline:

@@ -58,7 +58,7 @@ async def _chat_prompt(models: Models, child: Child, prompt: str, system: str | 
     messages = child.package.chat_messages(turn)
     if template is not None:
         return _render(template, messages)
-    async with models.session.post(f"{child.url}/apply-template", json={"messages": messages},
+    async with models.http.post(f"{child.url}/apply-template", json={"messages": messages},
                                    headers=child.headers) as r:
         if r.status != 200:
             raise await upstream_error(r)
@@ -82,7 +82,7 @@ async def _complete(request: web.Request, child: Child, fields: dict[str, Any], 
                     ) -> web.StreamResponse:
     models = request.app[MODELS_KEY]
     head = {"model": child.name}
-    async with models.session.post(f"{child.url}/completion", json=fields, headers=child.headers) as r:
+    async with models.http.post(f"{child.url}/completion", json=fields, headers=child.headers) as r:
         if r.status != 200:
             raise await upstream_error(r)
         if not fields["stream"]:
@@ -163,7 +163,7 @@ async def _chat(request: web.Request, child: Child, fields: dict[str, Any], stre
                 ) -> web.StreamResponse:
     models = request.app[MODELS_KEY]
     head = {"model": child.name}
-    async with models.session.post(f"{child.url}/v1/chat/completions", json=fields, headers=child.headers) as r:
+    async with models.http.post(f"{child.url}/v1/chat/completions", json=fields, headers=child.headers) as r:
         if r.status != 200:
             raise await upstream_error(r)
         if not fields["stream"]:
@@ -228,7 +228,7 @@ async def api_embed(request: web.Request) -> web.Response:
         fields: dict[str, Any] = {"input": texts, "model": child.name}
         if legacy:
             fields["embd_normalize"] = -1  # (llama-server's: none)
-        async with models.session.post(f"{child.url}/v1/embeddings", json=fields, headers=child.headers) as r:
+        async with models.http.post(f"{child.url}/v1/embeddings", json=fields, headers=child.headers) as r:
             if r.status != 200:
                 raise await upstream_error(r)
             data = await r.json()

@@ -41,7 +41,7 @@ async def v1_proxy(request: web.Request) -> web.StreamResponse:
             if key == "n_predict" and ("max_tokens" in body or "max_completion_tokens" in body):
                 continue
             body.setdefault(key, value)
-        async with models.session.post(f"{child.url}{request.path}", json=body, headers=child.headers) as r:
+        async with models.http.post(f"{child.url}{request.path}", json=body, headers=child.headers) as r:
             response = web.StreamResponse(status=r.status, headers={
                 "Content-Type": r.headers.get("Content-Type", "application/json")})
             await response.prepare(request)
