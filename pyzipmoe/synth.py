@@ -449,7 +449,12 @@ def _add_metadata(w: GGUFWriter, c: SynthConfig) -> None:
     w.add_layer_norm_rms_eps(1e-6)
     w.add_expert_count(c.n_expert)
     w.add_expert_used_count(c.n_expert_used)
-    tokens, scores, types = build_vocab(c.n_vocab)
+    add_vocab(w, c.n_vocab)
+
+
+def add_vocab(w: GGUFWriter, n_vocab: int) -> None:
+    """The tokenizer keys of every synthetic model: build_vocab's tokens as a llama (SentencePiece) vocabulary."""
+    tokens, scores, types = build_vocab(n_vocab)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores(scores)

@@ -27,12 +27,9 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
 
 from .synth import (
     WEIGHT_STD,
-    _BOS_ID,
-    _EOS_ID,
-    _UNK_ID,
     _gaussian_bf16,
     _tensor_rng,
-    build_vocab,
+    add_vocab,
 )
 
 SPECS_PATH = Path(__file__).with_name("synth_arch_specs.json")
@@ -126,19 +123,6 @@ def _add_key(w: GGUFWriter, arch: str, k: ArchKey) -> None:
         w.add_key_value(key, k.value, vtype)
 
 
-def _add_vocab(w: GGUFWriter) -> None:
-    tokens, scores, types = build_vocab(N_VOCAB)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_unk_token_id(_UNK_ID)
-    w.add_bos_token_id(_BOS_ID)
-    w.add_eos_token_id(_EOS_ID)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-
-
 def write_arch_model(path: str | os.PathLike[str], spec: ArchSpec, *, seed: int = 0,
                      placeholders: Iterable[str] = ()) -> Path:
     """Writes the SYNTHETIC model `spec` describes to `path` (whole or not at all). `placeholders`: names of
@@ -155,7 +139,7 @@ def write_arch_model(path: str | os.PathLike[str], spec: ArchSpec, *, seed: int 
         w.add_file_type(LlamaFileType.MOSTLY_BF16)
         for k in spec.keys:
             _add_key(w, spec.arch, k)
-        _add_vocab(w)
+        add_vocab(w, N_VOCAB)
         data = []
         for t in spec.tensors:
             if t.name in dummy:
