@@ -293,14 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     say = (lambda s: print(s, file=sys.stderr)) if args.json else print
     with one_line_errors("bench_serve", BenchError, subprocess.TimeoutExpired):
         res = run(args, say)
-    if args.json:
-        print(json.dumps(res, indent=2))
-    else:
-        print()
-        print_report(res)
-    result_files.write(args, "serve", result_files.printed(print_report, res),
-                       weights=f"{result_files.SYNTHETIC} (pyzipmoe.synth, preset {args.preset})",
-                       json_path="stdout" if args.json else None, argv=result_files.script_argv(__file__, argv))
+    result_files.report(args, "serve", res, print_report,
+                        weights=f"{result_files.SYNTHETIC} (pyzipmoe.synth, preset {args.preset})",
+                        script=__file__, argv=argv)
     return 0
 
 

@@ -4,7 +4,7 @@ A finished run writes `DIR/YYYY-MM-DD-<benchmark>[-<label>].md` (DIR: --results,
 exact command line, the machine (CPU model, cores), the code (commit), whether the weights were synthetic, where
 the JSON went, and the table the run printed. A second run on the same day gets `-2`, `-3`, ...: a record is never
 overwritten. --no-results writes nothing. Each benchmark calls `add_arguments` on its parser and `write` at the
-end; `Tee` keeps what a benchmark prints while it prints it.
+end (or `report`, which prints the results first); `Tee` keeps what a benchmark prints while it prints it.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import io
+import json
 import os
 import platform
 import re
@@ -174,3 +175,16 @@ def printed(fn: Any, *args: Any, **kwargs: Any) -> str:
     finally:
         sys.stdout = out
     return buf.getvalue()
+
+
+def report(args: argparse.Namespace, benchmark: str, res: dict[str, Any], print_report: Any, *, weights: str,
+           script: str, argv: list[str] | None) -> None:
+    """The end of a run with --json: the results as JSON on stdout with --json, else print_report's tables; then
+    the dated result file of those tables."""
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print()
+        print_report(res)
+    write(args, benchmark, printed(print_report, res), weights=weights, json_path="stdout" if args.json else None,
+          argv=script_argv(script, argv))
