@@ -31,6 +31,7 @@ from ..errors import ZipmoeError
 from ..models.directory import ModelDirectory
 from ..models.name import InvalidNameError, ModelName, ModelNotFoundError
 from ..models.package import ModelPackage
+from ..runtime.lifetime import die_with_parent
 from ..runtime.runner import DEFAULT_CONTEXT
 from . import DEFAULT_PARALLEL
 from .budget import SharedBudget, Tenant
@@ -87,17 +88,6 @@ class Child:
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"}
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL when the thread that started it ends (Linux). Not SIGTERM: llama-server's
-    orderly exit waited for ever at times, with none left to kill it; a model's process keeps nothing to save."""
-    import ctypes
-    import signal
-
-    PR_SET_PDEATHSIG = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
 def _without(flags: list[str], flag: str) -> list[str]:
@@ -414,7 +404,7 @@ class Models:
         with open(child.log, "wb") as log:
             child.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                           stderr=subprocess.STDOUT, start_new_session=True,
-                                          preexec_fn=_die_with_parent)
+                                          preexec_fn=die_with_parent())
 
     async def _wait_ready(self, child: Child) -> None:
         deadline = time.monotonic() + self.settings.load_timeout
