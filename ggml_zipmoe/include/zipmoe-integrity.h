@@ -6,7 +6,7 @@
  * (the expert chunks have their own checksums, verified on every decode). A loader verifies it once, before it
  * uses anything the metadata says, so a damaged file is refused instead of computing wrong logits.
  *
- * Exported by libggml-zipmoe; kept out of zipmoe.h because only loaders (llama.cpp's, through patches/0005)
+ * Exported by libggml-zipmoe; kept out of zipmoe.h because only loaders (llama.cpp's, through patches/0001)
  * call it. Checksums detect damage (bad disks, truncated or garbled downloads), not tampering: whoever can
  * write the file can rewrite its checksums too (see SECURITY.md).
  */

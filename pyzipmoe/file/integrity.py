@@ -130,7 +130,7 @@ def _hash_file_range(fd: int, offset: int, size: int, label: str, hole: bytes = 
 
 
 def check_integrity(path: str | os.PathLike[str], g: GGUFFile, record: IntegrityRecord | None) -> int:
-    """Checks the file against its integrity record, as llama.cpp's loader does (patches/0005): the metadata
+    """Checks the file against its integrity record, as llama.cpp's loader does (patches/0001): the metadata
     and every hashed tensor. Returns the number of bytes hashed; raises a one-line FormatError (ChecksumError
     for damaged bytes) that names what is damaged."""
     label = str(path)

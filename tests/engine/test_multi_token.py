@@ -1,6 +1,6 @@
 """Multi-token steps under a tiny budget: llama-server's n-gram speculation and draft-model speculation (a step
 verifies several drafted tokens) and parallel slots (-np 4: a step serves four requests) give the same greedy tokens
-as plain one-token generation, every tier evicting and reading again; --spec-backoff (patches/0011) drafts less
+as plain one-token generation, every tier evicting and reading again; --spec-backoff (patches/0007) drafts less
 after rejected drafts and changes nothing else."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Two ggml-rpc-server processes on 127.0.0.1 (different ports) each take one of a tiny model's two MoE layers
 (tensor_split 1,2 over its three: the output layer goes with the second; every layer offloaded). A zipmoe model's expert ops cannot run on a server (their parameters are
-the client's pointers; patches/0012): its experts stay in the client and its expert nodes run on the client's CPU,
+the client's pointers; patches/0008): its experts stay in the client and its expert nodes run on the client's CPU,
 and the logits of the prompt and of 16 greedy tokens must be bit-identical to the single-process run's, unbounded
 and under the tightest budget; a plain BF16 model too (stock RPC). A server killed mid-run: the client ends with one
 line and exit status 1, within seconds (no hang, no abort). A server that does not answer: refused before loading.

@@ -3,7 +3,7 @@
 A file that declares absurd sizes (2^60-byte tensors, 2^40 values per expert, 2^20 experts without the bytes to
 back them) is refused before anything is allocated, by the native index parser and by the Python reader, even when its checksums are
 forged to match (whoever writes a file can forge XXH3 checksums). The integrity record catches damage to the
-metadata and the dense tensors, in Python (`zipmoe verify`) and in zipmoe's llama.cpp loader (patches/0005),
+metadata and the dense tensors, in Python (`zipmoe verify`) and in zipmoe's llama.cpp loader (patches/0001),
 with messages that name what is damaged. llama.cpp runs happen in a child process (tests/native/mutation_worker.py).
 """
 

@@ -1,4 +1,4 @@
-"""zipmoe's settings as flags of the patched llama.cpp programs (patches/0007-zipmoe-args.patch): each flag, its
+"""zipmoe's settings as flags of the patched llama.cpp programs (patches/0005-zipmoe-args.patch): each flag, its
 LLAMA_ARG_* twin and its ZIPMOE_* variable give the same run, and a budget makes the program start again with
 OpenMP's short spin unless the user said how OpenMP threads wait."""
 

@@ -3,7 +3,7 @@
 
 A user who runs zipmoe's llama-bench (or llama-cli, llama-server) with --memory-budget and nothing in their
 environment should get what the `zipmoe` wrapper gets. The wrapper sets OpenMP's GOMP_SPINCOUNT for the programs
-it starts; a bare program under a budget sets it itself and executes itself again (patches/0007-zipmoe-args.patch).
+it starts; a bare program under a budget sets it itself and executes itself again (patches/0005-zipmoe-args.patch).
 Per budget and round, one run of each variant, each a fresh process, their order turned around every round (the
 first of two runs measured slower on a loaded machine, and load drifts), so that neither order nor drift favours one:
 

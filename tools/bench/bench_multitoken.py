@@ -12,7 +12,7 @@ is shared and its speed drifts:
   ngram   `llama-server -np 1 --spec-type ngram-simple ...` (SPECS: ngram, llama.cpp's 12-token lookup, and
   ngram1  ngram1, a 1-token lookup): the same requests, each step verifying the tokens an n-gram of the context
           drafts, or one token when it drafts none.
-  ngram1b ngram1 with `--spec-backoff 16` (patches/0011): after steps that kept none of their drafted tokens the
+  ngram1b ngram1 with `--spec-backoff 16` (patches/0007): after steps that kept none of their drafted tokens the
           server skips the lookup's next 1, 2, 4, ... up to 16 drafts; a kept draft token ends that.
   synth   `llama-server -np 1` with llama.cpp's synthetic acceptance (--spec-synth-len 3, benchmarking only): a
           1-token lookup drafts up to 4 tokens and a seeded coin accepts them, 3 tokens a step on average, whatever
@@ -84,7 +84,7 @@ NGRAM1 = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "1", "--s
 SPECS = {
     "ngram": ["--spec-type", "ngram-simple", "--spec-draft-n-max", "8"],
     "ngram1": NGRAM1,
-    # ngram1 backing off after rejected drafts (patches/0011: it skips up to 16 drafts), so that a lookup that keeps
+    # ngram1 backing off after rejected drafts (patches/0007: it skips up to 16 drafts), so that a lookup that keeps
     # missing costs few multi-token steps
     "ngram1b": [*NGRAM1, "--spec-backoff", "16"],
     # llama.cpp's synthetic acceptance (benchmarking only): a 1-token lookup drafts up to 4 tokens and a seeded coin

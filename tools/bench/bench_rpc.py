@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Network bytes of a model split across llama.cpp's RPC servers: a synthetic BF16 MoE GGUF (stock RPC) against
-its zipmoe GGUF (experts kept on the client, patches/0012), same build, same split.
+its zipmoe GGUF (experts kept on the client, patches/0008), same build, same split.
 
 Two ggml-rpc-server processes on 127.0.0.1 take half the layers each (tensor_split 1,1, every layer offloaded);
 the client reaches each through a byte-counting TCP relay in this process, so every byte between client and
