@@ -110,3 +110,37 @@ def test_the_result_file_is_dated_and_says_where_the_tree_came_from(tmp_path: Pa
     text = written.read_text()
     assert "- SRC: a tree made by the test" in text and "0001-first.patch: clean" in text
     assert "2 of 2 patches apply (2 clean)" in text
+
+
+# A patch that removes the line FIRST added: the stack that a bump must merge by hand
+REWRITE = """the third patch.
+
+--- a/src/a.txt
++++ b/src/a.txt
+@@ -18,5 +18,5 @@
+ line 18
+ line 19
+-line twenty
++line 20 again
+ line 21
+ line 22
+"""
+
+
+def test_added_lines_and_rewrites_are_counted_per_file(tmp_path: Path, series: list[Path]) -> None:
+    third = tmp_path / "0003-third.patch"
+    third.write_text(REWRITE)
+    assert drift.added_lines(series) == {"src/a.txt": 2}
+    assert drift.rewrites(series) == []  # SECOND keeps FIRST's line as context
+    assert drift.rewrites([*series, third]) == ["0003-third.patch: src/a.txt: line twenty"]
+    assert drift.rewrites([third, *series]) == []  # (only an earlier patch's lines count)
+
+
+def test_zipmoe_patches_are_thin_hooks() -> None:
+    """The series a llama.cpp bump carries (docs/llama-integration.md): at most 350 added lines in all, at most 60 in
+    llama.cpp's most changed file, and no patch rewriting what another added."""
+    patches = sorted(drift.PATCHES.glob("*.patch"))
+    added = drift.added_lines(patches)
+    assert sum(added.values()) <= 350, added
+    assert added.get("src/llama-model-loader.cpp", 0) <= 60, added
+    assert drift.rewrites(patches) == []

@@ -107,6 +107,50 @@ def hunks_of(patch: Path) -> list[Hunk]:
     return hunks
 
 
+def _changes(patch: Path) -> dict[str, tuple[list[str], list[str]]]:
+    """Per file, the lines a patch adds and the lines it removes (their text, without the +/-)."""
+    out: dict[str, tuple[list[str], list[str]]] = {}
+    current = ""
+    in_hunk = False
+    for line in patch.read_text(errors="replace").splitlines():
+        if line.startswith("+++ "):
+            current = line[4:].split("\t")[0].strip().removeprefix("b/")
+            out.setdefault(current, ([], []))
+            in_hunk = False
+        elif line.startswith("@@ ") and current:
+            in_hunk = True
+        elif in_hunk and line.startswith("+"):
+            out[current][0].append(line[1:])
+        elif in_hunk and line.startswith("-") and not line.startswith("--- "):
+            out[current][1].append(line[1:])
+        elif in_hunk and not line.startswith((" ", "\\")) and line:
+            in_hunk = False  # the text after a hunk (never inside one in a unified diff)
+    return out
+
+
+def added_lines(patches: list[Path]) -> dict[str, int]:
+    """Lines the series adds to each upstream file (the size of what a llama.cpp bump must carry)."""
+    added: dict[str, int] = {}
+    for p in patches:
+        for f, (plus, _) in _changes(p).items():
+            added[f] = added.get(f, 0) + len(plus)
+    return added
+
+
+def rewrites(patches: list[Path]) -> list[str]:
+    """`later patch: file: line` for each line a patch removes that an earlier patch of the series added: a stack of
+    patches that rewrite each other must be merged by hand at every bump, hooks that only add do not."""
+    found, earlier = [], {}
+    for p in patches:
+        changes = _changes(p)
+        for f, (_, minus) in changes.items():
+            ours = set(earlier.get(f, ())) & set(minus)
+            found += [f"{p.name}: {f}: {line.strip()}" for line in sorted(ours) if line.strip()]
+        for f, (plus, _) in changes.items():
+            earlier.setdefault(f, []).extend(plus)
+    return found
+
+
 def touched_files(patches: list[Path]) -> list[str]:
     return sorted({h.file for p in patches for h in hunks_of(p)})
 
