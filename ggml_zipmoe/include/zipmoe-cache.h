@@ -59,10 +59,16 @@ ZIPMOE_API int64_t zipmoe_plan_parse(const char * text, zipmoe_plan_rule_fn fn, 
 /* What is wrong with a plan zipmoe_plan_parse refused with rc, as the end of a sentence that names the plan. */
 ZIPMOE_API const char * zipmoe_plan_problem(int64_t rc);
 
-/* The eviction policy named by ZIPMOE_CACHE_POLICY and --cache-policy: lfuda, tlfu, lru, lfu or fifo (ZIPMOE_OK,
- * *out set), or ZIPMOE_ERR_ARG. */
-#define ZIPMOE_POLICY_NAMES "lfuda, tlfu, lru, lfu or fifo"
-ZIPMOE_API int64_t zipmoe_policy_parse(const char * name, zipmoe_policy * out);
+/* The eviction policies by name (cache/policy.c), the one list that ZIPMOE_CACHE_POLICY, llama.cpp's
+ * --cache-policy and pyzipmoe (--policy, a Modelfile's cache_policy) take: lfuda (the default), tlfu, lru, lfu,
+ * fifo. zipmoe_policy_name: the name of the index-th, the default (ZIPMOE_POLICY_DEFAULT) first; NULL past the last.
+ * zipmoe_policy_parse: the policy named (ZIPMOE_OK, *out set if out is not NULL), or ZIPMOE_ERR_ARG.
+ * zipmoe_policy_names: every name for a message, "lfuda, tlfu, lru, lfu or fifo", into buf[size] (NUL-terminated):
+ * its length, or ZIPMOE_ERR_DST_TOO_SMALL (64 bytes suffice). */
+#define ZIPMOE_POLICY_DEFAULT ZIPMOE_POLICY_LFUDA
+ZIPMOE_API const char * zipmoe_policy_name(size_t index);
+ZIPMOE_API int64_t      zipmoe_policy_parse(const char * name, zipmoe_policy * out);
+ZIPMOE_API int64_t      zipmoe_policy_names(char * buf, size_t size);
 
 /* 1 (default): a store's invocation evicts what every other store's last invocation decoded beyond its limits,
  * which the engine must have read by then (ggml runs each op's matmul before the next expert tensor's op); the

@@ -444,25 +444,6 @@ const char * zipmoe_plan_problem(int64_t rc) {
     }
 }
 
-int64_t zipmoe_policy_parse(const char * name, zipmoe_policy * out) {
-    static const struct {
-        const char *  name;
-        zipmoe_policy policy;
-    } names[] = {
-        { "lfuda", ZIPMOE_POLICY_LFUDA }, { "tlfu", ZIPMOE_POLICY_TOKEN_LFU }, { "lru", ZIPMOE_POLICY_LRU },
-        { "lfu", ZIPMOE_POLICY_LFU },     { "fifo", ZIPMOE_POLICY_FIFO },
-    };
-    for (size_t i = 0; name && i < sizeof names / sizeof names[0]; i++) {
-        if (strcmp(name, names[i].name) == 0) {
-            if (out) {
-                *out = names[i].policy;
-            }
-            return ZIPMOE_OK;
-        }
-    }
-    return ZIPMOE_ERR_ARG;
-}
-
 /* Under s->mu: the store's tier limits for the current configuration. */
 void cache_refresh_limits(zipmoe_store * s) {
     pthread_mutex_lock(&g_cfg.mu);
