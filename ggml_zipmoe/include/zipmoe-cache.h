@@ -196,6 +196,17 @@ ZIPMOE_API int64_t zipmoe_budget_need_of(const zipmoe_store_size * stores, size_
                                          uint64_t embd_bytes, uint64_t embd_row_bytes, uint64_t page,
                                          zipmoe_budget_need * out);
 
+/* The one check of a budget against a model's minimum (need, from zipmoe_budget_need_of; embd_bytes: its token
+ * embedding's whole bytes, which need.embd_charged may charge less of), the loader's and pyzipmoe's before it loads
+ * a model. ZIPMOE_OK where budget holds need->minimum (msg[0] = 0); else ZIPMOE_ERR_ARG and the refusal in
+ * msg[msg_size] (NUL-terminated, cut to fit; 512 bytes more than `said` suffice), one sentence that says the
+ * budget as `said` (as its user gave it: "60% (4.8 GiB)", "100KiB"; NULL: its bytes), the minimum and what it is
+ * made of: "memory budget <said> is below the minimum of <minimum> for this model (<other> of weights that are not
+ * experts + <in flight> for the experts of one expert tensor in flight); raise --memory-budget". Where the budget
+ * and the minimum read the same rounded, both are said in bytes too. ZIPMOE_ERR_ARG with msg empty for a NULL need. */
+ZIPMOE_API int64_t zipmoe_budget_check(uint64_t budget, const zipmoe_budget_need * need, uint64_t embd_bytes,
+                                       const char * said, char * msg, size_t msg_size);
+
 /* Everything a budget sets in the cache, applied at once by zipmoe_cache_apply: what the loader derives from a
  * model's budget (op/zipmoe-config.cpp) and the memory monitor from a new one (zipmoe_cache_apply_split). */
 typedef struct {

@@ -80,6 +80,11 @@ ZIPMOE_API int zipmoe_budget_is_auto(const char * text);
 /* Whether text is a memory budget as --memory-budget takes it: "auto", or what zipmoe_parse_budget reads. */
 ZIPMOE_API int zipmoe_budget_valid(const char * text);
 
+/* A size for people, in the largest binary unit below 1024 of it: "512 B", "3.1 MiB", ... "1024.0 PiB" (as
+ * pyzipmoe's human_size writes every size), into buf[size], NUL-terminated. The length written, or
+ * ZIPMOE_ERR_DST_TOO_SMALL (buf holds as much as fits; 16 bytes always suffice), or ZIPMOE_ERR_ARG. */
+ZIPMOE_API int64_t zipmoe_size_text(uint64_t bytes, char * buf, size_t size);
+
 /* ---------------------------------------------------------------- the memory available (`auto`) */
 
 /* How much memory this process may use, read at one moment (common/memory.c), in bytes: the machine's

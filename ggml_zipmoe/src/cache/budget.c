@@ -1,9 +1,14 @@
-/* budget.c - one memory budget's room for the experts split between the cache tiers (by shares), a prompt's read
- * buffers and the allowance for the expert tensor in flight, and generation's larger hot budget. The glue applies
- * it at load (zipmoe-config.cpp), the memory monitor (pyzipmoe/runtime/controller.py) when it changes a budget split by
- * shares, so that both keep the same accounting. A pure function: nothing here touches the stores. */
+/* budget.c - what a model needs of a memory budget and the one check of a budget against it (its message too), and
+ * one budget's room for the experts split between the cache tiers (by shares), a prompt's read buffers and the
+ * allowance for the expert tensor in flight, and generation's larger hot budget. The glue applies them at load
+ * (zipmoe-config.cpp), pyzipmoe before it loads a model (runtime/budget.py) and the memory monitor
+ * (pyzipmoe/runtime/controller.py) when it changes a budget split by shares, so that all keep the same accounting.
+ * Pure functions: nothing here touches the stores. */
 #include "zipmoe-impl.h"
 #include "zipmoe-cache.h"
+
+#include <stdio.h>
+#include <string.h>
 
 static uint64_t min_u64(uint64_t a, uint64_t b) { return a < b ? a : b; }
 static uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
@@ -152,4 +157,40 @@ int64_t zipmoe_budget_need_of(const zipmoe_store_size * stores, size_t n_stores,
     need.minimum = need.other + need.in_flight;
     *out         = need;
     return ZIPMOE_OK;
+}
+
+int64_t zipmoe_budget_check(uint64_t budget, const zipmoe_budget_need * need, uint64_t embd_bytes,
+                            const char * said, char * msg, size_t msg_size) {
+    if (msg && msg_size > 0) {
+        msg[0] = 0;
+    }
+    if (!need) {
+        return ZIPMOE_ERR_ARG;
+    }
+    if (budget >= need->minimum) {
+        return ZIPMOE_OK;
+    }
+    if (!msg || msg_size == 0) {
+        return ZIPMOE_ERR_ARG;
+    }
+    char given[32], minimum[32], other[32], in_flight[32], exact[48] = "", embd[128] = "";
+    zipmoe_size_text(budget, given, sizeof given);
+    zipmoe_size_text(need->minimum, minimum, sizeof minimum);
+    zipmoe_size_text(need->other, other, sizeof other);
+    zipmoe_size_text(need->in_flight, in_flight, sizeof in_flight);
+    if (strcmp(given, minimum) == 0) { /* (1 byte short reads the same rounded: say the bytes) */
+        snprintf(exact, sizeof exact, " (%llu bytes)", (unsigned long long) budget);
+        snprintf(minimum, sizeof minimum, "%llu bytes", (unsigned long long) need->minimum);
+    }
+    if (need->embd_charged < embd_bytes) {
+        char charged[32], whole[32];
+        zipmoe_size_text(need->embd_charged, charged, sizeof charged);
+        zipmoe_size_text(embd_bytes, whole, sizeof whole);
+        snprintf(embd, sizeof embd, " (token_embd: the rows of a batch, %s of %s)", charged, whole);
+    }
+    snprintf(msg, msg_size,
+             "memory budget %s%s is below the minimum of %s for this model (%s of weights that are not experts%s + %s "
+             "for the experts of one expert tensor in flight); raise --memory-budget",
+             said ? said : given, exact, minimum, other, embd, in_flight);
+    return ZIPMOE_ERR_ARG;
 }

@@ -1,10 +1,12 @@
 /* size.c - the one parser of byte sizes ("6GiB", "512M", "1.5g", "1000000") and budgets ("60%", "auto"), shared by the loader glue
  * (ZIPMOE_MEMORY_BUDGET, ZIPMOE_READ_BUFFER) and, through cffi, by pyzipmoe, so that every layer reads a size the
  * same way. Exact: integer arithmetic, no floating point, so no value is rounded twice and inf, nan or huge
- * numbers cannot reach a float-to-integer conversion. */
+ * numbers cannot reach a float-to-integer conversion. And the native messages' writer of sizes (zipmoe_size_text),
+ * whose one decimal is for people only. */
 #include "zipmoe.h"
 
 #include <stddef.h>
+#include <stdio.h>
 
 static int is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\v' || c == '\f' || c == '\r'; }
 static int is_digit(char c) { return c >= '0' && c <= '9'; }
@@ -175,4 +177,24 @@ int zipmoe_budget_is_auto(const char * text) {
 int zipmoe_budget_valid(const char * text) {
     uint64_t bytes = 0;
     return zipmoe_budget_is_auto(text) || zipmoe_parse_budget(text, ZIPMOE_SIZE_MAX, &bytes) == ZIPMOE_OK;
+}
+
+int64_t zipmoe_size_text(uint64_t bytes, char * buf, size_t size) {
+    static const char * const units[] = { "KiB", "MiB", "GiB", "TiB", "PiB" };
+    if (!buf || size == 0) {
+        return ZIPMOE_ERR_ARG;
+    }
+    int n;
+    if (bytes < 1024) {
+        n = snprintf(buf, size, "%llu B", (unsigned long long) bytes);
+    } else {
+        double v = (double) bytes / 1024.0;
+        size_t u = 0;
+        while (v >= 1024.0 && u + 1 < sizeof units / sizeof units[0]) {
+            v /= 1024.0;
+            u++;
+        }
+        n = snprintf(buf, size, "%.1f %s", v, units[u]);
+    }
+    return n < 0 ? ZIPMOE_ERR_ARG : (size_t) n >= size ? ZIPMOE_ERR_DST_TOO_SMALL : n;
 }

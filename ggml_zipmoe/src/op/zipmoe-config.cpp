@@ -36,21 +36,10 @@ static bool auto_budget(const zipmoe_budget_need & need, uint64_t & out, std::st
     return true;
 }
 
-// Bytes in the largest binary unit below 1024 of it, as pyzipmoe's human_size writes them ("3.1 MiB", "512 B").
+// Bytes as every size zipmoe prints is written ("3.1 MiB", "512 B": zipmoe_size_text).
 static std::string size_text(uint64_t bytes) {
-    static const char * const units[] = { "KiB", "MiB", "GiB", "TiB", "PiB", "EiB" };
     char buf[32];
-    if (bytes < 1024) {
-        std::snprintf(buf, sizeof buf, "%llu B", (unsigned long long) bytes);
-        return buf;
-    }
-    double v = (double) bytes / 1024.0;
-    size_t u = 0;
-    while (v >= 1024.0 && u + 1 < sizeof units / sizeof units[0]) {
-        v /= 1024.0;
-        u++;
-    }
-    std::snprintf(buf, sizeof buf, "%.1f %s", v, units[u]);
+    zipmoe_size_text(bytes, buf, sizeof buf);
     return buf;
 }
 
@@ -108,7 +97,7 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
     const uint64_t working_set = need.in_flight, experts = need.experts;
     uint64_t      hot = UINT64_MAX, warm = 0, sm = 0, in_flight = working_set, reads = UINT64_MAX, token_hot = 0;
     uint64_t      tiers = UINT64_MAX; // what a budget leaves beyond its minimum
-    zipmoe_policy policy = ZIPMOE_POLICY_LFUDA;
+    zipmoe_policy policy = ZIPMOE_POLICY_DEFAULT;
     if (const char * v = env.memory_budget) {
         uint64_t   budget    = 0;
         const bool automatic = zipmoe_budget_is_auto(v);
@@ -118,17 +107,14 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
             }
             return false;
         }
-        const uint64_t minimum = need.minimum;
-        if (budget < minimum) {
-            // the budget as its user wrote it: a size rounded to MiB could read "0 MiB"
-            err = std::string("memory budget ") + v + (automatic ? " (" + size_text(budget) + " free, less a margin)" : "") +
-                  " is below the minimum of " + size_text(minimum) +
-                  " for this model (" + size_text(other_bytes) + " of weights that are not experts" + embd_note +
-                  " + " + size_text(working_set) + " for the experts of one expert tensor in flight); raise "
-                  "--memory-budget (ZIPMOE_MEMORY_BUDGET)";
+        // the budget as its user wrote it: a size rounded to MiB could read "0 MiB"
+        const std::string said = std::string(v) + (automatic ? " (" + size_text(budget) + " free, less a margin)" : "");
+        std::vector<char> refusal(said.size() + 512);
+        if (zipmoe_budget_check(budget, &need, embd_bytes, said.c_str(), refusal.data(), refusal.size()) != ZIPMOE_OK) {
+            err = std::string(refusal.data()) + " (ZIPMOE_MEMORY_BUDGET)";
             return false;
         }
-        tiers            = budget - minimum;
+        tiers            = budget - need.minimum;
         double sm_share = 0;
         if (!parse_fraction("ZIPMOE_SM_SHARE", env.sm_share, sm_share, err)) {
             return false;
@@ -171,7 +157,9 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
         info = "zipmoe: no memory budget: decoded experts are kept (set ZIPMOE_MEMORY_BUDGET or --memory-budget)";
     }
     if (const char * v = env.cache_policy; v && zipmoe_policy_parse(v, &policy) != ZIPMOE_OK) {
-        err = std::string("ZIPMOE_CACHE_POLICY=") + v + " is not a policy (" ZIPMOE_POLICY_NAMES ")";
+        char names[64];
+        zipmoe_policy_names(names, sizeof names);
+        err = std::string("ZIPMOE_CACHE_POLICY=") + v + " is not a policy (" + names + ")";
         return false;
     }
     if (const char * v = env.direct_io) {
