@@ -1,6 +1,7 @@
 /* config.c - the one place where the native code reads ZIPMOE_* environment variables (zipmoe.h,
  * zipmoe_runtime_config, lists them). Bare llama.cpp programs are configured through the environment; reading it
- * here, into a plain struct, leaves every other file to take its settings as parameters. */
+ * here, into a plain struct, leaves every other file to take its settings as parameters. And the one value of the
+ * environment zipmoe sets for OpenMP (zipmoe_openmp_spincount), which the programs and pyzipmoe read here. */
 #include "zipmoe.h"
 
 #include <stdlib.h>
@@ -36,4 +37,8 @@ void zipmoe_runtime_config_from_env(zipmoe_runtime_config * cfg) {
     cfg->esc_simd      = !off("ZIPMOE_ESC_SIMD");
     const char * integrity = getenv("ZIPMOE_INTEGRITY");
     cfg->integrity     = !(integrity && strcmp(integrity, "skip") == 0);
+}
+
+const char * zipmoe_openmp_spincount(void) {
+    return "2000"; /* zipmoe.h says what it was measured against */
 }
