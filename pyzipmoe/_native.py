@@ -36,6 +36,20 @@ const char * zipmoe_status_str(int64_t status);
 #define ZIPMOE_SIZE_MAX 1152921504606846976
 int64_t zipmoe_parse_size(const char * text, uint64_t * out);
 int64_t zipmoe_parse_budget(const char * text, uint64_t total, uint64_t * out);
+int zipmoe_budget_is_auto(const char * text);
+int64_t zipmoe_size_text(uint64_t bytes, char * buf, size_t size);
+typedef struct {
+    uint64_t total;
+    uint64_t available;
+    int32_t  has_cgroup;
+    uint64_t cgroup_limit;
+    uint64_t cgroup_usage;
+    uint64_t cgroup_reclaimable;
+    uint64_t cgroup_file_cache;
+} zipmoe_memory_reading;
+uint64_t zipmoe_memory_margin(const zipmoe_memory_reading * r);
+uint64_t zipmoe_auto_budget(const zipmoe_memory_reading * r, uint64_t model_bytes, uint64_t held);
+const char * zipmoe_openmp_spincount(void);
 int zipmoe_simd_level(void);
 
 void zipmoe_split_bf16(const uint16_t * src, size_t n, uint8_t * exp, uint8_t * sm);
@@ -110,6 +124,12 @@ typedef enum {
     ZIPMOE_POLICY_LFUDA = 4
 } zipmoe_policy;
 int64_t zipmoe_cache_configure(uint64_t hot_bytes, uint64_t warm_bytes, uint64_t sm_bytes, zipmoe_policy policy);
+const char * zipmoe_policy_name(size_t index);
+int64_t zipmoe_policy_parse(const char * name, zipmoe_policy * out);
+int64_t zipmoe_policy_names(char * buf, size_t size);
+typedef int64_t (*zipmoe_plan_rule_fn)(void * arg, int32_t layer, int64_t hot, int64_t warm, int64_t sm);
+int64_t zipmoe_plan_parse(const char * text, zipmoe_plan_rule_fn fn, void * arg);
+const char * zipmoe_plan_problem(int64_t rc);
 int64_t zipmoe_cache_set_slots(const char * prefix, int64_t hot, int64_t warm, int64_t sm);
 void    zipmoe_cache_set_reserve(uint64_t bytes);
 void    zipmoe_cache_set_token_hot(uint64_t hot_bytes);
@@ -131,6 +151,8 @@ typedef struct { uint64_t other; uint64_t embd_charged; uint64_t in_flight; uint
     zipmoe_budget_need;
 int64_t zipmoe_budget_need_of(const zipmoe_store_size * stores, size_t n_stores, uint64_t other_bytes,
                               uint64_t embd_bytes, uint64_t embd_row_bytes, uint64_t page, zipmoe_budget_need * out);
+int64_t zipmoe_budget_check(uint64_t budget, const zipmoe_budget_need * need, uint64_t embd_bytes,
+                            const char * said, char * msg, size_t msg_size);
 int64_t zipmoe_cache_apply_split(const zipmoe_budget_split * split, zipmoe_policy policy);
 int64_t zipmoe_store_open(const char * name, const void * index, size_t index_size, uint64_t data_size,
                           zipmoe_store ** out);

@@ -83,8 +83,15 @@ def default_hot_share(tiers: int, sizes: list[tuple[int, int, int]], warm_fast: 
                                                          int(warm_fast), sm_share))
 
 
-_POLICY_IDS = {"tlfu": "ZIPMOE_POLICY_TOKEN_LFU", "lru": "ZIPMOE_POLICY_LRU", "lfu": "ZIPMOE_POLICY_LFU",
-               "fifo": "ZIPMOE_POLICY_FIFO", "lfuda": "ZIPMOE_POLICY_LFUDA"}
+def policy_id(name: str) -> int:
+    """The runtime's number (zipmoe_policy) of the eviction policy `name`, one of config.policies()
+    (zipmoe_policy_parse); ZipmoeError for another name."""
+    from .._native import ffi, lib
+
+    out = ffi.new("zipmoe_policy *")
+    if "\0" in name or lib.zipmoe_policy_parse(name.encode(), out) != lib.ZIPMOE_OK:
+        raise ZipmoeError(f"cache policy {name!r} is not one the runtime knows")
+    return int(out[0])
 
 
 def apply_shares(tiers: int, split: tuple[float | None, float | None, float], sizes: list[tuple[int, int, int]],
@@ -106,7 +113,7 @@ def apply_shares(tiers: int, split: tuple[float | None, float | None, float], si
     out = ffi.new("zipmoe_budget_split *")
     if native.zipmoe_budget_split_tiers(stores, len(sizes), tiers, hot_share, sm_share, out) < 0:
         raise ZipmoeError(f"the runtime refused to split {tiers} bytes by shares {split}")
-    rc = lib.zipmoe_cache_apply_split(out, getattr(native, _POLICY_IDS[policy]))  # at once: no moment between
+    rc = lib.zipmoe_cache_apply_split(out, policy_id(policy))  # at once: no moment between
     if rc < 0:
         raise ZipmoeError(f"the runtime refused the tiers of a {tiers}-byte budget (status {rc})")
 

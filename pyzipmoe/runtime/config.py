@@ -12,11 +12,13 @@ native library (zipmoe_budget_default_hot_share), which the loader and the memor
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import MutableMapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from ..errors import ZipmoeError
+from ..errors import NativeLibraryError, ZipmoeError
 from ..paths import llama_lib_dir
 from .budget import parse_budget
 
@@ -24,7 +26,7 @@ BUDGET_ENV = "ZIPMOE_MEMORY_BUDGET"  # the model's budget in bytes (the runtime 
 HOT_SHARE_ENV = "ZIPMOE_HOT_SHARE"  # without a plan: the tiers' share for decoded experts
 SM_SHARE_ENV = "ZIPMOE_SM_SHARE"  # without a plan: the tiers' share for sign+mantissa planes
 PLAN_ENV = "ZIPMOE_PLAN"  # slots per layer and tier, as `zipmoe plan` prints them
-POLICY_ENV = "ZIPMOE_CACHE_POLICY"  # eviction: one of POLICIES
+POLICY_ENV = "ZIPMOE_CACHE_POLICY"  # eviction: one of policies()
 CACHE_ENV = "ZIPMOE_CACHE"  # one of CACHE_MODES; "none": decode on every use
 PREFILL_ENV = "ZIPMOE_PREFILL"  # "0": leave the cache tiers empty at load
 DIRECT_IO_ENV = "ZIPMOE_DIRECT_IO"  # "0": read the model file through the page cache instead of O_DIRECT
@@ -39,34 +41,68 @@ CONTROL_ENV = "ZIPMOE_CONTROL"  # the supervisor's control file (pyzipmoe.runtim
 RUNTIME_ENV = (CACHE_ENV, BUDGET_ENV, HOT_SHARE_ENV, SM_SHARE_ENV, PLAN_ENV, POLICY_ENV, PREFILL_ENV, DIRECT_IO_ENV,
                READ_BUFFER_ENV, PREDICT_ENV, FUSED_ENV, STREAM_ENV, ESC_SIMD_ENV, INTEGRITY_ENV, CONTROL_ENV)
 
-POLICIES = ("tlfu", "lru", "lfu", "fifo", "lfuda")  # eviction; tlfu: the paper's token-weighted LFU; lfuda: LFU with
-# dynamic ageing and the counts of evicted experts kept (docs/cache-and-planner.md)
-DEFAULT_POLICY = "lfuda"  # the runtime's unless ZIPMOE_CACHE_POLICY says otherwise (config.c)
 CACHE_MODES = ("unbounded", "none")  # "none": decode every expert on every use (measurements)
 
-OPENMP_SPIN = ("GOMP_SPINCOUNT", "2000")
-"""How long an OpenMP thread spins before it sleeps, for zipmoe's own process and the llama.cpp programs it starts.
-ggml's threads meet at a barrier after every operation of the graph, and libgomp lets a waiting thread spin about
-300000 rounds. With as many threads as cores (llama-cli's default), that spinning starved zipmoe's reader thread and
-the kernel's reads: on 2 cores, llama-completion -t 2 generated 7.4-8.4 tokens/s at a 75% budget and 13.1 at 93%;
-with 2000 rounds 13.1-13.7 and 23.3, and the same 62 tokens/s when everything fits. A value of the user's (or an
-OMP_WAIT_POLICY) is kept. Under a budget, zipmoe's llama.cpp programs set the same value themselves and execute
-themselves again (COMMON_ZIPMOE_GOMP_SPINCOUNT in patches/0007-zipmoe-args.patch: keep the two equal); setting it
-here spares the programs zipmoe starts that restart, and is the only way for this process, whose libgomp loads with
-libllama."""
+OPENMP_SPIN_ENV = "GOMP_SPINCOUNT"  # libgomp's: how long an OpenMP thread spins before it sleeps
+
+if TYPE_CHECKING:  # read from the native library when first used (__getattr__), so that importing stays cheap
+    POLICIES: tuple[str, ...]  # the runtime's eviction policies (policies())
+    DEFAULT_POLICY: str  # the runtime's unless ZIPMOE_CACHE_POLICY says otherwise
+    OPENMP_SPIN: tuple[str, str]  # (OPENMP_SPIN_ENV, its value: openmp_spin())
+
+
+@functools.cache
+def policies() -> tuple[str, ...]:
+    """The runtime's eviction policies, its default first: the native library's one list (zipmoe_policy_name), which
+    ZIPMOE_CACHE_POLICY and llama.cpp's --cache-policy take too. lfuda: LFU with dynamic ageing and the counts of
+    evicted experts kept; tlfu: the paper's token-weighted LFU (docs/cache-and-planner.md)."""
+    from .._native import ffi, lib
+
+    names: list[str] = []
+    while (name := lib.zipmoe_policy_name(len(names))) != ffi.NULL:
+        names.append(ffi.string(name).decode())
+    return tuple(names)
+
+
+@functools.cache
+def openmp_spin() -> tuple[str, str]:
+    """(OPENMP_SPIN_ENV, value): how long an OpenMP thread spins before it sleeps, for zipmoe's own process and the
+    llama.cpp programs it starts; the native library's value (zipmoe_openmp_spincount, which says what it was
+    measured against), the one zipmoe's llama.cpp programs set themselves under a budget (executing themselves
+    again, as libgomp reads it only as it loads). Setting it here spares the programs zipmoe starts that restart,
+    and is the only way for this process, whose libgomp loads with libllama. A value of the user's (or an
+    OMP_WAIT_POLICY) is kept."""
+    from .._native import ffi, lib
+
+    return OPENMP_SPIN_ENV, ffi.string(lib.zipmoe_openmp_spincount()).decode()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "POLICIES":
+        return policies()
+    if name == "DEFAULT_POLICY":
+        return policies()[0]
+    if name == "OPENMP_SPIN":
+        return openmp_spin()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def openmp_environment(env: MutableMapping[str, str]) -> MutableMapping[str, str]:
-    """env (a dict, or os.environ) with OPENMP_SPIN added, unless it already says how OpenMP threads wait."""
-    name, value = OPENMP_SPIN
-    if name not in env and "OMP_WAIT_POLICY" not in env:
-        env[name] = value
+    """env (a dict, or os.environ) with OpenMP's short spinning (openmp_spin) added, unless it already says how
+    OpenMP threads wait, or no zipmoe library can be loaded (whose runtime the spinning would starve)."""
+    if OPENMP_SPIN_ENV in env or "OMP_WAIT_POLICY" in env:
+        return env
+    try:
+        name, value = openmp_spin()
+    except (NativeLibraryError, AttributeError):  # (not built, or built before it had the value: nothing to spare)
+        return env
+    env[name] = value
     return env
 
 
 def use_zipmoe_llama(env: MutableMapping[str, str] | None = None) -> None:
-    """Points llama-cpp-python at zipmoe's build of libllama: sets ``LLAMA_CPP_LIB_PATH`` (and OPENMP_SPIN, which
-    libgomp reads when libllama loads) in `env`, default ``os.environ``, so that ``llama_cpp.Llama`` runs zipmoe GGUFs.
+    """Points llama-cpp-python at zipmoe's build of libllama: sets ``LLAMA_CPP_LIB_PATH`` (and OpenMP's spinning,
+    openmp_spin, which libgomp reads when libllama loads) in `env`, default ``os.environ``, so that ``llama_cpp.Llama`` runs zipmoe GGUFs.
 
     llama-cpp-python reads the variable once, when ``llama_cpp`` is first imported: once it is imported, nothing is
     changed. A value already set is kept, and nothing is set when zipmoe's libllama has not been built (a
@@ -158,7 +194,7 @@ class RuntimeConfig:
     environment already says, which to_env leaves alone).
 
     budget: the model's memory budget, bytes or as people write it ("6GiB", "60%"; "auto" is resolved by the
-        caller, which knows the model). policy: eviction, one of POLICIES. hot_share, sm_share: without a plan, the
+        caller, which knows the model). policy: eviction, one of policies(). hot_share, sm_share: without a plan, the
         tiers' shares for decoded experts and for sign+mantissa planes. plan: slots per layer and tier, as
         `zipmoe plan` prints them. cache: one of CACHE_MODES. prefill, direct_io, predict, fused, stream: the
         runtime's switches (README). read_buffer: bytes each of the reader's buffers keeps between uses.
@@ -178,8 +214,8 @@ class RuntimeConfig:
     stream: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.policy is not None and self.policy not in POLICIES:
-            raise ZipmoeError(f"cache policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if self.policy is not None and self.policy not in policies():
+            raise ZipmoeError(f"cache policy {self.policy!r} is not one of {', '.join(policies())}")
         if self.cache is not None and self.cache not in CACHE_MODES:
             raise ZipmoeError(f"cache mode must be one of {', '.join(CACHE_MODES)}, not {self.cache!r}")
         check_share("hot share", self.hot_share)

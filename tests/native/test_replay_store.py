@@ -108,10 +108,10 @@ def test_lfuda_remembers_the_uses_of_an_evicted_expert(zipmoe_model):
 
 
 def test_the_runtime_takes_lfuda_by_name():
+    from pyzipmoe.runtime.cache_control import policy_id
     from pyzipmoe.runtime.config import POLICIES
-    from pyzipmoe.runtime.cache_control import _POLICY_IDS
 
-    assert "lfuda" in POLICIES and getattr(lib, _POLICY_IDS["lfuda"]) == lib.ZIPMOE_POLICY_LFUDA
+    assert "lfuda" in POLICIES and policy_id("lfuda") == lib.ZIPMOE_POLICY_LFUDA
     assert lib.zipmoe_cache_configure(UNBOUNDED, 0, 0, lib.ZIPMOE_POLICY_LFUDA) == 0
     assert lib.zipmoe_cache_configure(UNBOUNDED, 0, 0, lib.ZIPMOE_POLICY_LFUDA + 1) == lib.ZIPMOE_ERR_ARG
 

@@ -86,7 +86,7 @@ def test_quirks_of_ollama_syntax() -> None:
     ("FROM m\nPARAMETER memory_budget lots", 2, "PARAMETER memory_budget 'lots' is not a size: write e.g. 6GiB"),
     ("FROM m\nPARAMETER memory_budget 101%", 2, "more than all of the memory"),
     ("FROM m\nPARAMETER memory_budget -1GiB", 2, "is negative"),
-    ("FROM m\nPARAMETER cache_policy fast", 2, "not one of tlfu, lru, lfu, fifo, lfuda"),
+    ("FROM m\nPARAMETER cache_policy fast", 2, "not one of lfuda, tlfu, lru, lfu, fifo"),
     ("FROM m\nPARAMETER cache_mode lru", 2, "not one of unbounded, none"),
     ("FROM m\nPARAMETER cache_mode none\nPARAMETER cache_policy none", 3, "cache_mode is already set on line 2"),
     ("FROM m\nPARAMETER seed 1\nPARAMETER seed 2", 3, "already set on line 2"),

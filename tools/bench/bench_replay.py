@@ -158,10 +158,10 @@ def run_policy(path: Path, source: Source, policy: str, hot: int, warm: int,
     """Replays the source's steps through fresh stores with `hot` and `warm` slots per layer (or a planner's hot,
     warm and sm slots for each layer); the counters."""
     from pyzipmoe._native import lib
-    from pyzipmoe.runtime.cache_control import _POLICY_IDS
+    from pyzipmoe.runtime.cache_control import policy_id
 
     n_layer = len(source.steps)
-    lib.zipmoe_cache_configure(UNBOUNDED, 0, 0, getattr(lib, _POLICY_IDS[policy]))
+    lib.zipmoe_cache_configure(UNBOUNDED, 0, 0, policy_id(policy))
     stores = Stores(path, n_layer)
     try:
         rules = [(b"", (hot, warm, 0))] if plan is None else [(f"blk.{i}.".encode(), p) for i, p in enumerate(plan)]
