@@ -9,14 +9,18 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ZipmoeError
 from ..runtime.completion import CHATML
 from ..runtime.runner import DEFAULT_CONTEXT
-from ..runtime.config import BUDGET_ENV, CACHE_MODES, DEFAULT_POLICY, POLICIES, POLICY_ENV
+from ..runtime.config import CACHE_MODES, DEFAULT_POLICY, POLICIES
 from ..server import DEFAULT_HOST, DEFAULT_PORT
 from .formatting import EXIT_OK, command, fraction, human_size, nonnegative, positive, print_json, render_table
+
+if TYPE_CHECKING:
+    from ..runtime.budget import Budget
+    from ..runtime.controller import RuntimeSettings
 
 LLAMA_COMMANDS = ("run", "serve", "bench")
 
@@ -126,7 +130,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     extra = _llama_args(args)
     if args.prompt is None:
         _check_history(model, package, args.ctx_size or params.get("num_ctx"), extra)
-        os.environ.update(_cache_settings(args, model))  # what libllama in llama-cli reads
+        settings = _cache_settings(args, model)
+        os.environ.update(settings.env)  # what libllama in llama-cli reads
         # interactive chat: llama-cli; the package's flags first, so that the user's win
         with tempfile.TemporaryDirectory(prefix="zipmoe-run-") as keep:
             argv = [str(runner.program("llama-cli")), "-m", model,
@@ -137,7 +142,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 argv += ["--temp", str(args.temp)]
             if args.seed is not None:
                 argv += ["--seed", str(args.seed)]
-            return supervise.run_program([*argv, *extra], runner.environment(cache), **_supervision(args, model))
+            return supervise.run_program([*argv, *extra], runner.environment(cache),
+                                         **_supervision(args, model, settings.budget))
     if extra:
         raise ZipmoeError("llama.cpp arguments after -- go to the interactive llama-cli, not to a one-shot "
                           "completion (PROMPT or -p); "
@@ -186,17 +192,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..runtime import runner, supervise
 
     model, package = _resolve(args)
-    os.environ.update(_cache_settings(args, model))
+    settings = _cache_settings(args, model)
+    os.environ.update(settings.env)
     with tempfile.TemporaryDirectory(prefix="zipmoe-serve-") as keep:
         argv = [str(runner.program("llama-server")), "-m", model, "--host", args.host, "--port", str(args.port),
                 *_package_flags(package, model, "llama-server", Path(keep)), *_common_llama_flags(args)]
         return supervise.run_program([*argv, *_llama_args(args)], runner.environment(args.cache),
-                                     **_supervision(args, model))
+                                     **_supervision(args, model, settings.budget))
 
 
-def _supervision(args: argparse.Namespace, model: str) -> dict[str, Any]:
-    """What the memory supervisor of llama-cli / llama-server needs (pyzipmoe.runtime.supervise.run_program)."""
-    return {"model": model, "budget": args.memory_budget, "policy": args.policy, "hot_share": args.hot_share,
+def _supervision(args: argparse.Namespace, model: str, budget: Budget | None) -> dict[str, Any]:
+    """What the memory supervisor of llama-cli / llama-server needs (pyzipmoe.runtime.supervise.run_program): the
+    budget as _cache_settings resolved it."""
+    return {"model": model, "budget": budget, "policy": args.policy, "hot_share": args.hot_share,
             "sm_share": args.sm_share}
 
 
@@ -215,15 +223,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ZipmoeError("the planner plans one model at a time: bench one zipmoe model under --memory-budget, or "
                           "give --hot-share (and --sm-share) to split every model's budget the same way")
     settings = _cache_settings(args, zipmoe_models[0] if zipmoe_models else args.models[0])
-    if args.limit and BUDGET_ENV not in settings:
+    if args.limit and settings.budget is None:
         raise ZipmoeError("--limit is the best speed of a cache of the budget's size: give --memory-budget")
-    os.environ.update(settings)
+    os.environ.update(settings.env)
     results, records = runner.llama_bench(args.models, [*flags, *_llama_args(args)], cache=args.cache)
-    budget = int(settings[BUDGET_ENV]) if BUDGET_ENV in settings else None
+    budget = settings.budget.nbytes if settings.budget is not None else None
     reports = _near_limit(args, zipmoe_models, budget)
     if args.json:
         print_json({"results": [r.to_dict() for r in results], "cache": args.cache or "unbounded",
-                    "memory_budget": budget, "policy": settings.get(POLICY_ENV), "llama_bench": records,
+                    "memory_budget": budget, "policy": args.policy, "llama_bench": records,
                     "timed": {m: r.to_dict() for m, r in reports.items()}})
         return EXIT_OK
     header = ("model", "size", "params", "threads", "ubatch", "test", "tokens/s")
@@ -231,7 +239,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
              r.test, f"{r.tokens_per_second:.2f} ± {r.stddev:.2f}") for r in results]
     print(render_table(header, rows))
     print(f"llama-bench, {args.repetitions} repetitions{', no warmup' if args.no_warmup else ' after a warmup run'}; "
-          f"zipmoe cache: {_cache_in_force(args, budget, settings.get(POLICY_ENV))}")
+          f"zipmoe cache: {_cache_in_force(args, settings.budget)}")
     _print_near_limit(args, reports)
     return EXIT_OK
 
@@ -261,22 +269,19 @@ def _print_near_limit(args: argparse.Namespace, reports: dict[str, Any]) -> None
             print(render_table(("part", "ms/token", "share"), ledger.table_rows(report.stats)))
 
 
-def _cache_in_force(args: argparse.Namespace, budget: int | None, policy: str | None) -> str:
+def _cache_in_force(args: argparse.Namespace, budget: Budget | None) -> str:
     """What bench's footer says of the expert cache it ran with: the budget (as given, and in bytes) and the
     eviction policy, or the cache mode without a budget."""
-    from ..runtime.budget import budget_text
-    from ..runtime.config import DEFAULT_POLICY
-
     if budget is None:
         return args.cache or "unbounded"
-    return f"memory budget {budget_text(args.memory_budget, budget)}, eviction {policy or DEFAULT_POLICY}"
+    return f"memory budget {budget.text}, eviction {args.policy or DEFAULT_POLICY}"
 
 
-def _cache_settings(args: argparse.Namespace, model: str) -> dict[str, str]:
-    """The runtime's environment for MODEL from --memory-budget, --policy, --hot-share, --sm-share and --trace (a
-    stored model's parameters are their defaults: _resolve); the planner splits the budget unless shares are
-    given."""
-    from ..runtime.controller import planner_by_default, runtime_environment
+def _cache_settings(args: argparse.Namespace, model: str) -> RuntimeSettings:
+    """The runtime's settings for MODEL (pyzipmoe.runtime.controller.RuntimeSettings: its environment and the budget
+    resolved once) from --memory-budget, --policy, --hot-share, --sm-share and --trace (a stored model's parameters
+    are their defaults: _resolve); the planner splits the budget unless shares are given."""
+    from ..runtime.controller import planner_by_default, runtime_settings
     from ..runtime.llama import is_zipmoe_file
 
     budget = args.memory_budget
@@ -289,8 +294,8 @@ def _cache_settings(args: argparse.Namespace, model: str) -> dict[str, str]:
         use_planner = args.trace is not None  # a plain GGUF is planned when asked or given a trace, as by Llama
     else:
         use_planner = planner_by_default(model, budget=budget, hot_share=args.hot_share, sm_share=args.sm_share)
-    return runtime_environment(model, budget=budget, policy=args.policy, hot_share=args.hot_share,
-                               sm_share=args.sm_share, trace=args.trace, is_zipmoe=is_zipmoe, use_planner=use_planner)
+    return runtime_settings(model, budget=budget, policy=args.policy, hot_share=args.hot_share,
+                            sm_share=args.sm_share, trace=args.trace, is_zipmoe=is_zipmoe, use_planner=use_planner)
 
 
 def _add_llama_options(p: argparse.ArgumentParser, *, ctx: str | None = "default: llama.cpp's",

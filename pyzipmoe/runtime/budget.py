@@ -84,7 +84,7 @@ def parse_budget(text: str | int, *, total: int | None = None, model_bytes: int 
             raise ZipmoeError(f"memory budget {text} is negative: {_WRITE}")
         return text
     text = str(text)
-    if text.strip().lower() == AUTO:
+    if is_auto(text):
         from . import memory  # imported on use: psutil and /proc are read only for "auto"
 
         return memory.auto_budget(memory.read_memory(), model_bytes, held)
@@ -96,6 +96,16 @@ def parse_budget(text: str | int, *, total: int | None = None, model_bytes: int 
     if "\0" not in text and lib.zipmoe_parse_budget(text.encode(), min(total or 0, lib.ZIPMOE_SIZE_MAX), out) == 0:
         return int(out[0])
     raise ZipmoeError(_budget_problem(text))
+
+
+def is_auto(given: str | int | None) -> bool:
+    """Whether a budget is "auto" (any case, white space around it): the native library's rule
+    (zipmoe_budget_is_auto), the loader's."""
+    if not isinstance(given, str) or "\0" in given:
+        return False
+    from .._native import lib
+
+    return bool(lib.zipmoe_budget_is_auto(given.encode()))
 
 
 def _budget_problem(text: str) -> str:
@@ -157,14 +167,39 @@ class ModelMemory:
 def model_budget(budget: str | int, need: ModelMemory) -> int:
     """Bytes of a model's budget as a user wrote it: "auto" takes what is free plus what the runtime holds already
     (the same formula as the memory monitor's readings: memory.auto_budget), at most the whole model."""
-    if str(budget) != AUTO:
+    if not is_auto(budget):
         return parse_budget(budget)
-    from .._native import ffi, lib
+    from .cache_control import resident_bytes  # what the runtime holds already
 
-    s = ffi.new("zipmoe_stats *")  # what the runtime holds already, as cache_control.resident_bytes counts it
-    lib.zipmoe_stats_get(s)
-    held = s.hot_bytes + s.warm_bytes + s.sm_bytes + s.decoding_bytes + s.pool_bytes + s.staging_transient_bytes
-    return parse_budget(budget, model_bytes=need.whole, held=int(held))
+    return parse_budget(budget, model_bytes=need.whole, held=resident_bytes())
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A model's memory budget, resolved once (resolve_budget): its bytes, and the budget as its user gave it,
+    which messages echo and which says whether it follows the memory available ("auto")."""
+
+    nbytes: int
+    given: str | int
+
+    @property
+    def automatic(self) -> bool:
+        return is_auto(self.given)
+
+    @property
+    def text(self) -> str:
+        """The budget for a message, in its user's units (budget_text)."""
+        return budget_text(self.given, self.nbytes)
+
+
+def resolve_budget(given: str | int, need: ModelMemory) -> Budget:
+    """The one resolution of what a user gave for a model's budget ("6GiB", "60%", "auto", bytes; a package's
+    PARAMETER memory_budget where the user gave none) into its bytes (model_budget), refused in one line where it
+    cannot hold the model's minimum (check_budget). Its callers pass the Budget on: nothing reads the bytes back out
+    of the runtime's environment."""
+    budget = Budget(model_budget(given, need), given)
+    check_budget(budget.nbytes, need, given)
+    return budget
 
 
 def plain_experts(path: str | os.PathLike[str]) -> list[tuple[str, int]] | None:
@@ -213,14 +248,15 @@ def model_memory(model: ZipmoeFile | str | os.PathLike[str], *, mapped: bool = T
 
 
 def check_budget(budget: int, need: ModelMemory, given: str | int | None = None) -> None:
-    """The runtime's refusal, said before a model is loaded: the budget must hold `need.minimum`. given: the budget
-    as the user wrote it, which the message echoes (budget_text)."""
-    if budget < need.minimum:
-        said, minimum = budget_text(given, budget), human_size(need.minimum)
-        if human_size(budget) == minimum:  # (1 byte short reads the same rounded: say the bytes)
-            said, minimum = f"{budget_text(given, budget)} ({budget} bytes)", f"{need.minimum} bytes"
-        raise ZipmoeError(
-            f"memory budget {said} is below the minimum of {minimum} for "
-            f"this model ({human_size(need.other_bytes)} of weights that are not experts{need.embd_note} + "
-            f"{human_size(need.in_flight_bytes)} for the experts of one expert tensor in flight); raise "
-            "--memory-budget")
+    """The runtime's refusal, said before a model is loaded: the budget must hold `need.minimum`. The check and its
+    message are the loader's (zipmoe_budget_check); given: the budget as the user wrote it, which the message echoes
+    (budget_text)."""
+    from .._native import ffi, lib
+
+    said = budget_text(given, budget).encode(errors="replace").replace(b"\0", b"?")
+    c_need = ffi.new("zipmoe_budget_need *", {"other": need.other_bytes, "embd_charged": need.embd_charged,
+                                              "in_flight": need.in_flight_bytes, "experts": need.expert_bytes,
+                                              "minimum": need.minimum})
+    msg = ffi.new("char[]", len(said) + 512)
+    if lib.zipmoe_budget_check(budget, c_need, need.embd_bytes, said, msg, len(msg)) != lib.ZIPMOE_OK:
+        raise ZipmoeError(ffi.string(msg).decode(errors="replace"))

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..plan import inputs
 from ..plan import solver as planner
-from .budget import AUTO, ModelMemory, check_budget, model_budget, model_memory
+from .budget import Budget, ModelMemory, check_budget, model_memory, resolve_budget
 from .cache_control import (_runtime_bytes, apply_plan, apply_shares, live_counts, live_routing, set_read_room,
                             store_sizes, warm_decodes_fast)
 from .config import DEFAULT_POLICY, POLICY_ENV, RuntimeConfig
@@ -104,45 +104,59 @@ def planner_by_default(model_path: str | os.PathLike[str], *, budget: str | int 
     return cal is not None and cal.tier_source == "engine"
 
 
-def runtime_environment(model: ZipmoeFile | str | os.PathLike[str], *, budget: str | int | None = None,
-                        policy: str | None = None, hot_share: float | None = None, sm_share: float | None = None,
-                        use_planner: bool = False, trace: str | os.PathLike[str] | None = None,
-                        is_zipmoe: bool = True, plan: str | None = None, mapped: bool = True) -> dict[str, str]:
-    """The runtime's environment for one model. The runtime splits the budget by the shares (hot_share of what
-    the tiers get decoded, default all; sm_share as sign+mantissa planes; the rest compressed), or the planner
-    splits it per layer (use_planner, without shares), or `plan` (as `zipmoe plan` prints it) gives the slots.
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """The runtime's settings for one model: its environment (what libllama reads at load) and the budget it was
+    resolved to once (None: no budget), which the callers pass on instead of reading the environment back."""
+
+    env: dict[str, str]
+    budget: Budget | None
+
+
+def runtime_environment(model: ZipmoeFile | str | os.PathLike[str], **kwargs: Any) -> dict[str, str]:
+    """The runtime's environment for one model (runtime_settings' env)."""
+    return runtime_settings(model, **kwargs).env
+
+
+def runtime_settings(model: ZipmoeFile | str | os.PathLike[str], *, budget: str | int | None = None,
+                     policy: str | None = None, hot_share: float | None = None, sm_share: float | None = None,
+                     use_planner: bool = False, trace: str | os.PathLike[str] | None = None,
+                     is_zipmoe: bool = True, plan: str | None = None, mapped: bool = True) -> RuntimeSettings:
+    """The runtime's settings for one model, its budget resolved once (resolve_budget). The runtime splits the
+    budget by the shares (hot_share of what the tiers get decoded, default all; sm_share as sign+mantissa planes;
+    the rest compressed), or the planner splits it per layer (use_planner, without shares), or `plan` (as
+    `zipmoe plan` prints it) gives the slots.
 
     With the planner, the first tokens run with the trace's plan, or without a trace with decoded experts only: the
     frequency model underrates the decoded tier, whose LRU eviction follows a conversation's changing experts.
     The monitor (pyzipmoe.Llama) re-plans from the order the run's tokens route in (the recency model) once the
     runtime's routing log holds enough of them."""
     if budget is None:
-        return RuntimeConfig(None, policy, hot_share, sm_share).to_env()
+        return RuntimeSettings(RuntimeConfig(None, policy, hot_share, sm_share).to_env(), None)
     if not is_zipmoe:
         # a plain GGUF: the runtime serves its expert tensors as stored, decoded only (the shares do not apply). The
         # planner's hot slots per layer (from the trace, else uniform: no monitor re-plans a plain GGUF's run)
         need = model_memory(model, mapped=mapped)
-        nbytes = model_budget(budget, need)
-        check_budget(nbytes, need)
+        resolved = resolve_budget(budget, need)
         if plan is not None:
             planner.decode_plan(plan)
         elif use_planner:
-            plan = plan_model(model, nbytes, trace=trace, need=need).plan.encode()
-        return RuntimeConfig(nbytes, policy, hot_share, sm_share, plan=plan).to_env()
+            plan = plan_model(model, resolved.nbytes, trace=trace, need=need).plan.encode()
+        return RuntimeSettings(RuntimeConfig(resolved.nbytes, policy, hot_share, sm_share, plan=plan).to_env(),
+                               resolved)
     from ..file.reader import as_zipmoe
 
     model = as_zipmoe(model)  # parsed once for everything below
     need = model_memory(model, mapped=mapped)
-    nbytes = model_budget(budget, need)
-    check_budget(nbytes, need, budget)
+    resolved = resolve_budget(budget, need)
     if plan is not None:
         planner.decode_plan(plan)  # a clear error for a malformed one, before the runtime sees it
     elif use_planner and hot_share is None and sm_share is None and trace is not None:
         # a routing profile to plan the first tokens by; else decoded experts until the run's own routing tells.
         # The policy stays the runtime's default (docs/cache-and-planner.md, "Which policy"); the recency model
         # predicts its hits as LRU's, which they follow on real routing
-        plan = plan_model(model, nbytes, trace=trace, need=need).plan.encode()
-    return RuntimeConfig(nbytes, policy, hot_share, sm_share, plan=plan).to_env()
+        plan = plan_model(model, resolved.nbytes, trace=trace, need=need).plan.encode()
+    return RuntimeSettings(RuntimeConfig(resolved.nbytes, policy, hot_share, sm_share, plan=plan).to_env(), resolved)
 
 
 class MemoryMonitor:
@@ -435,22 +449,20 @@ class MemoryMonitor:
             self._thread = None
 
 
-def monitor_for(model: ZipmoeFile | str | os.PathLike[str], budget: str | int, *,
-                trace: str | os.PathLike[str] | None = None, mapped: bool = True, loaded: int | None = None,
-                **kwargs: Any) -> MemoryMonitor:
-    """A monitor for a model loaded with `runtime_environment(model_path, budget=budget, ...)`: "auto" may grow
-    up to the model's size, a fixed budget is also the ceiling. mapped: as model_memory. loaded: the bytes the
-    model was loaded with (runtime_environment's ZIPMOE_MEMORY_BUDGET); without it "auto" is read again, by the
-    same formula (what the runtime holds now counts as the model's)."""
+def monitor_for(model: ZipmoeFile | str | os.PathLike[str], budget: Budget | str | int, *,
+                trace: str | os.PathLike[str] | None = None, mapped: bool = True, **kwargs: Any) -> MemoryMonitor:
+    """A monitor for a model loaded with `runtime_settings(model_path, budget=..., ...)`: "auto" may grow up to the
+    model's size, a fixed budget is also the ceiling. budget: the Budget the model was loaded with
+    (runtime_settings' budget); given as the user wrote it, it is resolved now, by the same rules (what the
+    runtime holds now counts as the model's). mapped: as model_memory."""
     from ..file.reader import as_zipmoe
 
     model = as_zipmoe(model)  # parsed once for everything below
     need = model_memory(model, mapped=mapped)
-    full = need.whole
-    nbytes = loaded if loaded is not None else model_budget(budget, need)
-    planned = plan_model(model, nbytes, trace=trace, need=need)
-    auto = str(budget) == AUTO
+    resolved = budget if isinstance(budget, Budget) else resolve_budget(budget, need)
+    planned = plan_model(model, resolved.nbytes, trace=trace, need=need)
     if kwargs.get("split") is not None:
         kwargs.setdefault("sizes", store_sizes(model))
         kwargs.setdefault("warm_fast", warm_decodes_fast(model))
-    return MemoryMonitor(planned, ceiling=full if auto else nbytes, fixed=not auto, **kwargs)
+    return MemoryMonitor(planned, ceiling=need.whole if resolved.automatic else resolved.nbytes,
+                         fixed=not resolved.automatic, **kwargs)

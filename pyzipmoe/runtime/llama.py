@@ -30,7 +30,7 @@ from typing import Any
 
 from ..errors import NativeLibraryError, UnsupportedError, ZipmoeError
 from ..paths import ZIPMOE_LIB_NAME, bin_dir
-from .config import (BUDGET_ENV, CACHE_MODES, MAX_THREADS, PLAN_ENV, RuntimeConfig, check_context, check_threads,
+from .config import (CACHE_MODES, MAX_THREADS, PLAN_ENV, RuntimeConfig, check_context, check_threads,
                      split_shares)
 from .libllama import (ZipmoeDecodeError, ZipmoeLoadError, error_log, library_supports_zipmoe, llama_cpp,
                        loaded_library)
@@ -215,7 +215,7 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
                 f"{model_path} is a zipmoe GGUF, but the libllama in use ({loaded_library()}) was not built with "
                 f"zipmoe; build it with `bash tools/setup.sh` and make sure LLAMA_CPP_LIB_PATH is unset or points "
                 f"at {bin_dir()} before llama_cpp is first imported (import pyzipmoe first)")
-        from .controller import monitor_for, planner_by_default, runtime_environment
+        from .controller import monitor_for, planner_by_default, runtime_settings
 
         # a plain GGUF under a budget: the runtime serves its expert tensors from the cache, as stored
         self.zipmoe_served = self.is_zipmoe
@@ -235,9 +235,10 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
                                          plan=plan, is_zipmoe=self.is_zipmoe)
         # llama-cpp-python maps the file unless told otherwise (or given a LoRA): the runtime's accounting differs
         mapped = kwargs.get("use_mmap", True) and not kwargs.get("use_mlock", False) and not kwargs.get("lora_path")
-        cache_env = runtime_environment(model, budget=memory_budget, policy=cache_policy, hot_share=hot_share,
-                                        sm_share=sm_share, trace=trace, is_zipmoe=self.is_zipmoe, plan=plan,
-                                        use_planner=planner, mapped=mapped)
+        settings = runtime_settings(model, budget=memory_budget, policy=cache_policy, hot_share=hot_share,
+                                    sm_share=sm_share, trace=trace, is_zipmoe=self.is_zipmoe, plan=plan,
+                                    use_planner=planner, mapped=mapped)
+        budget, cache_env = settings.budget, settings.env
         cache_env.update(RuntimeConfig(cache=zipmoe_cache, prefill=prefill).to_env())
         mark = error_log.mark()
         try:
@@ -256,17 +257,16 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
                 raise ValueError(f"record_routing needs a zipmoe GGUF; {model_path} is not one")
             self._recorder = RoutingRecorder(model_path, self.context_params.n_ubatch)
             counted.append(self._recorder.note_decode)
-        if not self.is_zipmoe and self.zipmoe_served and planner and plan is None:
-            self._give_generation_room(model_path, int(cache_env[BUDGET_ENV]), mapped)
+        if not self.is_zipmoe and self.zipmoe_served and planner and plan is None and budget is not None:
+            self._give_generation_room(model_path, budget.nbytes, mapped)
         if adapt is None:
             adapt = memory_budget is not None
-        if adapt and self.is_zipmoe and memory_budget is not None and plan is None:  # (not for a plain GGUF yet)
+        if adapt and self.is_zipmoe and budget is not None and plan is None:  # (not for a plain GGUF yet)
             use_planner = planner and hot_share is None and sm_share is None
             # no shares given: the runtime's default hot share, for whatever budget the monitor sets (apply_shares)
             split = None if use_planner else split_shares(hot_share, sm_share)
-            loaded = int(cache_env[BUDGET_ENV]) if BUDGET_ENV in cache_env else None
-            self.zipmoe_monitor = monitor_for(model, memory_budget, trace=trace, split=split,
-                                              policy=cache_policy, mapped=mapped, loaded=loaded)
+            self.zipmoe_monitor = monitor_for(model, budget, trace=trace, split=split, policy=cache_policy,
+                                              mapped=mapped)
             if PLAN_ENV in cache_env:  # the planner's first plan, from the trace
                 self.zipmoe_monitor.give_generation_room()
             self.zipmoe_monitor.start()

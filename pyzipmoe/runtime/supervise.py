@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import OutOfMemoryError, ZipmoeError
-from .config import BUDGET_ENV, CONTROL_ENV, split_shares
+from .budget import Budget
+from .config import CONTROL_ENV, split_shares
 
 CONTROL_WORDS = 16
 CONTROL_BYTES = CONTROL_WORDS * 8
@@ -205,29 +206,30 @@ class RemoteRuntime:
         return 0
 
 
-def supervised(env: Mapping[str, str], model: str, budget: str | int | None) -> bool:
-    """Whether a program started with `env` on `model` runs under the supervisor: a zipmoe model with a budget."""
+def supervised(model: str, budget: Budget | None) -> bool:
+    """Whether a program on `model` runs under the supervisor: a zipmoe model with a budget."""
     from .llama import is_zipmoe_file
 
-    return budget is not None and BUDGET_ENV in env and bool(is_zipmoe_file(model))
+    return budget is not None and bool(is_zipmoe_file(model))
 
 
-def run_program(argv: Sequence[str], env: Mapping[str, str], *, model: str, budget: str | int | None,
+def run_program(argv: Sequence[str], env: Mapping[str, str], *, model: str, budget: Budget | None,
                 policy: str | None = None, hot_share: float | None = None, sm_share: float | None = None,
                 interval: float = 0.5, report: dict[str, Any] | None = None) -> int:
     """Runs a llama.cpp program attached to this terminal (runner.run_foreground), its cache's budget following the
-    memory available when `supervised`; its exit status. OutOfMemoryError at the floor. `report` (if given)
+    memory available when `supervised`; its exit status. budget: the one the program's environment gives it
+    (controller.runtime_settings). OutOfMemoryError at the floor. `report` (if given)
     receives the monitor's budgets over time: a list of (seconds, budget, resident bytes)."""
     from .runner import run_foreground
 
-    if not supervised(env, model, budget):
+    if budget is None or not supervised(model, budget):
         return run_foreground(argv, env)
     from .controller import monitor_for
 
     try:
         ctl = ControlFile.create()
     except ControlFileError as e:
-        print(f"zipmoe: warning: {e}: the memory budget stays fixed at {int(env[BUDGET_ENV]) / 2**20:.0f} MiB for "
+        print(f"zipmoe: warning: {e}: the memory budget stays fixed at {budget.nbytes / 2**20:.0f} MiB for "
               "this run, whatever the memory available does", file=sys.stderr, flush=True)
         return run_foreground(argv, env)
     remote = RemoteRuntime(ctl)
@@ -249,7 +251,7 @@ def run_program(argv: Sequence[str], env: Mapping[str, str], *, model: str, budg
 
     try:
         monitor = monitor_for(model, budget, split=split_shares(hot_share, sm_share), policy=policy,
-                              loaded=int(env[BUDGET_ENV]), lib=remote, on_floor=on_floor, interval=interval,
+                              lib=remote, on_floor=on_floor, interval=interval,
                               on_change=on_change)
         box["monitor"] = monitor
     except ZipmoeError:

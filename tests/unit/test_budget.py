@@ -126,3 +126,39 @@ def test_a_plain_gguf_is_budgeted_at_its_expert_tensors_own_sizes(tiny_model, tm
     with pytest.raises(ZipmoeError, match=f"is below the minimum of {need.minimum} bytes"):
         runtime_environment(str(tiny_model), budget=str(need.minimum - 1), is_zipmoe=False, mapped=False)
     assert "ZIPMOE_MEMORY_BUDGET" not in runtime_environment(str(tiny_model), budget=None, is_zipmoe=False)
+
+
+def test_a_budget_is_resolved_once_and_passed_on(zipmoe_model):
+    """runtime_settings resolves what the user gave into one Budget: the bytes the environment carries, and the
+    budget as given for messages; a monitor takes that Budget as it is, without resolving it again."""
+    from pyzipmoe.runtime import controller
+    from pyzipmoe.runtime.budget import Budget, model_memory
+
+    need = model_memory(zipmoe_model)
+    given = f"{need.minimum + need.expert_bytes // 2}"
+    settings = controller.runtime_settings(zipmoe_model, budget=given)
+    assert settings.budget == Budget(need.minimum + need.expert_bytes // 2, given)
+    assert settings.env["ZIPMOE_MEMORY_BUDGET"] == str(settings.budget.nbytes)
+    assert not settings.budget.automatic and Budget(1, " AUTO ").automatic
+    assert controller.runtime_settings(zipmoe_model).budget is None
+    monitor = controller.monitor_for(zipmoe_model, Budget(need.whole, "auto"), interval=3600, events=False)
+    assert monitor.budget == need.whole and not monitor.fixed and monitor.ceiling == need.whole
+    fixed = controller.monitor_for(zipmoe_model, settings.budget, interval=3600, events=False)
+    assert fixed.budget == settings.budget.nbytes and fixed.fixed and fixed.ceiling == settings.budget.nbytes
+
+
+def test_a_refused_budget_is_said_as_the_user_gave_it(zipmoe_model):
+    """The refusal is the native library's (zipmoe_budget_check), with the budget in the user's words."""
+    from pyzipmoe.runtime.budget import check_budget, human_size, model_memory, resolve_budget
+
+    need = model_memory(zipmoe_model)
+    check_budget(need.minimum, need, "anything")  # the minimum itself holds
+    with pytest.raises(ZipmoeError) as e:
+        resolve_budget("0%", need)
+    assert str(e.value).startswith("memory budget 0% (0 B) is below") and str(e.value).endswith("; raise --memory-budget")
+    assert f"is below the minimum of {human_size(need.minimum)} for this model" in str(e.value)
+    with pytest.raises(ZipmoeError, match=r"^memory budget 100 KiB is below the minimum"):
+        resolve_budget("100KiB", need)
+    with pytest.raises(ZipmoeError, match=f"^memory budget {need.minimum - 1} bytes .*\\({need.minimum - 1} bytes\\) "
+                                          f"is below the minimum of {need.minimum} bytes"):
+        check_budget(need.minimum - 1, need, str(need.minimum - 1))

@@ -16,7 +16,7 @@ MiB = 1 << 20
 
 def test_a_new_budget_reaches_the_control_file_as_the_runtime_s_own_split(zipmoe_model: Path) -> None:
     from pyzipmoe._native import ffi, lib
-    from pyzipmoe.runtime.budget import model_memory
+    from pyzipmoe.runtime.budget import Budget, model_memory
 
     need = model_memory(zipmoe_model)
     ctl = supervise.ControlFile.create()
@@ -33,7 +33,7 @@ def test_a_new_budget_reaches_the_control_file_as_the_runtime_s_own_split(zipmoe
         def read() -> memory.MemoryReading:  # a 1 GiB machine (margin: the floor)
             return memory.MemoryReading(total=1 << 30, available=room["bytes"] - need.expert_bytes, rss=0)
 
-        mon = controller.monitor_for(zipmoe_model, "auto", loaded=need.whole, read=read, lib=remote,
+        mon = controller.monitor_for(zipmoe_model, Budget(need.whole, "auto"), read=read, lib=remote,
                                      split=(None, None, 0.0), interval=3600, events=False)
         assert not mon.step() and mon.budget == need.whole  # nothing changed
         room["bytes"] = need.minimum + need.expert_bytes // 2 + memory.MIN_MARGIN
@@ -51,7 +51,7 @@ def test_a_new_budget_reaches_the_control_file_as_the_runtime_s_own_split(zipmoe
         got = [ctl.value(w) for w in (supervise.W_HOT, supervise.W_WARM, supervise.W_SM, supervise.W_IN_FLIGHT,
                                             supervise.W_READS, supervise.W_TOKEN_HOT)]
         assert got == [out.hot, out.warm, out.sm, out.in_flight, out.reads, out.token_hot]
-        assert ctl.value(supervise.W_POLICY) == getattr(lib, cache_control._POLICY_IDS[DEFAULT_POLICY])
+        assert ctl.value(supervise.W_POLICY) == cache_control.policy_id(DEFAULT_POLICY)
         # the floor: less room than the minimum, twice
         room["bytes"] = need.minimum // 2
         mon.step()
