@@ -37,6 +37,7 @@ const char * zipmoe_status_str(int64_t status);
 int64_t zipmoe_parse_size(const char * text, uint64_t * out);
 int64_t zipmoe_parse_budget(const char * text, uint64_t total, uint64_t * out);
 int zipmoe_budget_is_auto(const char * text);
+int zipmoe_budget_valid(const char * text);
 int64_t zipmoe_size_text(uint64_t bytes, char * buf, size_t size);
 typedef struct {
     uint64_t total;
@@ -47,6 +48,8 @@ typedef struct {
     uint64_t cgroup_reclaimable;
     uint64_t cgroup_file_cache;
 } zipmoe_memory_reading;
+int64_t zipmoe_memory_read(const char * cgroup_root, const char * proc_self, const char * meminfo,
+                           zipmoe_memory_reading * out);
 uint64_t zipmoe_memory_margin(const zipmoe_memory_reading * r);
 uint64_t zipmoe_auto_budget(const zipmoe_memory_reading * r, uint64_t model_bytes, uint64_t held);
 const char * zipmoe_openmp_spincount(void);

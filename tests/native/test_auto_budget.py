@@ -6,28 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import cffi
 import pytest
 
-from pyzipmoe._native import library_candidates
+from pyzipmoe._native import ffi as _ffi
+from pyzipmoe._native import lib as _lib
 from pyzipmoe.runtime import memory
 from pyzipmoe.runtime.memory import MemoryReading, auto_budget, cgroup_memory, safety_margin
-
-_ffi = cffi.FFI()
-_ffi.cdef("""
-typedef struct {
-    uint64_t total, available;
-    int32_t  has_cgroup;
-    uint64_t cgroup_limit, cgroup_usage, cgroup_reclaimable, cgroup_file_cache;
-} zipmoe_memory_reading;
-int64_t  zipmoe_memory_read(const char * cgroup_root, const char * proc_self, const char * meminfo,
-                            zipmoe_memory_reading * out);
-uint64_t zipmoe_memory_margin(const zipmoe_memory_reading * r);
-uint64_t zipmoe_auto_budget(const zipmoe_memory_reading * r, uint64_t model_bytes, uint64_t held);
-int      zipmoe_budget_is_auto(const char * text);
-int      zipmoe_budget_valid(const char * text);
-""")
-_lib = _ffi.dlopen(str(next(p for p in library_candidates() if p.is_file())))
 
 GiB, MiB = 1 << 30, 1 << 20
 NO_CAP = (1 << 64) - 1
