@@ -398,7 +398,7 @@ def test_the_help_says_what_the_runtime_does(llama_lib_dir: Path, name: str) -> 
     assert "(default: lfuda)" in text and "(default: tlfu)" not in text
     assert "a plain GGUF ignores it" not in text
     assert "plain GGUF" in text and "or auto" in text
-    source = (Path(__file__).parents[2] / "ggml_zipmoe/src/cache/config.c").read_text()  # (zipmoe_policy_parse)
+    source = (Path(__file__).parents[2] / "ggml_zipmoe/src/cache/policy.c").read_text()  # (zipmoe_policy_parse)
     for policy in ("lfuda", "tlfu", "lru", "lfu", "fifo"):
         assert f"{{ \"{policy}\", ZIPMOE_POLICY_" in source and f" {policy}" in text, policy
 
