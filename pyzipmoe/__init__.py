@@ -7,9 +7,9 @@ programs, budgets, the runtime's configuration), ``plan`` (the tier planner and 
 Importing this package is cheap: it loads no llama-cpp-python, and the native library only to read OpenMP's
 spinning from it. It has one effect, on purpose: it calls ``use_zipmoe_llama()``, which points llama-cpp-python at
 zipmoe's build of libllama (it sets ``LLAMA_CPP_LIB_PATH`` unless it is already set, and OpenMP's
-``GOMP_SPINCOUNT`` unless how OpenMP threads wait is already set; nothing once ``llama_cpp`` has been imported), so that once ``pyzipmoe`` has been imported,
-``llama_cpp.Llama`` runs zipmoe GGUFs too (in the venv tools/setup.sh makes, ``import llama_cpp`` alone does the
-same: ``pyzipmoe.llama_import``). ``pyzipmoe.Llama`` is ``llama_cpp.Llama`` plus zipmoe's options (see
+``GOMP_SPINCOUNT`` unless how OpenMP threads wait is already set; nothing once ``llama_cpp`` has been imported), so
+that once ``pyzipmoe`` has been imported, ``llama_cpp.Llama`` runs zipmoe GGUFs too (in the venv tools/setup.sh
+makes, ``import llama_cpp`` alone does the same: ``pyzipmoe.llama_import``). ``pyzipmoe.Llama`` is ``llama_cpp.Llama`` plus zipmoe's options (see
 ``pyzipmoe.runtime.llama``); it is imported when first asked for.
 """
 

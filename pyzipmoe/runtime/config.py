@@ -102,7 +102,8 @@ def openmp_environment(env: MutableMapping[str, str]) -> MutableMapping[str, str
 
 def use_zipmoe_llama(env: MutableMapping[str, str] | None = None) -> None:
     """Points llama-cpp-python at zipmoe's build of libllama: sets ``LLAMA_CPP_LIB_PATH`` (and OpenMP's spinning,
-    openmp_spin, which libgomp reads when libllama loads) in `env`, default ``os.environ``, so that ``llama_cpp.Llama`` runs zipmoe GGUFs.
+    openmp_spin, which libgomp reads when libllama loads) in `env`, default ``os.environ``, so that
+    ``llama_cpp.Llama`` runs zipmoe GGUFs.
 
     llama-cpp-python reads the variable once, when ``llama_cpp`` is first imported: once it is imported, nothing is
     changed. A value already set is kept, and nothing is set when zipmoe's libllama has not been built (a

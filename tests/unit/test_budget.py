@@ -155,8 +155,9 @@ def test_a_refused_budget_is_said_as_the_user_gave_it(zipmoe_model):
     check_budget(need.minimum, need, "anything")  # the minimum itself holds
     with pytest.raises(ZipmoeError) as e:
         resolve_budget("0%", need)
-    assert str(e.value).startswith("memory budget 0% (0 B) is below") and str(e.value).endswith("; raise --memory-budget")
-    assert f"is below the minimum of {human_size(need.minimum)} for this model" in str(e.value)
+    said = str(e.value)
+    assert said.startswith("memory budget 0% (0 B) is below") and said.endswith("; raise --memory-budget")
+    assert f"is below the minimum of {human_size(need.minimum)} for this model" in said
     with pytest.raises(ZipmoeError, match=r"^memory budget 100 KiB is below the minimum"):
         resolve_budget("100KiB", need)
     with pytest.raises(ZipmoeError, match=f"^memory budget {need.minimum - 1} bytes .*\\({need.minimum - 1} bytes\\) "
