@@ -1,8 +1,8 @@
 // zipmoe-args.cpp - zipmoe's flags in llama.cpp's programs (zipmoe-args.h).
 #include "zipmoe-args.h"
 
-#include "zipmoe.h"       // zipmoe_budget_valid
-#include "zipmoe-cache.h" // zipmoe_policy_parse, zipmoe_plan_parse
+#include "zipmoe.h"       // zipmoe_budget_valid, zipmoe_openmp_spincount
+#include "zipmoe-cache.h" // zipmoe_policy_parse, zipmoe_policy_names, zipmoe_plan_parse
 
 #include "common.h"
 
@@ -131,7 +131,9 @@ static std::string common_zipmoe_check(char ** argv, const std::vector<std::pair
                " is not a memory budget: write e.g. 6GiB, 512MiB, 60% or auto";
     }
     if (const char * v = value(COMMON_ZIPMOE_POLICY); v && zipmoe_policy_parse(v, nullptr) != ZIPMOE_OK) {
-        return "error: " + common_zipmoe_given(COMMON_ZIPMOE_POLICY, v, argv) + " is not a policy (" ZIPMOE_POLICY_NAMES ")";
+        char names[64];
+        zipmoe_policy_names(names, sizeof names);
+        return "error: " + common_zipmoe_given(COMMON_ZIPMOE_POLICY, v, argv) + " is not a policy (" + names + ")";
     }
     if (const char * v = value(COMMON_ZIPMOE_PLAN)) {
         if (const int64_t rc = zipmoe_plan_parse(v, nullptr, nullptr); rc != ZIPMOE_OK) {
@@ -141,17 +143,15 @@ static std::string common_zipmoe_check(char ** argv, const std::vector<std::pair
     return "";
 }
 
-// The spin that keeps ggml's OpenMP barriers from starving zipmoe's reader thread and the kernel's reads under a
-// budget (pyzipmoe.runtime.config.OPENMP_SPIN says why and what it measured; keep the two equal).
-#define COMMON_ZIPMOE_GOMP_SPINCOUNT "2000"
-
+// Under a budget, OpenMP's short spin (zipmoe_openmp_spincount: it keeps ggml's barriers from starving zipmoe's
+// reader thread and the kernel's reads), set before libgomp loads: the program executes itself again with it.
 static void common_zipmoe_openmp(char ** argv) {
 #if defined(__linux__)
     const char * budget = getenv("ZIPMOE_MEMORY_BUDGET");
     if (!budget || !*budget || getenv("GOMP_SPINCOUNT") || getenv("OMP_WAIT_POLICY")) {
         return;
     }
-    setenv("GOMP_SPINCOUNT", COMMON_ZIPMOE_GOMP_SPINCOUNT, 1); // set before exec: the new image does not come back
+    setenv("GOMP_SPINCOUNT", zipmoe_openmp_spincount(), 1); // set before exec: the new image does not come back
     fflush(stdout);
     fflush(stderr);
     execv("/proc/self/exe", argv);
