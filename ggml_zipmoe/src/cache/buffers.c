@@ -1,7 +1,7 @@
 /* buffers.c - memory the cache reads and decodes through: per-thread scratch, the mappings of the
  * compressed tiers' copies, and the staging buffer of a plan's reads. */
 #define _GNU_SOURCE
-#include "cache-impl.h"
+#include "io.h"
 
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -45,18 +45,31 @@ thread_scratch * cache_thread_scratch(size_t chunk_n, size_t buf_size) {
 
 /* ---------------------------------------------------------------- read buffers */
 
-static int in_token_mode(void) {
-    pthread_mutex_lock(&g_cfg.mu);
-    const int tokens = g_cfg.token_mode;
-    pthread_mutex_unlock(&g_cfg.mu);
-    return tokens;
+/* The read buffers' settings: process-wide, as the buffers are. The configuration (config.c) sets the read room
+ * with a budget and tells them when generation's budgets are in force. */
+static struct {
+    _Atomic uint64_t room;   /* a prompt's read buffers' (zipmoe_cache_set_read_room); UINT64_MAX: no bound */
+    _Atomic size_t   keep;   /* what a read buffer keeps between uses (zipmoe_cache_set_read_buffer) */
+    _Atomic int      tokens; /* generation's budgets are in force (the configuration's token mode) */
+} g_read = { .room = UINT64_MAX, .keep = (size_t) 16 << 20 };
+
+void cache_read_buffers_set_room(uint64_t bytes) { atomic_store(&g_read.room, bytes); }
+
+void cache_read_buffers_set_token_mode(int tokens) { atomic_store(&g_read.tokens, tokens); }
+
+size_t cache_read_buffer_keep(void) { return atomic_load(&g_read.keep); }
+
+void zipmoe_cache_set_read_buffer(uint64_t bytes) {
+    atomic_store(&g_read.keep, bytes < ZIPMOE_DIRECT_ALIGN ? ZIPMOE_DIRECT_ALIGN : (size_t) bytes);
 }
+
+static int in_token_mode(void) { return atomic_load(&g_read.tokens); }
 
 /* The most a large read buffer (the staging buffer, a prompt's read-ahead) may take for reads of `need` bytes, of
  * which `largest` is the largest single read: half the read room in a batch (the other half is the other buffer's),
  * what a buffer keeps in generation (whose hot tier holds the room), never less than one read. */
 size_t cache_read_buffer_bound(size_t need, size_t largest) {
-    const uint64_t room  = atomic_load(&g_cfg.read_room);
+    const uint64_t room  = atomic_load(&g_read.room);
     size_t         bound = STAGE_KEEP;
     if (room == UINT64_MAX) {
         return need;
@@ -167,22 +180,14 @@ void cache_staging_trim(size_t need) {
     pthread_mutex_unlock(&g_stage.mu);
 }
 
-/* Gives back the idle read buffers larger than the read room lets one be (a smaller room from now on): one that
- * is in use is refitted when it is taken next (cache_read_buffer_fit). */
-void cache_trim_idle_read_buffers(void) {
-    const size_t bound = cache_read_buffer_refit_limit();
+/* The staging buffer goes back if it is idle and larger than bound (config.c's trim of idle read buffers). */
+void cache_staging_trim_idle(size_t bound) {
     pthread_mutex_lock(&g_stage.mu);
     if (!g_stage.owner && g_stage.cap > bound) {
         cache_read_buffer_free(&g_stage.data, &g_stage.cap);
         atomic_store(&g_stats.stage_cap_bytes, 0);
     }
     pthread_mutex_unlock(&g_stage.mu);
-    cache_prefetch_trim_idle(bound);
-}
-
-void zipmoe_cache_set_read_room(uint64_t bytes) {
-    atomic_store(&g_cfg.read_room, bytes);
-    cache_trim_idle_read_buffers();
 }
 
 void cache_staging_give(const zipmoe_store * s) {

@@ -1,7 +1,7 @@
 /* config.c - the process's tier budgets, a planner's per-store slot rules and the switch between a
  * batch's and generation's budgets; each store's limits follow from them (cache_refresh_limits). */
 #define _GNU_SOURCE
-#include "cache-impl.h"
+#include "tiers.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,7 +15,6 @@ cache_config g_cfg = {
     .hot_budget  = UINT64_MAX,
     .hot_batch   = UINT64_MAX,
     .hot_tokens  = UINT64_MAX,
-    .read_room   = UINT64_MAX,
     .token_slots = -1,
     .warm_budget = 0,
     .sm_budget   = 0,
@@ -23,7 +22,6 @@ cache_config g_cfg = {
     .gen         = 1,
     .direct_io   = 1,
     .store_turns = 1,
-    .read_buffer = (size_t) 16 << 20,
 };
 
 /* A store's share of a budget, in proportion to its BF16 size. */
@@ -304,6 +302,14 @@ uint64_t zipmoe_cache_rules_bytes(void) {
     return bytes;
 }
 
+/* Gives back the idle read buffers larger than the read room lets one be (a smaller room from now on): one that
+ * is in use is refitted when it is taken next (cache_read_buffer_fit). */
+static void trim_idle_read_buffers(void) {
+    const size_t bound = cache_read_buffer_refit_limit();
+    cache_staging_trim_idle(bound);
+    cache_prefetch_trim_idle(bound);
+}
+
 int64_t zipmoe_cache_apply(const zipmoe_cache_params * p) {
     if (!p || p->policy < ZIPMOE_POLICY_TOKEN_LFU || p->policy > ZIPMOE_POLICY_LAST) {
         return ZIPMOE_ERR_ARG;
@@ -316,12 +322,12 @@ int64_t zipmoe_cache_apply(const zipmoe_cache_params * p) {
     }
     set_budgets(p->hot, p->token_hot, p->warm, p->sm, p->policy);
     g_cfg.reserve = p->reserve;
-    atomic_store(&g_cfg.read_room, p->read_room);
+    cache_read_buffers_set_room(p->read_room);
     keep_reserve();
     cache_share_hot_slots();
     pthread_mutex_unlock(&g_cfg.mu);
     pthread_mutex_unlock(&g_open.mu);
-    cache_trim_idle_read_buffers(); /* (it takes g_cfg.mu) */
+    trim_idle_read_buffers();
     return ZIPMOE_OK;
 }
 
@@ -342,8 +348,9 @@ void zipmoe_cache_set_direct_io(int enabled) { atomic_store(&g_cfg.direct_io, en
 
 void zipmoe_cache_set_store_turns(int enabled) { atomic_store(&g_cfg.store_turns, enabled != 0); }
 
-void zipmoe_cache_set_read_buffer(uint64_t bytes) {
-    atomic_store(&g_cfg.read_buffer, bytes < ZIPMOE_DIRECT_ALIGN ? ZIPMOE_DIRECT_ALIGN : (size_t) bytes);
+void zipmoe_cache_set_read_room(uint64_t bytes) {
+    cache_read_buffers_set_room(bytes);
+    trim_idle_read_buffers();
 }
 
 int64_t zipmoe_cache_set_slots(const char * prefix, int64_t hot, int64_t warm, int64_t sm) {
@@ -521,7 +528,9 @@ static uint64_t hold_step(uint64_t need, uint64_t held, int fits) {
     return held;
 }
 
-/* Generation's hot budget needs no room for the tensor in flight (nor a prompt's reads): a miss takes the place of
+/* Under g_open.mu, as a graph begins (zipmoe_cache_begin_graph, tiers.c): the budgets for it, a batch's or
+ * generation's.
+ * Generation's hot budget needs no room for the tensor in flight (nor a prompt's reads): a miss takes the place of
  * the expert it evicts (place_plan), and one exists in its own store while the store is routed no more experts
  * than it keeps decoded. So generation's stores keep more decoded: the shares of zipmoe_cache_set_token_hot's
  * budget, or a planner's rules plus the extra slots of zipmoe_cache_set_token_room's. Not with an sm tier
@@ -529,11 +538,9 @@ static uint64_t hold_step(uint64_t need, uint64_t held, int fits) {
  * wanted: a token, speculation verifying drafts, parallel slots' tokens) is generation too, its tier less what its
  * stores decode beyond their slots (step_need), held back for the steps that follow (hold_step); another graph (a
  * prompt's batch) is generation only where what is held back already covers it. Without a hot tier, generation's
- * warm tier leaves the pages of a step's misses, held alike. Back to a smaller budget, every store gives up what it
- * holds beyond its limits now, before any store of the graph decodes beyond its own. */
-static void begin(int64_t routed, int step) {
-    atomic_fetch_add(&g_open.op_seq, 1); /* a graph's first invocation of a store is never a late sibling of its last one */
-    pthread_mutex_lock(&g_open.mu);
+ * warm tier leaves the pages of a step's misses, held alike. Returns whether the budget is smaller now: then every
+ * store gives up what it holds beyond its limits, before any store of the graph decodes beyond its own. */
+int cache_begin_budgets(int64_t routed, int step) {
     uint64_t largest = 0;
     int64_t  fewest  = INT64_MAX; /* experts of the store with the fewest */
     for (const zipmoe_store * o = g_open.list; o; o = o->next) {
@@ -566,6 +573,7 @@ static void begin(int64_t routed, int step) {
     if (tokens != g_cfg.token_mode || warm_tokens != g_cfg.token_warm || (warm_tokens && token_need != g_cfg.token_need) ||
         room != g_cfg.step_room) {
         g_cfg.token_mode  = tokens;
+        cache_read_buffers_set_token_mode(tokens);
         g_cfg.token_warm  = warm_tokens;
         g_cfg.token_need  = warm_tokens ? token_need : 0;
         g_cfg.token_pages = warm_tokens ? need : 0;
@@ -580,25 +588,5 @@ static void begin(int64_t routed, int step) {
     const int shrink = (was_tokens && !tokens) || (was_tokens && hot_tokens && g_cfg.step_room > held) ||
                        warm_budget_now() < warm_before;
     pthread_mutex_unlock(&g_cfg.mu);
-    for (zipmoe_store * o = shrink ? g_open.list : NULL; o; o = o->next) {
-        /* (a read-ahead into o holds its lock while it reads: it takes no other store's lock but by trying, and a
-         * guessed one stops for a waiter) */
-        atomic_fetch_add(&o->waiting, 1);
-        pthread_mutex_lock(&o->mu);
-        atomic_fetch_sub(&o->waiting, 1);
-        if (o->plan_key == NULL && !o->prefilling) { /* no graph computes: what the last one pinned is read */
-            for (int64_t e = 0; e < o->info.n_expert; e++) {
-                o->experts[e].routed   = 0;
-                o->experts[e].streamed = 0;
-            }
-            cache_refresh_limits(o);
-            cache_settle(o);
-        }
-        pthread_mutex_unlock(&o->mu);
-    }
-    pthread_mutex_unlock(&g_open.mu);
+    return shrink;
 }
-
-void zipmoe_cache_begin_graph(int64_t routed) { begin(routed, 0); }
-
-void zipmoe_cache_begin_step(int64_t routed) { begin(routed, 1); }

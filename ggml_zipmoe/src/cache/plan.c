@@ -1,20 +1,9 @@
 /* plan.c - the plan of an invocation: which routed experts are decoded, from what, into which places,
  * and the reads handed to the reader thread. */
 #define _GNU_SOURCE
-#include "cache-impl.h"
+#include "tiers.h"
 
 #include <fcntl.h>
-
-/* ---------------------------------------------------------------- materialise */
-
-/* Reads size bytes at offset of the data companion (publish() drops them from the page cache). */
-int cache_read_cold(const zipmoe_store * s, uint64_t offset, void * buf, size_t size) {
-    return zipmoe_pread_all(s->fd, s->data_offset + offset, buf, size);
-}
-
-void cache_advise(const zipmoe_store * s, uint64_t offset, uint64_t size, int advice) {
-    posix_fadvise(s->fd, (off_t) (s->data_offset + offset), (off_t) size, advice);
-}
 
 /* Under s->mu: how routed expert e, not hot, is decoded: from what is in RAM, reading the rest, and
  * which compressed tier keeps its bytes afterwards (admitted now, so reads land in place). */
@@ -255,18 +244,6 @@ void cache_map_plan(zipmoe_store * s) {
 void cache_end_decoding(zipmoe_store * s) {
     atomic_fetch_sub(&g_stats.decoding_bytes, s->plan_decoding);
     s->plan_decoding = 0;
-}
-
-/* Where in its aligned span of the file a read at offset of the data companion starts: the bytes before it that
- * an O_DIRECT read brings too. */
-size_t cache_direct_pad(const zipmoe_store * s, uint64_t offset) {
-    return (size_t) ((s->data_offset + offset) % ZIPMOE_DIRECT_ALIGN);
-}
-
-/* Bytes a read of [offset, offset + size) of the data companion takes in a buffer laid out for O_DIRECT: from
- * the aligned start before it to the aligned end after it. */
-size_t cache_direct_span(const zipmoe_store * s, uint64_t offset, uint64_t size) {
-    return zipmoe_align_up(cache_direct_pad(s, offset) + (size_t) size, ZIPMOE_DIRECT_ALIGN);
 }
 
 /* Under s->mu: whether item it's bytes were read ahead (readahead.c); then it points at them, copying

@@ -1,7 +1,7 @@
 /* readahead.c - reading the next store's experts ahead of its invocation, on the reader thread, into one
  * of two buffers: after a store of the same layer, a whole prompt, or the previous layer's guess. */
 #define _GNU_SOURCE
-#include "cache-impl.h"
+#include "io.h"
 
 #include <fcntl.h>
 #include <stdlib.h>
@@ -50,7 +50,7 @@ void cache_prefetch_forget(const zipmoe_store * s) {
     }
 }
 
-/* The idle read-ahead buffers larger than bound go back (cache_trim_idle_read_buffers). */
+/* The idle read-ahead buffers larger than bound go back (config.c's trim of idle read buffers). */
 void cache_prefetch_trim_idle(size_t bound) {
     pthread_mutex_lock(&g_ahead.mu);
     for (int i = 0; i < 2; i++) {

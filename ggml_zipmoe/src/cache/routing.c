@@ -1,7 +1,7 @@
 /* routing.c - what the stores remember of the model's routing, for the planner: activation counts
  * and a log of the last invocations' routed experts. */
 #define _GNU_SOURCE
-#include "cache-impl.h"
+#include "tiers.h"
 
 
 /* Remembers which experts an invocation routed to, by one thread of it: one entry a generated token; a prompt's

@@ -10,7 +10,7 @@
  * process, so the slots one store frees serve the next. Free slots keep their pages up to a limit (the budget's
  * allowance for the expert tensor in flight); beyond it their pages are given back (a hole punched). */
 #define _GNU_SOURCE
-#include "cache-impl.h"
+#include "io.h"
 
 #include <fcntl.h>
 #include <pthread.h>

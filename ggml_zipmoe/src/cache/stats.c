@@ -1,4 +1,5 @@
-/* stats.c - the process-wide counters of zipmoe_stats and each store's first decoding error. */
+/* stats.c - what zipmoe_stats reports of the process-wide counters (counters.c, the reader's, the slots'), the
+ * time ledger (zipmoe-ledger.h) and each store's first decoding error. */
 #define _GNU_SOURCE
 #include "cache-impl.h"
 #include "zipmoe-ledger.h"
@@ -7,9 +8,6 @@
 #include <string.h>
 
 /* ---------------------------------------------------------------- statistics and errors */
-
-/* Process-wide: zipmoe_stats reports the whole cache, every store of every model loaded. */
-cache_counters g_stats;
 
 void zipmoe_stats_get(zipmoe_stats * out) {
     out->stores              = atomic_load(&g_stats.stores);
@@ -137,23 +135,6 @@ void zipmoe_stats_reset(void) {
     zipmoe_reader_reset_totals();
     atomic_store(&g_stats.peak_hot, atomic_load(&g_stats.hot_bytes));
     atomic_store(&g_stats.peak_resident, atomic_load(&g_stats.hot_bytes) + atomic_load(&g_stats.warm_bytes) + atomic_load(&g_stats.sm_bytes));
-}
-
-static void raise_peak(_Atomic uint64_t * peak, uint64_t now) {
-    uint64_t p = atomic_load(peak);
-    while (now > p && !atomic_compare_exchange_weak(peak, &p, now)) {
-    }
-}
-
-/* Counts bytes into (or, negative, out of) a tier's process-wide total and the peaks. */
-void cache_account(_Atomic uint64_t * tier, int64_t bytes) {
-    const uint64_t now = atomic_fetch_add(tier, (uint64_t) bytes) + (uint64_t) bytes;
-    if (bytes > 0) {
-        if (tier == &g_stats.hot_bytes) {
-            raise_peak(&g_stats.peak_hot, now);
-        }
-        raise_peak(&g_stats.peak_resident, atomic_load(&g_stats.hot_bytes) + atomic_load(&g_stats.warm_bytes) + atomic_load(&g_stats.sm_bytes));
-    }
 }
 
 void cache_record_error(zipmoe_store * s, int64_t expert, int64_t status) {

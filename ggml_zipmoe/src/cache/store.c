@@ -1,5 +1,4 @@
-/* store.c - a store's life cycle: open, bind to the model file, free; and the huge pages of its
- * settled decoded experts. */
+/* store.c - a store's life cycle: open, bind to the model file, free. */
 #define _GNU_SOURCE
 #include "cache-impl.h"
 
@@ -12,9 +11,6 @@
 #include <unistd.h>
 
 /* ---------------------------------------------------------------- life cycle */
-
-/* Process-wide: trims, read-ahead and the graph's order span every store the loader opened. */
-cache_stores g_open = { .mu = PTHREAD_MUTEX_INITIALIZER };
 
 static int open_direct(int fd) {
     char path[64];
@@ -192,32 +188,6 @@ void zipmoe_store_get_info(const zipmoe_store * s, zipmoe_tensor_info * info) { 
 
 int zipmoe_store_is_raw(const zipmoe_store * s) { return s->raw; }
 
-void cache_expert_span(const zipmoe_store * s, int64_t e, zipmoe_expert_span * span) {
-    if (s->raw) {
-        *span = (zipmoe_expert_span) { (uint64_t) e * s->hot_size, s->hot_size, 0 };
-    } else {
-        zipmoe_tensor_expert_span(s->tensor, e, span);
-    }
-}
-
-void cache_raw_chunk(const zipmoe_store * s, int64_t c, uint64_t * first, uint64_t * size) {
-    const uint64_t rows = (uint64_t) (s->info.chunk_n / s->info.ne[0]);
-    const uint64_t r0 = (uint64_t) c * rows, r1 = r0 + rows < (uint64_t) s->info.ne[1] ? r0 + rows : (uint64_t) s->info.ne[1];
-    *first = r0 * s->row_bytes;
-    *size  = (r1 - r0) * s->row_bytes;
-}
-
-uint64_t cache_region_size(const zipmoe_store * s, int64_t e) {
-    zipmoe_expert_span span;
-    cache_expert_span(s, e, &span);
-    return span.size;
-}
-
-/* The bytes of e's copy in a compressed tier (res: RES_SM or RES_FULL). */
-uint64_t cache_resident_size(const zipmoe_store * s, int64_t e, int res) {
-    return res == RES_FULL ? cache_region_size(s, e) : res == RES_SM ? s->sm_size : 0;
-}
-
 void zipmoe_store_free(zipmoe_store * s) {
     if (!s) {
         return;
@@ -339,69 +309,6 @@ int64_t zipmoe_store_bind(zipmoe_store * s, int fd, uint64_t data_offset, void *
     *dst      = s->dst;
     *dst_size = s->dst_size;
     return ZIPMOE_OK;
-}
-
-/* The small pages that lie wholly in place p: [*lo, *hi) (empty where *hi <= *lo). */
-void cache_own_pages(const zipmoe_store * s, int64_t p, uintptr_t * lo, uintptr_t * hi) {
-    const size_t    page  = (size_t) sysconf(_SC_PAGESIZE);
-    const uintptr_t begin = (uintptr_t) place_addr(s, p);
-    *lo                   = zipmoe_align_up(begin, page);
-    *hi                   = (begin + s->hot_size) & ~(uintptr_t) (page - 1);
-}
-
-/* By the prefill's threads once they filled a store whose hot tier holds every expert (after MADV_HUGEPAGE, so
- * usually nothing is left to do), or by the reader thread once the store's resident set has settled
- * (COLLAPSE_AFTER invocations in a row found every routed expert decoded): each 2 MiB page that holds only
- * decoded experts becomes one huge page. The matmuls read whole experts, and huge pages spare them TLB misses
- * (generation went from 0.90x to 0.98x of BF16 with them). Not at the first touch during generation: a huge page
- * fault compacts memory and made cold starts 2.5x slower; nor for a page shared with an expert that is not
- * decoded, whose bytes the budget does not count. */
-int cache_collapse(zipmoe_store * s) {
-    const uintptr_t dst0 = (uintptr_t) s->dst;
-    for (size_t i = 0; i < s->n_hp; i++) {
-        if (zipmoe_reader_reads_waiting()) {
-            return 0; /* a token waits on reads: they go first, the rest of this later */
-        }
-        /* the lock only to choose: collapsing takes milliseconds a page, and the store's invocations must not
-         * wait for it (an expert evicted meanwhile: see below) */
-        pthread_mutex_lock(&s->mu);
-        const uintptr_t lo = s->hp_base + i * HUGE_PAGE;
-        const int64_t   p0 = (int64_t) ((lo - dst0) / s->hot_size);
-        const int64_t   p1 = (int64_t) ((lo + HUGE_PAGE - 1 - dst0) / s->hot_size);
-        int             hot = !s->hp_done[i] && p1 < s->info.n_expert;
-        for (int64_t p = p0; hot && p <= p1; p++) {
-            hot = place_hot(s, p);
-        }
-        if (hot) {
-            s->hp_done[i] = 1;
-        }
-        pthread_mutex_unlock(&s->mu);
-        if (!hot) {
-            continue;
-        }
-        madvise((void *) lo, HUGE_PAGE, MADV_COLLAPSE); /* a failure (no THP here) leaves small pages */
-        /* MADV_COLLAPSE fills a hole with zeroed pages (6.18: 3/4 of each 2 MiB page unmapped came back whole), so
-         * a place vacated since the choice would hold memory the budget no longer counts: its pages go again, the
-         * huge page split first. The page may be huge now whatever an eviction meanwhile found (and cleared
-         * hp_done for), so it counts as huge. A place taken by a miss meanwhile is the miss's; so are the small
-         * pages a free place shares with its neighbours, which a decode in flight may be writing (cache_vacate_place
-         * would take them where the neighbour is not hot yet). */
-        pthread_mutex_lock(&s->mu);
-        s->hp_done[i] = 1;
-        for (int64_t p = p0; p <= p1; p++) {
-            if (s->places[p].expert < 0 && s->places[p].slot < 0) {
-                uintptr_t from, to;
-                cache_own_pages(s, p, &from, &to);
-                cache_forget_huge_pages(s, p);
-                if (to > from) {
-                    madvise((void *) from, to - from, MADV_DONTNEED);
-                }
-            }
-        }
-        pthread_mutex_unlock(&s->mu);
-    }
-    atomic_store(&s->collapse_queued, 0);
-    return 1;
 }
 
 int64_t zipmoe_store_place(zipmoe_store * s, int64_t e) {

@@ -1,9 +1,6 @@
 /* tiers.c - the tiers an expert can be in, the policies' contest for room and eviction. */
 #define _GNU_SOURCE
-#include "cache-impl.h"
-
-#include <sys/mman.h>
-#include <unistd.h>
+#include "tiers.h"
 
 /* ---------------------------------------------------------------- tiers and eviction */
 
@@ -91,6 +88,11 @@ int64_t cache_victim(const zipmoe_store * s, int tier, uint64_t * worth) {
     return best;
 }
 
+/* The bytes of e's copy in a compressed tier (res: RES_SM or RES_FULL). */
+uint64_t cache_resident_size(const zipmoe_store * s, int64_t e, int res) {
+    return res == RES_FULL ? cache_region_size(s, e) : res == RES_SM ? s->sm_size : 0;
+}
+
 void cache_drop_region(zipmoe_store * s, int64_t e) {
     expert_state * x = &s->experts[e];
     if (x->res == RES_FULL) {
@@ -155,59 +157,6 @@ int cache_make_room(zipmoe_store * s, int tier, uint64_t need, uint64_t worth, i
         }
     }
     return 1;
-}
-
-/* Under s->mu, before place p's pages are given back or replaced (a slot's mmap): its 2 MiB pages known to be huge
- * are split first. A huge page partly unmapped stays whole, charged to the process's cgroup though no longer
- * resident, until the kernel's deferred split runs under memory pressure: after a budget shrank a store that held
- * every expert in huge pages, test_lowered_cgroup_limit_while_generating found ~22 MiB more in its cgroup than the
- * process's pages (a probe: 64 MiB of huge pages with 3/4 of each unmapped stayed charged whole, by MADV_DONTNEED
- * as by a slot's MAP_FIXED). MADV_COLD on part of a huge page splits it (Linux 5.4 on; elsewhere it does nothing);
- * on the place's own pages, so that hot neighbours keep their standing with the kernel. */
-void cache_forget_huge_pages(zipmoe_store * s, int64_t p) {
-    const size_t    page  = (size_t) sysconf(_SC_PAGESIZE);
-    const uintptr_t begin = (uintptr_t) place_addr(s, p), end = begin + s->hot_size;
-    for (uintptr_t hp = begin & ~(HUGE_PAGE - 1); hp < end; hp += HUGE_PAGE) {
-        if (hp < s->hp_base || (hp - s->hp_base) / HUGE_PAGE >= s->n_hp || !s->hp_done[(hp - s->hp_base) / HUGE_PAGE]) {
-            continue;
-        }
-        s->hp_done[(hp - s->hp_base) / HUGE_PAGE] = 0;
-        const uintptr_t lo = zipmoe_align_up(begin > hp ? begin : hp, page);
-        const uintptr_t hi = (end < hp + HUGE_PAGE ? end : hp + HUGE_PAGE) & ~(uintptr_t) (page - 1);
-        if (hi > lo && hi - lo < HUGE_PAGE) { /* (all of it: unmapped whole, it is freed whole) */
-            madvise((void *) lo, hi - lo, MADV_COLD);
-        }
-    }
-}
-
-/* Under s->mu: place p's pages go back (its slot to the pool, or its anonymous pages to the system: pages it
- * shares with a hot neighbour stay), and the place is free. */
-void cache_vacate_place(zipmoe_store * s, int64_t p) {
-    const size_t    page  = (size_t) sysconf(_SC_PAGESIZE);
-    const size_t    bytes = (size_t) s->hot_size;
-    place_state *   at    = &s->places[p];
-    const uintptr_t begin = (uintptr_t) place_addr(s, p);
-    cache_forget_huge_pages(s, p); /* (splits them while they are mapped) */
-    uintptr_t lo, hi;
-    cache_own_pages(s, p, &lo, &hi);
-    if (p > 0 && (begin & (page - 1)) && begin - (begin & (page - 1)) >= (uintptr_t) s->dst) {
-        /* the shared first page, if it holds nothing hot: every place before p that reaches into it (one, unless
-         * experts are smaller than a page, as a plain GGUF's tiny ones can be) */
-        const uintptr_t first = begin & ~(uintptr_t) (page - 1);
-        int             hot   = 0;
-        for (int64_t q = p - 1; q >= 0 && !hot && (uintptr_t) place_addr(s, q) + s->hot_size > first; q--) {
-            hot = place_hot(s, q);
-        }
-        if (!hot) {
-            lo = first;
-        }
-    }
-    if (at->slot >= 0 && zipmoe_slots_detach((void *) begin, bytes, at->slot)) {
-        at->slot = -1; /* its pages serve the next expert decoded */
-    } else if (hi > lo) {
-        madvise((void *) lo, hi - lo, MADV_DONTNEED);
-    }
-    at->expert = -1;
 }
 
 /* Under s->mu: expert e leaves the hot tier and its place, which gives its pages back (cache_vacate_place), or, with
@@ -311,3 +260,31 @@ void cache_trim_others(const zipmoe_store * s) {
     pthread_mutex_unlock(&g_open.mu);
 }
 
+/* A graph begins: the budgets for it (cache_begin_budgets), and, back to a smaller budget, every store down to its
+ * limits now. */
+static void begin(int64_t routed, int step) {
+    atomic_fetch_add(&g_open.op_seq, 1); /* a graph's first invocation of a store is never a late sibling of its last one */
+    pthread_mutex_lock(&g_open.mu);
+    const int shrink = cache_begin_budgets(routed, step);
+    for (zipmoe_store * o = shrink ? g_open.list : NULL; o; o = o->next) {
+        /* (a read-ahead into o holds its lock while it reads: it takes no other store's lock but by trying, and a
+         * guessed one stops for a waiter) */
+        atomic_fetch_add(&o->waiting, 1);
+        pthread_mutex_lock(&o->mu);
+        atomic_fetch_sub(&o->waiting, 1);
+        if (o->plan_key == NULL && !o->prefilling) { /* no graph computes: what the last one pinned is read */
+            for (int64_t e = 0; e < o->info.n_expert; e++) {
+                o->experts[e].routed   = 0;
+                o->experts[e].streamed = 0;
+            }
+            cache_refresh_limits(o);
+            cache_settle(o);
+        }
+        pthread_mutex_unlock(&o->mu);
+    }
+    pthread_mutex_unlock(&g_open.mu);
+}
+
+void zipmoe_cache_begin_graph(int64_t routed) { begin(routed, 0); }
+
+void zipmoe_cache_begin_step(int64_t routed) { begin(routed, 1); }
