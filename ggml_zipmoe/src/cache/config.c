@@ -9,7 +9,7 @@
 /* ---------------------------------------------------------------- the process's budget */
 
 
-/* One per process: one expert cache serves every store the loader opens, from one budget (cache-impl.h). */
+/* One per process: one expert cache serves every store the loader opens, from one budget (tiers.h). */
 cache_config g_cfg = {
     .mu          = PTHREAD_MUTEX_INITIALIZER,
     .hot_budget  = UINT64_MAX,

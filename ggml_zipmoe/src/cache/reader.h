@@ -1,6 +1,6 @@
 /* reader.h - the reader thread (reader.c): reads a job's segments from a file, item after item, while other
  * threads wait for the items they need; then runs the job's `then`. It knows files, buffers and callbacks, not
- * what its users do with them (the expert cache registers its own, cache-impl.h). */
+ * what its users do with them (the expert cache's: readahead.c reads the next store ahead in a `then`). */
 #ifndef ZIPMOE_READER_H
 #define ZIPMOE_READER_H
 
