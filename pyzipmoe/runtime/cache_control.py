@@ -18,7 +18,7 @@ from ..plan import solver as planner
 if TYPE_CHECKING:
     from ..file.reader import ZipmoeFile
 
-ROUTING_LOG_TOKENS = 512  # generated tokens whose routing the runtime remembers per store (store.c: ROUTE_LOG)
+ROUTING_LOG_TOKENS = 512  # generated tokens whose routing the runtime remembers per store (store-state.h: ROUTE_LOG)
 
 
 def apply_plan(plan: planner.Plan, lib: Any = None, *, reserve: int | None = None, token_room: int = 0) -> None:

@@ -236,7 +236,7 @@ def allowed_bytes(model: Path, plan: str) -> tuple[int, int]:
     keeps the experts its last invocation routed until its matmul has run, beyond its limits, and one graph runs
     a layer at a time, so the tiers hold at most the limits plus that.
 
-    The limits are store.c's, per expert tensor: hot slots of n_per_expert BF16 values, warm slots of the mean
+    The limits are config.c's, per expert tensor: hot slots of n_per_expert BF16 values, warm slots of the mean
     compressed region (data size / n_expert, rounded up: alignment padding included, so a little more than the
     planner's mean region size), sm slots of n_per_expert bytes."""
     from pyzipmoe.file.reader import open_zipmoe
