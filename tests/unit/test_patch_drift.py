@@ -134,6 +134,8 @@ def test_added_lines_and_rewrites_are_counted_per_file(tmp_path: Path, series: l
     assert drift.rewrites(series) == []  # SECOND keeps FIRST's line as context
     assert drift.rewrites([*series, third]) == ["0003-third.patch: src/a.txt: line twenty"]
     assert drift.rewrites([third, *series]) == []  # (only an earlier patch's lines count)
+    assert drift.size_line([*series, third]) == ("the series adds 3 lines to 1 upstream files (the most, 3, to "
+                                                 "src/a.txt); 1 lines of a patch rewritten by a later one\n")
 
 
 def test_zipmoe_patches_are_thin_hooks() -> None:

@@ -215,6 +215,17 @@ def report(results: list[PatchResult]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def size_line(patches: list[Path]) -> str:
+    """What the series carries into upstream files: its added lines, the most in one file, and any line of one patch
+    that another rewrites (docs/llama-integration.md holds it to limits)."""
+    added = added_lines(patches)
+    top = max(added, key=lambda f: added[f], default="")
+    again = rewrites(patches)
+    return (f"the series adds {sum(added.values())} lines to {len(added)} upstream files"
+            + (f" (the most, {added[top]}, to {top})" if top else "")
+            + (f"; {len(again)} lines of a patch rewritten by a later one" if again else "") + "\n")
+
+
 def write_results(out_dir: Path, label: str | None, table: str, notes: list[str]) -> Path:
     """The dated result file, named and headed as the benchmarks' are (tools/bench/results.py)."""
     sys.path.insert(0, str(REPO / "tools" / "bench"))
@@ -257,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     results = apply_series(args.src, patches, args.partial) if args.apply else check(args.src, patches, args.partial)
-    table = report(results)
+    table = report(results) + size_line(patches)
     sys.stdout.write(table)
     if args.results:
         write_results(args.results, args.label, table, args.note)
