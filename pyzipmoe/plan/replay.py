@@ -249,3 +249,30 @@ def frequency_oracle_fresh_hits(steps: Steps, capacity: int, segments: Sequence[
         return sorted(freq, key=lambda e: (-freq[e], e))[:capacity]
 
     return _filled(steps, capacity, segments, most_used, frequency_oracle_hits)
+
+
+def prior_aware_hits(steps: Steps, capacity: int, segments: Sequence[int], priors: np.ndarray) -> int:
+    """The hits of a policy told where each segment begins and its prior (priors[segment], counts per expert), but
+    not the segment's frequencies: demand paging as belady_hits counts it, evicting after a step the resident not
+    routed in it with the fewest uses in the segment so far plus its prior's head start (as the store's: one use for
+    an expert of the mean share, in proportion for the others; ties: the lowest id). What a prior and a prompt's own
+    routing can tell a cache, with no count of earlier prompts in the way: the frequency oracle's lead over it is
+    what the prompt's frequencies add."""
+    _check_capacity(capacity, steps)
+    resident: set[int] = set()
+    hits, start = 0, 0
+    for seg, n in enumerate(segments):
+        p = np.asarray(priors[seg], dtype=np.float64)
+        head = p * len(p) / p.sum() if p.sum() > 0 else np.zeros(len(p))
+        uses: dict[int, int] = {}
+        for ids in steps[start:start + n]:
+            current = {int(x) for x in ids}
+            hits += len(current & resident)
+            resident |= current
+            for e in current:
+                uses[e] = uses.get(e, 0) + 1
+            if len(resident) > capacity:
+                victims = sorted(resident - current, key=lambda e: (uses.get(e, 0) + head[e], e))
+                resident -= set(victims[:len(resident) - capacity])
+        start += n
+    return hits

@@ -44,3 +44,18 @@ def test_a_run_per_prompt_starts_the_oracles_from_their_best_fill():
     assert belady_fresh_hits(seq([0], [1], [2], [0]), 2, [4]) == 3  # {0, 1}: 2 evicts 1, 0 hits
     assert frequency_oracle_fresh_hits(seq([1], [0], [0]), 1, [3]) == 1  # filled {0}: 1 misses and evicts it
     assert frequency_oracle_fresh_hits(seq([0], [0], [1]), 1, [3]) == 2
+
+
+
+def test_the_prior_aware_policy_counts_the_prompt_s_uses_over_its_prior_and_forgets_earlier_prompts():
+    from pyzipmoe.plan.replay import prior_aware_hits
+
+    # capacity 2: 0 1 0 2 1. At 2, 0 (2 uses) outranks 1 (1 use) without a prior: 1 leaves and misses after; a
+    # prior that makes 1 worth 2.5 uses (10 of 12) keeps it: one hit more
+    steps = seq([0], [1], [0], [2], [1])
+    assert prior_aware_hits(steps, 2, [5], np.array([[1, 1, 1]])) == 1
+    assert prior_aware_hits(steps, 2, [5], np.array([[1, 10, 1]])) == 2
+    # a new prompt counts from nothing: 0's three uses in the first are forgotten, the tie at 2 goes against 0
+    steps = seq([0], [0], [0], [1], [2], [1])
+    assert prior_aware_hits(steps, 2, [4, 2], np.array([[1, 1, 1], [1, 1, 1]])) == 3
+    assert prior_aware_hits(steps, 2, [6], np.array([[1, 1, 1]])) == 2  # one prompt: 1 leaves, and misses

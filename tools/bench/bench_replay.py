@@ -321,33 +321,41 @@ def replay(args: argparse.Namespace, source: Source, path: Path) -> list[dict[st
                 freq = sum(frequency_oracle_hits(s, slots, segments) for s in source.steps) / routed
             stock_cap = max(source.k, int(budget / 100 * n))
             stock_miss = 1 - sum(lru_hits(s, stock_cap) for s in source.steps) / routed
-            prior_static = None
+            prior_static = prior_aware = None
             if source.priors is not None:
-                from pyzipmoe.plan.replay import prior_static_hits
+                from pyzipmoe.plan.replay import prior_aware_hits, prior_static_hits
 
                 prior_static = sum(prior_static_hits(s, slots, segments, source.priors[:, i])
                                    for i, s in enumerate(source.steps)) / routed
+                prior_aware = sum(prior_aware_hits(s, slots, segments, source.priors[:, i])
+                                  for i, s in enumerate(source.steps)) / routed
             for row in rows[-len(args.policies):]:
                 row["belady"] = belady
                 row["freq_oracle"] = freq
                 row["stock_miss_per_layer"] = stock_miss * routed / n_steps / n_layer
-                row["prior_static"] = prior_static if source.priors is not None else None
+                row["prior_static"] = prior_static
+                row["prior_aware"] = prior_aware
     return rows
 
 
 def prior_report(rows: list[dict[str, Any]], sources: list[Source]) -> str:
-    """What the priors could tell the cache: the distance of each prompt's routing from its prior, and the hits of a
-    cache that holds only the prior's most used experts."""
+    """What the priors could tell the cache: the distance of each prompt's routing from its prior, the hits of a
+    cache that holds only the prior's most used experts, and of a policy told where each prompt begins that counts
+    its uses on top of the prior (pyzipmoe.plan.replay.prior_aware_hits)."""
     from pyzipmoe.plan.replay import prior_distance
 
     lines = []
     for source in sources:
         if source.priors is None or source.counts is None:
             continue
-        static = {r["budget"]: r["prior_static"] for r in rows if r["source"] == source.name and r["config"] == "hot"}
+        hot = [r for r in rows if r["source"] == source.name and r["config"] == "hot"]
+        static = {r["budget"]: r["prior_static"] for r in hot}
+        aware = {r["budget"]: r["prior_aware"] for r in hot}
         lines.append(f"{source.name}: mean total variation distance of a prompt's routing (a layer) from its prior "
                      f"{prior_distance(source.counts, source.priors):.3f}; a cache holding only the prior's most used "
-                     f"experts finds " + ", ".join(f"{100 * h:.1f}% at {b}%" for b, h in static.items()))
+                     f"experts finds " + ", ".join(f"{100 * h:.1f}% at {b}%" for b, h in static.items())
+                     + "; a policy told where each prompt begins, counting its uses on top of the prior, "
+                     + ", ".join(f"{100 * h:.1f}% at {b}%" for b, h in aware.items()))
     return "\n".join(lines)
 
 
