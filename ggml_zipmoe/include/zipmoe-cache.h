@@ -366,7 +366,7 @@ typedef struct {
 
 /* Fills the tiers of stores (a model just loaded) before its first token, as llama.cpp's warm-up fills the page
  * cache for a plain model: each store routes batches of its own experts, as many as its tiers hold under the
- * current configuration, the last batch the decoded ones, on n_threads threads created for the call and joined
+ * current configuration, in its prior's order (zipmoe_store_set_prior; else by id), the last batch the decoded ones, on n_threads threads created for the call and joined
  * before it returns. Counts none of it as the model's routing (activations, hits, routing log); the decode and
  * read counters of zipmoe_stats include it. A failed batch records no error for the engine: a damaged expert
  * fails when a token routes to it. Returns the experts made resident, or an error. */

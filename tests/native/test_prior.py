@@ -223,3 +223,20 @@ def test_a_prior_from_recorded_routing_counts_each_block_s_steps():
     assert got.shape == (4, 4)
     assert got[1].tolist() == [1, 3, 1, 1] and got[3].tolist() == [0, 0, 0, 3]
     assert got[0].sum() == got[2].sum() == 0
+
+
+def test_any_bytes_are_a_prior_the_stores_match_or_refused(zipmoe_model):
+    # truncations and byte flips of a good file: the parser checks the shape before a count is read
+    st = Stores(zipmoe_model, lib.ZIPMOE_POLICY_LFUDA, hot=2)
+    good = prior.encode(np.ones((st.n_layer, N), np.uint64))
+    rng = np.random.default_rng(0)
+    for i in range(300):
+        data = bytearray(good[: int(rng.integers(0, len(good) + 1))] if i % 2 else good)
+        for _ in range(int(rng.integers(1, 4))):
+            if data:
+                data[int(rng.integers(0, len(data)))] = int(rng.integers(0, 256))
+        rc, msg = st.seed(bytes(data))
+        header_ok = bytes(data[:16]) == good[:16] and len(data) == len(good)
+        assert rc == (lib.ZIPMOE_OK if header_ok else rc) and rc in (lib.ZIPMOE_OK, lib.ZIPMOE_ERR_CORRUPT,
+                                                                      lib.ZIPMOE_ERR_ARG), (bytes(data[:16]), rc)
+        assert (rc == lib.ZIPMOE_OK) == (msg == ""), msg

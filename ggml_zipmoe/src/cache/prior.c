@@ -12,11 +12,13 @@
 /* A prior is a head start in the counting policies' scores (lfuda, lfu, tlfu) from the expert's share of the
  * layer's routing in earlier runs: PRIOR_MEAN_USES uses for an expert of the mean share, in proportion for the others
  * (the hottest expert of a Qwen1.5-MoE layer, 1.4-2.7 times the mean share, starts 1.4-2.7 uses ahead of one never
- * routed). The replay of the Qwen trace with a run per prompt (docs/cache-and-planner.md, "Priors across prompts")
- * finds the most hits at half a use to one use; two and four uses lose a few tenths of a point at 25% (the prior
- * then outweighs what a prompt of 19 tokens routes to an expert twice). A head start of about one use leaves a
- * prompt's own uses to overturn it within a few tokens. LRU and FIFO rank by time alone: they ignore the prior.
- * Under LFUDA the prior counts in the key as uses do, so the age an eviction leaves includes it. */
+ * routed). Measured on the replay of the Qwen trace with a run per prompt (docs/cache-and-planner.md, "Priors across
+ * prompts"), the scale hardly matters: half a use to four uses lie within 0.3 points of each other at every budget
+ * (the smaller ahead by tenths at 25%), all 1-4 points above none; most of the gain is the fill at load taking the
+ * prior's order. One use: the prior decides among the experts a run has routed to no more than once, and a prompt
+ * that routes to an expert twice or thrice overturns the head start of all but the hottest. LRU and FIFO rank by
+ * time alone: they ignore the prior. Under LFUDA the prior counts in the key as uses do, so the age an eviction
+ * leaves includes it. */
 #define PRIOR_MEAN_USES 1
 
 int64_t zipmoe_store_set_prior(zipmoe_store * s, const uint64_t * counts, int64_t n_expert) {
