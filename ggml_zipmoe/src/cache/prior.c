@@ -14,8 +14,8 @@
  * (the hottest expert of a Qwen1.5-MoE layer, 1.4-2.7 times the mean share, starts 1.4-2.7 uses ahead of one never
  * routed). Measured on the replay of the Qwen trace with a run per prompt (docs/cache-and-planner.md, "Priors across
  * prompts"), the scale hardly matters: half a use to four uses lie within 0.3 points of each other at every budget
- * (the smaller ahead by tenths at 25%), all 1-4 points above none; most of the gain is the fill at load taking the
- * prior's order. One use: the prior decides among the experts a run has routed to no more than once, and a prompt
+ * (the smaller ahead by tenths at 25%), and all 1-4 points above no prior (the fill at load in the prior's order
+ * counts in each). One use: the prior decides among the experts a run has routed to no more than once, and a prompt
  * that routes to an expert twice or thrice overturns the head start of all but the hottest. LRU and FIFO rank by
  * time alone: they ignore the prior. Under LFUDA the prior counts in the key as uses do, so the age an eviction
  * leaves includes it. */
