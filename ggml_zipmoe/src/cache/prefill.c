@@ -147,8 +147,8 @@ int64_t zipmoe_cache_prefill(zipmoe_store * const * stores, int64_t n_stores, in
         n_jobs += want[i] == 0 ? 0 : hot[i] == 0 ? 1 : (want[i] + hot[i] - 1) / hot[i];
     }
     ids_all = malloc((size_t) n_ids * sizeof *ids_all + 1);
-    jobs   = calloc((size_t) n_jobs + 1, sizeof *jobs);
-    failed = calloc((size_t) n_jobs + 1, sizeof *failed);
+    jobs    = calloc((size_t) n_jobs + 1, sizeof *jobs);
+    failed  = calloc((size_t) n_jobs + 1, sizeof *failed);
     if (!ids_all || !jobs || !failed) {
         rc = ZIPMOE_ERR_NOMEM;
         goto end;

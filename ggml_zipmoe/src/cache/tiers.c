@@ -288,4 +288,3 @@ static void begin(int64_t routed, int step) {
 void zipmoe_cache_begin_graph(int64_t routed) { begin(routed, 0); }
 
 void zipmoe_cache_begin_step(int64_t routed) { begin(routed, 1); }
-
