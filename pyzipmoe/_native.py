@@ -194,6 +194,10 @@ void    zipmoe_cache_set_store_turns(int enabled);
 int64_t zipmoe_store_activations(zipmoe_store * s, uint64_t * counts, int64_t n);
 int64_t zipmoe_cache_activations(const char * prefix, uint64_t * counts, int64_t n);
 int64_t zipmoe_cache_routing(const char * prefix, uint64_t * masks, int64_t words, int64_t max_tokens);
+int64_t zipmoe_store_set_prior(zipmoe_store * s, const uint64_t * counts, int64_t n_expert);
+int64_t zipmoe_prior_parse(const void * data, size_t size, uint32_t * n_layer, uint32_t * n_expert);
+int64_t zipmoe_cache_seed_prior(zipmoe_store * const * stores, int64_t n_stores, const void * data, size_t size,
+                                char * msg, size_t msg_size);
 int64_t zipmoe_store_take_error(zipmoe_store * s, char * msg, size_t msg_size);
 typedef struct {
     uint64_t stores;

@@ -333,6 +333,27 @@ ZIPMOE_API int64_t zipmoe_cache_activations(const char * prefix, uint64_t * coun
  * entries written (<= max_tokens), 0 if no store matches: what the planner's recency model reads. */
 ZIPMOE_API int64_t zipmoe_cache_routing(const char * prefix, uint64_t * masks, int64_t words, int64_t max_tokens);
 
+/* A prior for the store's eviction policy: counts[n_expert] (n_expert the store's), how often the model's earlier runs
+ * routed to each expert of this store's layer (a calibration's, or a routing record's). The counting policies
+ * (lfuda, lfu, tlfu) start each expert from its share of them, an expert of the mean share one use ahead, the
+ * others in proportion: what the store has not yet seen routed, it ranks by the prior, and the store's own uses
+ * overturn it within a few tokens. LRU and FIFO ignore it. The fill at load (zipmoe_cache_prefill) takes the experts
+ * in the prior's order, the most used first. It changes what is kept, never what is computed. counts NULL with
+ * n_expert 0, or counts all 0, removes it. ZIPMOE_ERR_ARG for another n_expert. May be called at any time. */
+ZIPMOE_API int64_t zipmoe_store_set_prior(zipmoe_store * s, const uint64_t * counts, int64_t n_expert);
+
+/* A prior file (docs/FORMAT.md, "Priors"), little-endian: the magic ZIPMOE_PRIOR_MAGIC (8 bytes), uint32 n_layer,
+ * uint32 n_expert, then n_layer * n_expert uint64 counts, layer-major (layer: the model's block number).
+ * zipmoe_prior_parse: ZIPMOE_OK and its shape (either pointer may be NULL), or ZIPMOE_ERR_CORRUPT (no magic, no
+ * layer or expert, or a size that is not its shape's). zipmoe_cache_seed_prior: gives each of the stores of block
+ * N ("blk.N." names) layer N's counts (zipmoe_store_set_prior): what ZIPMOE_PRIOR does at load. ZIPMOE_ERR_CORRUPT
+ * for a damaged file; ZIPMOE_ERR_ARG where it is another model's (its n_layer is not the highest block of the stores
+ * plus one, or its n_expert not a store's); then nothing is seeded, and msg[msg_size] says why in a sentence. */
+#define ZIPMOE_PRIOR_MAGIC "ZMPRIOR1"
+ZIPMOE_API int64_t zipmoe_prior_parse(const void * data, size_t size, uint32_t * n_layer, uint32_t * n_expert);
+ZIPMOE_API int64_t zipmoe_cache_seed_prior(zipmoe_store * const * stores, int64_t n_stores, const void * data,
+                                           size_t size, char * msg, size_t msg_size);
+
 /* The first error this store recorded since the last call, with a message naming tensor and expert;
  * ZIPMOE_OK if none. Clears it. */
 ZIPMOE_API int64_t zipmoe_store_take_error(zipmoe_store * s, char * msg, size_t msg_size);
@@ -345,7 +366,7 @@ typedef struct {
 
 /* Fills the tiers of stores (a model just loaded) before its first token, as llama.cpp's warm-up fills the page
  * cache for a plain model: each store routes batches of its own experts, as many as its tiers hold under the
- * current configuration, the last batch the decoded ones, on n_threads threads created for the call and joined
+ * current configuration, in its prior's order (zipmoe_store_set_prior; else by id), the last batch the decoded ones, on n_threads threads created for the call and joined
  * before it returns. Counts none of it as the model's routing (activations, hits, routing log); the decode and
  * read counters of zipmoe_stats include it. A failed batch records no error for the engine: a damaged expert
  * fails when a token routes to it. Returns the experts made resident, or an error. */

@@ -161,6 +161,9 @@ typedef struct {
                     * against its integrity record (skip: loads it unchecked, with a warning) */
     const char * control; /* ZIPMOE_CONTROL: the control file of a supervisor (`zipmoe run` / `zipmoe serve`, which
                            * alone set it) through which the budget follows the memory available; unset: fixed */
+    const char * prior;   /* ZIPMOE_PRIOR: a prior file (docs/FORMAT.md, "Priors"): the model's expert popularity in
+                           * earlier runs, which the eviction policy and the fill at load start from; a file of another
+                           * model, or a damaged one, fails the load */
 } zipmoe_runtime_config;
 
 ZIPMOE_API void zipmoe_runtime_config_from_env(zipmoe_runtime_config * cfg);

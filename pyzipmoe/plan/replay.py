@@ -161,3 +161,118 @@ def lru_hits(steps: Steps, capacity: int) -> int:
 
 def routed_total(steps: Steps) -> int:
     return sum(len(s) for s in steps)
+
+
+# ------------------------------------------------------------------------------------------ priors across prompts
+
+PRIOR_MODES = ("none", "others", "earlier")
+
+
+def prompt_priors(counts: np.ndarray, n_prompts: int, mode: str) -> np.ndarray | None:
+    """The prior each of the first n_prompts prompts of a trace (counts: (n_prompts_all, n_layer, n_expert)) starts
+    from, as counts of the same shape per prompt: "others", every other prompt's (leave-one-out: a calibration on the
+    rest of the trace); "earlier", the prompts' before it (learned across runs: the first has none, all zeros);
+    "none": None."""
+    if mode not in PRIOR_MODES:
+        raise ValueError(f"prior must be one of {', '.join(PRIOR_MODES)}, not {mode!r}")
+    if mode == "none":
+        return None
+    counts = np.asarray(counts, dtype=np.int64)
+    n = min(n_prompts, counts.shape[0])
+    if mode == "others":
+        return counts.sum(axis=0)[None] - counts[:n]
+    before = np.cumsum(counts[:n], axis=0) - counts[:n]
+    return before
+
+
+def prior_distance(counts: np.ndarray, priors: np.ndarray) -> float:
+    """The mean total variation distance between each prompt's routing in a layer and its prior's there (prompt-layer
+    rows of (n_prompts, n_layer, n_expert), rows without routing or without a prior left out): 0 where a prompt
+    routes as the prior says, 1 where they share no expert. What a prior can tell a cache about a prompt."""
+    c = np.asarray(counts, dtype=np.float64)[:len(priors)]
+    p = np.asarray(priors, dtype=np.float64)
+    cs, ps = c.sum(axis=2, keepdims=True), p.sum(axis=2, keepdims=True)
+    ok = (cs[..., 0] > 0) & (ps[..., 0] > 0)
+    tv = 0.5 * np.abs(c / np.where(cs > 0, cs, 1) - p / np.where(ps > 0, ps, 1)).sum(axis=2)
+    return float(tv[ok].mean()) if ok.any() else float("nan")
+
+
+def prior_static_hits(steps: Steps, capacity: int, segments: Sequence[int], priors: np.ndarray) -> int:
+    """The hits of a cache that holds, through each segment, the `capacity` experts its prior (priors[segment],
+    counts per expert) ranks highest (ties: the lowest id), and nothing else: the prior's own forecast."""
+    hits, start = 0, 0
+    for seg, n in enumerate(segments):
+        top = set(np.argsort(-np.asarray(priors[seg]), kind="stable")[:capacity].tolist())
+        hits += sum(int(e) in top for ids in steps[start:start + n] for e in ids)
+        start += n
+    return hits
+
+
+def _filled(steps: Steps, capacity: int, segments: Sequence[int], fill, hits_of) -> int:
+    """Segment by segment from a cache filled with fill(segment's steps) (at most `capacity` experts): the hits of
+    hits_of(steps, capacity, segments) with the fill as a first step of each segment, which finds an empty cache."""
+    hits, start = 0, 0
+    for n in segments:
+        part = list(steps[start:start + n])
+        first = np.asarray(fill(part), dtype=np.int32)
+        hits += hits_of([first] + part, capacity, [n + 1])
+        start += n
+    return hits
+
+
+def belady_fresh_hits(steps: Steps, capacity: int, segments: Sequence[int]) -> int:
+    """belady_hits for a run per segment, each from a cache filled at its start as well as any fill can be: with the
+    `capacity` experts the segment routes to soonest (what MIN keeps of any larger set)."""
+    _check_capacity(capacity, steps)
+
+    def soonest(part: list[np.ndarray]) -> list[int]:
+        out: dict[int, None] = {}
+        for ids in part:
+            for e in (int(x) for x in ids):
+                if len(out) < capacity:
+                    out.setdefault(e)
+        return list(out)
+
+    return _filled(steps, capacity, segments, soonest, lambda s, c, _seg: belady_hits(s, c))
+
+
+def frequency_oracle_fresh_hits(steps: Steps, capacity: int, segments: Sequence[int]) -> int:
+    """frequency_oracle_hits for a run per segment, each from a cache filled at its start with the `capacity` experts
+    the segment routes to most (ties: the lowest id), as a cache that knows its frequencies would fill it."""
+    _check_capacity(capacity, steps)
+
+    def most_used(part: list[np.ndarray]) -> list[int]:
+        freq: dict[int, int] = {}
+        for ids in part:
+            for e in (int(x) for x in ids):
+                freq[e] = freq.get(e, 0) + 1
+        return sorted(freq, key=lambda e: (-freq[e], e))[:capacity]
+
+    return _filled(steps, capacity, segments, most_used, frequency_oracle_hits)
+
+
+def prior_aware_hits(steps: Steps, capacity: int, segments: Sequence[int], priors: np.ndarray) -> int:
+    """The hits of a policy told where each segment begins and its prior (priors[segment], counts per expert), but
+    not the segment's frequencies: demand paging as belady_hits counts it, evicting after a step the resident not
+    routed in it with the fewest uses in the segment so far plus its prior's head start (as the store's: one use for
+    an expert of the mean share, in proportion for the others; ties: the lowest id). What a prior and a prompt's own
+    routing can tell a cache, with no count of earlier prompts in the way: the frequency oracle's lead over it is
+    what the prompt's frequencies add."""
+    _check_capacity(capacity, steps)
+    resident: set[int] = set()
+    hits, start = 0, 0
+    for seg, n in enumerate(segments):
+        p = np.asarray(priors[seg], dtype=np.float64)
+        head = p * len(p) / p.sum() if p.sum() > 0 else np.zeros(len(p))
+        uses: dict[int, int] = {}
+        for ids in steps[start:start + n]:
+            current = {int(x) for x in ids}
+            hits += len(current & resident)
+            resident |= current
+            for e in current:
+                uses[e] = uses.get(e, 0) + 1
+            if len(resident) > capacity:
+                victims = sorted(resident - current, key=lambda e: (uses.get(e, 0) + head[e], e))
+                resident -= set(victims[:len(resident) - capacity])
+        start += n
+    return hits

@@ -37,9 +37,11 @@ STREAM_ENV = "ZIPMOE_STREAM"  # "0": decode a warm expert into its place before 
 ESC_SIMD_ENV = "ZIPMOE_ESC_SIMD"  # "0": the escape code's portable decoder even where its SIMD one runs
 INTEGRITY_ENV = "ZIPMOE_INTEGRITY"  # "skip": load a file without checking its integrity record
 CONTROL_ENV = "ZIPMOE_CONTROL"  # the supervisor's control file (pyzipmoe.runtime.supervise); set only by it
+PRIOR_ENV = "ZIPMOE_PRIOR"  # a prior file (pyzipmoe.plan.prior): expert popularity the eviction policy starts from
 # every variable that configures the runtime: what a benchmark or test clears to start from the defaults
 RUNTIME_ENV = (CACHE_ENV, BUDGET_ENV, HOT_SHARE_ENV, SM_SHARE_ENV, PLAN_ENV, POLICY_ENV, PREFILL_ENV, DIRECT_IO_ENV,
-               READ_BUFFER_ENV, PREDICT_ENV, FUSED_ENV, STREAM_ENV, ESC_SIMD_ENV, INTEGRITY_ENV, CONTROL_ENV)
+               READ_BUFFER_ENV, PREDICT_ENV, FUSED_ENV, STREAM_ENV, ESC_SIMD_ENV, INTEGRITY_ENV, CONTROL_ENV,
+               PRIOR_ENV)
 
 CACHE_MODES = ("unbounded", "none")  # "none": decode every expert on every use (measurements)
 

@@ -22,7 +22,7 @@ CACHE_LAYERS: list[tuple[str, frozenset[str]]] = [
     ("io", frozenset({"store-state.h", "io.h", "reader.h", "reader.c", "counters.c", "file.c", "buffers.c",
                       "slots.c", "readahead.c"})),
     ("tiers", frozenset({"tiers.h", "stores.c", "config.c", "budget.c", "policy.c", "routing.c", "pages.c",
-                         "tiers.c", "plan.c"})),
+                         "tiers.c", "prior.c", "plan.c"})),
     ("materialise", frozenset({"cache-impl.h", "materialize.c", "prefill.c", "store.c", "stats.c"})),
 ]
 

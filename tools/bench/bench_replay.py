@@ -74,6 +74,8 @@ class Source:
     k: int
     layers_total: int  # the model's MoE layers (the replay may take fewer): what a token's time sums over
     segments: list[int] | None = None  # steps of each prompt, in order (None: one prompt)
+    priors: np.ndarray | None = None  # per prompt, the prior its layers' stores start from (prompts, layers, experts)
+    counts: np.ndarray | None = None  # per prompt, the trace's counts of the replayed layers
 
 
 # ------------------------------------------------------------------------------------------ the store
@@ -135,6 +137,20 @@ class Stores:
     def close(self) -> None:
         self.handles.clear()
 
+    def set_priors(self, counts: np.ndarray) -> None:
+        """Each layer's store starts from its prior, counts[layer] (per expert)."""
+        for handle, row in zip(self.handles, counts):
+            row = np.ascontiguousarray(row, dtype=np.uint64)
+            if self.lib.zipmoe_store_set_prior(handle, self.ffi.cast("uint64_t *", self.ffi.from_buffer(row)),
+                                               len(row)) != 0:
+                raise ReplayError(f"the store refused a prior of {len(row)} experts")
+
+    def prefill(self) -> None:
+        """The fill at load: every store's tiers filled as a freshly loaded model's (zipmoe_cache_prefill)."""
+        arr = self.ffi.new("zipmoe_store *[]", list(self.handles))
+        if self.lib.zipmoe_cache_prefill(arr, len(self.handles), 1, self.ffi.NULL) < 0:
+            raise ReplayError("the fill at load failed")
+
     def materialize(self, layer: int, step: int, ids: np.ndarray) -> None:
         if not len(ids):
             return  # (a prompt's step in the last layer, computed only for the rows whose logits are wanted)
@@ -154,29 +170,44 @@ def stats() -> dict[str, int]:
 
 
 def run_policy(path: Path, source: Source, policy: str, hot: int, warm: int,
-               plan: list[tuple[int, int, int]] | None = None) -> dict[str, int]:
+               plan: list[tuple[int, int, int]] | None = None, fresh: bool = False) -> dict[str, int]:
     """Replays the source's steps through fresh stores with `hot` and `warm` slots per layer (or a planner's hot,
-    warm and sm slots for each layer); the counters."""
+    warm and sm slots for each layer); the counters. With the source's priors, each prompt's stores are given its
+    prior as it begins (zipmoe_store_set_prior). fresh: a run per prompt, each on stores opened for it and filled
+    as at load (zipmoe_cache_prefill: in the prior's order, or by id without one)."""
     from pyzipmoe._native import lib
     from pyzipmoe.runtime.cache_control import policy_id
 
     n_layer = len(source.steps)
+    segments = source.segments or [len(source.steps[0])]
     lib.zipmoe_cache_configure(UNBOUNDED, 0, 0, policy_id(policy))
-    stores = Stores(path, n_layer)
+    stores: Stores | None = None
     try:
         rules = [(b"", (hot, warm, 0))] if plan is None else [(f"blk.{i}.".encode(), p) for i, p in enumerate(plan)]
         for prefix, slots in rules:
             if lib.zipmoe_cache_set_slots(prefix, *slots) != 0:
                 raise ReplayError(f"slot rule {prefix.decode()}{slots} refused")
         lib.zipmoe_stats_reset()
-        n_steps = len(source.steps[0])
-        for t in range(n_steps):
-            for i in range(n_layer):
-                stores.materialize(i, t, source.steps[i][t])
+        start, ratio = 0, 0.0
+        for p, n in enumerate(segments):
+            if stores is None or fresh:
+                if stores is not None:
+                    stores.close()
+                stores = Stores(path, n_layer)
+                ratio = stores.ratio
+            if source.priors is not None:
+                stores.set_priors(source.priors[p])
+            if fresh:
+                stores.prefill()
+            for t in range(start, start + n):
+                for i in range(n_layer):
+                    stores.materialize(i, t, source.steps[i][t])
+            start += n
         out = stats()
-        out["ratio_milli"] = int(stores.ratio * 1000)
+        out["ratio_milli"] = int(ratio * 1000)
     finally:
-        stores.close()
+        if stores is not None:
+            stores.close()
         lib.zipmoe_cache_set_slots(_null(), 0, 0, 0)
         lib.zipmoe_cache_configure(UNBOUNDED, 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
     return out
@@ -191,9 +222,9 @@ def _null() -> Any:
 # ------------------------------------------------------------------------------------------ sources
 
 
-def trace_source(path: str, prompts: int, layers: int, k: int, seed: int) -> Source:
+def trace_source(path: str, prompts: int, layers: int, k: int, seed: int, prior: str = "none") -> Source:
     from pyzipmoe.plan.inputs import PlanInputError, _trace_array
-    from pyzipmoe.plan.replay import prompt_tokens, steps_from_counts
+    from pyzipmoe.plan.replay import prompt_priors, prompt_tokens, steps_from_counts
 
     try:
         counts = _trace_array(path, "expected an .npz with key 'counts' (n_prompts, n_layer, n_expert)")
@@ -204,8 +235,10 @@ def trace_source(path: str, prompts: int, layers: int, k: int, seed: int) -> Sou
     n_layer = counts.shape[1]
     take = np.linspace(0, n_layer - 1, min(layers, n_layer)).round().astype(int)  # spread over the depth
     taken = counts[:prompts][:, take]
-    return Source(f"trace {Path(path).name} ({min(prompts, counts.shape[0])} prompts, layers {take.tolist()})",
-                  steps_from_counts(taken, k, seed), counts.shape[2], k, n_layer, prompt_tokens(taken, k))
+    name = f"trace {Path(path).name} ({min(prompts, counts.shape[0])} prompts, layers {take.tolist()})"
+    priors = prompt_priors(counts[:, take], prompts, prior)
+    return Source(name + ("" if priors is None else f", prior: {prior}"), steps_from_counts(taken, k, seed),
+                  counts.shape[2], k, n_layer, prompt_tokens(taken, k), priors, taken)
 
 
 def routing_source(path: str, layers: int) -> Source:
@@ -245,7 +278,8 @@ def stock_tps(misses_per_layer: float, layers_total: int, args: argparse.Namespa
 
 
 def replay(args: argparse.Namespace, source: Source, path: Path) -> list[dict[str, Any]]:
-    from pyzipmoe.plan.replay import belady_hits, frequency_oracle_hits, lru_hits, routed_total
+    from pyzipmoe.plan.replay import (belady_fresh_hits, belady_hits, frequency_oracle_fresh_hits,
+                                      frequency_oracle_hits, lru_hits, routed_total)
 
     rows = []
     n_layer, n = len(source.steps), source.n_expert
@@ -262,7 +296,7 @@ def replay(args: argparse.Namespace, source: Source, path: Path) -> list[dict[st
                 warm = min(n, int(budget / 100 * n / ratio)) if config == "warm" else 0
                 slots = hot or warm
                 t0 = time.monotonic()
-                st = run_policy(path, source, policy, hot, warm)
+                st = run_policy(path, source, policy, hot, warm, fresh=args.fresh)
                 hits = st["hits_hot"] + st["hits_warm"]
                 found = st["hits_hot"] + st["hits_warm"] + st["hits_sm"] + st["misses"]
                 if found != routed:
@@ -278,16 +312,51 @@ def replay(args: argparse.Namespace, source: Source, path: Path) -> list[dict[st
                                   "warm": st["hits_warm"] / n_steps / n_layer},
                     "ratio": ratio, "seconds": time.monotonic() - t0,
                 })
-            belady = sum(belady_hits(s, slots) for s in source.steps) / routed
             segments = source.segments or [len(source.steps[0])]
-            freq = sum(frequency_oracle_hits(s, slots, segments) for s in source.steps) / routed
+            if args.fresh:
+                belady = sum(belady_fresh_hits(s, slots, segments) for s in source.steps) / routed
+                freq = sum(frequency_oracle_fresh_hits(s, slots, segments) for s in source.steps) / routed
+            else:
+                belady = sum(belady_hits(s, slots) for s in source.steps) / routed
+                freq = sum(frequency_oracle_hits(s, slots, segments) for s in source.steps) / routed
             stock_cap = max(source.k, int(budget / 100 * n))
             stock_miss = 1 - sum(lru_hits(s, stock_cap) for s in source.steps) / routed
+            prior_static = prior_aware = None
+            if source.priors is not None:
+                from pyzipmoe.plan.replay import prior_aware_hits, prior_static_hits
+
+                prior_static = sum(prior_static_hits(s, slots, segments, source.priors[:, i])
+                                   for i, s in enumerate(source.steps)) / routed
+                prior_aware = sum(prior_aware_hits(s, slots, segments, source.priors[:, i])
+                                  for i, s in enumerate(source.steps)) / routed
             for row in rows[-len(args.policies):]:
                 row["belady"] = belady
                 row["freq_oracle"] = freq
                 row["stock_miss_per_layer"] = stock_miss * routed / n_steps / n_layer
+                row["prior_static"] = prior_static
+                row["prior_aware"] = prior_aware
     return rows
+
+
+def prior_report(rows: list[dict[str, Any]], sources: list[Source]) -> str:
+    """What the priors could tell the cache: the distance of each prompt's routing from its prior, the hits of a
+    cache that holds only the prior's most used experts, and of a policy told where each prompt begins that counts
+    its uses on top of the prior (pyzipmoe.plan.replay.prior_aware_hits)."""
+    from pyzipmoe.plan.replay import prior_distance
+
+    lines = []
+    for source in sources:
+        if source.priors is None or source.counts is None:
+            continue
+        hot = [r for r in rows if r["source"] == source.name and r["config"] == "hot"]
+        static = {r["budget"]: r["prior_static"] for r in hot}
+        aware = {r["budget"]: r["prior_aware"] for r in hot}
+        lines.append(f"{source.name}: mean total variation distance of a prompt's routing (a layer) from its prior "
+                     f"{prior_distance(source.counts, source.priors):.3f}; a cache holding only the prior's most used "
+                     f"experts finds " + ", ".join(f"{100 * h:.1f}% at {b}%" for b, h in static.items())
+                     + "; a policy told where each prompt begins, counting its uses on top of the prior, "
+                     + ", ".join(f"{100 * h:.1f}% at {b}%" for b, h in aware.items()))
+    return "\n".join(lines)
 
 
 def masks(steps: list[np.ndarray], n_expert: int) -> np.ndarray:
@@ -405,6 +474,7 @@ def parse_rates(text: str) -> list[tuple[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pyzipmoe.plan.replay import PRIOR_MODES
     from pyzipmoe.runtime.config import POLICIES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -436,6 +506,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plan", action="store_true",
                    help="also the planner's split at each budget and read rate, replayed through the cache")
     p.add_argument("--plan-policy", default="tlfu", help="the policy of the planner's runs (default tlfu)")
+    p.add_argument("--prior", choices=PRIOR_MODES, default="none",
+                   help="--trace: each prompt's stores start from a prior (zipmoe_store_set_prior) of the trace's "
+                        "other prompts (others: leave-one-out, a calibration) or of the prompts before it (earlier: "
+                        "learned across runs); default none")
+    p.add_argument("--fresh", action="store_true",
+                   help="a run per prompt: fresh stores filled as at load (in the prior's order), Belady and the "
+                        "frequency oracle from their best fill; default: the prompts in one run")
     p.add_argument("--json", type=Path, help="write every row as JSON here")
     result_files.add_arguments(p)
     args = p.parse_args(argv)
@@ -453,10 +530,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown configs {unknown}; known: hot, warm")
     if not (args.trace or args.routing or args.synthetic):
         p.error("give --trace, --routing or --synthetic")
+    if args.prior != "none" and (args.routing or args.synthetic or args.plan):
+        p.error("--prior: only with --trace alone (a prior per prompt), without --plan")
     try:
         sources = []
         if args.trace:
-            sources.append(trace_source(args.trace, args.prompts, args.layers, args.k, args.seed))
+            sources.append(trace_source(args.trace, args.prompts, args.layers, args.k, args.seed, args.prior))
         if args.routing:
             sources.append(routing_source(args.routing, args.layers))
         if args.synthetic:
@@ -474,6 +553,8 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(r)
             decode_rate = decode_rate_of(args, rows)
             print(table(rows, args, decode_rate))
+            if args.prior != "none":
+                print(prior_report(rows, sources))
             if args.plan:
                 for source in sources:
                     path = ensure_store_file(args.workdir, len(source.steps), source.n_expert, max(source.k, 1),

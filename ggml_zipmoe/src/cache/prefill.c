@@ -128,7 +128,7 @@ int64_t zipmoe_cache_prefill(zipmoe_store * const * stores, int64_t n_stores, in
     prefill_job * order = calloc((size_t) n_stores + 1, sizeof *order);
     int64_t *     want  = calloc((size_t) n_stores + 1, sizeof *want);
     int64_t *     hot   = calloc((size_t) n_stores + 1, sizeof *hot);
-    int32_t *     ids   = NULL; /* 0, 1, 2, ...: every store's batches are runs of it */
+    int32_t *     ids_all = NULL; /* each store's experts in its prior's order (cache_prior_order): its batches are runs */
     prefill_job *     jobs   = NULL;
     _Atomic uint8_t * failed = NULL;
     int64_t           rc = ZIPMOE_OK, n_jobs = 0;
@@ -140,27 +140,29 @@ int64_t zipmoe_cache_prefill(zipmoe_store * const * stores, int64_t n_stores, in
         order[i] = (prefill_job) { stores[i], NULL, i };
     }
     qsort(order, (size_t) n_stores, sizeof *order, by_layer);
-    int64_t most = 0;
+    uint64_t n_ids = 0;
     for (int64_t i = 0; i < n_stores; i++) {
         want[i] = prefill_begin(order[i].s, &hot[i]);
-        most    = want[i] > most ? want[i] : most;
+        n_ids  += want[i] > 0 ? (uint64_t) order[i].s->info.n_expert : 0;
         n_jobs += want[i] == 0 ? 0 : hot[i] == 0 ? 1 : (want[i] + hot[i] - 1) / hot[i];
     }
-    ids    = malloc((size_t) most * sizeof *ids + 1);
-    jobs   = calloc((size_t) n_jobs + 1, sizeof *jobs);
-    failed = calloc((size_t) n_jobs + 1, sizeof *failed);
-    if (!ids || !jobs || !failed) {
+    ids_all = malloc((size_t) n_ids * sizeof *ids_all + 1);
+    jobs    = calloc((size_t) n_jobs + 1, sizeof *jobs);
+    failed  = calloc((size_t) n_jobs + 1, sizeof *failed);
+    if (!ids_all || !jobs || !failed) {
         rc = ZIPMOE_ERR_NOMEM;
         goto end;
     }
-    for (int64_t e = 0; e < most; e++) {
-        ids[e] = (int32_t) e;
-    }
     int64_t k = 0;
-    for (int64_t i = 0; i < n_stores; i++) {
+    for (int64_t i = 0, at = 0; i < n_stores; i++) {
         if (want[i] == 0) {
             continue;
         }
+        int32_t * const ids = ids_all + at; /* the most used experts first: the last batch, kept decoded */
+        at += order[i].s->info.n_expert;
+        pthread_mutex_lock(&order[i].s->mu);
+        cache_prior_order(order[i].s, ids);
+        pthread_mutex_unlock(&order[i].s->mu);
         if (hot[i] == 0) { /* no hot tier: one batch, decoded once, for the compressed tiers to keep */
             jobs[k++] = (prefill_job) { order[i].s, ids, want[i] };
             continue;
@@ -220,7 +222,7 @@ done:
     free(order);
     free(want);
     free(hot);
-    free(ids);
+    free(ids_all);
     stats.ns = zipmoe_now_ns() - t0;
     if (out) {
         *out = stats;

@@ -49,6 +49,8 @@ typedef struct {
     uint64_t  activations; /* tokens routed, ever: what the planner reads */
     uint64_t  aged;      /* LFUDA (tiers.c): the store's age at the last use seen as of aged_use */
     uint64_t  aged_use;
+    uint64_t  prior;     /* the counting policies' head start from the model's popularity in earlier runs, in the
+                          * scores' units (zipmoe_store_set_prior, tiers.c); 0: none */
 } expert_state;
 
 /* An expert's room in dst. Decoded experts need not sit at their own index: the op tells ggml_mul_mat_id where

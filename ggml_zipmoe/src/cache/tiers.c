@@ -19,7 +19,7 @@ static int in_tier(const expert_state * x, int tier) {
  * the store's age now, and before the age moves every such use is recorded with the age it had (lfuda_age), except
  * the last plan's, which take the age its evictions leave (as a miss enters after its victim leaves). */
 static uint64_t lfuda_key(const zipmoe_store * s, const expert_state * x) {
-    return (x->last_use != x->aged_use ? s->age : x->aged) + x->uses;
+    return (x->last_use != x->aged_use ? s->age : x->aged) + x->uses * USE_WEIGHT + x->prior;
 }
 
 /* Under s->mu: an expert of key `key` leaves the cache (every tier: a decoded expert that keeps a compressed copy,
@@ -44,7 +44,7 @@ static uint64_t score(const zipmoe_store * s, const expert_state * x, int tier) 
         case ZIPMOE_POLICY_LRU:       return x->last_use;
         case ZIPMOE_POLICY_FIFO:      return tier == TIER_HOT ? x->admitted : x->admitted_res;
         case ZIPMOE_POLICY_LFU:
-        case ZIPMOE_POLICY_TOKEN_LFU: return x->uses;
+        case ZIPMOE_POLICY_TOKEN_LFU: return x->uses * USE_WEIGHT + x->prior;
         case ZIPMOE_POLICY_LFUDA:     return lfuda_key(s, x);
     }
     return 0;

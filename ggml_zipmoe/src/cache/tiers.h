@@ -1,13 +1,16 @@
 /* tiers.h - the expert cache's middle layer, above its I/O (io.h) and below the materialise protocol (cache-impl.h):
  * the configuration and each store's limits (config.c; budget.c's split), the open stores (stores.c), the routing
- * log (routing.c), the pages of decoded experts (pages.c), the tiers and eviction (tiers.c) and an invocation's plan
- * (plan.c). */
+ * log (routing.c), the pages of decoded experts (pages.c), the tiers and eviction (tiers.c), the policies' prior
+ * (prior.c) and an invocation's plan (plan.c). */
 #ifndef ZIPMOE_CACHE_TIERS_H
 #define ZIPMOE_CACHE_TIERS_H
 
 #include "io.h"
 
 enum { TIER_HOT, TIER_WARM, TIER_SM };
+/* The counting policies' scores count a use as USE_WEIGHT (tiers.c), so that a prior (prior.c) can be worth a fraction
+ * of one; without a prior every score is its count times USE_WEIGHT, the same order as the counts. */
+#define USE_WEIGHT 256
 #define ANY_COPY INT64_MAX /* entrant id of a copy of a hot expert: it takes another copy's room on a tie */
 
 /* A planner's hot, warm and sm slot counts for the stores whose name begins with prefix (zipmoe_cache_set_slots). */
@@ -83,6 +86,9 @@ int      cache_make_room(zipmoe_store * s, int tier, uint64_t need, uint64_t wor
 int64_t  cache_evict_hot(zipmoe_store * s, int64_t e, int keep_pages);
 void     cache_settle(zipmoe_store * s);
 void     cache_trim_others(const zipmoe_store * s);
+
+/* prior.c */
+void     cache_prior_order(const zipmoe_store * s, int32_t * order);
 
 /* plan.c */
 int64_t cache_make_plan(zipmoe_store * s, const uint8_t * ids, int64_t ne0, int64_t ne1, size_t nb0, size_t nb1);

@@ -31,6 +31,7 @@ void zipmoe_runtime_config_from_env(zipmoe_runtime_config * cfg) {
     cfg->read_buffer   = text("ZIPMOE_READ_BUFFER");
     cfg->predict       = text("ZIPMOE_PREDICT");
     cfg->control       = text("ZIPMOE_CONTROL");
+    cfg->prior         = text("ZIPMOE_PRIOR");
     cfg->prefill       = !off("ZIPMOE_PREFILL");
     cfg->fused         = !off("ZIPMOE_FUSED");
     cfg->stream        = !off("ZIPMOE_STREAM");

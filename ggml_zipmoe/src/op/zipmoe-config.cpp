@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -227,3 +228,35 @@ bool zipmoe_llama_configure_cache(const zipmoe_runtime_config & env, const std::
     return true;
 }
 
+
+// A prior file is n_layer x n_expert counts: a few MiB at most for any model; a larger file is no prior.
+#define PRIOR_FILE_MAX ((long) 64 << 20)
+
+bool zipmoe_llama_apply_prior(const char * path, const std::vector<zipmoe_store *> & stores, std::string & err) {
+    const std::string what = std::string("ZIPMOE_PRIOR=") + path + ": ";
+    FILE *            f    = std::fopen(path, "rb");
+    if (!f) {
+        err = what + "cannot be read (" + std::strerror(errno) + ")";
+        return false;
+    }
+    std::vector<uint8_t> data;
+    long                 size = -1;
+    if (std::fseek(f, 0, SEEK_END) == 0 && (size = std::ftell(f)) >= 0 && size <= PRIOR_FILE_MAX &&
+        std::fseek(f, 0, SEEK_SET) == 0) {
+        data.resize((size_t) size);
+        if (size > 0 && std::fread(data.data(), 1, data.size(), f) != data.size()) {
+            size = -1;
+        }
+    }
+    std::fclose(f);
+    if (size < 0 || size > PRIOR_FILE_MAX) {
+        err = what + (size > PRIOR_FILE_MAX ? "too large for a prior file" : "cannot be read");
+        return false;
+    }
+    char msg[256];
+    if (zipmoe_cache_seed_prior(stores.data(), (int64_t) stores.size(), data.data(), data.size(), msg, sizeof msg) < 0) {
+        err = what + msg;
+        return false;
+    }
+    return true;
+}

@@ -91,6 +91,7 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
                             std::string & err) {
     const zipmoe_runtime_config    env = zipmoe_llama_runtime_config();
     std::vector<zipmoe_store_size> stores;
+    std::vector<zipmoe_store *>    loading; // their handles, for a prior
     bool                           warm_fast = false, raw = false;
     {
         std::lock_guard<std::mutex> lock(g_pending_mu);
@@ -103,6 +104,7 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
         g_pending.clear();
         g_loading.swap(g_opened);
         g_opened.clear();
+        loading = g_loading;
         g_loading_bound = 0;
         g_prefill       = env.prefill != 0;
         g_model_seq++;
@@ -115,6 +117,9 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
         g_predict = std::strcmp(v, "1") == 0;
     } else {
         g_predict = false;
+    }
+    if (env.prior && !zipmoe_llama_apply_prior(env.prior, loading, err)) {
+        return false;
     }
     return zipmoe_llama_configure_cache(env, stores, warm_fast, raw, other_bytes, embd_bytes, embd_row_bytes, info, err);
 }

@@ -1,0 +1,151 @@
+/* prior.c - the eviction policies' prior: the model's expert popularity in earlier runs as a head start in the
+ * counting policies' scores (zipmoe_store_set_prior), the order the fill at load takes experts in, and the prior
+ * file that seeds a model's stores (docs/FORMAT.md, "Priors"). */
+#define _GNU_SOURCE
+#include "tiers.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* A prior is a head start in the counting policies' scores (lfuda, lfu, tlfu) from the expert's share of the
+ * layer's routing in earlier runs: PRIOR_MEAN_USES uses for an expert of the mean share, in proportion for the others
+ * (the hottest expert of a Qwen1.5-MoE layer, 1.4-2.7 times the mean share, starts 1.4-2.7 uses ahead of one never
+ * routed). Measured on the replay of the Qwen trace with a run per prompt (docs/cache-and-planner.md, "Priors across
+ * prompts"), the scale hardly matters: half a use to four uses lie within 0.3 points of each other at every budget
+ * (the smaller ahead by tenths at 25%), and all 1-4 points above no prior (the fill at load in the prior's order
+ * counts in each). One use: the prior decides among the experts a run has routed to no more than once, and a prompt
+ * that routes to an expert twice or thrice overturns the head start of all but the hottest. LRU and FIFO rank by
+ * time alone: they ignore the prior. Under LFUDA the prior counts in the key as uses do, so the age an eviction
+ * leaves includes it. */
+#define PRIOR_MEAN_USES 1
+
+int64_t zipmoe_store_set_prior(zipmoe_store * s, const uint64_t * counts, int64_t n_expert) {
+    if (!s || (counts ? n_expert != s->info.n_expert : n_expert != 0)) {
+        return ZIPMOE_ERR_ARG;
+    }
+    long double total = 0;
+    for (int64_t e = 0; counts && e < n_expert; e++) {
+        total += (long double) counts[e];
+    }
+    const long double unit = total > 0 ? (long double) s->info.n_expert * USE_WEIGHT * PRIOR_MEAN_USES / total : 0;
+    pthread_mutex_lock(&s->mu);
+    for (int64_t e = 0; e < s->info.n_expert; e++) {
+        s->experts[e].prior = counts ? (uint64_t) ((long double) counts[e] * unit + 0.5L) : 0;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return ZIPMOE_OK;
+}
+
+/* Under s->mu: the store's experts by prior, the highest first, ties by id (without a prior: 0, 1, 2, ...), into
+ * order[s->info.n_expert]: the order the fill at load takes them in (prefill.c). */
+void cache_prior_order(const zipmoe_store * s, int32_t * order) {
+    for (int64_t i = 0; i < s->info.n_expert; i++) { /* insertion sort: a few hundred experts, once at load */
+        const uint64_t p = s->experts[i].prior;
+        int64_t        j = i;
+        for (; j > 0 && s->experts[order[j - 1]].prior < p; j--) {
+            order[j] = order[j - 1];
+        }
+        order[j] = (int32_t) i;
+    }
+}
+
+/* ---------------------------------------------------------------- the prior file (untrusted input) */
+
+#define PRIOR_HEADER 16 /* the magic, n_layer, n_expert */
+
+static uint64_t le64(const uint8_t * p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) {
+        v = v << 8 | p[i];
+    }
+    return v;
+}
+
+static uint32_t le32(const uint8_t * p) {
+    return (uint32_t) p[0] | (uint32_t) p[1] << 8 | (uint32_t) p[2] << 16 | (uint32_t) p[3] << 24;
+}
+
+int64_t zipmoe_prior_parse(const void * data, size_t size, uint32_t * n_layer, uint32_t * n_expert) {
+    const uint8_t * p = data;
+    if (!p && size > 0) {
+        return ZIPMOE_ERR_ARG;
+    }
+    if (size < PRIOR_HEADER || memcmp(p, ZIPMOE_PRIOR_MAGIC, 8) != 0) {
+        return ZIPMOE_ERR_CORRUPT;
+    }
+    const uint32_t nl = le32(p + 8), ne = le32(p + 12);
+    /* (both below 2^32: their product times 8 fits in 64 bits) */
+    if (nl == 0 || ne == 0 || (uint64_t) (size - PRIOR_HEADER) != (uint64_t) nl * ne * 8) {
+        return ZIPMOE_ERR_CORRUPT;
+    }
+    if (n_layer) {
+        *n_layer = nl;
+    }
+    if (n_expert) {
+        *n_expert = ne;
+    }
+    return ZIPMOE_OK;
+}
+
+static int64_t fail(int64_t rc, char * msg, size_t msg_size, const char * fmt, ...) {
+    if (msg && msg_size > 0) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(msg, msg_size, fmt, ap);
+        va_end(ap);
+    }
+    return rc;
+}
+
+int64_t zipmoe_cache_seed_prior(zipmoe_store * const * stores, int64_t n_stores, const void * data, size_t size,
+                                char * msg, size_t msg_size) {
+    if (msg && msg_size > 0) {
+        msg[0] = 0;
+    }
+    if ((!stores && n_stores > 0) || n_stores < 0) {
+        return fail(ZIPMOE_ERR_ARG, msg, msg_size, "no stores");
+    }
+    uint32_t      nl = 0, ne = 0;
+    const int64_t rc = zipmoe_prior_parse(data, size, &nl, &ne);
+    if (rc == ZIPMOE_ERR_CORRUPT) {
+        return fail(rc, msg, msg_size, size < PRIOR_HEADER || memcmp(data, ZIPMOE_PRIOR_MAGIC, 8) != 0
+                                           ? "not a prior file (no " ZIPMOE_PRIOR_MAGIC " magic)"
+                                           : "the prior file is damaged (%zu bytes, not those of its own layers "
+                                             "and experts)", size);
+    }
+    if (rc < 0) {
+        return fail(rc, msg, msg_size, "no prior file");
+    }
+    int highest = -1;
+    for (int64_t i = 0; i < n_stores; i++) {
+        const zipmoe_store * s = stores[i];
+        highest = s->layer > highest ? s->layer : highest;
+        if (s->layer >= 0 && s->info.n_expert != (int64_t) ne) {
+            return fail(ZIPMOE_ERR_ARG, msg, msg_size, "the prior is of a model of %u experts a layer; %s has %lld",
+                        ne, s->name, (long long) s->info.n_expert);
+        }
+    }
+    if ((int64_t) highest + 1 != (int64_t) nl) {
+        return fail(ZIPMOE_ERR_ARG, msg, msg_size, "the prior is of a model of %u layers; this one's experts are in "
+                                                   "%d", nl, highest + 1);
+    }
+    uint64_t * counts = malloc((size_t) ne * sizeof *counts);
+    if (!counts) {
+        return fail(ZIPMOE_ERR_NOMEM, msg, msg_size, "out of memory");
+    }
+    for (int64_t i = 0; i < n_stores; i++) {
+        zipmoe_store * s = stores[i];
+        if (s->layer < 0) {
+            continue;
+        }
+        const uint8_t * row = (const uint8_t *) data + PRIOR_HEADER + (size_t) s->layer * ne * 8;
+        for (uint32_t e = 0; e < ne; e++) {
+            counts[e] = le64(row + (size_t) e * 8);
+        }
+        zipmoe_store_set_prior(s, counts, (int64_t) ne); /* (its n_expert checked above) */
+    }
+    free(counts);
+    return ZIPMOE_OK;
+}
