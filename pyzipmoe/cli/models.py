@@ -133,6 +133,9 @@ def _model_rows(pkg: ModelPackage) -> list[tuple[str, str]]:
               + f", {z.get('chunk_size', '?')} values per chunk"),
              ("source sha256", str(source.get("sha256", "-"))),
              ("file", str(pkg.model_path))]
+    prior = pkg.prior()
+    if prior is not None:
+        rows.append(("prior", prior["error"] or f"{prior['tokens']} tokens (zipmoe calibrate --routing)"))
     return rows
 
 

@@ -3,6 +3,8 @@
     $ZIPMOE_MODELS (default ~/.zipmoe/models)
       manifests/<host>/<namespace>/<model>/<tag>    schemaVersion 2 manifest JSON: a config blob and layers
       blobs/sha256-<hex>                            content-addressed: identical blobs are stored once
+      priors/sha256-<hex>                           the prior (pyzipmoe.plan.prior) of the model blob <hex>: its
+                                                    experts' popularity in earlier runs, kept by `zipmoe calibrate`
       .state/lock                                   flock'ed by every change to manifests or blobs
       .state/tmp/job-*                              work in progress of create/import (private per job)
       .state/verified/sha256-<hex>                  "this blob was hashed and matched while its stat was X"
@@ -68,6 +70,17 @@ from .transfer import Transferring
 
 
 ENV_MODELS = "ZIPMOE_MODELS"
+PRIORS_DIR = "priors"
+
+
+def kept_prior(model_path: str | os.PathLike[str]) -> Path | None:
+    """The prior kept for a stored model blob (a model's file in a models directory: blobs/sha256-<hex>), if it has
+    one; None for any other file. What the runtime settings pass as ZIPMOE_PRIOR (pyzipmoe.runtime.controller)."""
+    path = Path(model_path)
+    if path.parent.name != "blobs" or not path.name.startswith("sha256-"):
+        return None
+    prior = path.parent.parent / PRIORS_DIR / path.name
+    return prior if prior.is_file() else None
 
 
 @dataclass(frozen=True)
@@ -103,6 +116,7 @@ class ModelDirectory(Creating, Transferring):
         self.state_dir = self.root / ".state"
         self.tmp_dir = self.state_dir / "tmp"
         self.verified_dir = self.state_dir / "verified"
+        self.priors_dir = self.root / PRIORS_DIR
 
     def __repr__(self) -> str:
         return f"ModelDirectory({str(self.root)!r})"
@@ -110,6 +124,25 @@ class ModelDirectory(Creating, Transferring):
     def blob_path(self, digest_or_hex: str) -> Path:
         hex_ = digest_hex(digest_or_hex) if digest_or_hex.startswith("sha256:") else digest_or_hex
         return self.blobs_dir / f"sha256-{hex_}"
+
+    def prior_path(self, package: ModelPackage) -> Path:
+        """Where the prior of a package's model blob is kept (kept_prior finds it from the blob's path)."""
+        return self.priors_dir / package.model_path.name
+
+    def keep_prior(self, name: str | ModelName, counts: Any) -> Path:
+        """Keeps counts (n_layer, n_expert) as the prior of the model `name` (of its model blob: every name of the
+        same blob shares it), replacing any earlier one atomically; its path."""
+        from ..plan import prior
+
+        package = self.open(name)
+        n_expert = package.config.get("expert_count")
+        if n_expert and getattr(counts, "shape", (0, n_expert))[1] != n_expert:
+            raise ModelsError(f"{package.name.display}: a prior of {counts.shape[1]} experts a layer, the model has "
+                              f"{n_expert}")
+        self.priors_dir.mkdir(parents=True, exist_ok=True)
+        path = self.prior_path(package)
+        prior.save(path, counts)
+        return path
 
     def manifest_path(self, name: ModelName) -> Path:
         return self.manifests_dir.joinpath(*name.parts)
@@ -396,7 +429,7 @@ class ModelDirectory(Creating, Transferring):
                         shutil.rmtree(p)
                     else:
                         p.unlink()
-                for p in self.verified_dir.iterdir():
+                for p in (*self.verified_dir.iterdir(), *self.priors_dir.glob("sha256-*")):
                     if not self.blob_path(p.name.removeprefix("sha256-")).exists():
                         p.unlink()
                 for p in (self.state_dir / "sources").glob("*"):  # records of FROM files that are gone

@@ -137,6 +137,22 @@ class ModelPackage:
 
         return RuntimeConfig(cache=self.cache_mode).to_env()
 
+    def prior(self) -> dict[str, Any] | None:
+        """The prior kept for the model (pyzipmoe.models.directory.kept_prior): its file and how many tokens its
+        busiest layer counted (or why it cannot be used); None without one."""
+        from ..plan import prior
+        from .directory import kept_prior
+
+        path = kept_prior(self.model_path)
+        if path is None:
+            return None
+        try:
+            counts = prior.load(path)
+        except prior.PriorFileError as e:
+            return {"path": str(path), "tokens": None, "error": str(e)}
+        k = int(self.config.get("expert_used_count") or 1)
+        return {"path": str(path), "tokens": int(counts.sum(axis=1).max()) // k, "error": None}
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name.display, "full_name": str(self.name), "id": self.id,
                 "digest": f"sha256:{self.digest}",
@@ -144,7 +160,7 @@ class ModelPackage:
                 "config": dict(self.config), "parameters": dict(self.parameters), "template": self.template,
                 "system": self.system, "license": list(self.license),
                 "messages": [m.to_dict() for m in self.messages],
-                "layers": [x.to_json() for x in self.manifest.layers]}
+                "layers": [x.to_json() for x in self.manifest.layers], "prior": self.prior()}
 
 
 def chat_messages(system: str | None, history: Sequence[Message],
