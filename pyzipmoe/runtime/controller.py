@@ -24,7 +24,7 @@ from ..plan import solver as planner
 from .budget import Budget, ModelMemory, check_budget, model_memory, resolve_budget
 from .cache_control import (_runtime_bytes, apply_plan, apply_shares, live_counts, live_routing, set_read_room,
                             store_sizes, warm_decodes_fast)
-from .config import DEFAULT_POLICY, POLICY_ENV, RuntimeConfig
+from .config import DEFAULT_POLICY, POLICY_ENV, PRIOR_ENV, RuntimeConfig
 from ..errors import OutOfMemoryError, ZipmoeError
 
 if TYPE_CHECKING:
@@ -130,7 +130,10 @@ def runtime_settings(model: ZipmoeFile | str | os.PathLike[str], *, budget: str 
     With the planner, the first tokens run with the trace's plan, or without a trace with decoded experts only: the
     frequency model underrates the decoded tier, whose LRU eviction follows a conversation's changing experts.
     The monitor (pyzipmoe.Llama) re-plans from the order the run's tokens route in (the recency model) once the
-    runtime's routing log holds enough of them."""
+    runtime's routing log holds enough of them.
+
+    Under a budget, a stored model's kept prior (pyzipmoe.models.directory.kept_prior) becomes ZIPMOE_PRIOR, unless
+    the environment already names one (the user's wins); without a budget there are no stores to seed."""
     if budget is None:
         return RuntimeSettings(RuntimeConfig(None, policy, hot_share, sm_share).to_env(), None)
     if not is_zipmoe:
@@ -142,8 +145,8 @@ def runtime_settings(model: ZipmoeFile | str | os.PathLike[str], *, budget: str 
             planner.decode_plan(plan)
         elif use_planner:
             plan = plan_model(model, resolved.nbytes, trace=trace, need=need).plan.encode()
-        return RuntimeSettings(RuntimeConfig(resolved.nbytes, policy, hot_share, sm_share, plan=plan).to_env(),
-                               resolved)
+        return RuntimeSettings(_with_prior(RuntimeConfig(resolved.nbytes, policy, hot_share, sm_share,
+                                                         plan=plan).to_env(), model), resolved)
     from ..file.reader import as_zipmoe
 
     model = as_zipmoe(model)  # parsed once for everything below
@@ -156,7 +159,16 @@ def runtime_settings(model: ZipmoeFile | str | os.PathLike[str], *, budget: str 
         # The policy stays the runtime's default (docs/cache-and-planner.md, "Which policy"); the recency model
         # predicts its hits as LRU's, which they follow on real routing
         plan = plan_model(model, resolved.nbytes, trace=trace, need=need).plan.encode()
-    return RuntimeSettings(RuntimeConfig(resolved.nbytes, policy, hot_share, sm_share, plan=plan).to_env(), resolved)
+    return RuntimeSettings(_with_prior(RuntimeConfig(resolved.nbytes, policy, hot_share, sm_share, plan=plan).to_env(),
+                                       model), resolved)
+
+
+def _with_prior(env: dict[str, str], model: ZipmoeFile | str | os.PathLike[str]) -> dict[str, str]:
+    """env, plus the stored model's kept prior as ZIPMOE_PRIOR where it has one and the user named none."""
+    from ..models.directory import kept_prior
+
+    prior = None if PRIOR_ENV in os.environ else kept_prior(model_path_of(model))
+    return env if prior is None else {**env, PRIOR_ENV: str(prior)}
 
 
 class MemoryMonitor:
