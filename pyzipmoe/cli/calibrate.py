@@ -10,13 +10,18 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .formatting import command, human_size
+
+from ..errors import ZipmoeError
 
 from ..plan.calibration import Calibration, cache_file
 from ..plan.disk import LATENCY_PROBES
 from ..runtime.measure import DEFAULT_READ_BYTES
+
+if TYPE_CHECKING:
+    from ..models.directory import ModelDirectory
 
 __all__ = ["calibration_table", "register"]
 
@@ -93,18 +98,39 @@ def calibration_table(cal: Calibration, cache_path: Path | None = None) -> str:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    from ..models.directory import ModelDirectory, resolve_model
     from ..runtime.measure import calibrate
     from ..progress import for_terminal
 
-    cal = calibrate(args.model, force=args.force, progress=for_terminal(args.json), read_bytes=args.read,
+    path, package = resolve_model(args.model)
+    prior_path = None
+    if args.routing is not None:
+        if package is None:
+            raise ZipmoeError(f"{args.model}: --routing keeps a prior for a stored model (a name that `zipmoe list` "
+                              "shows), not a file; for a file, write one with pyzipmoe.plan.prior")
+        prior_path = _keep_prior(ModelDirectory(), str(package.name), args.routing)
+    cal = calibrate(path, force=args.force, progress=for_terminal(args.json), read_bytes=args.read,
                     engine=not args.no_engine)
     where = cache_file(cal.model["path"], cal.machine)
     if args.json:
         print(json.dumps({**cal.to_dict(), "from_cache": cal.from_cache, "costs": cal.as_costs_dict(),
-                          "cache_file": str(where)}, indent=2, ensure_ascii=False))
+                          "cache_file": str(where), "prior": str(prior_path) if prior_path else None},
+                         indent=2, ensure_ascii=False))
     else:
         print(calibration_table(cal, where))
+        if prior_path is not None:
+            print(f"\nprior kept in {prior_path}: runs of {args.model} under a memory budget start from it")
     return 0
+
+
+def _keep_prior(store: ModelDirectory, name: str, routing: str) -> Path:
+    """Keeps the counts of a recorded routing (pyzipmoe.Llama(record_routing=True).save_routing) as the stored
+    model's prior, checked as the runtime will check it at load."""
+    from ..plan import prior, trace
+
+    counts = prior.from_routing(trace.load(routing))
+    prior.decode(prior.encode(counts), f"the prior of {routing}")
+    return store.keep_prior(name, counts)
 
 
 def _read_size(text: str) -> int:
@@ -140,8 +166,10 @@ def register(sub: Any) -> None:
         examples=("zipmoe calibrate model.zipmoe.gguf",
                   "zipmoe calibrate model.zipmoe.gguf --force --read 1GiB   measure again, reading more of the file",
                   "zipmoe calibrate model.zipmoe.gguf --json | jq .costs",
-                  "zipmoe calibrate model-Q4_K_M.gguf                  a plain GGUF: its experts' reads"))
-    p.add_argument("model", metavar="MODEL", help="a zipmoe GGUF (zipmoe convert makes one), or a plain GGUF")
+                  "zipmoe calibrate model-Q4_K_M.gguf                  a plain GGUF: its experts' reads",
+                  "zipmoe calibrate qwen3:30b --routing run.routing.npz keep a stored model's prior"))
+    p.add_argument("model", metavar="MODEL", help="a zipmoe GGUF (zipmoe convert makes one), a plain GGUF, or a "
+                                                  "stored model's name")
     p.add_argument("--force", action="store_true", help="measure again even if a calibration is cached")
     p.add_argument("--read", type=_read_size, default=DEFAULT_READ_BYTES, metavar="SIZE",
                    help="how much of the file the disk measurement reads (default: 256MiB, or all of the experts "
@@ -149,4 +177,8 @@ def register(sub: Any) -> None:
     p.add_argument("--no-engine", action="store_true",
                    help="time the tiers through the runtime's stores alone, without generating (seconds instead of "
                         "tens of seconds; no base time/token; on the machine measured it overstated some costs)")
+    p.add_argument("--routing", metavar="FILE.npz",
+                   help="a stored model only: keep the expert popularity of this recorded routing "
+                        "(pyzipmoe.Llama(record_routing=True), save_routing) as the model's prior, which its runs "
+                        "under a memory budget start their eviction from (ZIPMOE_PRIOR, unless set)")
     p.add_argument("--json", action="store_true", help="print the calibration as one JSON object")
