@@ -1,0 +1,121 @@
+"""A stored model's prior (docs/cache-and-planner.md, "Priors across prompts"): `zipmoe calibrate NAME --routing
+FILE` keeps a recorded routing's counts in the store, `zipmoe show` says so, and the runtime settings that `zipmoe
+run`, `zipmoe serve`'s children and pyzipmoe.Llama load with pass it as ZIPMOE_PRIOR under a memory budget, unless
+the user named one."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pyzipmoe.models.directory import ModelDirectory, kept_prior
+from pyzipmoe.models.package import ModelPackage
+from pyzipmoe.plan import prior, trace
+
+N_LAYER, N_EXPERT, K = 2, 8, 2  # the tiny preset's
+STEPS = 12
+
+Run = Callable[..., tuple[int, str, str]]
+
+
+@pytest.fixture
+def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModelDirectory:
+    root = tmp_path / "models"
+    monkeypatch.setenv("ZIPMOE_MODELS", str(root))  # what the commands use
+    monkeypatch.delenv("ZIPMOE_PRIOR", raising=False)
+    return ModelDirectory(root)
+
+
+@pytest.fixture
+def stored(store: ModelDirectory, tiny_model: Path, tmp_path: Path) -> ModelPackage:
+    store.create("tiny", f"FROM {tiny_model}\n", base_dir=tmp_path)
+    return store.open("tiny")
+
+
+@pytest.fixture
+def zipmoe(capsys: pytest.CaptureFixture[str]) -> Run:
+    from pyzipmoe import cli
+
+    def run(*argv: object) -> tuple[int, str, str]:
+        code = cli.main([str(a) for a in argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def routing_file(path: Path, n_expert: int = N_EXPERT) -> Path:
+    """A recorded routing of STEPS tokens, each routing to experts 0 and 1 of both blocks."""
+    routed = np.zeros((STEPS, N_LAYER, n_expert), bool)
+    routed[:, :, :K] = True
+    trace.save(path, trace.Routing(routed, np.arange(N_LAYER, dtype=np.int32), np.ones(STEPS, np.int32), K))
+    return path
+
+
+def one_line_error(err: str, *fragments: str) -> None:
+    assert err.startswith("zipmoe: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def budget_of(package: ModelPackage) -> str:
+    from pyzipmoe.runtime.budget import model_memory
+
+    need = model_memory(package.model_path)
+    return str(need.minimum + need.expert_bytes // 2)
+
+
+def test_calibrate_keeps_the_routing_as_the_models_prior_and_show_says_so(
+        stored: ModelPackage, store: ModelDirectory, zipmoe: Run, tmp_path: Path) -> None:
+    assert kept_prior(stored.model_path) is None and stored.prior() is None
+    code, out, err = zipmoe("calibrate", "tiny", "--no-engine", "--routing", routing_file(tmp_path / "r.npz"))
+    assert code == 0, err
+    path = store.priors_dir / stored.model_path.name
+    assert kept_prior(stored.model_path) == path and f"prior kept in {path}" in out
+    expected = np.zeros((N_LAYER, N_EXPERT), np.uint64)
+    expected[:, :K] = STEPS
+    np.testing.assert_array_equal(prior.load(path), expected)
+    assert not list(store.priors_dir.glob(".*"))  # no temporary file left beside it
+    code, out, err = zipmoe("show", "tiny")
+    assert code == 0 and f"{STEPS} tokens" in out, (out, err)
+    code, out, err = zipmoe("show", "tiny", "--json")
+    assert json.loads(out)["prior"] == {"path": str(path), "tokens": STEPS, "error": None}
+
+
+def test_calibrate_refuses_a_routing_of_another_model_or_a_file_model(
+        stored: ModelPackage, zipmoe: Run, tmp_path: Path) -> None:
+    code, _, err = zipmoe("calibrate", "tiny", "--no-engine", "--routing",
+                          routing_file(tmp_path / "r.npz", N_EXPERT + 1))
+    assert code != 0
+    one_line_error(err, "a prior of 9 experts a layer, the model has 8")
+    assert stored.prior() is None
+    code, _, err = zipmoe("calibrate", stored.model_path, "--no-engine", "--routing", tmp_path / "r.npz")
+    assert code != 0
+    one_line_error(err, "--routing keeps a prior for a stored model")
+
+
+def test_the_runtime_settings_pass_the_kept_prior_under_a_budget_only_and_the_users_wins(
+        stored: ModelPackage, store: ModelDirectory, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pyzipmoe.runtime.controller import runtime_settings
+
+    budget = budget_of(stored)
+    assert "ZIPMOE_PRIOR" not in runtime_settings(stored.model_path, budget=budget).env  # none kept
+    path = store.keep_prior("tiny", np.ones((N_LAYER, N_EXPERT), np.uint64))
+    assert runtime_settings(stored.model_path, budget=budget).env["ZIPMOE_PRIOR"] == str(path)
+    assert runtime_settings(str(stored.model_path), budget=budget, use_planner=True).env["ZIPMOE_PRIOR"] == str(path)
+    assert "ZIPMOE_PRIOR" not in runtime_settings(stored.model_path).env  # no budget, no stores to seed
+    monkeypatch.setenv("ZIPMOE_PRIOR", "/the/users.prior")
+    assert "ZIPMOE_PRIOR" not in runtime_settings(stored.model_path, budget=budget).env  # theirs stays in force
+
+
+def test_prune_drops_the_prior_of_a_removed_model(stored: ModelPackage, store: ModelDirectory) -> None:
+    path = store.keep_prior("tiny", np.ones((N_LAYER, N_EXPERT), np.uint64))
+    store.prune()
+    assert path.is_file()  # its model is still there
+    store.remove("tiny")
+    store.prune()
+    assert not path.exists()
