@@ -167,7 +167,7 @@ def register(sub: Any) -> None:
                   "zipmoe calibrate model.zipmoe.gguf --force --read 1GiB   measure again, reading more of the file",
                   "zipmoe calibrate model.zipmoe.gguf --json | jq .costs",
                   "zipmoe calibrate model-Q4_K_M.gguf                  a plain GGUF: its experts' reads",
-                  "zipmoe calibrate qwen3:30b --routing run.routing.npz keep a stored model's prior"))
+                  "zipmoe calibrate mymoe --routing run.routing.npz     keep a stored model's prior"))
     p.add_argument("model", metavar="MODEL", help="a zipmoe GGUF (zipmoe convert makes one), a plain GGUF, or a "
                                                   "stored model's name")
     p.add_argument("--force", action="store_true", help="measure again even if a calibration is cached")
