@@ -112,6 +112,27 @@ def test_the_runtime_settings_pass_the_kept_prior_under_a_budget_only_and_the_us
     assert "ZIPMOE_PRIOR" not in runtime_settings(stored.model_path, budget=budget).env  # theirs stays in force
 
 
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_zipmoe_run_and_serve_of_a_stored_model_give_their_program_the_kept_prior(
+        stored: ModelPackage, store: ModelDirectory, zipmoe: Run, monkeypatch: pytest.MonkeyPatch,
+        command: str) -> None:
+    """The environment llama-cli (run, interactive) or llama-server (serve NAME) starts with; the program itself is
+    not started."""
+    from pyzipmoe.runtime import config, runner, supervise
+
+    for key in config.RUNTIME_ENV:  # the commands set them in this process: restored after the test
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    started: list[dict[str, str]] = []
+    monkeypatch.setattr(runner, "program", lambda name: Path("/bin") / name)
+    monkeypatch.setattr(supervise, "run_program", lambda argv, env, **kw: started.append(dict(env)) or 0)
+    path = store.keep_prior("tiny", np.ones((N_LAYER, N_EXPERT), np.uint64))
+    assert zipmoe(command, "tiny")[0] == 0  # first: each command sets what it passes in this process's environment
+    assert zipmoe(command, "tiny", "--memory-budget", budget_of(stored))[0] == 0
+    without, with_budget = started
+    assert with_budget["ZIPMOE_PRIOR"] == str(path) and "ZIPMOE_PRIOR" not in without
+
+
 def test_prune_drops_the_prior_of_a_removed_model(stored: ModelPackage, store: ModelDirectory) -> None:
     path = store.keep_prior("tiny", np.ones((N_LAYER, N_EXPERT), np.uint64))
     store.prune()
