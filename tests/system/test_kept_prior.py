@@ -133,6 +133,28 @@ def test_zipmoe_run_and_serve_of_a_stored_model_give_their_program_the_kept_prio
     assert with_budget["ZIPMOE_PRIOR"] == str(path) and "ZIPMOE_PRIOR" not in without
 
 
+def test_a_serve_child_of_a_stored_model_gets_the_kept_prior(
+        stored: ModelPackage, store: ModelDirectory, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The environment `zipmoe serve`'s server starts a model's llama-server with (Models._spawn; not started)."""
+    from pyzipmoe.runtime import runner
+    from pyzipmoe.runtime.budget import model_memory
+    from pyzipmoe.server.budget import SharedBudget, Tenant
+    from pyzipmoe.server.children import Child, Models, Settings
+
+    monkeypatch.setattr(runner, "program", lambda name: Path("/bin") / name)
+    path = store.keep_prior("tiny", np.ones((N_LAYER, N_EXPERT), np.uint64))
+    need = model_memory(stored.model_path)
+    share = int(budget_of(stored))
+    models = Models(store, SharedBudget(str(2 * need.whole)), Settings(log_dir=tmp_path))
+    child = Child("tiny", "tiny", stored, 128)
+    try:
+        _, env = models._spawn(child, Tenant("tiny", need.minimum, need.whole), share, True, need.other_bytes)
+    finally:
+        if child.control is not None:
+            child.control.close()
+    assert env["ZIPMOE_PRIOR"] == str(path) and env["ZIPMOE_MEMORY_BUDGET"] == str(share)
+
+
 def test_prune_drops_the_prior_of_a_removed_model(stored: ModelPackage, store: ModelDirectory) -> None:
     path = store.keep_prior("tiny", np.ones((N_LAYER, N_EXPERT), np.uint64))
     store.prune()
