@@ -67,20 +67,10 @@ from .modelfile import Message
 from .name import InvalidNameError, ModelName, ModelNotFoundError, ModelsError, NAME_HELP, as_name
 from .package import ModelEntry, ModelPackage, accepts_keyword
 from .transfer import Transferring
+from ..plan.prior import PRIORS_DIR
 
 
 ENV_MODELS = "ZIPMOE_MODELS"
-PRIORS_DIR = "priors"
-
-
-def kept_prior(model_path: str | os.PathLike[str]) -> Path | None:
-    """The prior kept for a stored model blob (a model's file in a models directory: blobs/sha256-<hex>), if it has
-    one; None for any other file. What the runtime settings pass as ZIPMOE_PRIOR (pyzipmoe.runtime.controller)."""
-    path = Path(model_path)
-    if path.parent.name != "blobs" or not path.name.startswith("sha256-"):
-        return None
-    prior = path.parent.parent / PRIORS_DIR / path.name
-    return prior if prior.is_file() else None
 
 
 @dataclass(frozen=True)

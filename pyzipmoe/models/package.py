@@ -138,12 +138,11 @@ class ModelPackage:
         return RuntimeConfig(cache=self.cache_mode).to_env()
 
     def prior(self) -> dict[str, Any] | None:
-        """The prior kept for the model (pyzipmoe.models.directory.kept_prior): its file and how many tokens its
+        """The prior kept for the model (pyzipmoe.plan.prior.kept_prior): its file and how many tokens its
         busiest layer counted (or why it cannot be used); None without one."""
         from ..plan import prior
-        from .directory import kept_prior
 
-        path = kept_prior(self.model_path)
+        path = prior.kept_prior(self.model_path)
         if path is None:
             return None
         try:

@@ -23,6 +23,19 @@ MAGIC = b"ZMPRIOR1"  # zipmoe-cache.h's ZIPMOE_PRIOR_MAGIC
 HEADER = struct.Struct("<8sII")
 
 
+PRIORS_DIR = "priors"  # a models directory's (pyzipmoe.models.directory): priors/sha256-<hex> beside blobs/
+
+
+def kept_prior(model_path: str | os.PathLike[str]) -> Path | None:
+    """The prior kept for a stored model blob (a model's file in a models directory: blobs/sha256-<hex>), if it has
+    one; None for any other file. What the runtime settings pass as ZIPMOE_PRIOR (pyzipmoe.runtime.controller)."""
+    path = Path(model_path)
+    if path.parent.name != "blobs" or not path.name.startswith("sha256-"):
+        return None
+    prior = path.parent.parent / PRIORS_DIR / path.name
+    return prior if prior.is_file() else None
+
+
 class PriorFileError(PlanInputError):
     """A prior file that cannot be used."""
 

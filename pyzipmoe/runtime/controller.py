@@ -132,7 +132,7 @@ def runtime_settings(model: ZipmoeFile | str | os.PathLike[str], *, budget: str 
     The monitor (pyzipmoe.Llama) re-plans from the order the run's tokens route in (the recency model) once the
     runtime's routing log holds enough of them.
 
-    Under a budget, a stored model's kept prior (pyzipmoe.models.directory.kept_prior) becomes ZIPMOE_PRIOR, unless
+    Under a budget, a stored model's kept prior (pyzipmoe.plan.prior.kept_prior) becomes ZIPMOE_PRIOR, unless
     the environment already names one (the user's wins); without a budget there are no stores to seed."""
     if budget is None:
         return RuntimeSettings(RuntimeConfig(None, policy, hot_share, sm_share).to_env(), None)
@@ -165,7 +165,7 @@ def runtime_settings(model: ZipmoeFile | str | os.PathLike[str], *, budget: str 
 
 def _with_prior(env: dict[str, str], model: ZipmoeFile | str | os.PathLike[str]) -> dict[str, str]:
     """env, plus the stored model's kept prior as ZIPMOE_PRIOR where it has one and the user named none."""
-    from ..models.directory import kept_prior
+    from ..plan.prior import kept_prior
 
     prior = None if PRIOR_ENV in os.environ else kept_prior(model_path_of(model))
     return env if prior is None else {**env, PRIOR_ENV: str(prior)}

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyzipmoe.models.directory import ModelDirectory, kept_prior
+from pyzipmoe.models.directory import ModelDirectory
+from pyzipmoe.plan.prior import kept_prior
 from pyzipmoe.models.package import ModelPackage
 from pyzipmoe.plan import prior, trace
 
