@@ -154,3 +154,15 @@ def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 60)
             return r.status, json.loads(r.read() or b"null")
     except urllib.error.HTTPError as e:
         return e.code, None
+
+
+def reset_cache() -> None:
+    """The native cache as a process starts with it: no stores left from a test, no slots, an unbounded budget (the
+    token-weighted LFU the store tests count by hand)."""
+    import gc
+
+    from pyzipmoe._native import ffi, lib
+
+    gc.collect()
+    lib.zipmoe_cache_set_slots(ffi.NULL, 0, 0, 0)
+    lib.zipmoe_cache_configure(2**64 - 1, 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)

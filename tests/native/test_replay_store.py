@@ -7,7 +7,7 @@ import gc
 
 import numpy as np
 import pytest
-from helpers import load_tool
+from helpers import load_tool, reset_cache
 
 from pyzipmoe._native import ffi, lib
 from pyzipmoe.file import reader as zreader
@@ -18,13 +18,9 @@ UNBOUNDED = 2**64 - 1
 
 @pytest.fixture(autouse=True)
 def defaults():
-    gc.collect()
-    lib.zipmoe_cache_set_slots(ffi.NULL, 0, 0, 0)
-    lib.zipmoe_cache_configure(UNBOUNDED, 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
+    reset_cache()
     yield
-    gc.collect()
-    lib.zipmoe_cache_set_slots(ffi.NULL, 0, 0, 0)
-    lib.zipmoe_cache_configure(UNBOUNDED, 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
+    reset_cache()
 
 
 def seq(*steps: list[int]) -> list[np.ndarray]:

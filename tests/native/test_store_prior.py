@@ -4,10 +4,9 @@ reason (zipmoe_cache_seed_prior, what ZIPMOE_PRIOR runs at load); pyzipmoe.plan.
 
 from __future__ import annotations
 
-import gc
-
 import numpy as np
 import pytest
+from helpers import reset_cache
 
 from pyzipmoe._native import ffi, lib
 from pyzipmoe.file import reader as zreader
@@ -19,13 +18,9 @@ N = 8  # the tiny model's experts
 
 @pytest.fixture(autouse=True)
 def defaults():
-    gc.collect()
-    lib.zipmoe_cache_set_slots(ffi.NULL, 0, 0, 0)
-    lib.zipmoe_cache_configure(UNBOUNDED, 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
+    reset_cache()
     yield
-    gc.collect()
-    lib.zipmoe_cache_set_slots(ffi.NULL, 0, 0, 0)
-    lib.zipmoe_cache_configure(UNBOUNDED, 0, 0, lib.ZIPMOE_POLICY_TOKEN_LFU)
+    reset_cache()
 
 
 class Stores:
