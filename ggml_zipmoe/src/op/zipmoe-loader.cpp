@@ -80,12 +80,8 @@ static void zipmoe_check_integrity(const gguf_context * meta, const std::string 
         hashed / (1024.0 * 1024.0), (ggml_time_us() - t0) / 1000.0);
 }
 
-// The expert tensors zipmoe.tensors lists (names of the expert pattern, each once).
-static std::set<std::string> zipmoe_listed_tensors(const gguf_context * meta) {
-    const int64_t k = gguf_find_key(meta, "zipmoe.tensors");
-    if (k < 0 || gguf_get_kv_type(meta, k) != GGUF_TYPE_ARRAY || gguf_get_arr_type(meta, k) != GGUF_TYPE_STRING) {
-        throw std::runtime_error("zipmoe: zipmoe.tensors, zipmoe.codec or zipmoe.chunk_size is missing or of the wrong type");
-    }
+// The expert tensors zipmoe.tensors (key k, an array of strings) lists: names of the expert pattern, each once.
+static std::set<std::string> zipmoe_listed_tensors(const gguf_context * meta, int64_t k) {
     std::set<std::string> listed;
     for (size_t i = 0; i < gguf_get_arr_n(meta, k); i++) {
         const std::string name = gguf_get_arr_str(meta, k, i);
@@ -155,15 +151,18 @@ static void zipmoe_index_weights(zipmoe_loader & zl, llama_model_loader & ml) {
     }
     const uint32_t version = gguf_get_val_u32(meta, kid);
     // companions are taken only for the expert tensors zipmoe.tensors lists, with the file's codec and chunk size
-    const std::set<std::string> listed = zipmoe_listed_tensors(meta);
-    const int64_t k_codec = gguf_find_key(meta, "zipmoe.codec");
-    const int64_t k_chunk = gguf_find_key(meta, "zipmoe.chunk_size");
-    if (k_codec < 0 || gguf_get_kv_type(meta, k_codec) != GGUF_TYPE_STRING || k_chunk < 0 ||
+    const int64_t k_tensors = gguf_find_key(meta, "zipmoe.tensors");
+    const int64_t k_codec   = gguf_find_key(meta, "zipmoe.codec");
+    const int64_t k_chunk   = gguf_find_key(meta, "zipmoe.chunk_size");
+    if (k_tensors < 0 || gguf_get_kv_type(meta, k_tensors) != GGUF_TYPE_ARRAY ||
+            gguf_get_arr_type(meta, k_tensors) != GGUF_TYPE_STRING || k_codec < 0 ||
+            gguf_get_kv_type(meta, k_codec) != GGUF_TYPE_STRING || k_chunk < 0 ||
             gguf_get_kv_type(meta, k_chunk) != GGUF_TYPE_UINT32) {
         throw std::runtime_error("zipmoe: zipmoe.tensors, zipmoe.codec or zipmoe.chunk_size is missing or of the wrong type");
     }
-    const std::string codec      = gguf_get_val_str(meta, k_codec);
-    const uint32_t    chunk_size = gguf_get_val_u32(meta, k_chunk);
+    const std::set<std::string> listed     = zipmoe_listed_tensors(meta, k_tensors);
+    const std::string           codec      = gguf_get_val_str(meta, k_codec);
+    const uint32_t              chunk_size = gguf_get_val_u32(meta, k_chunk);
     const std::vector<std::string> bases = zipmoe_companion_bases(ml, listed);
 
     ggml_init_params params = { ggml_tensor_overhead()*(bases.size() + 1), nullptr, /*no_alloc*/ true };
