@@ -10,8 +10,16 @@ run of each build, each a fresh process, their order turned around every round s
 machine's drifting load favours one. The table gives each build's median pp and tg tokens/s over the rounds and the
 median of the rounds' ratios (zipmoe / stock, paired: a round's runs share the machine's load).
 
+--budgets P,P,... adds zipmoe runs with a memory budget of P % of the model file (ZIPMOE_MEMORY_BUDGET), in the same
+rounds and without any memory limit: a user whose machine holds the file and who gives zipmoe a budget at or above
+it. There zipmoe serves the plain file's experts from its cache (in the CPU backend's repacked layout where stock
+repacks them: Q4_0, Q4_K, IQ4_NL, ...) and must be as fast as stock as users run it (issue 47: at least 0.98x from
+100 to 150 %). --model FILE runs an existing GGUF (e.g. bench_budget's 1g models) instead of the preset's.
+
   .venv/bin/python tools/bench/bench_stock.py                          # small preset, BF16 Q8_0 Q4_K_M, 6 rounds
   .venv/bin/python tools/bench/bench_stock.py --preset 1g --types BF16,Q4_K_M --rounds 10 -t 2
+  .venv/bin/python tools/bench/bench_stock.py --model build/bench-budget/1g+n_layer16+n_vocab4096-uniform.Q4_K_M.gguf \
+      --budgets 100,125,150 --pp 512 -n 64 --rounds 6          # a plain Q4_K_M file that fits, under a budget
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results  # noqa: E402
 
 from pyzipmoe.paths import stock_bin_dir  # noqa: E402
-from pyzipmoe.runtime.config import RUNTIME_ENV  # noqa: E402
+from pyzipmoe.runtime.config import BUDGET_ENV, RUNTIME_ENV  # noqa: E402
 from pyzipmoe.runtime.runner import library_path  # noqa: E402
 
 BUILDS = ("stock", "zipmoe")
@@ -73,12 +81,20 @@ def ensure_models(workdir: Path, preset: str, types: list[str]) -> dict[str, Pat
     return models
 
 
-def llama_bench(bin_dir: Path, model: Path, args: argparse.Namespace) -> dict[str, float]:
-    """pp and tg tokens/s of one llama-bench process (the mean of its -r passes)."""
+def engine_name(budget: int | None) -> str:
+    """A row's engine: zipmoe's build without a budget, or with one of `budget` % of the file."""
+    return "zipmoe" if budget is None else f"zipmoe {budget}%"
+
+
+def llama_bench(bin_dir: Path, model: Path, args: argparse.Namespace, budget: int | None = None) -> dict[str, float]:
+    """pp and tg tokens/s of one llama-bench process (the mean of its -r passes); budget: zipmoe's memory budget
+    as % of the model file, none when None."""
     argv = [str(bin_dir / "llama-bench"), "-m", str(model), "-p", str(args.pp), "-n", str(args.gen),
             "-r", str(args.reps), "-t", str(args.threads), "-o", "json"]
-    done = subprocess.run(argv, env=clean_env(bin_dir), capture_output=True, text=True, check=False,
-                          timeout=args.timeout)
+    env = clean_env(bin_dir)
+    if budget is not None:
+        env[BUDGET_ENV] = str(model.stat().st_size * budget // 100)
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False, timeout=args.timeout)
     if done.returncode != 0:
         raise BenchError(f"{argv[0]} on {model.name} exited with {done.returncode}: {done.stderr[-1500:]}")
     rows = json.loads(done.stdout[done.stdout.index("["):])
@@ -89,18 +105,20 @@ def llama_bench(bin_dir: Path, model: Path, args: argparse.Namespace) -> dict[st
 
 
 def table(measured: dict[str, dict[str, list[dict[str, float]]]]) -> str:
-    head = ["type", "stock pp", "zipmoe pp", "pp ratio", "stock tg", "zipmoe tg", "tg ratio", "rounds"]
+    """One row per model and zipmoe engine (without a budget, with each of --budgets) against stock's runs."""
+    head = ["type", "budget", "stock pp", "zipmoe pp", "pp ratio", "stock tg", "zipmoe tg", "tg ratio", "rounds"]
     body = [head]
     for qtype, runs in measured.items():
-        cells = [qtype]
-        for test in ("pp", "tg"):
-            stock = [r[test] for r in runs["stock"]]
-            ours = [r[test] for r in runs["zipmoe"]]
-            ratios = [o / s for o, s in zip(ours, stock)]
-            cells += [f"{statistics.median(stock):.2f}", f"{statistics.median(ours):.2f}",
-                      f"{statistics.median(ratios):.3f}"]
-        cells.append(str(len(runs["stock"])))
-        body.append(cells)
+        for engine in (e for e in runs if e != "stock"):
+            cells = [qtype, engine.removeprefix("zipmoe").strip() or "none"]
+            for test in ("pp", "tg"):
+                stock = [r[test] for r in runs["stock"]]
+                ours = [r[test] for r in runs[engine]]
+                ratios = [o / s for o, s in zip(ours, stock)]
+                cells += [f"{statistics.median(stock):.2f}", f"{statistics.median(ours):.2f}",
+                          f"{statistics.median(ratios):.3f}"]
+            cells.append(str(len(runs["stock"])))
+            body.append(cells)
     widths = [max(len(row[i]) for row in body) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in body)
 
@@ -114,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="the SYNTHETIC model's size (default: small, ~64 MB)")
     p.add_argument("--types", default="BF16,Q8_0,Q4_K_M",
                    help=f"BF16 and llama-quantize types ({', '.join(synth.QUANT_TYPES)}); default BF16,Q8_0,Q4_K_M")
+    p.add_argument("--model", type=Path, action="append", default=[], metavar="FILE",
+                   help="an existing GGUF to run (repeatable; replaces --preset/--types)")
+    p.add_argument("--budgets", default="", metavar="P,P,...",
+                   help="also run zipmoe with a memory budget of P %% of the model file (no memory limit)")
     p.add_argument("--rounds", type=int, default=6, help="runs of each build per type, alternating (default 6)")
     p.add_argument("--pp", type=int, default=128, help="llama-bench -p (default 128)")
     p.add_argument("-n", "--gen", type=int, default=32, help="llama-bench -n (default 32)")
@@ -129,6 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     results.add_arguments(p)
     args = p.parse_args(argv)
     types = [t for t in args.types.split(",") if t]
+    try:
+        budgets = [int(b) for b in args.budgets.split(",") if b]
+    except ValueError:
+        p.error(f"--budgets takes whole percentages of the model file, e.g. 100,150; got {args.budgets!r}")
+    if any(b <= 0 for b in budgets):
+        p.error(f"--budgets: each percentage must be above 0; got {args.budgets!r}")
+    if missing := [str(m) for m in args.model if not m.is_file()]:
+        p.error(f"no such model file: {', '.join(missing)}")
     if unknown := [t for t in types if t != "BF16" and t not in synth.QUANT_TYPES]:
         p.error(f"unknown types {unknown}; known: BF16, {', '.join(synth.QUANT_TYPES)}")
     bins = {"stock": args.stock_bin, "zipmoe": args.zipmoe_bin}
@@ -137,27 +167,32 @@ def main(argv: list[str] | None = None) -> int:
             hint = "bash tools/dev/build_stock.sh" if name == "stock" else "bash tools/setup.sh"
             p.error(f"{d / 'llama-bench'} is missing: `{hint}` builds it")
     try:
-        models = ensure_models(args.workdir, args.preset, types)
+        models = ({m.name: m for m in args.model} if args.model else ensure_models(args.workdir, args.preset, types))
+        runs = [("stock", None), ("zipmoe", None), *(("zipmoe", b) for b in budgets)]
         measured: dict[str, dict[str, list[dict[str, float]]]] = {}
         for qtype, model in models.items():
-            measured[qtype] = {b: [] for b in BUILDS}
+            measured[qtype] = {engine_name(b) if build == "zipmoe" else build: [] for build, b in runs}
             for i in range(args.rounds):
-                for build in (BUILDS if i % 2 == 0 else BUILDS[::-1]):
-                    measured[qtype][build].append(llama_bench(bins[build], model, args))
+                for build, budget in (runs if i % 2 == 0 else runs[::-1]):
+                    key = engine_name(budget) if build == "zipmoe" else build
+                    measured[qtype][key].append(llama_bench(bins[build], model, args, budget))
                 print(f"{qtype} round {i + 1}/{args.rounds}", file=sys.stderr, flush=True)
     except BenchError as e:
         print(f"bench_stock: {e}", file=sys.stderr)
         return 1
     with results.Tee() as tee:
-        print(f"SYNTHETIC models (preset {args.preset}) without a memory budget: llama-bench -p {args.pp} -n "
+        what = ", ".join(map(str, args.model)) if args.model else f"preset {args.preset}"
+        synthetic = all(results.synthetic_gguf(m) for m in models.values())
+        print(f"{'SYNTHETIC models' if synthetic else 'models'} ({what}), no memory limit: llama-bench -p {args.pp} -n "
               f"{args.gen} -r {args.reps} -t {args.threads} of stock llama.cpp ({args.stock_bin}) and of zipmoe's "
               f"build ({args.zipmoe_bin}), alternating")
         print(table(measured))
-        print("tokens/s: medians over the rounds; ratio: zipmoe / stock, the median of the rounds' ratios")
+        print("tokens/s: medians over the rounds; ratio: zipmoe / stock, the median of the rounds' ratios; budget: "
+              f"zipmoe's {BUDGET_ENV} as % of the model file (none: no budget, stock's path)")
     if args.json:
         args.json.write_text(json.dumps(measured, indent=1))
     results.write(args, "stock", tee.text, argv=results.script_argv("tools/bench/bench_stock.py", argv),
-                  json_path=args.json, weights=f"{results.SYNTHETIC}, preset {args.preset}", notes=args.note)
+                  json_path=args.json, weights=f"{results.SYNTHETIC if synthetic else 'not all synthetic'}, {what}", notes=args.note)
     return 0
 
 
