@@ -235,3 +235,23 @@ def test_any_bytes_are_a_prior_the_stores_match_or_refused(zipmoe_model):
         assert rc == (lib.ZIPMOE_OK if header_ok else rc) and rc in (lib.ZIPMOE_OK, lib.ZIPMOE_ERR_CORRUPT,
                                                                       lib.ZIPMOE_ERR_ARG), (bytes(data[:16]), rc)
         assert (rc == lib.ZIPMOE_OK) == (msg == ""), msg
+
+
+def test_a_runs_record_holds_each_blocks_expert_uses_and_seeds_the_same_model(zipmoe_model, tmp_path):
+    # what ZIPMOE_PRIOR_RECORD writes at unload (zipmoe_prior_record): the stores' activations as a prior file
+    st = Stores(zipmoe_model, policy_of("lfuda"), hot=2)
+    for e in (0, 0, 3, 0, 5, 3):
+        st.route(e)
+    arr = ffi.new("zipmoe_store *[]", st.handles)
+    msg = ffi.new("char[256]")
+    path = tmp_path / "run.prior"
+    assert lib.zipmoe_prior_record(arr, len(st.handles), str(path).encode(), msg, 256) == lib.ZIPMOE_OK
+    expected = np.zeros((st.n_layer, N), np.uint64)
+    expected[0, [0, 3, 5]] = [3, 2, 1]  # only blk.0's gate was invoked: the block's count is its busiest store's
+    np.testing.assert_array_equal(prior.load(path), expected)
+    assert [p.name for p in tmp_path.iterdir()] == ["run.prior"]  # no temporary file left beside it
+    assert st.seed(path.read_bytes()) == (lib.ZIPMOE_OK, "")
+    missing = tmp_path / "no" / "run.prior"
+    assert lib.zipmoe_prior_record(arr, len(st.handles), str(missing).encode(), msg, 256) == lib.ZIPMOE_ERR_IO
+    assert "cannot be written" in ffi.string(msg).decode() and not missing.parent.exists()
+    assert lib.zipmoe_prior_record(arr, 0, str(path).encode(), msg, 256) == lib.ZIPMOE_ERR_ARG

@@ -84,7 +84,7 @@ def test_calibrate_keeps_the_routing_as_the_models_prior_and_show_says_so(
     code, out, err = zipmoe("show", "tiny")
     assert code == 0 and f"{STEPS} tokens" in out, (out, err)
     code, out, err = zipmoe("show", "tiny", "--json")
-    assert json.loads(out)["prior"] == {"path": str(path), "tokens": STEPS, "error": None}
+    assert json.loads(out)["prior"] == {"path": str(path), "tokens": STEPS, "runs": 0, "error": None}
 
 
 def test_calibrate_refuses_a_routing_of_another_model_or_a_file_model(
