@@ -230,6 +230,7 @@ typedef struct {
     uint64_t staging_transient_bytes;
     uint64_t decoding_bytes;
     uint64_t experts_streamed;
+    uint64_t ahead_used;
 } zipmoe_stats;
 typedef struct {
     uint64_t experts;

@@ -412,6 +412,7 @@ typedef struct {
                                       /* reads; given back once the reads fit that again)                       */
     uint64_t decoding_bytes;    /* experts being decoded now: their pages are in use before hot_bytes counts them */
     uint64_t experts_streamed;  /* of hits_warm: left warm for the caller to decode in its cache (ZIPMOE_TURN_STREAM) */
+    uint64_t ahead_used;        /* experts decoded from bytes read ahead (guessed or not): the read-ahead's hits */
 } zipmoe_stats;
 
 ZIPMOE_API void zipmoe_stats_get(zipmoe_stats * out);

@@ -36,12 +36,14 @@ int64_t zipmoe_store_set_prior(zipmoe_store * s, const uint64_t * counts, int64_
     for (int64_t e = 0; e < s->info.n_expert; e++) {
         s->experts[e].prior = counts ? (uint64_t) ((long double) counts[e] * unit + 0.5L) : 0;
     }
+    cache_prior_order(s, s->ahead_order);
     pthread_mutex_unlock(&s->mu);
     return ZIPMOE_OK;
 }
 
 /* Under s->mu: the store's experts by prior, the highest first, ties by id (without a prior: 0, 1, 2, ...), into
- * order[s->info.n_expert]: the order the fill at load takes them in (prefill.c). */
+ * order[s->info.n_expert]: the order the fill at load takes them in (prefill.c), and the read-ahead of a store whose
+ * routing is not known yet (readahead.c, s->ahead_order). */
 void cache_prior_order(const zipmoe_store * s, int32_t * order) {
     for (int64_t i = 0; i < s->info.n_expert; i++) { /* insertion sort: a few hundred experts, once at load */
         const uint64_t p = s->experts[i].prior;
