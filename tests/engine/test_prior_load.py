@@ -1,6 +1,7 @@
 """ZIPMOE_PRIOR: a prior file seeds every store of the model at load (docs/FORMAT.md, "Priors"). It changes what the
-cache keeps and the order a prompt's read-ahead takes experts in, never what is computed: under a budget that holds a few experts, the logits with a prior are those
-without, bit for bit; a prior of another model, or a damaged one, fails the load with one line saying why."""
+cache keeps and the order a prompt's read-ahead takes experts in, never what is computed: under a budget that holds
+a few experts, the logits with a prior are those without, bit for bit; a prior of another model, or a damaged one,
+fails the load with one line saying why."""
 
 from __future__ import annotations
 

@@ -65,7 +65,8 @@ static void record_at_unload(int model) {
     zipmoe_record rec;
     {
         std::lock_guard<std::mutex> lock(g_pending_mu);
-        auto it = std::find_if(g_records.begin(), g_records.end(), [model](const zipmoe_record & r) { return r.model == model; });
+        auto it = std::find_if(g_records.begin(), g_records.end(),
+                               [model](const zipmoe_record & r) { return r.model == model; });
         if (it == g_records.end()) {
             return;
         }
