@@ -94,8 +94,8 @@ def merge(kept: np.ndarray | None, run: np.ndarray) -> np.ndarray:
 
 def learn(model_path: str | os.PathLike[str]) -> Path | None:
     """Merges the records that runs of a stored model blob left (record_path) into its kept prior, oldest first,
-    under a lock beside it (concurrent runs and shows), and removes them; a record that is damaged or of another
-    shape is dropped. A damaged kept prior is left as it is, for the load to refuse with its one line. The kept
+    under a lock beside it (concurrent runs and shows), and removes them; a record that is damaged, of another
+    shape or of no routing is dropped. A damaged kept prior is left as it is, for the load to refuse with its one line. The kept
     prior's path, if it has one now."""
     kept = _kept_place(model_path)
     if kept is None or not kept.parent.is_dir():
@@ -117,6 +117,8 @@ def learn(model_path: str | os.PathLike[str]) -> Path | None:
                 one = load(run)
             except PriorFileError:
                 continue
+            if not one.any():
+                continue  # a run that routed nothing (a load that failed after its configuration): no run
             if counts is None or one.shape == counts.shape:
                 counts = merge(counts, one)
                 learned += 1

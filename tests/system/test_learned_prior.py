@@ -120,13 +120,16 @@ def test_runs_records_merge_into_the_kept_prior_with_decay_and_show_counts_them(
     assert stored.prior()["runs"] == 0
 
 
-def test_a_record_of_another_shape_is_dropped_and_a_damaged_kept_prior_left_alone(
+def test_a_record_of_another_shape_or_of_no_routing_is_dropped_and_a_damaged_kept_prior_left_alone(
         stored: ModelPackage, store: ModelDirectory) -> None:
     kept = store.keep_prior("tiny", np.ones((N_LAYER, N_EXPERT), np.uint64))
     other = prior.record_path(stored.model_path)
     prior.save(other, np.ones((N_LAYER + 1, N_EXPERT), np.uint64))
-    assert prior.learn(stored.model_path) == kept and not other.exists()
+    idle = prior.record_path(stored.model_path)  # a run that routed nothing (its load failed late)
+    prior.save(idle, np.zeros((N_LAYER, N_EXPERT), np.uint64))
+    assert prior.learn(stored.model_path) == kept and not other.exists() and not idle.exists()
     np.testing.assert_array_equal(prior.load(kept), np.ones((N_LAYER, N_EXPERT), np.uint64))
+    assert prior.kept_runs(kept) == 0
     kept.write_bytes(b"ZMPRIOR1 damaged")
     run = a_run(stored, 0, 5)
     assert prior.learn(stored.model_path) == kept  # for the load to refuse with its one line
