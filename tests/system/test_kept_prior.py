@@ -154,6 +154,7 @@ def test_a_serve_child_of_a_stored_model_gets_the_kept_prior(
         if child.control is not None:
             child.control.close()
     assert env["ZIPMOE_PRIOR"] == str(path) and env["ZIPMOE_MEMORY_BUDGET"] == str(share)
+    assert Path(env["ZIPMOE_PRIOR_RECORD"]).parent == store.priors_dir  # and a place for its run's record
 
 
 def test_prune_drops_the_prior_of_a_removed_model(stored: ModelPackage, store: ModelDirectory) -> None:

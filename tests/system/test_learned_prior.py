@@ -147,3 +147,23 @@ def test_prune_keeps_a_stored_models_records_and_drops_a_removed_ones(
     store.remove("tiny")
     store.prune()
     assert list(store.priors_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_zipmoe_run_and_serve_of_a_stored_model_give_their_program_a_record_place_under_a_budget(
+        stored: ModelPackage, store: ModelDirectory, zipmoe: Run, monkeypatch: pytest.MonkeyPatch,
+        command: str) -> None:
+    """The environment llama-cli (run) or llama-server (serve NAME) starts with; the program is not started."""
+    from pyzipmoe.runtime import config, runner, supervise
+
+    for key in config.RUNTIME_ENV:  # the commands set them in this process: restored after the test
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    started: list[dict[str, str]] = []
+    monkeypatch.setattr(runner, "program", lambda name: Path("/bin") / name)
+    monkeypatch.setattr(supervise, "run_program", lambda argv, env, **kw: started.append(dict(env)) or 0)
+    assert zipmoe(command, "tiny")[0] == 0
+    assert zipmoe(command, "tiny", "--memory-budget", budget_of(stored))[0] == 0
+    without, with_budget = started
+    assert "ZIPMOE_PRIOR_RECORD" not in without
+    assert Path(with_budget["ZIPMOE_PRIOR_RECORD"]).parent == store.priors_dir
