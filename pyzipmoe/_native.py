@@ -198,6 +198,8 @@ int64_t zipmoe_store_set_prior(zipmoe_store * s, const uint64_t * counts, int64_
 int64_t zipmoe_prior_parse(const void * data, size_t size, uint32_t * n_layer, uint32_t * n_expert);
 int64_t zipmoe_cache_seed_prior(zipmoe_store * const * stores, int64_t n_stores, const void * data, size_t size,
                                 char * msg, size_t msg_size);
+int64_t zipmoe_prior_record(zipmoe_store * const * stores, int64_t n_stores, const char * path, char * msg,
+                            size_t msg_size);
 int64_t zipmoe_store_take_error(zipmoe_store * s, char * msg, size_t msg_size);
 typedef struct {
     uint64_t stores;
@@ -228,6 +230,7 @@ typedef struct {
     uint64_t staging_transient_bytes;
     uint64_t decoding_bytes;
     uint64_t experts_streamed;
+    uint64_t ahead_used;
 } zipmoe_stats;
 typedef struct {
     uint64_t experts;

@@ -7,9 +7,9 @@ from typing import Protocol
 
 
 class Progress(Protocol):
-    """Phases of known size, advanced in bytes; called from one thread only."""
+    """Phases of known size, advanced in bytes (or another unit); called from one thread only."""
 
-    def start(self, label: str, total: int) -> None: ...
+    def start(self, label: str, total: int, unit: str = "B") -> None: ...
 
     def advance(self, n: int) -> None: ...
 
@@ -17,7 +17,7 @@ class Progress(Protocol):
 
 
 class Silent:
-    def start(self, label: str, total: int) -> None:
+    def start(self, label: str, total: int, unit: str = "B") -> None:
         pass
 
     def advance(self, n: int) -> None:
@@ -33,11 +33,12 @@ class Bars:
     def __init__(self) -> None:
         self._bar = None
 
-    def start(self, label: str, total: int) -> None:
+    def start(self, label: str, total: int, unit: str = "B") -> None:
         from tqdm import tqdm  # imported on use: only people at a terminal pay for it
 
         self.close()
-        self._bar = tqdm(total=total, desc=label, unit="B", unit_scale=True, unit_divisor=1024,
+        scaled = unit == "B"  # (KiB, MiB: bytes only)
+        self._bar = tqdm(total=total, desc=label, unit=unit, unit_scale=scaled, unit_divisor=1024 if scaled else 1000,
                          file=sys.stderr, leave=False, dynamic_ncols=True)
 
     def advance(self, n: int) -> None:

@@ -354,6 +354,14 @@ ZIPMOE_API int64_t zipmoe_prior_parse(const void * data, size_t size, uint32_t *
 ZIPMOE_API int64_t zipmoe_cache_seed_prior(zipmoe_store * const * stores, int64_t n_stores, const void * data,
                                            size_t size, char * msg, size_t msg_size);
 
+/* A run's record (ZIPMOE_PRIOR_RECORD, at the model's unload): writes a prior file of the stores' activations (each
+ * expert's tokens routed since its store opened; a block's count the largest of its stores') to path, through a
+ * temporary file beside it renamed over it. n_layer is the highest block of the stores plus one, as
+ * zipmoe_cache_seed_prior wants it. ZIPMOE_ERR_ARG for no store of a block, or blocks of different n_expert;
+ * ZIPMOE_ERR_IO where it cannot be written; msg[msg_size] says why in a sentence. */
+ZIPMOE_API int64_t zipmoe_prior_record(zipmoe_store * const * stores, int64_t n_stores, const char * path, char * msg,
+                                       size_t msg_size);
+
 /* The first error this store recorded since the last call, with a message naming tensor and expert;
  * ZIPMOE_OK if none. Clears it. */
 ZIPMOE_API int64_t zipmoe_store_take_error(zipmoe_store * s, char * msg, size_t msg_size);
@@ -404,6 +412,7 @@ typedef struct {
                                       /* reads; given back once the reads fit that again)                       */
     uint64_t decoding_bytes;    /* experts being decoded now: their pages are in use before hot_bytes counts them */
     uint64_t experts_streamed;  /* of hits_warm: left warm for the caller to decode in its cache (ZIPMOE_TURN_STREAM) */
+    uint64_t ahead_used;        /* experts decoded from bytes read ahead (guessed or not): the read-ahead's hits */
 } zipmoe_stats;
 
 ZIPMOE_API void zipmoe_stats_get(zipmoe_stats * out);

@@ -164,6 +164,9 @@ typedef struct {
     const char * prior;   /* ZIPMOE_PRIOR: a prior file (docs/FORMAT.md, "Priors"): the model's expert popularity in
                            * earlier runs, which the eviction policy and the fill at load start from; a file of another
                            * model, or a damaged one, fails the load */
+    const char * prior_record; /* ZIPMOE_PRIOR_RECORD: where the model's unload writes its run's expert uses as a prior
+                                * file (zipmoe_prior_record), for the supervisor to merge into the kept prior; unset:
+                                * none */
 } zipmoe_runtime_config;
 
 ZIPMOE_API void zipmoe_runtime_config_from_env(zipmoe_runtime_config * cfg);

@@ -22,6 +22,7 @@ from ..runtime.measure import DEFAULT_READ_BYTES
 
 if TYPE_CHECKING:
     from ..models.directory import ModelDirectory
+    from ..models.routing_run import RecordedRouting
 
 __all__ = ["calibration_table", "register"]
 
@@ -111,6 +112,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         prior_path = _keep_prior(ModelDirectory(), str(package.name), args.routing)
     cal = calibrate(path, force=args.force, progress=for_terminal(args.json), read_bytes=args.read,
                     engine=not args.no_engine)
+    recorded = None
+    if package is not None and args.routing is None and not args.no_prior and not args.no_engine:
+        if args.force or package.prior() is None:
+            recorded, prior_path = _record_prior(ModelDirectory(), str(package.name), for_terminal(args.json))
     where = cache_file(cal.model["path"], cal.machine)
     if args.json:
         print(json.dumps({**cal.to_dict(), "from_cache": cal.from_cache, "costs": cal.as_costs_dict(),
@@ -119,7 +124,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     else:
         print(calibration_table(cal, where))
         if prior_path is not None:
-            print(f"\nprior kept in {prior_path}: runs of {args.model} under a memory budget start from it")
+            source = "" if recorded is None else (
+                f", the routing of {recorded.tokens} tokens of built-in prompts run "
+                + ("as chat turns in its template" if recorded.chat else
+                   "as plain completions (the model has no chat template)"))
+            print(f"\nprior kept in {prior_path}{source}: runs of {args.model} under a memory budget start from it")
     return 0
 
 
@@ -131,6 +140,15 @@ def _keep_prior(store: ModelDirectory, name: str, routing: str) -> Path:
     counts = prior.from_routing(trace.load(routing))
     prior.decode(prior.encode(counts), f"the prior of {routing}")
     return store.keep_prior(name, counts)
+
+
+def _record_prior(store: ModelDirectory, name: str, progress: Any) -> tuple[RecordedRouting, Path]:
+    """Records the stored model's routing on the built-in prompts (pyzipmoe.models.routing_run) and keeps it as its
+    prior: the recording, and where it is kept."""
+    from ..models.routing_run import record_routing
+
+    recorded = record_routing(store, name, progress)
+    return recorded, store.keep_prior(name, recorded.counts)
 
 
 def _read_size(text: str) -> int:
@@ -162,12 +180,18 @@ def register(sub: Any) -> None:
             "codec's decode speed, the cost of merging BF16 planes, and cold reads of the file (latency, "
             "bandwidth; the file is dropped from the page cache first and after). The result is cached per "
             "machine and model file under $XDG_CACHE_HOME/zipmoe/calibration (default "
-            "~/.cache/zipmoe/calibration) and measured again when either changes."),
+            "~/.cache/zipmoe/calibration) and measured again when either changes. For a stored model that keeps "
+            "no prior yet (or with --force), the model also runs a few built-in prompts (greedy, a few hundred "
+            "tokens, in its chat template where it has one) and their routing is kept as its prior, which its runs "
+            "under a memory budget start their eviction from and go on teaching."),
         examples=("zipmoe calibrate model.zipmoe.gguf",
                   "zipmoe calibrate model.zipmoe.gguf --force --read 1GiB   measure again, reading more of the file",
                   "zipmoe calibrate model.zipmoe.gguf --json | jq .costs",
                   "zipmoe calibrate model-Q4_K_M.gguf                  a plain GGUF: its experts' reads",
-                  "zipmoe calibrate mymoe --routing run.routing.npz     keep a stored model's prior"))
+                  "zipmoe calibrate mymoe                               a stored model: also keep a prior from "
+                  "its routing on built-in prompts",
+                  "zipmoe calibrate mymoe --routing run.routing.npz     keep a stored model's prior from a recorded "
+                  "routing"))
     p.add_argument("model", metavar="MODEL", help="a zipmoe GGUF (zipmoe convert makes one), a plain GGUF, or a "
                                                   "stored model's name")
     p.add_argument("--force", action="store_true", help="measure again even if a calibration is cached")
@@ -181,4 +205,7 @@ def register(sub: Any) -> None:
                    help="a stored model only: keep the expert popularity of this recorded routing "
                         "(pyzipmoe.Llama(record_routing=True), save_routing) as the model's prior, which its runs "
                         "under a memory budget start their eviction from (ZIPMOE_PRIOR, unless set)")
+    p.add_argument("--no-prior", action="store_true",
+                   help="a stored model: do not record its routing on the built-in prompts as its prior (recorded "
+                        "when it keeps none, or with --force; --no-engine does not run the model either)")
     p.add_argument("--json", action="store_true", help="print the calibration as one JSON object")

@@ -135,7 +135,9 @@ def _model_rows(pkg: ModelPackage) -> list[tuple[str, str]]:
              ("file", str(pkg.model_path))]
     prior = pkg.prior()
     if prior is not None:
-        rows.append(("prior", prior["error"] or f"{prior['tokens']} tokens (zipmoe calibrate --routing)"))
+        runs = prior["runs"]
+        learned = f", learned from {runs} run{'s' if runs != 1 else ''}" if runs else ""
+        rows.append(("prior", prior["error"] or f"{prior['tokens']} tokens{learned}"))
     return rows
 
 

@@ -5,6 +5,9 @@
       blobs/sha256-<hex>                            content-addressed: identical blobs are stored once
       priors/sha256-<hex>                           the prior (pyzipmoe.plan.prior) of the model blob <hex>: its
                                                     experts' popularity in earlier runs, kept by `zipmoe calibrate`
+                                                    and learned from runs under a budget
+      priors/sha256-<hex>.run-<pid>-<random>        a run's record of its expert uses, until merged into the prior
+      priors/sha256-<hex>.json, .lock               how many runs the prior learned from; the merge's lock
       .state/lock                                   flock'ed by every change to manifests or blobs
       .state/tmp/job-*                              work in progress of create/import (private per job)
       .state/verified/sha256-<hex>                  "this blob was hashed and matched while its stat was X"
@@ -132,6 +135,7 @@ class ModelDirectory(Creating, Transferring):
         self.priors_dir.mkdir(parents=True, exist_ok=True)
         path = self.prior_path(package)
         prior.save(path, counts)
+        prior.runs_path(path).unlink(missing_ok=True)  # what it learns from runs starts again from these counts
         return path
 
     def manifest_path(self, name: ModelName) -> Path:
@@ -419,8 +423,9 @@ class ModelDirectory(Creating, Transferring):
                         shutil.rmtree(p)
                     else:
                         p.unlink()
+                # (a prior's runs note, lock and runs' records are named sha256-<hex>.<what>: by their blob too)
                 for p in (*self.verified_dir.iterdir(), *self.priors_dir.glob("sha256-*")):
-                    if not self.blob_path(p.name.removeprefix("sha256-")).exists():
+                    if not self.blob_path(p.name.removeprefix("sha256-").split(".")[0]).exists():
                         p.unlink()
                 for p in (self.state_dir / "sources").glob("*"):  # records of FROM files that are gone
                     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):

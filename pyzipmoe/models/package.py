@@ -138,19 +138,21 @@ class ModelPackage:
         return RuntimeConfig(cache=self.cache_mode).to_env()
 
     def prior(self) -> dict[str, Any] | None:
-        """The prior kept for the model (pyzipmoe.plan.prior.kept_prior): its file and how many tokens its
-        busiest layer counted (or why it cannot be used); None without one."""
+        """The prior kept for the model (pyzipmoe.plan.prior.kept_prior): its file, how many tokens its busiest
+        layer counts (decayed: plan.prior.HALF_LIFE_ROUTINGS) and how many runs it learned from since a calibration
+        (or why it cannot be used); None without one."""
         from ..plan import prior
 
-        path = prior.kept_prior(self.model_path)
+        path = prior.learn(self.model_path)  # (what runs recorded since, merged in)
         if path is None:
             return None
+        runs = prior.kept_runs(path)
         try:
             counts = prior.load(path)
         except prior.PriorFileError as e:
-            return {"path": str(path), "tokens": None, "error": str(e)}
+            return {"path": str(path), "tokens": None, "runs": runs, "error": str(e)}
         k = int(self.config.get("expert_used_count") or 1)
-        return {"path": str(path), "tokens": int(counts.sum(axis=1).max()) // k, "error": None}
+        return {"path": str(path), "tokens": int(counts.sum(axis=1).max()) // k, "runs": runs, "error": None}
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name.display, "full_name": str(self.name), "id": self.id,

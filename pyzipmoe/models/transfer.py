@@ -1,6 +1,13 @@
 """`zipmoe export` and `zipmoe import`: a model package as a tar archive with the models directory's layout;
 importing is all or nothing, checks every member against the archive's one manifest before writing it, and
 never replaces a name unless told to (--force).
+
+An archive holds, in this order: manifests/HOST/NAMESPACE/MODEL/TAG (the one manifest), blobs/sha256-HEX (its
+blobs), and, where the model keeps a prior (pyzipmoe.plan.prior, with what its runs recorded merged in),
+priors/sha256-HEX, HEX the model blob's (docs/FORMAT.md, "Priors"). An archive without a prior imports as one with
+it does, less the prior; one whose prior is damaged, not of its model blob or not of its model's shape is refused.
+An imported prior is kept only where the store keeps none for that blob: one that learned from this machine's runs
+stays.
 """
 
 from __future__ import annotations
@@ -72,6 +79,10 @@ class Transferring:
                         if reader.read(1) or reader.hexdigest() != layer.hex:
                             raise BlobError(f"model {name.display}: its {layer_kind(layer)} blob {path} is damaged "
                                             f"(its sha256 does not match); nothing was exported")
+                kept = _kept_prior_bytes(self.blob_path(manifest.model.digest), name)
+                if kept is not None:
+                    tar.addfile(_tarinfo(f"{PRIORS_MEMBER}/sha256-{manifest.model.hex}", len(kept), mtime),
+                                io.BytesIO(kept))
         finally:
             progress.close()
         return TransferReport((name.display,), str(dest), dest.stat().st_size, 0, time.monotonic() - t0)
@@ -112,13 +123,17 @@ class Transferring:
                         raise  # an I/O error of this machine (a full disk...), not of the archive
                     raise ModelsError(f"{src}: not a valid archive ({e})") from None  # bz2's bad data
                 target, manifest = found.finish()
-                self._check_import(manifest, job, src, target)
+                model_path = self._check_import(manifest, job, src, target)
+                if found.prior is not None:
+                    _check_prior_shape(found.prior, model_path, src, found.prior_member)
                 new_blobs = [x for x in {x.hex: x for x in manifest.blobs}.values() if x.hex in job.staged]
                 plan = ImportPlan(target.display, self.exists(target), len(new_blobs),
                                   sum(x.size for x in new_blobs))
                 if announce is not None:
                     announce(plan)
                 new = self._commit(target, manifest, job, replace=force)[1]
+                if found.prior is not None:
+                    _keep_imported_prior(self.blob_path(manifest.model.hex), found.prior)
         finally:
             progress.close()
         return TransferReport((target.display,), str(src), size, new, time.monotonic() - t0)
@@ -127,9 +142,9 @@ class Transferring:
         st = os.statvfs(self.tmp_dir)
         return st.f_bavail * st.f_frsize
 
-    def _check_import(self, manifest: Manifest, job: Job, src: Path, name: ModelName) -> None:
+    def _check_import(self, manifest: Manifest, job: Job, src: Path, name: ModelName) -> Path:
         """Every blob is in the archive or the store, with the manifest's size; the small ones are read through
-        the capped reader; the package decodes; the model is a zipmoe GGUF."""
+        the capped reader; the package decodes; the model is a zipmoe GGUF. Where its model blob is now."""
         def path_of(layer: Layer) -> Path:
             staged = job.staged.get(layer.hex)
             if staged is not None:
@@ -159,6 +174,53 @@ class Transferring:
 
         if read_gguf(path_of(manifest.model)).is_zipmoe:  # (a plain GGUF is stored as it is: its header parsed)
             open_zipmoe(path_of(manifest.model))
+        return path_of(manifest.model)
+
+
+PRIORS_MEMBER = "priors"  # priors/sha256-HEX: the model blob's prior (the models directory's folder of the name)
+PRIOR_MAX = 64 << 20  # bytes of a prior member: n_layer x n_expert counts (the loader reads no larger prior file)
+
+
+def _kept_prior_bytes(model_blob: Path, name: ModelName) -> bytes | None:
+    """The model blob's kept prior, with what runs recorded merged in, checked; None without one."""
+    from ..plan import prior
+
+    kept = prior.learn(model_blob)
+    if kept is None:
+        return None
+    try:
+        data = kept.read_bytes()
+        prior.decode(data, f"model {name.display}: its prior {kept}")
+    except OSError as e:
+        raise ModelsError(f"model {name.display}: its prior {kept} cannot be read ({e.strerror or e})") from None
+    except prior.PriorFileError as e:
+        raise ModelsError(f"{e}; nothing was exported (`zipmoe calibrate {name.display} --force` records a new "
+                          "one)") from None
+    return data
+
+
+def _check_prior_shape(counts: Any, model_path: Path, src: Path, member: str) -> None:
+    """A prior of the model's shape, as the loader wants it: its highest block with experts plus one, its experts."""
+    from ..plan.inputs import PlanInputError, geometry_from_gguf
+
+    try:
+        g = geometry_from_gguf(model_path)
+    except PlanInputError as e:
+        raise ModelsError(f"{src}: {e}") from None
+    want = (max(g.layers) + 1, g.n_expert)
+    if tuple(counts.shape) != want:
+        raise ModelsError(f"{src}: {member} is a prior of {counts.shape[0]} layers of {counts.shape[1]} experts; the "
+                          f"model has {want[0]} of {want[1]}: refused")
+
+
+def _keep_imported_prior(model_blob: Path, counts: Any) -> None:
+    """Keeps an imported prior for the model blob, unless the store keeps one for it already (learned here)."""
+    from ..plan import prior
+
+    place = model_blob.parent.parent / prior.PRIORS_DIR / model_blob.name
+    if prior.kept_prior(model_blob) is None:
+        place.parent.mkdir(parents=True, exist_ok=True)
+        prior.save(place, counts)
 
 
 def _tarinfo(name: str, size: int, mtime: float) -> tarfile.TarInfo:
@@ -292,6 +354,8 @@ class _Import:
         self.target: ModelName | None = None
         self.expected: dict[str, tuple[int, bool]] = {}  # hex -> (size, a small blob)
         self.seen: set[str] = set()
+        self.prior: Any = None  # the counts of its priors/ member, if it has one
+        self.prior_member = ""
 
     def member(self, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
         src = self.src
@@ -300,9 +364,30 @@ class _Import:
             self._blob(tar, member, parts[1].removeprefix("sha256-"))
         elif parts[0] == "manifests" and len(parts) == 5:
             self._manifest(tar, member, parts)
+        elif parts[0] == PRIORS_MEMBER and len(parts) == 2 and re.fullmatch(r"sha256-[0-9a-f]{64}", parts[1]):
+            self._prior(tar, member, parts[1].removeprefix("sha256-"))
         else:
             raise ModelsError(f"{src}: unexpected entry {member.name!r}; a zipmoe export holds manifests/HOST/"
-                             "NAMESPACE/MODEL/TAG and blobs/sha256-HEX only")
+                             "NAMESPACE/MODEL/TAG, blobs/sha256-HEX and priors/sha256-HEX only")
+
+    def _prior(self, tar: tarfile.TarFile, member: tarfile.TarInfo, hex_: str) -> None:
+        from ..plan import prior
+
+        src = self.src
+        if self.manifest is None or hex_ != self.manifest.model.hex:
+            raise ModelsError(f"{src}: {member.name} is not the prior of the model blob of "
+                             f"{self.manifest_member or 'a manifest before it'}; refused")
+        if self.prior is not None:
+            raise ModelsError(f"{src}: {member.name} appears twice")
+        if member.size > PRIOR_MAX:
+            raise ModelsError(f"{src}: {member.name} is too large for a prior ({member.size} bytes)")
+        f = tar.extractfile(member)
+        assert f is not None
+        try:
+            self.prior = prior.decode(f.read(member.size), f"{src}: {member.name}")
+        except prior.PriorFileError as e:
+            raise ModelsError(str(e)) from None
+        self.prior_member = member.name
 
     def _manifest(self, tar: tarfile.TarFile, member: tarfile.TarInfo, parts: list[str]) -> None:
         src = self.src

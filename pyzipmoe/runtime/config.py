@@ -38,10 +38,11 @@ ESC_SIMD_ENV = "ZIPMOE_ESC_SIMD"  # "0": the escape code's portable decoder even
 INTEGRITY_ENV = "ZIPMOE_INTEGRITY"  # "skip": load a file without checking its integrity record
 CONTROL_ENV = "ZIPMOE_CONTROL"  # the supervisor's control file (pyzipmoe.runtime.supervise); set only by it
 PRIOR_ENV = "ZIPMOE_PRIOR"  # a prior file (pyzipmoe.plan.prior): expert popularity the eviction policy starts from
+PRIOR_RECORD_ENV = "ZIPMOE_PRIOR_RECORD"  # where the model's unload writes the run's expert uses ("" : nowhere)
 # every variable that configures the runtime: what a benchmark or test clears to start from the defaults
 RUNTIME_ENV = (CACHE_ENV, BUDGET_ENV, HOT_SHARE_ENV, SM_SHARE_ENV, PLAN_ENV, POLICY_ENV, PREFILL_ENV, DIRECT_IO_ENV,
                READ_BUFFER_ENV, PREDICT_ENV, FUSED_ENV, STREAM_ENV, ESC_SIMD_ENV, INTEGRITY_ENV, CONTROL_ENV,
-               PRIOR_ENV)
+               PRIOR_ENV, PRIOR_RECORD_ENV)
 
 CACHE_MODES = ("unbounded", "none")  # "none": decode every expert on every use (measurements)
 

@@ -24,7 +24,7 @@ from ..plan import solver as planner
 from .budget import Budget, ModelMemory, check_budget, model_memory, resolve_budget
 from .cache_control import (_runtime_bytes, apply_plan, apply_shares, live_counts, live_routing, set_read_room,
                             store_sizes, warm_decodes_fast)
-from .config import DEFAULT_POLICY, POLICY_ENV, PRIOR_ENV, RuntimeConfig
+from .config import DEFAULT_POLICY, POLICY_ENV, PRIOR_ENV, PRIOR_RECORD_ENV, RuntimeConfig
 from ..errors import OutOfMemoryError, ZipmoeError
 
 if TYPE_CHECKING:
@@ -164,11 +164,18 @@ def runtime_settings(model: ZipmoeFile | str | os.PathLike[str], *, budget: str 
 
 
 def _with_prior(env: dict[str, str], model: ZipmoeFile | str | os.PathLike[str]) -> dict[str, str]:
-    """env, plus the stored model's kept prior as ZIPMOE_PRIOR where it has one and the user named none."""
-    from ..plan.prior import kept_prior
+    """env, plus, for a stored model: its kept prior, with what earlier runs recorded merged in (plan.prior.learn),
+    as ZIPMOE_PRIOR where it has one and the user named none; and a fresh place for this run's record as
+    ZIPMOE_PRIOR_RECORD unless the user set that (empty: no record)."""
+    from ..plan import prior
 
-    prior = None if PRIOR_ENV in os.environ else kept_prior(model_path_of(model))
-    return env if prior is None else {**env, PRIOR_ENV: str(prior)}
+    path = model_path_of(model)
+    kept = None if PRIOR_ENV in os.environ else prior.learn(path)
+    record = None if PRIOR_RECORD_ENV in os.environ else prior.record_path(path)
+    extra = {PRIOR_ENV: str(kept)} if kept is not None else {}
+    if record is not None:
+        extra[PRIOR_RECORD_ENV] = str(record)
+    return {**env, **extra}
 
 
 class MemoryMonitor:

@@ -1,6 +1,7 @@
 """ZIPMOE_PRIOR: a prior file seeds every store of the model at load (docs/FORMAT.md, "Priors"). It changes what the
-cache keeps, never what is computed: under a budget that holds a few experts, the logits with a prior are those
-without, bit for bit; a prior of another model, or a damaged one, fails the load with one line saying why."""
+cache keeps and the order a prompt's read-ahead takes experts in, never what is computed: under a budget that holds
+a few experts, the logits with a prior are those without, bit for bit; a prior of another model, or a damaged one,
+fails the load with one line saying why."""
 
 from __future__ import annotations
 
@@ -79,6 +80,10 @@ def test_a_prior_changes_what_is_cached_never_the_logits(zipmoe_model: Path, tig
     assert_bit_identical(b, a, f"logits with a prior, n_batch {n_batch}")
     s, t = without["stats"], with_prior["stats"]
     assert s["misses"] > 0 and t["misses"] > 0, (s, t)  # the budget evicts: the cache had a choice to make
+    if n_batch == 64:
+        # the prompt's batch read each next store ahead, in the prior's order with one (readahead.c): reads moved,
+        # the logits did not
+        assert s["bytes_read_ahead"] > 0 and t["bytes_read_ahead"] > 0, (s, t)
     if n_batch == 1:
         # token by token the prior made it differently (the fill at load takes the other end of the ids); a prompt
         # in one batch routes to every expert at once, finding as many decoded whichever they are

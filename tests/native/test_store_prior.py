@@ -235,3 +235,68 @@ def test_any_bytes_are_a_prior_the_stores_match_or_refused(zipmoe_model):
         assert rc == (lib.ZIPMOE_OK if header_ok else rc) and rc in (lib.ZIPMOE_OK, lib.ZIPMOE_ERR_CORRUPT,
                                                                       lib.ZIPMOE_ERR_ARG), (bytes(data[:16]), rc)
         assert (rc == lib.ZIPMOE_OK) == (msg == ""), msg
+
+
+def test_a_runs_record_holds_each_blocks_expert_uses_and_seeds_the_same_model(zipmoe_model, tmp_path):
+    # what ZIPMOE_PRIOR_RECORD writes at unload (zipmoe_prior_record): the stores' activations as a prior file
+    st = Stores(zipmoe_model, policy_of("lfuda"), hot=2)
+    for e in (0, 0, 3, 0, 5, 3):
+        st.route(e)
+    arr = ffi.new("zipmoe_store *[]", st.handles)
+    msg = ffi.new("char[256]")
+    path = tmp_path / "run.prior"
+    assert lib.zipmoe_prior_record(arr, len(st.handles), str(path).encode(), msg, 256) == lib.ZIPMOE_OK
+    expected = np.zeros((st.n_layer, N), np.uint64)
+    expected[0, [0, 3, 5]] = [3, 2, 1]  # only blk.0's gate was invoked: the block's count is its busiest store's
+    np.testing.assert_array_equal(prior.load(path), expected)
+    assert [p.name for p in tmp_path.iterdir()] == ["run.prior"]  # no temporary file left beside it
+    assert st.seed(path.read_bytes()) == (lib.ZIPMOE_OK, "")
+    missing = tmp_path / "no" / "run.prior"
+    assert lib.zipmoe_prior_record(arr, len(st.handles), str(missing).encode(), msg, 256) == lib.ZIPMOE_ERR_IO
+    assert "cannot be written" in ffi.string(msg).decode() and not missing.parent.exists()
+    assert lib.zipmoe_prior_record(arr, 0, str(path).encode(), msg, 256) == lib.ZIPMOE_ERR_ARG
+
+
+def test_a_prompts_read_ahead_of_the_next_layer_takes_the_prior_s_likeliest_experts_first(zipmoe_model):
+    """A prompt's invocation has the reader read the next store's experts ahead before that store's routing is known;
+    where the buffer holds fewer than it would read (here one expert: the read room 0), it reads the prior's
+    likeliest first, by id without a prior. ahead_used counts the experts an invocation then decoded from those
+    bytes: the next store routed to the prior's favourite finds it read ahead only with the prior."""
+    import time
+
+    def ahead_hits(counts) -> int:
+        reset_cache()
+        st = Stores(zipmoe_model, policy_of("lfuda"), hot=1)
+        a = st.handles[st.names.index("blk.0.ffn_gate_exps.weight")]
+        b = st.handles[st.names.index("blk.1.ffn_gate_exps.weight")]
+        if counts is not None:
+            assert st.set_prior(counts, b) == lib.ZIPMOE_OK
+        keys = []
+
+        def invoke(handle, ids: np.ndarray) -> None:
+            ids = np.ascontiguousarray(ids, np.int32)
+            keys.append(ffi.new("char[1]"))
+            assert lib.zipmoe_store_materialize(handle, keys[-1], ffi.from_buffer(ids), ids.shape[1], ids.shape[0], 4,
+                                                4 * ids.shape[1], ffi.NULL, 0, 1) >= 0
+
+        prompt = np.arange(N).reshape(-1, 2)  # every expert of a: a prompt, whose next store is read ahead whole
+        invoke(a, prompt)
+        invoke(b, np.array([[0]]))  # b follows a (the graph's order); expert 0 stays b's one decoded expert
+        lib.zipmoe_cache_set_read_buffer(8192)  # one expert's region of the tiny preset, laid out for O_DIRECT
+        lib.zipmoe_cache_set_read_room(0)
+        try:
+            invoke(a, prompt)
+            time.sleep(0.1)  # the reader reads b ahead while "a computes"
+            s = ffi.new("zipmoe_stats *")
+            lib.zipmoe_stats_get(s)
+            before = s.ahead_used
+            invoke(b, np.array([[6]]))
+            lib.zipmoe_stats_get(s)
+            return s.ahead_used - before
+        finally:
+            lib.zipmoe_cache_set_read_buffer(16 << 20)
+            lib.zipmoe_cache_set_read_room(2**64 - 1)
+
+    assert ahead_hits(popular(6)) == 1  # 6 is the prior's likeliest: read ahead, decoded from those bytes
+    assert ahead_hits(None) == 0  # by id: expert 1 was read ahead (0 is decoded), 6 is read when routed
+    assert ahead_hits(popular(2)) == 0

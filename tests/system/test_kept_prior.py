@@ -84,7 +84,7 @@ def test_calibrate_keeps_the_routing_as_the_models_prior_and_show_says_so(
     code, out, err = zipmoe("show", "tiny")
     assert code == 0 and f"{STEPS} tokens" in out, (out, err)
     code, out, err = zipmoe("show", "tiny", "--json")
-    assert json.loads(out)["prior"] == {"path": str(path), "tokens": STEPS, "error": None}
+    assert json.loads(out)["prior"] == {"path": str(path), "tokens": STEPS, "runs": 0, "error": None}
 
 
 def test_calibrate_refuses_a_routing_of_another_model_or_a_file_model(
@@ -154,6 +154,7 @@ def test_a_serve_child_of_a_stored_model_gets_the_kept_prior(
         if child.control is not None:
             child.control.close()
     assert env["ZIPMOE_PRIOR"] == str(path) and env["ZIPMOE_MEMORY_BUDGET"] == str(share)
+    assert Path(env["ZIPMOE_PRIOR_RECORD"]).parent == store.priors_dir  # and a place for its run's record
 
 
 def test_prune_drops_the_prior_of_a_removed_model(stored: ModelPackage, store: ModelDirectory) -> None:

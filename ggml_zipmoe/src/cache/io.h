@@ -17,6 +17,7 @@ typedef struct {
     _Atomic uint64_t read_ahead_bytes;
     _Atomic uint64_t decoding_bytes; /* planned experts not hot yet: their places' pages are in use */
     _Atomic uint64_t guessed_bytes, guesses_used;
+    _Atomic uint64_t ahead_used;    /* experts decoded from bytes read ahead (guessed or not) */
     _Atomic uint64_t streamed;      /* routed warm experts left for the caller to decode in its cache */
     _Atomic uint64_t prefill_dummy; /* what a prefill's invocations count instead of the model's routing */
 } cache_counters;

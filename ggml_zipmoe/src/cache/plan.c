@@ -279,6 +279,7 @@ static int use_prefetched(zipmoe_store * s, plan_item * it) {
         it->codes_bias = 0;
     }
     it->prefetched = 1;
+    atomic_fetch_add(&g_stats.ahead_used, 1);
     if (s->pf_guessed) {
         atomic_fetch_add(&g_stats.guesses_used, 1);
     }

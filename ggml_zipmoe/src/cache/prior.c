@@ -8,6 +8,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
+#include <unistd.h>
 
 /* A prior is a head start in the counting policies' scores (lfuda, lfu, tlfu) from the expert's share of the
  * layer's routing in earlier runs: PRIOR_MEAN_USES uses for an expert of the mean share, in proportion for the others
@@ -34,12 +36,14 @@ int64_t zipmoe_store_set_prior(zipmoe_store * s, const uint64_t * counts, int64_
     for (int64_t e = 0; e < s->info.n_expert; e++) {
         s->experts[e].prior = counts ? (uint64_t) ((long double) counts[e] * unit + 0.5L) : 0;
     }
+    cache_prior_order(s, s->ahead_order);
     pthread_mutex_unlock(&s->mu);
     return ZIPMOE_OK;
 }
 
 /* Under s->mu: the store's experts by prior, the highest first, ties by id (without a prior: 0, 1, 2, ...), into
- * order[s->info.n_expert]: the order the fill at load takes them in (prefill.c). */
+ * order[s->info.n_expert]: the order the fill at load takes them in (prefill.c), and the read-ahead of a store whose
+ * routing is not known yet (readahead.c, s->ahead_order). */
 void cache_prior_order(const zipmoe_store * s, int32_t * order) {
     for (int64_t i = 0; i < s->info.n_expert; i++) { /* insertion sort: a few hundred experts, once at load */
         const uint64_t p = s->experts[i].prior;
@@ -147,5 +151,85 @@ int64_t zipmoe_cache_seed_prior(zipmoe_store * const * stores, int64_t n_stores,
         zipmoe_store_set_prior(s, counts, (int64_t) ne); /* (its n_expert checked above) */
     }
     free(counts);
+    return ZIPMOE_OK;
+}
+
+/* ---------------------------------------------------------------- a run's record (ZIPMOE_PRIOR_RECORD) */
+
+static void put_le64(uint8_t * p, uint64_t v) {
+    for (int i = 0; i < 8; i++) {
+        p[i] = (uint8_t) (v >> (8 * i));
+    }
+}
+
+static void put_le32(uint8_t * p, uint32_t v) {
+    for (int i = 0; i < 4; i++) {
+        p[i] = (uint8_t) (v >> (8 * i));
+    }
+}
+
+int64_t zipmoe_prior_record(zipmoe_store * const * stores, int64_t n_stores, const char * path, char * msg,
+                            size_t msg_size) {
+    if (msg && msg_size > 0) {
+        msg[0] = 0;
+    }
+    if ((!stores && n_stores > 0) || n_stores < 0 || !path || !*path) {
+        return fail(ZIPMOE_ERR_ARG, msg, msg_size, "no stores or no path");
+    }
+    int     highest  = -1;
+    int64_t n_expert = 0;
+    for (int64_t i = 0; i < n_stores; i++) {
+        const zipmoe_store * s = stores[i];
+        if (s->layer < 0) {
+            continue;
+        }
+        if (n_expert && s->info.n_expert != n_expert) {
+            return fail(ZIPMOE_ERR_ARG, msg, msg_size, "the stores' layers have different numbers of experts");
+        }
+        n_expert = s->info.n_expert;
+        highest  = s->layer > highest ? s->layer : highest;
+    }
+    if (highest < 0) {
+        return fail(ZIPMOE_ERR_ARG, msg, msg_size, "no store of a block (blk.N.)");
+    }
+    const size_t n_layer = (size_t) highest + 1, size = PRIOR_HEADER + n_layer * (size_t) n_expert * 8;
+    uint8_t *    data    = calloc(1, size);
+    if (!data) {
+        return fail(ZIPMOE_ERR_NOMEM, msg, msg_size, "out of memory");
+    }
+    memcpy(data, ZIPMOE_PRIOR_MAGIC, 8);
+    put_le32(data + 8, (uint32_t) n_layer);
+    put_le32(data + 12, (uint32_t) n_expert);
+    /* a layer's gate, up and down stores see the same routing: a layer's count is the largest of its stores' */
+    for (int64_t i = 0; i < n_stores; i++) {
+        zipmoe_store * s = stores[i];
+        if (s->layer < 0) {
+            continue;
+        }
+        uint8_t * row = data + PRIOR_HEADER + (size_t) s->layer * (size_t) n_expert * 8;
+        pthread_mutex_lock(&s->mu);
+        for (int64_t e = 0; e < n_expert; e++) {
+            const uint64_t a = s->experts[e].activations;
+            if (a > le64(row + e * 8)) {
+                put_le64(row + e * 8, a);
+            }
+        }
+        pthread_mutex_unlock(&s->mu);
+    }
+    /* written beside path and renamed over it: a reader sees the whole record or none */
+    char tmp[4096];
+    if (snprintf(tmp, sizeof tmp, "%s.tmp%ld", path, (long) getpid()) >= (int) sizeof tmp) {
+        free(data);
+        return fail(ZIPMOE_ERR_ARG, msg, msg_size, "the path is too long");
+    }
+    FILE * f  = fopen(tmp, "wb");
+    int    ok = f && fwrite(data, 1, size, f) == size;
+    ok        = (f && fclose(f) == 0) && ok;
+    free(data);
+    if (!ok || rename(tmp, path) != 0) {
+        const int err = errno;
+        unlink(tmp);
+        return fail(ZIPMOE_ERR_IO, msg, msg_size, "cannot be written (%s)", strerror(err));
+    }
     return ZIPMOE_OK;
 }

@@ -203,7 +203,10 @@ static void read_ahead(zipmoe_store * s, const zipmoe_store * like, int predicte
     s->pf_guessed = predicted;
     atomic_store(&s->holds_pf, 1);
     size_t used = 0;
-    for (int64_t e = 0; e < s->info.n_expert; e++) {
+    /* the experts most likely routed first: where the buffer holds fewer than would be read (a prompt's read-ahead
+     * within the read room), or the invocation comes before a guess is read, those read are the likeliest */
+    for (int64_t i = 0; i < s->info.n_expert; i++) {
+        const int64_t      e = s->ahead_order[i];
         zipmoe_expert_span span;
         uint64_t           from;
         if (!read_ahead_from(s, like, predicted, e, &span, &from)) {

@@ -37,6 +37,7 @@ void zipmoe_stats_get(zipmoe_stats * out) {
     out->staging_transient_bytes = cache_read_buffers_transient();
     out->decoding_bytes          = atomic_load(&g_stats.decoding_bytes);
     out->experts_streamed        = atomic_load(&g_stats.streamed);
+    out->ahead_used              = atomic_load(&g_stats.ahead_used);
 }
 
 /* ---------------------------------------------------------------- the time ledger (zipmoe-ledger.h) */
@@ -128,7 +129,7 @@ void zipmoe_stats_reset(void) {
     _Atomic uint64_t * counters[] = { &g_stats.experts, &g_stats.chunks, &g_stats.bytes, &g_stats.ns, &g_stats.calls, &g_stats.hits_hot, &g_stats.hits_warm,
                                       &g_stats.hits_sm, &g_stats.misses, &g_stats.evictions, &g_stats.stall_ns,
                                       &g_stats.reading_calls, &g_stats.read_ahead_bytes, &g_stats.guessed_bytes, &g_stats.guesses_used,
-                                      &g_stats.streamed };
+                                      &g_stats.streamed, &g_stats.ahead_used };
     for (size_t i = 0; i < sizeof counters / sizeof counters[0]; i++) {
         atomic_store(counters[i], 0);
     }

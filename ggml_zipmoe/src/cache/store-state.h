@@ -136,6 +136,8 @@ struct zipmoe_store {
     _Atomic int       holds_pf; /* pf is set: an invocation on the fast path gives a guessed read-ahead back */
     int               pf_guessed; /* under mu: pf holds the experts the previous layer guessed */
     uint64_t *        pf_from;
+    int32_t *         ahead_order; /* under mu: the order the read-ahead takes experts in, by prior (the most used
+                                    * first; cache_prior_order), by id without one (zipmoe_store_set_prior sets it) */
     expert_state *  experts;
     place_state *   places;       /* n_expert of them: dst holds as many experts as the model has */
     uint64_t *       route_log;   /* ring of ROUTE_RING single-token invocations: a bitmask of the routed experts */

@@ -57,6 +57,7 @@ static int64_t store_create(const char * name, int64_t (*init)(zipmoe_store *, c
     s->pf_at     = malloc((size_t) s->info.n_expert * sizeof *s->pf_at);
     s->pf_from   = calloc((size_t) s->info.n_expert, sizeof *s->pf_from);
     s->predicted = calloc((size_t) s->info.n_expert, sizeof *s->predicted);
+    s->ahead_order = malloc((size_t) s->info.n_expert * sizeof *s->ahead_order);
     s->experts   = calloc((size_t) s->info.n_expert, sizeof *s->experts);
     s->places    = calloc((size_t) s->info.n_expert, sizeof *s->places);
     s->route_words = (s->info.n_expert + 63) / 64;
@@ -68,7 +69,7 @@ static int64_t store_create(const char * name, int64_t (*init)(zipmoe_store *, c
     s->collapse_job.work      = collapse_work;
     s->collapse_job.work_user = s;
     if (!s->plan || !s->experts || !s->places || !s->job.items || !s->hinted || !s->route_log || !s->pf_at || !s->pf_from ||
-        !s->predicted) {
+        !s->predicted || !s->ahead_order) {
         zipmoe_store_free(s);
         return ZIPMOE_ERR_NOMEM;
     }
@@ -76,6 +77,7 @@ static int64_t store_create(const char * name, int64_t (*init)(zipmoe_store *, c
         s->experts[e].place = -1;
         s->places[e]        = (place_state) { .expert = -1, .slot = -1 };
         s->pf_at[e]         = -1;
+        s->ahead_order[e]   = (int32_t) e;
     }
     atomic_fetch_add(&g_stats.stores, 1);
     atomic_fetch_add(&g_cfg.bf16_total, (uint64_t) s->info.n_expert * s->hot_size);
@@ -246,6 +248,7 @@ void zipmoe_store_free(zipmoe_store * s) {
     free(s->pf_at);
     free(s->pf_from);
     free((void *) s->predicted);
+    free(s->ahead_order);
     free(s->experts);
     free(s->places);
     free(s->route_log);

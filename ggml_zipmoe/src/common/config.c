@@ -32,6 +32,7 @@ void zipmoe_runtime_config_from_env(zipmoe_runtime_config * cfg) {
     cfg->predict       = text("ZIPMOE_PREDICT");
     cfg->control       = text("ZIPMOE_CONTROL");
     cfg->prior         = text("ZIPMOE_PRIOR");
+    cfg->prior_record  = text("ZIPMOE_PRIOR_RECORD");
     cfg->prefill       = !off("ZIPMOE_PREFILL");
     cfg->fused         = !off("ZIPMOE_FUSED");
     cfg->stream        = !off("ZIPMOE_STREAM");

@@ -52,7 +52,36 @@ static bool                        g_prefill       = true;
 static int                         g_model_seq     = 0; // loads configured: stores opened since belong to the next
 static std::atomic<bool>           g_predict{false};    // ZIPMOE_PREDICT
 
+// ZIPMOE_PRIOR_RECORD: where a configured model's unload writes its run's expert uses (zipmoe_prior_record). The
+// first of its tensors to be freed writes it, while every store of the model is open still. Under g_pending_mu.
+struct zipmoe_record {
+    int                         model;
+    std::string                 path;
+    std::vector<zipmoe_store *> stores;
+};
+static std::vector<zipmoe_record> g_records;
+
+static void record_at_unload(int model) {
+    zipmoe_record rec;
+    {
+        std::lock_guard<std::mutex> lock(g_pending_mu);
+        auto it = std::find_if(g_records.begin(), g_records.end(),
+                               [model](const zipmoe_record & r) { return r.model == model; });
+        if (it == g_records.end()) {
+            return;
+        }
+        rec = std::move(*it);
+        g_records.erase(it);
+    }
+    char msg[256];
+    if (zipmoe_prior_record(rec.stores.data(), (int64_t) rec.stores.size(), rec.path.c_str(), msg, sizeof msg) < 0) {
+        LLAMA_LOG_WARN("zipmoe: warning: ZIPMOE_PRIOR_RECORD=%s: %s; this run's expert uses are not recorded\n",
+                       rec.path.c_str(), msg);
+    }
+}
+
 void zipmoe_llama_tensor_deleter::operator()(zipmoe_llama_tensor * zt) const {
+    record_at_unload(zt->model);
     if (zt->tensor) {
         std::lock_guard<std::mutex> lock(g_registry_mu);
         g_registry.erase(zt->tensor);
@@ -93,6 +122,7 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
     std::vector<zipmoe_store_size> stores;
     std::vector<zipmoe_store *>    loading; // their handles, for a prior
     bool                           warm_fast = false, raw = false;
+    int                            model     = 0;
     {
         std::lock_guard<std::mutex> lock(g_pending_mu);
         warm_fast = !g_pending.empty();
@@ -107,7 +137,7 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
         loading = g_loading;
         g_loading_bound = 0;
         g_prefill       = env.prefill != 0;
-        g_model_seq++;
+        model           = g_model_seq++;
     }
     if (const char * v = env.predict) {
         if (std::strcmp(v, "0") != 0 && std::strcmp(v, "1") != 0) {
@@ -121,7 +151,14 @@ bool zipmoe_llama_configure(uint64_t other_bytes, uint64_t embd_bytes, uint64_t 
     if (env.prior && !zipmoe_llama_apply_prior(env.prior, loading, err)) {
         return false;
     }
-    return zipmoe_llama_configure_cache(env, stores, warm_fast, raw, other_bytes, embd_bytes, embd_row_bytes, info, err);
+    if (!zipmoe_llama_configure_cache(env, stores, warm_fast, raw, other_bytes, embd_bytes, embd_row_bytes, info, err)) {
+        return false;
+    }
+    if (env.prior_record && !loading.empty()) {
+        std::lock_guard<std::mutex> lock(g_pending_mu);
+        g_records.push_back({ model, env.prior_record, loading });
+    }
+    return true;
 }
 
 // A store just opened joins the model being loaded: its sizes for the budget, and its handle.
