@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import ZipmoeError
 from ..paths import REPO_ROOT, bin_dir
-from .config import RUNTIME_ENV
+from .config import PRIOR_ENV, PRIOR_RECORD_ENV, RUNTIME_ENV
 
 PROMPT = b"Once upon a time, in a land far away"
 
@@ -42,7 +42,9 @@ def time_generation(model: str | os.PathLike[str], *, llama: Mapping[str, Any] |
     re-plan's predicted tokens/s, or None), "routing" (with `routing`: {block: [[experts of a token], ...]} of
     the warm-up's generated tokens, else None), "tokens" (every generated token, warm-up included), "timed_from"}.
     With `record`, the run's routing (every step, the prompt's included: pyzipmoe.plan.trace) is written there, and
-    "timed_from" is the first timed step in it (else None)."""
+    "timed_from" is the first timed step in it (else None). A stored model's kept prior is neither used nor taught:
+    a timed run measures the engine, the same whatever earlier runs learned (calibration's lru runs would teach it
+    routing forced by their plans)."""
     from . import runner
 
     job = {"model": str(model), "llama": dict(llama or {}), "warmup": warmup, "gen": gen, "threads": threads,
@@ -50,6 +52,7 @@ def time_generation(model: str | os.PathLike[str], *, llama: Mapping[str, Any] |
     # the runtime's defaults, except what `llama` asks for; where the build is (ZIPMOE_BUILD_DIR) is kept
     base = {k: v for k, v in (os.environ if env is None else env).items() if k not in RUNTIME_ENV}
     run_env = runner.environment(base=base)
+    run_env.update({PRIOR_ENV: "", PRIOR_RECORD_ENV: ""})  # (empty: off, ahead of runtime_settings' choice)
     run_env["LLAMA_CPP_LIB_PATH"] = str(bin_dir())
     run_env.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's BLAS threads must not spin on the cores we time
     run_env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [run_env.get("PYTHONPATH")])])
