@@ -230,6 +230,17 @@ def test_zipmoe_server_of_another_file_is_refused_when_the_model_loads(zipmoe_mo
         assert f"the RPC server {servers} serves another zipmoe model ({other.name})" in done.stdout, done.stdout
 
 
+def test_zipmoe_server_refuses_a_file_it_cannot_serve(tiny_model: Path, tmp_path: Path) -> None:
+    """--zipmoe-model with a plain GGUF, or a path that does not open: one line, exit status 1, before listening."""
+    program = llama_bin_dir() / "ggml-rpc-server"
+    for path, says in ((tiny_model, "not a zipmoe GGUF"), (tmp_path / "missing.gguf", "No such file")):
+        done = subprocess.run([str(program), "-p", str(_free_port()), "--zipmoe-model", str(path)],
+                              env=worker_env(llama_bin_dir()), capture_output=True, text=True, timeout=60, check=False)
+        lines = done.stderr.splitlines()
+        assert done.returncode == 1 and len(lines) == 1, done.stdout + done.stderr
+        assert lines[0].startswith(f"zipmoe: error: --zipmoe-model {path}: ") and says in lines[0], lines
+
+
 @pytest.mark.parametrize("kind", ["stock", "zipmoe"])
 def test_server_killed_mid_run_ends_the_client_with_one_line(zipmoe_model: Path, kind: str, tmp_path: Path) -> None:
     """One of the two servers (stock, or zipmoe ones computing the experts) is killed after the client's first

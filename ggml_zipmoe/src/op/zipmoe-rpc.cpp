@@ -9,6 +9,7 @@
 #include "llama-impl.h"
 #include "llama.h"
 
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -209,6 +210,12 @@ static void server_log(ggml_log_level level, const char * text, void * user) {
 
 bool zipmoe_rpc_serve(const char * path, int n_threads) {
     (void) n_threads; // (the graphs compute on the server's device threads, -t)
+    if (FILE * f = std::fopen(path, "rb")) {
+        std::fclose(f);
+    } else {
+        std::fprintf(stderr, "zipmoe: error: --zipmoe-model %s: %s\n", path, std::strerror(errno));
+        return false;
+    }
     gguf_init_params gp   = { /*no_alloc*/ true, /*ctx*/ nullptr };
     gguf_context *   meta = gguf_init_from_file(path, gp);
     const uint64_t   dig  = meta ? zipmoe_rpc_model_digest(meta) : 0;
