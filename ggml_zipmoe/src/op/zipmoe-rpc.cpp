@@ -155,10 +155,15 @@ static zipmoe_llama_tensor * server_decode(ggml_tensor * node, std::string & err
     std::memcpy(&key, &node->op_params[2], sizeof key);
     const char * name = std::strncmp(node->name, "zipmoe-", 7) == 0 ? node->name + 7 : nullptr;
     zipmoe_llama_tensor * zt = name && version == ZIPMOE_RPC_VERSION && key == name_key(name) ? zipmoe_llama_find_name(name) : nullptr;
-    if (!zt) {
+    const ggml_tensor *   ids = node->src[0];
+    // the routed ids (I32, [top-k, tokens]) in, where the store put them out: build_materialize's node
+    const bool shaped = ids && ids->type == GGML_TYPE_I32 && node->type == GGML_TYPE_I32 && !node->src[1] &&
+                        ggml_are_same_shape(ids, node) && ggml_is_contiguous(node);
+    if (!zt || !shaped) {
         err = format("an expert node (%s) this server cannot compute: %s", node->name,
                      version != ZIPMOE_RPC_VERSION ? "another zipmoe RPC protocol version" : !name || key != name_key(name)
-                     ? "its key does not match its name" : "its model has no such expert tensor");
+                     ? "its key does not match its name" : !zt ? "its model has no such expert tensor"
+                     : "its routed ids are not an I32 tensor of its shape");
         return nullptr;
     }
     zipmoe_llama_set_materialize(node, zt);
