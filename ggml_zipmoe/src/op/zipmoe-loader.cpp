@@ -332,19 +332,7 @@ ggml_tensor * zipmoe_loader_create_tensor(zipmoe_loader & zl, llama_model_loader
     ggml_backend_dev_t dev = buft ? ggml_backend_buft_get_device(buft) : nullptr;
     const bool rpc = dev && std::strncmp(ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev)), "RPC", 3) == 0;
     if (rpc && zipmoe_rpc_remote(dev, zl.digest)) {
-        // (the fit pass, no_alloc: a buffer of size 0, as llama.cpp gives its weights then)
-        ggml_backend_buffer_ptr buf(ggml_backend_buft_alloc_buffer(buft, ml.no_alloc ? 0 : ggml_nbytes(t)));
-        bool placed = buf != nullptr;
-        if (placed && ml.no_alloc) {
-            t->buffer = buf.get();
-        } else if (placed) {
-            placed = ggml_backend_tensor_alloc(buf.get(), t, ggml_backend_buffer_get_base(buf.get())) == GGML_STATUS_SUCCESS;
-        }
-        if (!placed) {
-            throw std::runtime_error(format("zipmoe: %s: cannot place it on %s", t->name, ggml_backend_dev_name(dev)));
-        }
-        ggml_backend_buffer_set_usage(buf.get(), GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-        zl.remote.push_back(std::move(buf));
+        zl.remote.emplace_back(zipmoe_rpc_place(t, buft, ml.no_alloc));
         zipmoe_llama_bind_remote(zw.handle.get(), t, ggml_backend_dev_description(dev));
     } else if (rpc) {
         if (!ml.no_alloc && !zl.said_rpc) {

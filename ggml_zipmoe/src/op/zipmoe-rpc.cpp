@@ -5,6 +5,7 @@
 
 #include "zipmoe-integrity.h"
 
+#include "ggml-cpp.h"
 #include "gguf.h"
 #include "llama-impl.h"
 #include "llama.h"
@@ -125,6 +126,22 @@ bool zipmoe_rpc_remote(ggml_backend_dev_t dev, uint64_t digest) {
     }
     verdicts[endpoint] = remote;
     return remote;
+}
+
+ggml_backend_buffer_t zipmoe_rpc_place(ggml_tensor * t, ggml_backend_buffer_type_t buft, bool no_alloc) {
+    ggml_backend_buffer_ptr buf(ggml_backend_buft_alloc_buffer(buft, no_alloc ? 0 : ggml_nbytes(t)));
+    bool                    placed = buf != nullptr;
+    if (placed && no_alloc) {
+        t->buffer = buf.get();
+    } else if (placed) {
+        placed = ggml_backend_tensor_alloc(buf.get(), t, ggml_backend_buffer_get_base(buf.get())) == GGML_STATUS_SUCCESS;
+    }
+    if (!placed) {
+        throw std::runtime_error(format("zipmoe: %s: cannot place it on %s", t->name,
+                                        ggml_backend_dev_name(ggml_backend_buft_get_device(buft))));
+    }
+    ggml_backend_buffer_set_usage(buf.get(), GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    return buf.release();
 }
 
 ggml_tensor * zipmoe_rpc_mul_mat_id(ggml_context * ctx, zipmoe_llama_tensor * zt, ggml_tensor * w, ggml_tensor * x,

@@ -32,6 +32,11 @@ uint64_t zipmoe_rpc_model_digest(const gguf_context * meta);
 // std::runtime_error, one line, for a server of another model or another zipmoe protocol version.
 bool zipmoe_rpc_remote(ggml_backend_dev_t dev, uint64_t digest);
 
+// Client: t's buffer on that server (buft: its device's), which nothing writes: the server's matmul reads its own
+// expert memory; with no_alloc (llama.cpp's fit pass) a buffer of size 0, as llama.cpp gives its weights then.
+// Throws std::runtime_error if the server cannot allocate it.
+ggml_backend_buffer_t zipmoe_rpc_place(ggml_tensor * t, ggml_backend_buffer_type_t buft, bool no_alloc);
+
 // Client: ggml_mul_mat_id(w, x, ids) for a weight whose experts a server computes (zipmoe_llama_bind_remote): the
 // routed ids pass a node that server decodes into its own materialising op.
 ggml_tensor * zipmoe_rpc_mul_mat_id(ggml_context * ctx, zipmoe_llama_tensor * zt, ggml_tensor * w, ggml_tensor * x,
