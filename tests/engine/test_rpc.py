@@ -202,6 +202,7 @@ def test_zipmoe_servers_compute_their_experts_bit_identical(zipmoe_model: Path, 
         for log in (tmp_path / "server0.log", tmp_path / "server1.log"):  # each server's own cache, its budget
             said = [ln for ln in log.read_text().splitlines() if "zipmoe: memory budget" in ln]
             assert len(said) == (budget is not None), log.read_text()[-2000:]
+            assert "filled the cache tiers" not in log.read_text()  # (not every layer's experts at load)
 
 
 def test_stock_and_zipmoe_server_mixed_is_bit_identical(zipmoe_model: Path, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -249,6 +250,9 @@ bool zipmoe_rpc_serve(const char * path, int n_threads) {
             ZIPMOE_INTEGRITY_KEY " record): give the zipmoe GGUF the clients load" : "cannot be read as a GGUF");
         return false;
     }
+    // not filled at load unless ZIPMOE_PREFILL says so: a server computes only the layers its clients place on it,
+    // which it learns from their graphs; filling at load would decode every layer's experts (all of them, unbounded)
+    setenv("ZIPMOE_PREFILL", "0", /*overwrite*/ 0);
     llama_log_set(server_log, nullptr);
     llama_backend_init();
     llama_model_params mp = llama_model_default_params();
