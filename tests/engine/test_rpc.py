@@ -23,7 +23,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -243,6 +243,33 @@ def test_zipmoe_server_refuses_a_file_it_cannot_serve(tiny_model: Path, tmp_path
         lines = done.stderr.splitlines()
         assert done.returncode == 1 and len(lines) == 1, done.stdout + done.stderr
         assert lines[0].startswith(f"zipmoe: error: --zipmoe-model {path}: ") and says in lines[0], lines
+
+
+def test_zipmoe_server_with_a_damaged_expert_closes_the_connection(zipmoe_model: Path,
+                                                                  copy_of: Callable[[Path], Path],
+                                                                  flip_bit: Callable[[Path, int], None],
+                                                                  tmp_path: Path) -> None:
+    """The second server's copy has damaged experts in its layer (blk.1; a bit of each expert's first chunk: the
+    integrity record covers the metadata and dense tensors, and a chunk is checked when it is decoded): that server
+    names the expert in its log and closes the client's connection, and goes on serving; the client ends with one
+    line and exit status 1 (ggml-rpc cannot report an error to its caller), not with wrong logits."""
+    from pyzipmoe.file.reader import open_zipmoe
+
+    damaged = copy_of(zipmoe_model)
+    c = open_zipmoe(damaged).compressed_by_name["blk.1.ffn_down_exps.weight"]
+    for e in range(c.expert.info.n_expert):
+        flip_bit(damaged, c.region_file_offset(e) + c.expert.span(e).exp_offset + 5)
+    for servers in start_servers(tmp_path, [zipmoe_flags(zipmoe_model), zipmoe_flags(damaged)]):
+        done = subprocess.run([sys.executable, "-c", WORKER, _job(zipmoe_model, tmp_path / "x.npy", _split(servers))],
+                              env=worker_env(llama_bin_dir()), capture_output=True, text=True, timeout=TIMEOUT,
+                              check=False)
+        assert done.returncode == 1, f"exit status {done.returncode}:\n{stderr_tail(done.stderr)}"
+        lines = [ln for ln in done.stderr.splitlines() if ln.startswith("error: ggml-rpc: lost the connection")]
+        assert len(lines) == 1, stderr_tail(done.stderr)
+        said = [ln for ln in (tmp_path / "server1.log").read_text().splitlines() if ln.startswith("zipmoe: error:")]
+        assert len(said) == 1 and "blk.1.ffn_down_exps" in said[0], said
+        host, port = servers.split(",")[1].split(":")
+        socket.create_connection((host, int(port)), timeout=5).close()  # (still serving)
 
 
 @pytest.mark.parametrize("kind", ["stock", "zipmoe"])

@@ -161,7 +161,8 @@ static void server_info(void * out, size_t size) {
 }
 
 static bool server_fail(const std::string & msg) {
-    std::fprintf(stderr, "zipmoe: error: %s; the client's connection is closed\n", msg.c_str());
+    const size_t skip = msg.compare(0, 8, "zipmoe: ") == 0 ? 8 : 0; // (a store's error names zipmoe already)
+    std::fprintf(stderr, "zipmoe: error: %s; the client's connection is closed\n", msg.c_str() + skip);
     std::fflush(stderr);
     return false;
 }
