@@ -8,8 +8,9 @@ patches/0008): its experts stay in the client and its expert nodes run on the cl
 keeps no store for them, so only the server can have computed them. Either way, and mixed, the logits of the
 prompt and of 16 greedy tokens must be bit-identical to the single-process run's, unbounded and under the tightest
 budget (on the client and on each server); a plain BF16 model too (stock RPC), also on zipmoe servers. A zipmoe
-server of another file: refused when the model loads. A server killed mid-run: the client ends with one line and
-exit status 1, within seconds (no hang, no abort). A server that does not answer: refused before loading.
+server of another file: refused when the model loads. A server killed mid-run, or a zipmoe server whose copy has
+damaged experts: the client ends with one line and exit status 1, within seconds (no hang, no abort, no wrong
+logits). A server that does not answer: refused before loading.
 
 Each run is a child process (a crash fails one test). These tests need zipmoe's build with the RPC backend
 (build/bin/ggml-rpc-server, libllama.so) and llama-cpp-python: without them they are skipped (failed under CI).
