@@ -195,6 +195,10 @@ static bool server_compute(ggml_backend_t backend, ggml_cgraph * gf) {
     for (int i = 0; i < ggml_graph_n_nodes(gf); i++) {
         ggml_tensor * node = ggml_graph_node(gf, i);
         if (node->op == GGML_OP_MAP_CUSTOM1 && node->op_params[0] == ZIPMOE_RPC_TAG) {
+            if (ggml_backend_dev_type(ggml_backend_get_device(backend)) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+                return server_fail(format("expert nodes for %s, which cannot read zipmoe's expert memory (host "
+                    "memory): serve them from the CPU device (-d CPU)", ggml_backend_name(backend)));
+            }
             zipmoe_llama_tensor * zt = server_decode(node, err);
             if (!zt) {
                 return server_fail(err);
