@@ -222,17 +222,20 @@ def test_stock_and_zipmoe_server_mixed_is_bit_identical(zipmoe_model: Path, tmp_
 
 def test_zipmoe_server_of_another_file_is_refused_when_the_model_loads(zipmoe_models: dict[tuple[str, str], Path],
                                                                        tmp_path: Path) -> None:
-    """A zipmoe server started with another zipmoe file (the same model with another codec: another integrity
-    record): the client's load fails with one line naming the server and the file, before any layer goes there."""
+    """A zipmoe server started with one zipmoe file, and a process that loads it (accepted) and then another file
+    (the same model with another codec: another integrity record) on the same server: the second load fails with
+    one line naming the server and the server's file, before any layer goes there."""
     mine, other = zipmoe_models["qwen3moe", "huff"], zipmoe_models["qwen3moe", "zstd"]
-    for servers in start_servers(tmp_path, [zipmoe_flags(other)]):
+    for servers in start_servers(tmp_path, [zipmoe_flags(mine)]):
         code = ("import sys\nfrom pyzipmoe.runtime.llama import Llama, ZipmoeLoadError\n"
-                f"try:\n    Llama({str(mine)!r}, rpc_servers={servers!r}, n_gpu_layers=-1, verbose=False)\n"
+                f"Llama({str(mine)!r}, rpc_servers={servers!r}, n_gpu_layers=-1, verbose=False).close()\n"
+                "print('accepted', flush=True)\n"
+                f"try:\n    Llama({str(other)!r}, rpc_servers={servers!r}, n_gpu_layers=-1, verbose=False)\n"
                 "except ZipmoeLoadError as e:\n    print('refused:', e)\n    sys.exit(3)\n")
         done = subprocess.run([sys.executable, "-c", code], env=worker_env(llama_bin_dir()), capture_output=True,
                               text=True, timeout=TIMEOUT, check=False)
-        assert done.returncode == 3, done.stdout + done.stderr
-        assert f"the RPC server {servers} serves another zipmoe model ({other.name})" in done.stdout, done.stdout
+        assert done.returncode == 3 and done.stdout.startswith("accepted"), done.stdout + done.stderr
+        assert f"the RPC server {servers} serves another zipmoe model ({mine.name})" in done.stdout, done.stdout
 
 
 def test_zipmoe_server_refuses_a_file_it_cannot_serve(tiny_model: Path, tmp_path: Path) -> None:

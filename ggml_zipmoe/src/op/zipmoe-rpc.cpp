@@ -89,11 +89,13 @@ static bool client_supports(const char * endpoint, const ggml_tensor * node) {
 }
 
 bool zipmoe_rpc_remote(ggml_backend_dev_t dev, uint64_t digest) {
-    static std::mutex                  mu;
-    static std::map<std::string, bool> verdicts; // endpoint -> whether it computes this process's experts
-    const std::string                  endpoint = ggml_backend_dev_description(dev); // (an RPC device's is its server)
-    std::lock_guard<std::mutex>        lock(mu);
-    if (const auto it = verdicts.find(endpoint); it != verdicts.end()) {
+    // (endpoint, digest) -> whether that server computes the experts of that file: a process may load several
+    // models on the same servers, one after another
+    static std::mutex                                        mu;
+    static std::map<std::pair<std::string, uint64_t>, bool> verdicts;
+    const std::string           endpoint = ggml_backend_dev_description(dev); // (an RPC device's is its server)
+    std::lock_guard<std::mutex> lock(mu);
+    if (const auto it = verdicts.find({ endpoint, digest }); it != verdicts.end()) {
         return it->second;
     }
     ggml_backend_reg_t reg  = ggml_backend_dev_backend_reg(dev);
@@ -125,7 +127,7 @@ bool zipmoe_rpc_remote(ggml_backend_dev_t dev, uint64_t digest) {
         LLAMA_LOG_INFO("%s: zipmoe: the RPC server %s computes the experts of its layers from its own copy of this "
             "model (%s), under its own memory budget\n", __func__, endpoint.c_str(), rec.name);
     }
-    verdicts[endpoint] = remote;
+    verdicts[{ endpoint, digest }] = remote;
     return remote;
 }
 
