@@ -306,8 +306,9 @@ def _add_llama_options(p: argparse.ArgumentParser, *, ctx: str | None = "default
     if rpc:
         p.add_argument("--rpc", metavar="SERVERS",
                        help="split the model's layers across ggml-rpc-server processes, host:port,... (llama.cpp's "
-                            "--rpc, with every layer offloaded). A zipmoe model's experts stay on this machine and "
-                            "run on its CPU under its --memory-budget (docs/rpc.md)")
+                            "--rpc, with every layer offloaded). A server started with --zipmoe-model and a copy of "
+                            "the zipmoe file computes its layers' experts under its own budget; on a stock server they "
+                            "stay on this machine and run on its CPU under its --memory-budget (docs/rpc.md)")
         p.add_argument("-ts", "--tensor-split", type=split_list, metavar="N0,N1,...",
                        help="with --rpc: the share of the layers for each server, e.g. 1,1 (default: by their free "
                             "memory)")

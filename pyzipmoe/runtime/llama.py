@@ -183,8 +183,10 @@ class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
     rpc_servers: ggml-rpc-server endpoints, "host:port,host:port" or a list (llama.cpp's --rpc): their devices join
         this process (for every model it loads from then on, as --rpc does) and the model's layers are split across
         them by tensor_split (default: by their free memory); n_gpu_layers defaults to all layers then. A zipmoe
-        model's experts stay in this process and run on its CPU under its budget (docs/rpc.md). An endpoint that
-        does not answer raises ZipmoeLoadError before anything is loaded.
+        model's experts run on a server started with --zipmoe-model and a copy of the file, under its own budget;
+        on a stock server they stay in this process and run on its CPU under its budget (docs/rpc.md). An endpoint
+        that does not answer, or a zipmoe server of another file, raises ZipmoeLoadError before anything is
+        uploaded.
     n_ctx, n_threads, n_threads_batch (llama_cpp.Llama's): checked before they reach llama.cpp's 32-bit fields, a
         context from 0 (the model's) to config.MAX_CONTEXT tokens, threads from 1 to config.MAX_THREADS (ggml's
         maximum; None or 0: llama-cpp-python's default, at most that); a ValueError (ZipmoeError) says which.

@@ -1,11 +1,16 @@
 """A model split across llama.cpp's RPC servers (ggml-rpc-server, --rpc): the same logits as in one process.
 
 Two ggml-rpc-server processes on 127.0.0.1 (different ports) each take one of a tiny model's two MoE layers
-(tensor_split 1,2 over its three: the output layer goes with the second; every layer offloaded). A zipmoe model's expert ops cannot run on a server (their parameters are
-the client's pointers; patches/0008): its experts stay in the client and its expert nodes run on the client's CPU,
-and the logits of the prompt and of 16 greedy tokens must be bit-identical to the single-process run's, unbounded
-and under the tightest budget; a plain BF16 model too (stock RPC). A server killed mid-run: the client ends with one
-line and exit status 1, within seconds (no hang, no abort). A server that does not answer: refused before loading.
+(tensor_split 1,2 over its three: the output layer goes with the second; every layer offloaded). On a stock server
+(no --zipmoe-model) a zipmoe model's expert ops cannot run (their parameters are the client's pointers;
+patches/0008): its experts stay in the client and its expert nodes run on the client's CPU. A zipmoe server
+(--zipmoe-model, the same file) computes the experts of its layer from its own copy, under its own budget; the client
+keeps no store for them, so only the server can have computed them. Either way, and mixed, the logits of the
+prompt and of 16 greedy tokens must be bit-identical to the single-process run's, unbounded and under the tightest
+budget (on the client and on each server); a plain BF16 model too (stock RPC), also on zipmoe servers. A zipmoe
+server of another file: refused when the model loads. A server killed mid-run, or a zipmoe server whose copy has
+damaged experts: the client ends with one line and exit status 1, within seconds (no hang, no abort, no wrong
+logits). A server that does not answer: refused before loading.
 
 Each run is a child process (a crash fails one test). These tests need zipmoe's build with the RPC backend
 (build/bin/ggml-rpc-server, libllama.so) and llama-cpp-python: without them they are skipped (failed under CI).
@@ -19,7 +24,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +47,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(bin_dir: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """A ggml-rpc-server on 127.0.0.1 (one thread), once it accepts connections: (process, "host:port")."""
+def start_server(bin_dir: Path, log: Path, flags: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], str]:
+    """A ggml-rpc-server on 127.0.0.1 (one thread) with `flags` (--zipmoe-model PATH ...), once it accepts
+    connections: (process, "host:port")."""
     program = bin_dir / "ggml-rpc-server"
     if not program.is_file():
         unavailable(f"{program} was not built (the build turns GGML_RPC on)")
     port = _free_port()
-    proc = subprocess.Popen([str(program), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+    proc = subprocess.Popen([str(program), "-H", "127.0.0.1", "-p", str(port), "-t", "1", *flags],
                             stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
                             env=worker_env(bin_dir))
     deadline = time.monotonic() + 30
@@ -63,19 +69,34 @@ def start_server(bin_dir: Path, log: Path) -> tuple[subprocess.Popen[bytes], str
     raise AssertionError(f"ggml-rpc-server did not listen on {port}: {log.read_text()[-2000:]}")
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Two servers for the module's runs (a server serves one client at a time, and frees its memory after)."""
+def start_servers(logs: Path, flags: list[tuple[str, ...]]) -> Iterator[str]:
+    """A server per entry of flags: yields their endpoints ("host:port,host:port"), kills them after."""
     bin_dir = llama_bin_dir()
-    logs = tmp_path_factory.mktemp("rpc")
     procs = []
     try:
-        for i in range(2):
-            procs.append(start_server(bin_dir, logs / f"server{i}.log"))
+        for i, f in enumerate(flags):
+            procs.append(start_server(bin_dir, logs / f"server{i}.log", f))
         yield ",".join(ep for _, ep in procs)
     finally:
         for proc, _ in procs:
             kill_group(proc)
+
+
+def zipmoe_flags(model: Path, budget: str | None = None) -> tuple[str, ...]:
+    """A zipmoe server's flags: its copy of the model, and its budget."""
+    return ("--zipmoe-model", str(model), *(("--memory-budget", budget) if budget else ()))
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Two stock servers for the module's runs (a server serves one client at a time, and frees its memory after)."""
+    yield from start_servers(tmp_path_factory.mktemp("rpc"), [(), ()])
+
+
+@pytest.fixture(scope="module")
+def zipmoe_servers(tmp_path_factory: pytest.TempPathFactory, zipmoe_model: Path) -> Iterator[str]:
+    """Two zipmoe servers of zipmoe_model, unbounded."""
+    yield from start_servers(tmp_path_factory.mktemp("rpc"), [zipmoe_flags(zipmoe_model)] * 2)
 
 
 # ------------------------------------------------------------------------------------------ worker
@@ -143,22 +164,126 @@ def test_zipmoe_split_across_two_servers_is_bit_identical(zipmoe_model: Path, se
         assert any(endpoint in ln and "KV buffer size" in ln for ln in err.splitlines()), stderr_tail(err)
 
 
-def test_plain_model_split_across_two_servers_is_bit_identical(tiny_model: Path, servers: str,
-                                                               tmp_path: Path) -> None:
-    """A plain BF16 model over the same servers: stock RPC (its experts go to the servers), the same logits."""
+@pytest.mark.parametrize("kind", ["stock", "zipmoe"])
+def test_plain_model_split_across_two_servers_is_bit_identical(tiny_model: Path, kind: str,
+                                                               request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """A plain BF16 model over stock servers, and over zipmoe servers (which serve it as stock ones do): stock RPC
+    (its experts go to the servers), the same logits."""
+    servers = request.getfixturevalue("servers" if kind == "stock" else "zipmoe_servers")
     ref_tokens, ref, _ = run(tiny_model, tmp_path / "one.npy", {})
     tokens, got, err = run(tiny_model, tmp_path / "rpc.npy", _split(servers), verbose=True)
     assert tokens == ref_tokens
-    assert_bit_identical(got, ref, "plain BF16 model over RPC")
-    assert "experts of layers on RPC devices" not in err
+    assert_bit_identical(got, ref, f"plain BF16 model over {kind} RPC servers")
+    assert "experts of layers on RPC devices" not in err and "computes the experts" not in err
 
 
-def test_server_killed_mid_run_ends_the_client_with_one_line(zipmoe_model: Path, tmp_path: Path) -> None:
-    """One of the two servers is killed after the client's first generated token: the client exits with status 1
-    and a line saying the connection to an RPC server was lost, within KILL_DEADLINE seconds (no hang, no
-    SIGABRT with a backtrace)."""
+SAYS_REMOTE = "computes the experts of its layers from its own copy"
+
+
+@pytest.mark.parametrize("budget", [None, "minimum"])
+def test_zipmoe_servers_compute_their_experts_bit_identical(zipmoe_model: Path, budget: str | None,
+                                                           tmp_path: Path) -> None:
+    """Two zipmoe servers (--zipmoe-model, the same file), each under the same budget as the client: each computes
+    its layer's experts (the client keeps no store for them: its log says so for each server, and nothing stays
+    on its CPU), and the logits and greedy tokens are the single-process run's, bit for bit."""
+    from pyzipmoe.runtime.budget import model_memory
+
+    size = None if budget is None else str(model_memory(zipmoe_model).minimum)
+    zipmoe = {} if size is None else {"memory_budget": size}
+    ref_tokens, ref, _ = run(zipmoe_model, tmp_path / "one.npy", zipmoe)
+    for servers in start_servers(tmp_path, [zipmoe_flags(zipmoe_model, size)] * 2):
+        tokens, got, err = run(zipmoe_model, tmp_path / "rpc.npy", {**zipmoe, **_split(servers)}, verbose=True)
+        assert tokens == ref_tokens
+        assert_bit_identical(got, ref, f"zipmoe servers (budget {budget})")
+        for endpoint in servers.split(","):
+            said = [ln for ln in err.splitlines() if SAYS_REMOTE in ln and endpoint in ln]
+            assert len(said) == 1, stderr_tail(err)
+            assert any(endpoint in ln and "KV buffer size" in ln for ln in err.splitlines()), stderr_tail(err)
+        assert "experts of layers on RPC devices" not in err
+        for log in (tmp_path / "server0.log", tmp_path / "server1.log"):  # each server's own cache, its budget
+            said = [ln for ln in log.read_text().splitlines() if "zipmoe: memory budget" in ln]
+            assert len(said) == (budget is not None), log.read_text()[-2000:]
+            assert "filled the cache tiers" not in log.read_text()  # (not every layer's experts at load)
+
+
+def test_stock_and_zipmoe_server_mixed_is_bit_identical(zipmoe_model: Path, tmp_path: Path) -> None:
+    """A stock server and a zipmoe server: the stock one's layer computes its experts on the client (the fallback's
+    line), the zipmoe one's on that server; the same logits as in one process."""
+    ref_tokens, ref, _ = run(zipmoe_model, tmp_path / "one.npy", {})
+    for servers in start_servers(tmp_path, [(), zipmoe_flags(zipmoe_model)]):
+        stock, zipmoe = servers.split(",")
+        tokens, got, err = run(zipmoe_model, tmp_path / "rpc.npy", _split(servers), verbose=True)
+        assert tokens == ref_tokens
+        assert_bit_identical(got, ref, "a stock and a zipmoe server")
+        assert len([ln for ln in err.splitlines() if "experts of layers on RPC devices" in ln]) == 1, stderr_tail(err)
+        assert [ln for ln in err.splitlines() if SAYS_REMOTE in ln and zipmoe in ln], stderr_tail(err)
+        assert not [ln for ln in err.splitlines() if SAYS_REMOTE in ln and stock in ln], stderr_tail(err)
+
+
+def test_zipmoe_server_of_another_file_is_refused_when_the_model_loads(zipmoe_models: dict[tuple[str, str], Path],
+                                                                       tmp_path: Path) -> None:
+    """A zipmoe server started with one zipmoe file, and a process that loads it (accepted) and then another file
+    (the same model with another codec: another integrity record) on the same server: the second load fails with
+    one line naming the server and the server's file, before any layer goes there."""
+    mine, other = zipmoe_models["qwen3moe", "huff"], zipmoe_models["qwen3moe", "zstd"]
+    for servers in start_servers(tmp_path, [zipmoe_flags(mine)]):
+        code = ("import sys\nfrom pyzipmoe.runtime.llama import Llama, ZipmoeLoadError\n"
+                f"Llama({str(mine)!r}, rpc_servers={servers!r}, n_gpu_layers=-1, verbose=False).close()\n"
+                "print('accepted', flush=True)\n"
+                f"try:\n    Llama({str(other)!r}, rpc_servers={servers!r}, n_gpu_layers=-1, verbose=False)\n"
+                "except ZipmoeLoadError as e:\n    print('refused:', e)\n    sys.exit(3)\n")
+        done = subprocess.run([sys.executable, "-c", code], env=worker_env(llama_bin_dir()), capture_output=True,
+                              text=True, timeout=TIMEOUT, check=False)
+        assert done.returncode == 3 and done.stdout.startswith("accepted"), done.stdout + done.stderr
+        assert f"the RPC server {servers} serves another zipmoe model ({mine.name})" in done.stdout, done.stdout
+
+
+def test_zipmoe_server_refuses_a_file_it_cannot_serve(tiny_model: Path, tmp_path: Path) -> None:
+    """--zipmoe-model with a plain GGUF, or a path that does not open: one line, exit status 1, before listening."""
+    program = llama_bin_dir() / "ggml-rpc-server"
+    for path, says in ((tiny_model, "not a zipmoe GGUF"), (tmp_path / "missing.gguf", "No such file")):
+        done = subprocess.run([str(program), "-p", str(_free_port()), "--zipmoe-model", str(path)],
+                              env=worker_env(llama_bin_dir()), capture_output=True, text=True, timeout=60, check=False)
+        lines = done.stderr.splitlines()
+        assert done.returncode == 1 and len(lines) == 1, done.stdout + done.stderr
+        assert lines[0].startswith(f"zipmoe: error: --zipmoe-model {path}: ") and says in lines[0], lines
+
+
+def test_zipmoe_server_with_a_damaged_expert_closes_the_connection(zipmoe_model: Path,
+                                                                  copy_of: Callable[[Path], Path],
+                                                                  flip_bit: Callable[[Path, int], None],
+                                                                  tmp_path: Path) -> None:
+    """The second server's copy has damaged experts in its layer (blk.1; a bit of each expert's first chunk: the
+    integrity record covers the metadata and dense tensors, and a chunk is checked when it is decoded): that server
+    names the expert in its log and closes the client's connection, and goes on serving; the client ends with one
+    line and exit status 1 (ggml-rpc cannot report an error to its caller), not with wrong logits."""
+    from pyzipmoe.file.reader import open_zipmoe
+
+    damaged = copy_of(zipmoe_model)
+    c = open_zipmoe(damaged).compressed_by_name["blk.1.ffn_down_exps.weight"]
+    for e in range(c.expert.info.n_expert):
+        flip_bit(damaged, c.region_file_offset(e) + c.expert.span(e).exp_offset + 5)
+    for servers in start_servers(tmp_path, [zipmoe_flags(zipmoe_model), zipmoe_flags(damaged)]):
+        done = subprocess.run([sys.executable, "-c", WORKER, _job(zipmoe_model, tmp_path / "x.npy", _split(servers))],
+                              env=worker_env(llama_bin_dir()), capture_output=True, text=True, timeout=TIMEOUT,
+                              check=False)
+        assert done.returncode == 1, f"exit status {done.returncode}:\n{stderr_tail(done.stderr)}"
+        lines = [ln for ln in done.stderr.splitlines() if ln.startswith("error: ggml-rpc: lost the connection")]
+        assert len(lines) == 1, stderr_tail(done.stderr)
+        said = [ln for ln in (tmp_path / "server1.log").read_text().splitlines() if ln.startswith("zipmoe: error:")]
+        assert len(said) == 1 and "blk.1.ffn_down_exps" in said[0], said
+        host, port = servers.split(",")[1].split(":")
+        socket.create_connection((host, int(port)), timeout=5).close()  # (still serving)
+
+
+@pytest.mark.parametrize("kind", ["stock", "zipmoe"])
+def test_server_killed_mid_run_ends_the_client_with_one_line(zipmoe_model: Path, kind: str, tmp_path: Path) -> None:
+    """One of the two servers (stock, or zipmoe ones computing the experts) is killed after the client's first
+    generated token: the client exits with status 1 and a line saying the connection to an RPC server was lost,
+    within KILL_DEADLINE seconds (no hang, no SIGABRT with a backtrace)."""
     bin_dir = llama_bin_dir()
-    procs = [start_server(bin_dir, tmp_path / f"server{i}.log") for i in range(2)]
+    flags = zipmoe_flags(zipmoe_model) if kind == "zipmoe" else ()
+    procs = [start_server(bin_dir, tmp_path / f"server{i}.log", flags) for i in range(2)]
     client = None
     try:
         job = _job(zipmoe_model, tmp_path / "x.npy", _split(",".join(ep for _, ep in procs)), n_gen=10_000)

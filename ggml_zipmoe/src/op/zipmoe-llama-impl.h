@@ -8,6 +8,7 @@
 #include "zipmoe.h"
 
 #include <atomic>
+#include <string>
 #include <vector>
 
 // routed slots (top-k x tokens) a fused node computes; beyond, ggml's tiling
@@ -21,6 +22,7 @@ struct zipmoe_llama_tensor {
     int                   layer  = -1;      // N of "blk.N."
     const ggml_tensor *   router = nullptr; // its layer's router weight, seen when a graph was built (registry lock)
     std::vector<zipmoe_llama_tensor *> next; // the expert tensors of the next layer, once found
+    std::string           remote;           // the RPC server that computes its experts (zipmoe-rpc.cpp); no store here
     // the fused matmul's claims (zipmoe_llama_fused_op): the next row block of each routed slot, and the threads
     // that left
     struct alignas(64) claim {
@@ -38,3 +40,11 @@ zipmoe_runtime_config zipmoe_llama_runtime_config();
 // ggml_mul_mat_id(w, x, ids).
 void zipmoe_llama_fused_op(ggml_tensor * dst, int ith, int nth, void * userdata);
 bool zipmoe_llama_fusable(const ggml_tensor * w, const ggml_tensor * x, const ggml_tensor * ids);
+
+// zipmoe over RPC (zipmoe-rpc.cpp). Client: t, a weight in the buffer of the server at endpoint, whose experts that
+// server computes: zt (its store freed: this process decodes none of them) is found for t as its graph is built.
+void zipmoe_llama_bind_remote(zipmoe_llama_tensor * zt, ggml_tensor * t, const std::string & endpoint);
+// Server: the bound expert tensor of that name (nullptr if none), and a node's op parameters made those of its
+// materialising op (a ggml_map_custom1 over the routed ids, as build_materialize makes it).
+zipmoe_llama_tensor * zipmoe_llama_find_name(const char * name);
+void                  zipmoe_llama_set_materialize(ggml_tensor * node, zipmoe_llama_tensor * zt);

@@ -4,6 +4,7 @@
 #include "zipmoe-llama-impl.h"
 #include "zipmoe-config.h"
 #include "zipmoe-control.h"
+#include "zipmoe-rpc.h"
 
 #include "ggml-backend.h"
 #include "ggml-backend-impl.h" // (a buffer of the CPU repack type over the store's memory: zipmoe_llama_bind)
@@ -305,13 +306,15 @@ static int cpu_count() {
 }
 
 // Once the last store of the model being loaded is bound, its tiers are filled on every core: the first tokens
-// then find the experts a plain model would find in the page cache after llama.cpp's read-ahead.
+// then find the experts a plain model would find in the page cache after llama.cpp's read-ahead. (store nullptr: one
+// left the model being loaded, zipmoe_llama_bind_remote; the others may all be bound now.)
 static void prefill_when_bound(zipmoe_store * store) {
     std::vector<zipmoe_store *> stores;
     {
         std::lock_guard<std::mutex> lock(g_pending_mu);
-        if (std::find(g_loading.begin(), g_loading.end(), store) == g_loading.end() ||
-            ++g_loading_bound < g_loading.size()) {
+        if (store ? std::find(g_loading.begin(), g_loading.end(), store) == g_loading.end() ||
+                        ++g_loading_bound < g_loading.size()
+                  : g_loading.empty() || g_loading_bound < g_loading.size()) {
             return;
         }
         stores.swap(g_loading);
@@ -461,6 +464,38 @@ bool zipmoe_llama_bind(zipmoe_llama_tensor * zt, ggml_tensor * t, ggml_backend_b
     return true;
 }
 
+void zipmoe_llama_bind_remote(zipmoe_llama_tensor * zt, ggml_tensor * t, const std::string & endpoint) {
+    zipmoe_store * store = zt->store;
+    {
+        std::lock_guard<std::mutex> lock(g_pending_mu); // as its deleter does: the model being loaded loses it
+        g_opened.erase(std::remove(g_opened.begin(), g_opened.end(), store), g_opened.end());
+        g_pending.erase(std::remove_if(g_pending.begin(), g_pending.end(),
+                                       [store](const zipmoe_pending & p) { return p.store == store; }),
+                        g_pending.end());
+        g_loading.erase(std::remove(g_loading.begin(), g_loading.end(), store), g_loading.end());
+    }
+    zipmoe_store_free(store);
+    zt->store  = nullptr;
+    zt->remote = endpoint;
+    {
+        std::lock_guard<std::mutex> lock(g_registry_mu); // (not in g_bound: no op of this process materialises it)
+        g_registry[t]   = zt;
+        zt->tensor      = t;
+        g_registry_size = g_registry.size();
+    }
+    prefill_when_bound(nullptr);
+}
+
+zipmoe_llama_tensor * zipmoe_llama_find_name(const char * name) {
+    std::lock_guard<std::mutex> lock(g_registry_mu);
+    for (const zipmoe_llama_tensor * zt : g_bound) {
+        if (std::strcmp(zt->tensor->name, name) == 0) {
+            return const_cast<zipmoe_llama_tensor *>(zt); // (g_bound holds them const)
+        }
+    }
+    return nullptr;
+}
+
 zipmoe_llama_tensor * zipmoe_llama_find(const ggml_tensor * w) {
     if (g_registry_size.load(std::memory_order_relaxed) == 0) {
         return nullptr;
@@ -500,7 +535,7 @@ static const ggml_tensor * next_layer(zipmoe_llama_tensor * zt) {
     std::lock_guard<std::mutex> lock(g_registry_mu);
     if (zt->next.empty()) {
         for (const auto & [t, other] : g_registry) {
-            if (other->model == zt->model && other->layer == zt->layer + 1) {
+            if (other->model == zt->model && other->layer == zt->layer + 1 && other->store) { // (not a server's)
                 zt->next.push_back(other);
             }
         }
@@ -603,6 +638,9 @@ ggml_tensor * zipmoe_llama_mul_mat_id(ggml_context * ctx, zipmoe_llama_tensor * 
     if (warmup) {
         return ggml_mul_mat_id(ctx, w, x, ids); // warmup routes to every expert, its output unused: decode nothing
     }
+    if (!zt->remote.empty()) {
+        return zipmoe_rpc_mul_mat_id(ctx, zt, w, x, ids); // a zipmoe RPC server's experts
+    }
     ggml_tensor * guess = build_prediction(ctx, zt, ids);
     static const bool fuse = zipmoe_llama_runtime_config().fused != 0;
     if (!fuse || !zipmoe_llama_fusable(w, x, ids)) {
@@ -613,6 +651,16 @@ ggml_tensor * zipmoe_llama_mul_mat_id(ggml_context * ctx, zipmoe_llama_tensor * 
                                            zipmoe_llama_fused_op, GGML_N_TASKS_MAX, zt);
     ggml_format_name(r, "zipmoe-mm-%s", w->name);
     return r;
+}
+
+void zipmoe_llama_set_materialize(ggml_tensor * node, zipmoe_llama_tensor * zt) {
+    struct {
+        void * fun;
+        int    n_tasks;
+        void * userdata;
+    } p = { reinterpret_cast<void *>(&materialize_op), GGML_N_TASKS_MAX, zt }; // (materialised_by reads them)
+    std::memset(node->op_params, 0, sizeof node->op_params);
+    std::memcpy(node->op_params, &p, sizeof p);
 }
 
 // The zipmoe tensor a graph node materialises (its op and userdata, in the node's op parameters: ggml-impl.h's

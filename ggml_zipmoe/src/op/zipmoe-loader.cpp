@@ -5,6 +5,8 @@
 #include "zipmoe-cache.h"
 #include "zipmoe-integrity.h"
 #include "zipmoe-llama.h"
+#include "zipmoe-llama-impl.h" // (zipmoe_llama_bind_remote)
+#include "zipmoe-rpc.h"
 
 #include "llama-impl.h"
 #include "llama-model-loader.h"
@@ -29,6 +31,8 @@ struct zipmoe_loader {
     std::map<std::string, zipmoe_weight> weights;
     std::string      fname;            // the stores open the model file themselves, whatever flags llama.cpp used
     bool             said_rpc = false; // the line that experts of layers on RPC devices stay on this machine
+    uint64_t         digest   = 0;     // the file's identity for zipmoe RPC servers (zipmoe_rpc_model_digest)
+    std::vector<ggml_backend_buffer_ptr> remote; // the weights' buffers on zipmoe RPC servers (never written)
 };
 
 static bool zipmoe_ends_with(const std::string & s, const std::string & sfx) {
@@ -294,6 +298,7 @@ std::shared_ptr<zipmoe_loader> zipmoe_loader_init(llama_model_loader & ml, const
             throw std::runtime_error("zipmoe: a zipmoe GGUF is one file; this one has splits, which its integrity record does not cover");
         }
         zipmoe_check_integrity(ml.metadata, fname, ml.files[0]->file_id());
+        zl->digest = zipmoe_rpc_model_digest(ml.metadata);
         zipmoe_index_weights(*zl, ml);
     } else {
         zipmoe_plain_weights(*zl, ml);
@@ -318,12 +323,18 @@ ggml_tensor * zipmoe_loader_create_tensor(zipmoe_loader & zl, llama_model_loader
     }
     ggml_tensor * t = ggml_dup_tensor(zl.ctx.get(), &t_meta);
     ggml_set_name(t, ggml_get_name(&t_meta));
-    // A layer placed on an RPC device (--rpc): an rpc-server cannot run zipmoe's expert ops (their parameters are
-    // this process's pointers) nor read its cache, so the layer's experts stay in this process's memory and the
-    // expert matmuls run on its CPU (ggml-rpc does not take zipmoe's ops, patches/0008); the rest of the layer
-    // runs on the server. The RPC backend never offloads an op to itself, so nothing copies the expert memory.
+    // A layer placed on an RPC device (--rpc). A zipmoe server with this file computes its experts from its own copy
+    // (zipmoe-rpc.h): the weight gets a buffer there that nothing writes (the server's matmul reads its own cache)
+    // and no store here. A stock rpc-server cannot run zipmoe's expert ops (their parameters are this process's
+    // pointers) nor read its cache, so the layer's experts stay in this process's memory and the expert matmuls run
+    // on its CPU (ggml-rpc does not take zipmoe's ops, patches/0008); the rest of the layer runs on the server. The
+    // RPC backend never offloads an op to itself, so nothing copies the expert memory.
     ggml_backend_dev_t dev = buft ? ggml_backend_buft_get_device(buft) : nullptr;
-    if (dev && std::strncmp(ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev)), "RPC", 3) == 0) {
+    const bool rpc = dev && std::strncmp(ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev)), "RPC", 3) == 0;
+    if (rpc && zipmoe_rpc_remote(dev, zl.digest)) {
+        zl.remote.emplace_back(zipmoe_rpc_place(t, buft, ml.no_alloc));
+        zipmoe_llama_bind_remote(zw.handle.get(), t, ggml_backend_dev_description(dev));
+    } else if (rpc) {
         if (!ml.no_alloc && !zl.said_rpc) {
             LLAMA_LOG_INFO("%s: zipmoe: experts of layers on RPC devices (%s, ...) stay on this machine: their "
                 "matmuls run on its CPU, under its memory budget; the rest of those layers runs on the servers\n",
@@ -334,7 +345,8 @@ ggml_tensor * zipmoe_loader_create_tensor(zipmoe_loader & zl, llama_model_loader
     }
     std::string err;
     const int fd = ml.no_alloc ? -1 : ml.files.at(zw.idx)->file_id();
-    if (!zipmoe_llama_bind(zw.handle.get(), t, buft, ml.no_alloc, zl.fname.c_str(), fd, zw.data_offs, err)) {
+    if (zw.handle->remote.empty() &&
+            !zipmoe_llama_bind(zw.handle.get(), t, buft, ml.no_alloc, zl.fname.c_str(), fd, zw.data_offs, err)) {
         throw std::runtime_error(format("zipmoe: %s: %s", t->name, err.c_str()));
     }
     zw.tensor = t;
