@@ -101,6 +101,7 @@ def learn(model_path: str | os.PathLike[str]) -> Path | None:
     if kept is None or not kept.parent.is_dir():
         return None
     pattern = re.compile(re.escape(kept.name + RUN_INFIX) + r"[0-9]+-[0-9a-f]+")
+    _drop_orphan_writes(kept)
     if not any(pattern.fullmatch(p.name) for p in kept.parent.glob(kept.name + RUN_INFIX + "*")):
         return kept if kept.is_file() else None
     with open(kept.with_name(kept.name + ".lock"), "a") as lock:
@@ -130,6 +131,25 @@ def learn(model_path: str | os.PathLike[str]) -> Path | None:
         for run in runs:
             run.unlink(missing_ok=True)
     return kept if kept.is_file() else None
+
+
+def _drop_orphan_writes(kept: Path) -> None:
+    """Removes the temporary files of records whose writer died while writing them (the native library writes
+    RECORD.tmp<pid>, then renames it): nothing else would, as they match no record's name."""
+    orphan = re.compile(re.escape(kept.name + RUN_INFIX) + r"[0-9]+-[0-9a-f]+\.tmp([0-9]+)")
+    for p in kept.parent.glob(kept.name + RUN_INFIX + "*.tmp*"):
+        if (m := orphan.fullmatch(p.name)) and not _alive(int(m.group(1))):
+            p.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (another user's process: alive)
+        return True
+    return True
 
 
 class PriorFileError(PlanInputError):

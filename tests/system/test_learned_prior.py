@@ -6,6 +6,7 @@ show` says from how many runs, and `zipmoe prune` keeps what belongs to a model 
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -134,6 +135,21 @@ def test_a_record_of_another_shape_or_of_no_routing_is_dropped_and_a_damaged_kep
     run = a_run(stored, 0, 5)
     assert prior.learn(stored.model_path) == kept  # for the load to refuse with its one line
     assert kept.read_bytes() == b"ZMPRIOR1 damaged" and run.exists()
+
+
+def test_a_record_whose_writer_died_mid_write_is_removed_and_a_live_writers_kept(
+        stored: ModelPackage, store: ModelDirectory) -> None:
+    import subprocess
+
+    dead_pid = subprocess.Popen(["true"])  # (a pid that has ended: no process has it now)
+    dead_pid.wait()
+    record = prior.record_path(stored.model_path)
+    dead = record.with_name(f"{record.name}.tmp{dead_pid.pid}")
+    live = record.with_name(f"{record.name}.tmp{os.getpid()}")
+    dead.write_bytes(b"ZMPRIOR1 half written")
+    live.write_bytes(b"ZMPRIOR1 being written")
+    prior.learn(stored.model_path)
+    assert not dead.exists() and live.exists()
 
 
 def test_prune_keeps_a_stored_models_records_and_drops_a_removed_ones(
