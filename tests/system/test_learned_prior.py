@@ -23,31 +23,7 @@ N_LAYER, N_EXPERT, K = 2, 8, 2  # the tiny preset's
 Run = Callable[..., tuple[int, str, str]]
 
 
-@pytest.fixture
-def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModelDirectory:
-    root = tmp_path / "models"
-    monkeypatch.setenv("ZIPMOE_MODELS", str(root))
-    monkeypatch.delenv("ZIPMOE_PRIOR", raising=False)
-    monkeypatch.delenv("ZIPMOE_PRIOR_RECORD", raising=False)
-    return ModelDirectory(root)
 
-
-@pytest.fixture
-def stored(store: ModelDirectory, tiny_model: Path, tmp_path: Path) -> ModelPackage:
-    store.create("tiny", f"FROM {tiny_model}\n", base_dir=tmp_path)
-    return store.open("tiny")
-
-
-@pytest.fixture
-def zipmoe(capsys: pytest.CaptureFixture[str]) -> Run:
-    from pyzipmoe import cli
-
-    def run(*argv: object) -> tuple[int, str, str]:
-        code = cli.main([str(a) for a in argv])
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
 
 
 def budget_of(package: ModelPackage) -> str:

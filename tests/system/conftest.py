@@ -1,0 +1,44 @@
+"""Fixtures of the stored-model prior tests (test_kept_prior.py, test_learned_prior.py): a models directory of
+their own, the tiny model stored in it, and the zipmoe command run in this process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from pyzipmoe.models.directory import ModelDirectory
+from pyzipmoe.models.package import ModelPackage
+
+Run = Callable[..., tuple[int, str, str]]
+
+
+@pytest.fixture
+def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModelDirectory:
+    """An empty models directory, the one the commands use; no prior or record of the caller's environment."""
+    root = tmp_path / "models"
+    monkeypatch.setenv("ZIPMOE_MODELS", str(root))
+    monkeypatch.delenv("ZIPMOE_PRIOR", raising=False)
+    monkeypatch.delenv("ZIPMOE_PRIOR_RECORD", raising=False)
+    return ModelDirectory(root)
+
+
+@pytest.fixture
+def stored(store: ModelDirectory, tiny_model: Path, tmp_path: Path) -> ModelPackage:
+    """The tiny model, stored as "tiny"."""
+    store.create("tiny", f"FROM {tiny_model}\n", base_dir=tmp_path)
+    return store.open("tiny")
+
+
+@pytest.fixture
+def zipmoe(capsys: pytest.CaptureFixture[str]) -> Run:
+    """Runs `zipmoe ARGV...` in this process: (exit status, stdout, stderr)."""
+    from pyzipmoe import cli
+
+    def run(*argv: object) -> tuple[int, str, str]:
+        code = cli.main([str(a) for a in argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
