@@ -42,3 +42,27 @@ def zipmoe(capsys: pytest.CaptureFixture[str]) -> Run:
         return code, out, err
 
     return run
+
+
+@pytest.fixture
+def budget(stored: ModelPackage) -> str:
+    """A memory budget (bytes) whose tiers hold about half of the stored model's experts."""
+    from pyzipmoe.runtime.budget import model_memory
+
+    need = model_memory(stored.model_path)
+    return str(need.minimum + need.expert_bytes // 2)
+
+
+@pytest.fixture
+def program_envs(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, str]]:
+    """The environments the zipmoe commands start their llama.cpp program with, in order; no program is started.
+    The runtime's variables, which the commands set in this process, are restored after the test."""
+    from pyzipmoe.runtime import config, runner, supervise
+
+    for key in config.RUNTIME_ENV:
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    started: list[dict[str, str]] = []
+    monkeypatch.setattr(runner, "program", lambda name: Path("/bin") / name)
+    monkeypatch.setattr(supervise, "run_program", lambda argv, env, **kw: started.append(dict(env)) or 0)
+    return started

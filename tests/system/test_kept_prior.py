@@ -23,9 +23,6 @@ STEPS = 12
 Run = Callable[..., tuple[int, str, str]]
 
 
-
-
-
 def routing_file(path: Path, n_expert: int = N_EXPERT) -> Path:
     """A recorded routing of STEPS tokens, each routing to experts 0 and 1 of both blocks."""
     routed = np.zeros((STEPS, N_LAYER, n_expert), bool)
@@ -38,13 +35,6 @@ def one_line_error(err: str, *fragments: str) -> None:
     assert err.startswith("zipmoe: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
     for fragment in fragments:
         assert fragment in err, err
-
-
-def budget_of(package: ModelPackage) -> str:
-    from pyzipmoe.runtime.budget import model_memory
-
-    need = model_memory(package.model_path)
-    return str(need.minimum + need.expert_bytes // 2)
 
 
 def test_calibrate_keeps_the_routing_as_the_models_prior_and_show_says_so(
@@ -77,10 +67,9 @@ def test_calibrate_refuses_a_routing_of_another_model_or_a_file_model(
 
 
 def test_the_runtime_settings_pass_the_kept_prior_under_a_budget_only_and_the_users_wins(
-        stored: ModelPackage, store: ModelDirectory, monkeypatch: pytest.MonkeyPatch) -> None:
+        stored: ModelPackage, store: ModelDirectory, monkeypatch: pytest.MonkeyPatch, budget: str) -> None:
     from pyzipmoe.runtime.controller import runtime_settings
 
-    budget = budget_of(stored)
     assert "ZIPMOE_PRIOR" not in runtime_settings(stored.model_path, budget=budget).env  # none kept
     path = store.keep_prior("tiny", np.ones((N_LAYER, N_EXPERT), np.uint64))
     assert runtime_settings(stored.model_path, budget=budget).env["ZIPMOE_PRIOR"] == str(path)
@@ -92,27 +81,20 @@ def test_the_runtime_settings_pass_the_kept_prior_under_a_budget_only_and_the_us
 
 @pytest.mark.parametrize("command", ["run", "serve"])
 def test_zipmoe_run_and_serve_of_a_stored_model_give_their_program_the_kept_prior(
-        stored: ModelPackage, store: ModelDirectory, zipmoe: Run, monkeypatch: pytest.MonkeyPatch,
-        command: str) -> None:
+        stored: ModelPackage, store: ModelDirectory, zipmoe: Run, command: str, budget: str,
+        program_envs: list[dict[str, str]]) -> None:
     """The environment llama-cli (run, interactive) or llama-server (serve NAME) starts with; the program itself is
     not started."""
-    from pyzipmoe.runtime import config, runner, supervise
-
-    for key in config.RUNTIME_ENV:  # the commands set them in this process: restored after the test
-        monkeypatch.setenv(key, "")
-        monkeypatch.delenv(key)
-    started: list[dict[str, str]] = []
-    monkeypatch.setattr(runner, "program", lambda name: Path("/bin") / name)
-    monkeypatch.setattr(supervise, "run_program", lambda argv, env, **kw: started.append(dict(env)) or 0)
     path = store.keep_prior("tiny", np.ones((N_LAYER, N_EXPERT), np.uint64))
     assert zipmoe(command, "tiny")[0] == 0  # first: each command sets what it passes in this process's environment
-    assert zipmoe(command, "tiny", "--memory-budget", budget_of(stored))[0] == 0
-    without, with_budget = started
+    assert zipmoe(command, "tiny", "--memory-budget", budget)[0] == 0
+    without, with_budget = program_envs
     assert with_budget["ZIPMOE_PRIOR"] == str(path) and "ZIPMOE_PRIOR" not in without
 
 
 def test_a_serve_child_of_a_stored_model_gets_the_kept_prior(
-        stored: ModelPackage, store: ModelDirectory, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        stored: ModelPackage, store: ModelDirectory, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        budget: str) -> None:
     """The environment `zipmoe serve`'s server starts a model's llama-server with (Models._spawn; not started)."""
     from pyzipmoe.runtime import runner
     from pyzipmoe.runtime.budget import model_memory
@@ -122,7 +104,7 @@ def test_a_serve_child_of_a_stored_model_gets_the_kept_prior(
     monkeypatch.setattr(runner, "program", lambda name: Path("/bin") / name)
     path = store.keep_prior("tiny", np.ones((N_LAYER, N_EXPERT), np.uint64))
     need = model_memory(stored.model_path)
-    share = int(budget_of(stored))
+    share = int(budget)
     models = Models(store, SharedBudget(str(2 * need.whole)), Settings(log_dir=tmp_path))
     child = Child("tiny", "tiny", stored, 128)
     try:

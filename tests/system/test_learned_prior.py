@@ -23,16 +23,6 @@ N_LAYER, N_EXPERT, K = 2, 8, 2  # the tiny preset's
 Run = Callable[..., tuple[int, str, str]]
 
 
-
-
-
-def budget_of(package: ModelPackage) -> str:
-    from pyzipmoe.runtime.budget import model_memory
-
-    need = model_memory(package.model_path)
-    return str(need.minimum + need.expert_bytes // 2)
-
-
 def a_run(package: ModelPackage, hot: int, tokens: int) -> Path:
     """What a run's unload leaves (the native record, as zipmoe_prior_record writes it): `tokens` tokens, each routed
     to expert `hot` and the next one in every block."""
@@ -45,10 +35,9 @@ def a_run(package: ModelPackage, hot: int, tokens: int) -> Path:
 
 
 def test_a_run_under_a_budget_gets_a_fresh_record_place_beside_the_kept_prior(
-        stored: ModelPackage, store: ModelDirectory, monkeypatch: pytest.MonkeyPatch) -> None:
+        stored: ModelPackage, store: ModelDirectory, monkeypatch: pytest.MonkeyPatch, budget: str) -> None:
     from pyzipmoe.runtime.controller import runtime_settings
 
-    budget = budget_of(stored)
     first = runtime_settings(stored.model_path, budget=budget).env["ZIPMOE_PRIOR_RECORD"]
     second = runtime_settings(stored.model_path, budget=budget).env["ZIPMOE_PRIOR_RECORD"]
     name = re.escape(stored.model_path.name)
@@ -71,7 +60,8 @@ def test_a_file_outside_the_store_gets_no_record(tiny_model: Path, monkeypatch: 
 
 
 def test_runs_records_merge_into_the_kept_prior_with_decay_and_show_counts_them(
-        stored: ModelPackage, store: ModelDirectory, zipmoe: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+        stored: ModelPackage, store: ModelDirectory, zipmoe: Run, monkeypatch: pytest.MonkeyPatch,
+        budget: str) -> None:
     from pyzipmoe.runtime.controller import runtime_settings
 
     monkeypatch.setattr(prior, "HALF_LIFE_ROUTINGS", 2 * 100)  # a run of 100 tokens of 2 experts halves the rest
@@ -84,7 +74,7 @@ def test_runs_records_merge_into_the_kept_prior_with_decay_and_show_counts_them(
     a_run(stored, 4, 100)
     damaged = a_run(stored, 6, 1)
     damaged.write_bytes(damaged.read_bytes()[:-8])  # dropped, not merged
-    env = runtime_settings(stored.model_path, budget=budget_of(stored)).env  # the next run learns first
+    env = runtime_settings(stored.model_path, budget=budget).env  # the next run learns first
     assert env["ZIPMOE_PRIOR"] == str(kept)
     expected[:, [0, 1]] = 20  # 40, halved by the second run's 200 routings a block
     expected[:, [4, 5]] = 100
@@ -143,19 +133,11 @@ def test_prune_keeps_a_stored_models_records_and_drops_a_removed_ones(
 
 @pytest.mark.parametrize("command", ["run", "serve"])
 def test_zipmoe_run_and_serve_of_a_stored_model_give_their_program_a_record_place_under_a_budget(
-        stored: ModelPackage, store: ModelDirectory, zipmoe: Run, monkeypatch: pytest.MonkeyPatch,
-        command: str) -> None:
+        stored: ModelPackage, store: ModelDirectory, zipmoe: Run, command: str, budget: str,
+        program_envs: list[dict[str, str]]) -> None:
     """The environment llama-cli (run) or llama-server (serve NAME) starts with; the program is not started."""
-    from pyzipmoe.runtime import config, runner, supervise
-
-    for key in config.RUNTIME_ENV:  # the commands set them in this process: restored after the test
-        monkeypatch.setenv(key, "")
-        monkeypatch.delenv(key)
-    started: list[dict[str, str]] = []
-    monkeypatch.setattr(runner, "program", lambda name: Path("/bin") / name)
-    monkeypatch.setattr(supervise, "run_program", lambda argv, env, **kw: started.append(dict(env)) or 0)
     assert zipmoe(command, "tiny")[0] == 0
-    assert zipmoe(command, "tiny", "--memory-budget", budget_of(stored))[0] == 0
-    without, with_budget = started
+    assert zipmoe(command, "tiny", "--memory-budget", budget)[0] == 0
+    without, with_budget = program_envs
     assert "ZIPMOE_PRIOR_RECORD" not in without
     assert Path(with_budget["ZIPMOE_PRIOR_RECORD"]).parent == store.priors_dir
