@@ -6,7 +6,6 @@ the user named one."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -16,11 +15,10 @@ from pyzipmoe.models.directory import ModelDirectory
 from pyzipmoe.plan.prior import kept_prior
 from pyzipmoe.models.package import ModelPackage
 from pyzipmoe.plan import prior, trace
+from stored_prior import Run, budget, program_envs, store, stored, zipmoe  # noqa: F401 (fixtures)
 
 N_LAYER, N_EXPERT, K = 2, 8, 2  # the tiny preset's
 STEPS = 12
-
-Run = Callable[..., tuple[int, str, str]]
 
 
 def routing_file(path: Path, n_expert: int = N_EXPERT) -> Path:

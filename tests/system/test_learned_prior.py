@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +16,9 @@ import pytest
 from pyzipmoe.models.directory import ModelDirectory
 from pyzipmoe.models.package import ModelPackage
 from pyzipmoe.plan import prior
+from stored_prior import Run, budget, program_envs, store, stored, zipmoe  # noqa: F401 (fixtures)
 
 N_LAYER, N_EXPERT, K = 2, 8, 2  # the tiny preset's
-
-Run = Callable[..., tuple[int, str, str]]
 
 
 def a_run(package: ModelPackage, hot: int, tokens: int) -> Path:

@@ -1,5 +1,7 @@
-"""Fixtures of the stored-model prior tests (test_kept_prior.py, test_learned_prior.py): a models directory of
-their own, the tiny model stored in it, and the zipmoe command run in this process."""
+"""Fixtures of the stored-model prior tests, which import them (test_kept_prior.py, test_learned_prior.py; not a
+conftest.py, whose module name would shadow tests/conftest.py's for `from conftest import ...`): a models directory
+of their own, the tiny model stored in it, a budget, the environments the commands start programs with, and the
+zipmoe command run in this process."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 from pyzipmoe.models.directory import ModelDirectory
 from pyzipmoe.models.package import ModelPackage
 
-Run = Callable[..., tuple[int, str, str]]
+Run = Callable[..., tuple[int, str, str]]  # (the tests' annotation of the zipmoe fixture)
 
 
 @pytest.fixture
