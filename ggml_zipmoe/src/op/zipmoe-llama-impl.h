@@ -8,8 +8,24 @@
 #include "zipmoe.h"
 
 #include <atomic>
+#include <cstring>
 #include <string>
 #include <vector>
+
+// How ggml's custom-op parameters begin (ggml-impl.h's ggml_map_custom{1,2}_op_params and ggml_custom_op_params,
+// which begin alike): the op, its tasks and its user data; how the glue tells its nodes and writes them
+struct zipmoe_custom_op_params {
+    void * fun;
+    int    n_tasks;
+    void * userdata;
+};
+
+static inline zipmoe_custom_op_params zipmoe_custom_op_params_of(const ggml_tensor * node) {
+    static_assert(sizeof(zipmoe_custom_op_params) <= sizeof node->op_params, "ggml's custom op parameters");
+    zipmoe_custom_op_params p;
+    std::memcpy(&p, node->op_params, sizeof p);
+    return p;
+}
 
 // routed slots (top-k x tokens) a fused node computes; beyond, ggml's tiling
 constexpr int64_t ZIPMOE_MM_MAX_SLOTS = 64;

@@ -654,31 +654,21 @@ ggml_tensor * zipmoe_llama_mul_mat_id(ggml_context * ctx, zipmoe_llama_tensor * 
 }
 
 void zipmoe_llama_set_materialize(ggml_tensor * node, zipmoe_llama_tensor * zt) {
-    struct {
-        void * fun;
-        int    n_tasks;
-        void * userdata;
-    } p = { reinterpret_cast<void *>(&materialize_op), GGML_N_TASKS_MAX, zt }; // (materialised_by reads them)
+    const zipmoe_custom_op_params p = { reinterpret_cast<void *>(&materialize_op), GGML_N_TASKS_MAX, zt };
     std::memset(node->op_params, 0, sizeof node->op_params);
     std::memcpy(node->op_params, &p, sizeof p);
 }
 
-// The zipmoe tensor a graph node materialises (its op and userdata, in the node's op parameters: ggml-impl.h's
-// ggml_map_custom{1,2}_op_params and ggml_custom_op_params, which begin alike), or nullptr; only while it is bound.
+// The zipmoe tensor a graph node materialises (its op and userdata, in the node's op parameters), or nullptr; only
+// while it is bound.
 static zipmoe_llama_tensor * materialised_by(const ggml_tensor * node) {
     if (node->op != GGML_OP_MAP_CUSTOM1 && node->op != GGML_OP_MAP_CUSTOM2 && node->op != GGML_OP_CUSTOM) {
         return nullptr;
     }
-    struct {
-        void * fun;
-        int    n_tasks;
-        void * userdata;
-    } p;
-    static_assert(sizeof p <= sizeof node->op_params, "ggml's custom op parameters");
-    std::memcpy(&p, node->op_params, sizeof p);
-    const bool ours = p.fun == reinterpret_cast<void *>(&materialize_op) ||
-                      p.fun == reinterpret_cast<void *>(&materialize_after_guess_op) ||
-                      p.fun == reinterpret_cast<void *>(&zipmoe_llama_fused_op);
+    const zipmoe_custom_op_params p    = zipmoe_custom_op_params_of(node);
+    const bool                    ours = p.fun == reinterpret_cast<void *>(&materialize_op) ||
+                                         p.fun == reinterpret_cast<void *>(&materialize_after_guess_op) ||
+                                         p.fun == reinterpret_cast<void *>(&zipmoe_llama_fused_op);
     if (!ours) {
         return nullptr;
     }

@@ -31,18 +31,6 @@ static_assert(sizeof(zipmoe_rpc_record) == 64, "ggml-rpc's RPC_CMD_ZIPMOE reply"
 // the protocol version and the key, a hash of the weight's name (the node is named zipmoe-<weight>: both must agree)
 constexpr int32_t ZIPMOE_RPC_TAG = 0x454f4d5a; // "ZMOE"
 
-struct zipmoe_rpc_params { // ggml's map_custom1 parameters (ggml-impl.h), as materialised_by reads them
-    void * fun;
-    int    n_tasks;
-    void * userdata;
-};
-
-static zipmoe_rpc_params params_of(const ggml_tensor * node) {
-    zipmoe_rpc_params p;
-    std::memcpy(&p, node->op_params, sizeof p);
-    return p;
-}
-
 static uint64_t name_key(const char * name) {
     return zipmoe_checksum(name, std::strlen(name), 0);
 }
@@ -69,7 +57,7 @@ static const zipmoe_llama_tensor * remote_of(const ggml_tensor * node) {
     if (node->op != GGML_OP_MAP_CUSTOM1) {
         return nullptr;
     }
-    const zipmoe_rpc_params p = params_of(node);
+    const zipmoe_custom_op_params p = zipmoe_custom_op_params_of(node);
     return p.fun == reinterpret_cast<void *>(&remote_op) ? static_cast<const zipmoe_llama_tensor *>(p.userdata) : nullptr;
 }
 
