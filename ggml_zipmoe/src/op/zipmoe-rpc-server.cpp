@@ -35,6 +35,6 @@ std::string zipmoe_rpc_server_usage() {
     return line + common_zipmoe_usage();
 }
 
-bool zipmoe_rpc_server_start(int n_threads) {
-    return g_model.empty() || zipmoe_rpc_serve(g_model.c_str(), n_threads);
+bool zipmoe_rpc_server_start() {
+    return g_model.empty() || zipmoe_rpc_serve(g_model.c_str());
 }

@@ -226,8 +226,7 @@ static void server_log(ggml_log_level level, const char * text, void * user) {
     }
 }
 
-bool zipmoe_rpc_serve(const char * path, int n_threads) {
-    (void) n_threads; // (the graphs compute on the server's device threads, -t)
+bool zipmoe_rpc_serve(const char * path) { // (the graphs compute on the server's device threads, its -t)
     if (FILE * f = std::fopen(path, "rb")) {
         std::fclose(f);
     } else {

@@ -44,7 +44,7 @@ ggml_tensor * zipmoe_rpc_mul_mat_id(ggml_context * ctx, zipmoe_llama_tensor * zt
 
 // Server: loads the zipmoe GGUF at path (its experts under the memory budget the ZIPMOE_* environment sets) and
 // installs the server's hooks in ggml-rpc. False, with one line on stderr (`zipmoe: error: ...`), if it cannot.
-bool zipmoe_rpc_serve(const char * path, int n_threads);
+bool zipmoe_rpc_serve(const char * path);
 
 // ggml-rpc-server's flags (zipmoe-rpc-server.cpp): whether flag is --zipmoe-model or one of the cache's flags
 // (--memory-budget, ...: common_zipmoe_is_flag); set one (false, with one line, if its value is empty); their
@@ -52,4 +52,4 @@ bool zipmoe_rpc_serve(const char * path, int n_threads);
 bool        zipmoe_rpc_server_flag(const std::string & flag);
 bool        zipmoe_rpc_server_set(const std::string & flag, const char * value);
 std::string zipmoe_rpc_server_usage();
-bool        zipmoe_rpc_server_start(int n_threads);
+bool        zipmoe_rpc_server_start();
