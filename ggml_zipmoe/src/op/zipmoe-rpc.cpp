@@ -157,13 +157,29 @@ static bool server_fail(const std::string & msg) {
     return false;
 }
 
+// The server's expert tensor of a node's name (and its key): found once by name, then by key; every graph carries
+// each expert node again. The server's model stays loaded until the process ends, so what is found stays valid.
+// Graphs are computed one at a time (ggml-rpc serves one client at a time).
+static zipmoe_llama_tensor * served(uint64_t key, const char * name) {
+    static std::unordered_map<uint64_t, zipmoe_llama_tensor *> by_key;
+    const auto it = by_key.find(key);
+    if (it != by_key.end() && std::strcmp(it->second->tensor->name, name) == 0) {
+        return it->second;
+    }
+    zipmoe_llama_tensor * zt = zipmoe_llama_find_name(name);
+    if (zt) {
+        by_key[key] = zt;
+    }
+    return zt;
+}
+
 // A client's expert node decoded into this server's materialising op: its store, found by the node's name and key.
 static zipmoe_llama_tensor * server_decode(ggml_tensor * node, std::string & err) {
     int32_t  version = node->op_params[1];
     uint64_t key     = 0;
     std::memcpy(&key, &node->op_params[2], sizeof key);
     const char * name = std::strncmp(node->name, "zipmoe-", 7) == 0 ? node->name + 7 : nullptr;
-    zipmoe_llama_tensor * zt = name && version == ZIPMOE_RPC_VERSION && key == name_key(name) ? zipmoe_llama_find_name(name) : nullptr;
+    zipmoe_llama_tensor * zt = name && version == ZIPMOE_RPC_VERSION && key == name_key(name) ? served(key, name) : nullptr;
     const ggml_tensor *   ids = node->src[0];
     // the routed ids (I32, [top-k, tokens]) in, where the store put them out: build_materialize's node
     const bool shaped = ids && ids->type == GGML_TYPE_I32 && node->type == GGML_TYPE_I32 && !node->src[1] &&
