@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ZipmoeError
 from ..runtime.completion import CHATML
 from ..runtime.runner import DEFAULT_CONTEXT
+from ..runtime.timing import PARALLEL_PROMPTS
 from ..runtime.config import CACHE_MODES, DEFAULT_POLICY, POLICIES
 from ..server import DEFAULT_HOST, DEFAULT_PORT
 from .formatting import EXIT_OK, command, fraction, human_size, nonnegative, positive, print_json, render_table
@@ -225,6 +226,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     settings = _cache_settings(args, zipmoe_models[0] if zipmoe_models else args.models[0])
     if args.limit and settings.budget is None:
         raise ZipmoeError("--limit is the best speed of a cache of the budget's size: give --memory-budget")
+    if args.parallel > 1 and (args.limit or not args.ledger):
+        raise ZipmoeError("--parallel is the timed generation of --ledger, and --limit models one sequence: give "
+                          "--ledger alone with --parallel")
+    if args.parallel > len(PARALLEL_PROMPTS):
+        raise ZipmoeError(f"--parallel {args.parallel}: at most {len(PARALLEL_PROMPTS)} sequences (one prompt each)")
     os.environ.update(settings.env)
     results, records = runner.llama_bench(args.models, [*flags, *_llama_args(args)], cache=args.cache)
     budget = settings.budget.nbytes if settings.budget is not None else None
@@ -257,7 +263,8 @@ def _near_limit(args: argparse.Namespace, models: list[str], budget: int | None)
                                "planner": args.planner}.items() if v is not None}
     threads = args.threads or usable_cores()
     return {m: near_limit.measure(m, llama=llama, threads=threads, budget_bytes=budget if args.limit else None,
-                                  gen=args.n_gen) for m in models}
+                                  gen=args.n_gen, prompt=args.n_prompt if args.ledger else 0,
+                                  parallel=args.parallel) for m in models}
 
 
 def _print_near_limit(args: argparse.Namespace, reports: dict[str, Any]) -> None:
@@ -267,6 +274,10 @@ def _print_near_limit(args: argparse.Namespace, reports: dict[str, Any]) -> None
         print(f"\n{model}: {near_limit.limit_line(report)}")
         if args.ledger:
             print(render_table(("part", "ms/token", "share"), ledger.table_rows(report.stats)))
+        if args.ledger and report.prompt:
+            print(f"\nits timed prompt ({report.prompt['tokens']} random tokens, after one untimed): "
+                  f"{report.prompt['tps']:.2f} tokens/s")
+            print(render_table(("part", "ms/token", "share"), ledger.table_rows(report.prompt["stats"])))
 
 
 def _cache_in_force(args: argparse.Namespace, budget: Budget | None) -> str:
@@ -412,6 +423,7 @@ def register(sub: Any) -> None:
                   "zipmoe bench model-bf16.gguf model.zipmoe.gguf -p 256 -n 64 -t 8",
                   "zipmoe bench model.zipmoe.gguf --cache none --json",
                   "zipmoe bench model.zipmoe.gguf --memory-budget 4GiB --ledger --limit -n 64",
+                  "zipmoe bench model.zipmoe.gguf --memory-budget 4GiB --ledger --parallel 4 -n 32",
                   "zipmoe bench model.zipmoe.gguf -- -ub 1,512"))
     p.add_argument("models", nargs="+", metavar="MODEL", help="one or more GGUFs (zipmoe or plain)")
     p.add_argument("-p", "--n-prompt", type=nonnegative, default=512, metavar="N",
@@ -425,7 +437,12 @@ def register(sub: Any) -> None:
     p.add_argument("--ledger", action="store_true",
                    help="after llama-bench, time -n tokens of greedy generation of each zipmoe model in a fresh "
                         "process and print where a token's time goes: compute, decode, waiting for reads, waiting "
-                        "for other threads, zipmoe's bookkeeping, outside the graph")
+                        "for other threads, zipmoe's bookkeeping, outside the graph; with -p N, the same for a "
+                        "prompt of N random tokens before it")
+    p.add_argument("--parallel", type=positive, default=1, metavar="N",
+                   help="with --ledger: the timed generation decodes N sequences of different prompts in lockstep, "
+                        f"a step of one token of each, as llama-server -np N's slots (1-{len(PARALLEL_PROMPTS)}; "
+                        "default: 1); tokens/s counts every sequence's tokens")
     p.add_argument("--limit", action="store_true",
                    help="with --memory-budget: time -n tokens of greedy generation of each zipmoe model and give "
                         "its speed as a share of the limit model's for the budget's expert cache, on that run's own "

@@ -27,6 +27,8 @@ class Report:
     rates: Rates | None
     sizes: ExpertSizes | None
     cache_bytes: int | None
+    parallel: int = 1  # sequences generated in lockstep (tokens_per_second counts every sequence's)
+    prompt: dict[str, Any] | None = None  # a timed prompt's {"tokens", "tps", "seconds", "stats"}, if one was asked
 
     @property
     def share(self) -> float | None:
@@ -37,7 +39,8 @@ class Report:
         return {"tokens_per_second": self.tokens_per_second, "stats": self.stats, "share_of_limit": self.share,
                 "limit": None if self.limit is None else vars(self.limit),
                 "rates": None if self.rates is None else vars(self.rates),
-                "sizes": None if self.sizes is None else vars(self.sizes), "cache_bytes": self.cache_bytes}
+                "sizes": None if self.sizes is None else vars(self.sizes), "cache_bytes": self.cache_bytes,
+                "parallel": self.parallel, "prompt": self.prompt}
 
 
 def unbounded_seconds_per_token(model: str | os.PathLike[str], *, threads: int, warmup: int = 16,
@@ -50,15 +53,20 @@ def unbounded_seconds_per_token(model: str | os.PathLike[str], *, threads: int, 
 
 
 def measure(model: str | os.PathLike[str], *, llama: dict[str, Any], threads: int, budget_bytes: int | None,
-            warmup: int = 16, gen: int = 64, compute_seconds_per_token: float | None = None) -> Report:
+            warmup: int = 16, gen: int = 64, compute_seconds_per_token: float | None = None, prompt: int = 0,
+            parallel: int = 1) -> Report:
     """The timed run under `llama` (pyzipmoe.Llama's keywords: memory_budget, cache_policy, ...) and, with
-    budget_bytes (what memory_budget comes to), the limit for a cache of that budget on its routing."""
+    budget_bytes (what memory_budget comes to), the limit for a cache of that budget on its routing. `prompt` and
+    `parallel` as time_generation's; the limit models one sequence (ValueError with parallel > 1)."""
     from ..plan import trace
     from .timing import time_generation
 
     if budget_bytes is None:
-        got = time_generation(model, llama=llama, warmup=warmup, gen=gen, threads=threads)
-        return Report(float(got["tps"]), got["stats"], None, None, None, None)
+        got = time_generation(model, llama=llama, warmup=warmup, gen=gen, threads=threads, prompt=prompt,
+                              parallel=parallel)
+        return Report(float(got["tps"]), got["stats"], None, None, None, None, parallel, got["prompt"])
+    if parallel > 1:
+        raise ValueError("the limit model is one sequence's: no parallel sequences with a budget's limit")
     from .budget import model_memory
     from .measure import calibrate
 
@@ -69,12 +77,13 @@ def measure(model: str | os.PathLike[str], *, llama: dict[str, Any], threads: in
     rates, sizes = from_calibration(cal, compute_seconds_per_token=compute_seconds_per_token, cores=threads)
     with tempfile.TemporaryDirectory(prefix="zipmoe-limit-") as tmp:
         record = Path(tmp) / "routing.npz"
-        got = time_generation(model, llama=llama, warmup=warmup, gen=gen, threads=threads, record=record)
+        got = time_generation(model, llama=llama, warmup=warmup, gen=gen, threads=threads, record=record,
+                              prompt=prompt)
         routing = trace.load(record)
     tps = float(got["tps"])
     cache_bytes = max(0, budget_bytes - model_memory(model).other_bytes)
     best = limit(routing, rates, sizes, cache_bytes, timed_from=int(got["timed_from"]))
-    return Report(tps, got["stats"], best, rates, sizes, cache_bytes)
+    return Report(tps, got["stats"], best, rates, sizes, cache_bytes, prompt=got["prompt"])
 
 
 def limit_line(report: Report) -> str:
@@ -82,7 +91,8 @@ def limit_line(report: Report) -> str:
     from .budget import human_size
 
     if report.limit is None or report.cache_bytes is None:
-        return f"timed generation: {report.tokens_per_second:.2f} tokens/s (no budget: no limit)"
+        what = f"{report.parallel} sequences in lockstep" if report.parallel > 1 else "no budget"
+        return f"timed generation: {report.tokens_per_second:.2f} tokens/s ({what}: no limit)"
     lim = report.limit
     return (f"timed generation ({lim.tokens} tokens): {report.tokens_per_second:.2f} tokens/s = {report.share:.0%} of "
             f"the limit {lim.tokens_per_second:.2f} tokens/s for a {human_size(report.cache_bytes)} expert cache "

@@ -6,7 +6,7 @@ pressure), which microbenchmarks of the decoder do not show.
     python -m pyzipmoe.runtime.timing '{"model": "m.zipmoe.gguf", "llama": {"memory_budget": "3GiB"}, "warmup": 16,
                                 "gen": 24, "threads": 2}'
 
-prints one JSON line: {"tps", "seconds", "stats", "predicted_live", "routing", "tokens"}.
+prints one JSON line: {"tps", "seconds", "stats", "predicted_live", "routing", "tokens", "timed_from", "prompt"}.
 """
 
 from __future__ import annotations
@@ -24,6 +24,12 @@ from ..paths import REPO_ROOT, bin_dir
 from .config import PRIOR_ENV, PRIOR_RECORD_ENV, RUNTIME_ENV
 
 PROMPT = b"Once upon a time, in a land far away"
+# parallel sequences' prompts (`parallel`): different texts, so that the sequences route as different requests do
+PARALLEL_PROMPTS = (PROMPT, b"The expert said hello to the world and then", b"Water and time are the two things that",
+                    b"In the first chapter of the book, we", b"A recipe for bread begins with",
+                    b"The train left the station at dawn, and", b"Three reasons to learn a second language:",
+                    b"Under the old bridge the river")
+PROMPT_SEED = 1  # of a timed prompt's random tokens (llama-bench's pp test: random tokens of the vocabulary)
 
 
 class TimingError(ZipmoeError):
@@ -34,7 +40,8 @@ class TimingError(ZipmoeError):
 def time_generation(model: str | os.PathLike[str], *, llama: Mapping[str, Any] | None = None, warmup: int = 16,
                     gen: int = 24, threads: int = 2, replan: bool = False, routing: bool = False,
                     timeout: float = 600, env: Mapping[str, str] | None = None,
-                    record: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+                    record: str | os.PathLike[str] | None = None, prompt: int = 0,
+                    parallel: int = 1) -> dict[str, Any]:
     """Runs `model` in a fresh process (pyzipmoe.Llama(model, **llama)): the prompt, `warmup` greedy tokens,
     then `gen` timed tokens. With `replan` (a model run with the planner), the monitor re-plans once from the
     routing of the warm-up, then stops, and `warmup` // 2 more tokens settle the new plan before timing.
@@ -44,11 +51,21 @@ def time_generation(model: str | os.PathLike[str], *, llama: Mapping[str, Any] |
     With `record`, the run's routing (every step, the prompt's included: pyzipmoe.plan.trace) is written there, and
     "timed_from" is the first timed step in it (else None). A stored model's kept prior is neither used nor taught:
     a timed run measures the engine, the same whatever earlier runs learned (calibration's lru runs would teach it
-    routing forced by their plans)."""
+    routing forced by their plans).
+    With `prompt` N > 0, first a prompt of N random tokens is evaluated twice (llama-bench's pp test: the first
+    warms the cache) and the second timed: "prompt" is {"tokens", "tps", "seconds", "stats"} of it (else None).
+    With `parallel` N > 1 (at most len(PARALLEL_PROMPTS)), N sequences of different prompts generate in lockstep in
+    one context, as llama-server -np N's slots: every step decodes one token of each, `warmup` and `gen` count
+    steps, "tps" is every sequence's tokens, "tokens" the first sequence's; not with replan, routing or record."""
     from . import runner
 
+    if not 1 <= parallel <= len(PARALLEL_PROMPTS):
+        raise ValueError(f"parallel sequences: 1 to {len(PARALLEL_PROMPTS)}, not {parallel}")
+    if parallel > 1 and (replan or routing or record is not None):
+        raise ValueError("parallel sequences are timed alone: no replan, routing or record")
     job = {"model": str(model), "llama": dict(llama or {}), "warmup": warmup, "gen": gen, "threads": threads,
-           "replan": replan, "routing": routing, "record": None if record is None else str(record)}
+           "replan": replan, "routing": routing, "record": None if record is None else str(record),
+           "prompt": prompt, "parallel": parallel}
     # the runtime's defaults, except what `llama` asks for; where the build is (ZIPMOE_BUILD_DIR) is kept
     base = {k: v for k, v in (os.environ if env is None else env).items() if k not in RUNTIME_ENV}
     run_env = runner.environment(base=base)
@@ -73,8 +90,14 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
     from .llama import Llama, last_logits, zipmoe_stats
 
     record = job.get("record")
-    llm = Llama(job["model"], n_ctx=512, n_threads=job["threads"], n_threads_batch=job["threads"], verbose=False,
-                **job["llama"], **({"record_routing": True} if record else {}))
+    n_prompt = int(job.get("prompt", 0))
+    llm = Llama(job["model"], n_ctx=max(512, n_prompt + 64), n_threads=job["threads"],
+                n_threads_batch=job["threads"], verbose=False, **job["llama"],
+                **({"record_routing": True} if record else {}))
+    timed_prompt = _timed_prompt(llm, n_prompt) if n_prompt > 0 else None
+    if int(job.get("parallel", 1)) > 1:
+        return {**_parallel_generation(llm, job), "prompt": timed_prompt}
+    llm.reset()
     llm.eval(llm.tokenize(PROMPT))
     tokens: list[int] = []
 
@@ -110,7 +133,88 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
     if record:
         llm.save_routing(record)
     return {"tps": job["gen"] / seconds, "seconds": seconds, "stats": stats, "predicted_live": predicted,
-            "routing": routing, "tokens": tokens, "timed_from": timed_from}
+            "routing": routing, "tokens": tokens, "timed_from": timed_from, "prompt": timed_prompt}
+
+
+def _timed_prompt(llm: Any, n_prompt: int) -> dict[str, Any]:
+    """A prompt of n_prompt random tokens evaluated twice, the second timed: its speed and the runtime's counters."""
+    import numpy as np
+
+    from .llama import zipmoe_stats
+
+    tokens = np.random.default_rng(PROMPT_SEED).integers(0, llm.n_vocab(), n_prompt).tolist()
+    llm.reset()
+    llm.eval(tokens)
+    llm.reset()
+    zipmoe_stats(reset=True)
+    t0 = time.perf_counter()
+    llm.eval(tokens)
+    seconds = time.perf_counter() - t0
+    return {"tokens": n_prompt, "tps": n_prompt / seconds, "seconds": seconds, "stats": zipmoe_stats()}
+
+
+def _parallel_generation(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """job["parallel"] sequences generated greedily in lockstep in a context of their own (llama.cpp's C API:
+    llama-cpp-python's contexts hold one sequence): each its prompt, then steps of one token of each."""
+    import llama_cpp
+    import numpy as np
+
+    from .llama import zipmoe_stats
+
+    n = int(job["parallel"])
+    prompts = [llm.tokenize(p) for p in PARALLEL_PROMPTS[:n]]
+    per_sequence = max(len(p) for p in prompts) + job["warmup"] + job["gen"] + 1
+    params = llama_cpp.llama_context_default_params()
+    params.n_seq_max = n
+    params.n_ctx = n * (-(-per_sequence // 256) * 256)  # (llama.cpp pads a sequence's context to 256)
+    params.n_batch = params.n_ubatch = max(n, max(len(p) for p in prompts))
+    params.n_threads = params.n_threads_batch = job["threads"]
+    params.no_perf = True
+    ctx = llama_cpp.llama_init_from_model(llm.model, params)
+    if not ctx:
+        raise RuntimeError(f"no context for {n} parallel sequences")
+    batch = llama_cpp.llama_batch_init(params.n_batch, 0, n)
+    n_vocab = llm.n_vocab()
+
+    def decode(entries: list[tuple[int, int, int, bool]]) -> None:  # (token, position, sequence, logits wanted)
+        batch.n_tokens = len(entries)
+        for i, (token, pos, seq, out) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, out
+            batch.seq_id[i][0] = seq
+        if llama_cpp.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def greedy(i: int) -> int:
+        return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(n_vocab,))))
+
+    try:
+        following = []
+        for seq, tokens in enumerate(prompts):
+            decode([(t, pos, seq, pos == len(tokens) - 1) for pos, t in enumerate(tokens)])
+            following.append(greedy(len(tokens) - 1))
+        positions = [len(p) for p in prompts]
+        generated: list[list[int]] = [[] for _ in range(n)]
+
+        def step() -> None:
+            decode([(following[s], positions[s], s, True) for s in range(n)])
+            for s in range(n):
+                generated[s].append(following[s])
+                positions[s] += 1
+                following[s] = greedy(s)
+
+        for _ in range(job["warmup"]):
+            step()
+        zipmoe_stats(reset=True)
+        t0 = time.perf_counter()
+        for _ in range(job["gen"]):
+            step()
+        seconds = time.perf_counter() - t0
+        stats = zipmoe_stats()
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
+    return {"tps": n * job["gen"] / seconds, "seconds": seconds, "stats": stats, "predicted_live": None,
+            "routing": None, "tokens": generated[0], "timed_from": None}
 
 
 if __name__ == "__main__":

@@ -47,6 +47,22 @@ def test_the_parts_add_up_to_the_time_per_token(model: Path, budget: str | None)
         assert parts["decode"] * GEN * 1e9 <= stats["decode_ns"]
 
 
+def test_parallel_steps_and_a_timed_prompt_add_up_too(model: Path) -> None:
+    """Steps of four sequences' tokens (llama-server -np 4's) and a prompt's micro-batches: the ledger counts every
+    token of them, and its parts add up to the time the caller measured."""
+    got = time_generation(model, llama={"memory_budget": "30MiB"}, warmup=4, gen=GEN // 2, threads=2, prompt=96,
+                          parallel=4)
+    stats, prompt = got["stats"], got["prompt"]
+    assert stats["ledger_tokens"] == 4 * GEN // 2 and stats["ledger_graphs"] == GEN // 2  # a graph a step
+    assert got["tps"] == pytest.approx(4 * GEN // 2 / got["seconds"])
+    assert len(got["tokens"]) == 4 + GEN // 2
+    assert ledger.per_token(stats)["total"] * 4 == pytest.approx(got["seconds"] / (GEN // 2), rel=0.05)
+    assert prompt["stats"]["ledger_tokens"] == 96 and prompt["stats"]["ledger_graphs"] == 1
+    assert ledger.per_token(prompt["stats"])["total"] == pytest.approx(prompt["seconds"] / 96, rel=0.05)
+    with pytest.raises(ValueError, match="parallel sequences"):
+        time_generation(model, parallel=4, record=model.with_suffix(".npz"))
+
+
 def test_table_rows_sum_and_empty() -> None:
     stats = {"ledger_tokens": 2, "ledger_compute_ns": 6_000_000, "ledger_decode_ns": 2_000_000,
              "ledger_read_wait_ns": 1_000_000, "ledger_thread_wait_ns": 500_000, "ledger_other_ns": 300_000,
@@ -76,9 +92,11 @@ def test_bench_prints_the_ledger_and_the_share_of_the_limit(model: Path) -> None
     assert lim["hits"] < lim["routed"] and timed["share_of_limit"] == pytest.approx(
         timed["tokens_per_second"] / lim["tokens_per_second"])
     assert timed["cache_bytes"] < 30 << 20
-    done = bench(str(model), "--ledger", "-p", "0", "-n", "4", "-r", "1", "-t", "2")
+    done = bench(str(model), "--ledger", "-p", "32", "-n", "4", "-r", "1", "-t", "2")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "(no budget: no limit)" in done.stdout and "\ntotal " in done.stdout and "read_wait" in done.stdout
+    assert "its timed prompt (32 random tokens, after one untimed)" in done.stdout
+    assert done.stdout.count("\ntotal ") == 2  # the generation's ledger and the prompt's
 
 
 def test_limit_needs_a_budget(model: Path) -> None:
@@ -86,3 +104,10 @@ def test_limit_needs_a_budget(model: Path) -> None:
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip() == "zipmoe: error: --limit is the best speed of a cache of the budget's size: give " \
                                   "--memory-budget"
+
+
+@pytest.mark.parametrize("flags, says", [(["--parallel", "4"], "--parallel is the timed generation of --ledger"),
+                                         (["--ledger", "--parallel", "9"], "--parallel 9: at most 8 sequences")])
+def test_parallel_needs_the_ledger_and_a_prompt_each(model: Path, flags: list[str], says: str) -> None:
+    done = bench(str(model), *flags, "-p", "0", "-n", "4")
+    assert done.returncode == 2 and done.stdout == "" and says in done.stderr
