@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import ZipmoeError
@@ -87,7 +87,7 @@ def time_generation(model: str | os.PathLike[str], *, llama: Mapping[str, Any] |
 def _worker(job: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
 
-    from .llama import Llama, last_logits, zipmoe_stats
+    from .llama import Llama, last_logits
 
     record = job.get("record")
     n_prompt = int(job.get("prompt", 0))
@@ -124,12 +124,7 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
         for _ in range(job["warmup"] // 2):
             step()
     timed_from = llm.recorded_routing().n_steps if record else None
-    zipmoe_stats(reset=True)
-    t0 = time.perf_counter()
-    for _ in range(job["gen"]):
-        step()
-    seconds = time.perf_counter() - t0
-    stats = zipmoe_stats()
+    seconds, stats = _timed(step, job["gen"])
     if record:
         llm.save_routing(record)
     return {"tps": job["gen"] / seconds, "seconds": seconds, "stats": stats, "predicted_live": predicted,
@@ -140,17 +135,23 @@ def _timed_prompt(llm: Any, n_prompt: int) -> dict[str, Any]:
     """A prompt of n_prompt random tokens evaluated twice, the second timed: its speed and the runtime's counters."""
     import numpy as np
 
-    from .llama import zipmoe_stats
-
     tokens = np.random.default_rng(PROMPT_SEED).integers(0, llm.n_vocab(), n_prompt).tolist()
     llm.reset()
     llm.eval(tokens)
     llm.reset()
+    seconds, stats = _timed(lambda: llm.eval(tokens), 1)
+    return {"tokens": n_prompt, "tps": n_prompt / seconds, "seconds": seconds, "stats": stats}
+
+
+def _timed(step: Callable[[], None], n: int) -> tuple[float, dict[str, Any]]:
+    """n calls of step: their seconds, and the runtime's counters over them (zeroed first)."""
+    from .llama import zipmoe_stats
+
     zipmoe_stats(reset=True)
     t0 = time.perf_counter()
-    llm.eval(tokens)
-    seconds = time.perf_counter() - t0
-    return {"tokens": n_prompt, "tps": n_prompt / seconds, "seconds": seconds, "stats": zipmoe_stats()}
+    for _ in range(n):
+        step()
+    return time.perf_counter() - t0, zipmoe_stats()
 
 
 def _parallel_generation(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
@@ -158,8 +159,6 @@ def _parallel_generation(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
     llama-cpp-python's contexts hold one sequence): each its prompt, then steps of one token of each."""
     import llama_cpp
     import numpy as np
-
-    from .llama import zipmoe_stats
 
     n = int(job["parallel"])
     prompts = [llm.tokenize(p) for p in PARALLEL_PROMPTS[:n]]
@@ -204,12 +203,7 @@ def _parallel_generation(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
 
         for _ in range(job["warmup"]):
             step()
-        zipmoe_stats(reset=True)
-        t0 = time.perf_counter()
-        for _ in range(job["gen"]):
-            step()
-        seconds = time.perf_counter() - t0
-        stats = zipmoe_stats()
+        seconds, stats = _timed(step, job["gen"])
     finally:
         llama_cpp.llama_batch_free(batch)
         llama_cpp.llama_free(ctx)
