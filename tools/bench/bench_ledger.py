@@ -33,7 +33,7 @@ import bench_budget as bb  # noqa: E402
 import results as result_files  # noqa: E402
 
 from pyzipmoe.runtime import ledger  # noqa: E402
-from pyzipmoe.runtime.timing import time_generation  # noqa: E402
+from pyzipmoe.runtime.timing import PARALLEL_PROMPTS, time_generation  # noqa: E402
 
 MIB = 1 << 20
 
@@ -91,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write every run's counters here")
     result_files.add_arguments(p)
     args = p.parse_args(argv)
+    if not 1 <= args.parallel <= len(PARALLEL_PROMPTS):
+        p.error(f"--parallel: 1 to {len(PARALLEL_PROMPTS)} sequences (one prompt each)")
+    if min(args.gen, args.repeat, args.threads) < 1 or min(args.prompt, args.warmup) < 0:
+        p.error("--gen, --repeat and --threads are at least 1; --prompt and --warmup at least 0")
     if args.model is not None:
         if args.bf16_size is None:
             p.error("--model needs --bf16-size (the budgets are % of the BF16 source)")
